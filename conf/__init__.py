@@ -1,0 +1,1 @@
+"""Hydra config groups (shipped as the package ``launcher.conf``)."""

@@ -1,0 +1,11 @@
+"""The schedule core: jobs, placements, orders and the greedy simulator. Pure Python, no torch."""
+
+from .graph import Job, JobSpace, StageGraph
+from .order import Order, make_order
+from .placement import Placement, h, named
+from .simulate import ScheduleError, Step, Timeline, make_step, simulate
+
+__all__ = [
+    "Job", "JobSpace", "StageGraph", "Order", "make_order", "Placement", "h", "named",
+    "ScheduleError", "Step", "Timeline", "make_step", "simulate",
+]

@@ -1,0 +1,89 @@
+"""Placements: ``w(s, b, d) = (w_weights, w_compute)``.
+
+``w_compute(s, b, d)`` is the worker that runs job ``(s, b, d)``; ``w_weights(s, b, d)`` is the
+worker holding the source of truth of stage ``s``'s weights for that job. Every data movement of a
+scheme follows from these two functions (see :mod:`launcher.schedule.traffic`).
+
+The named schemes, with ``W = G * R`` workers and the looped hash ``h``:
+
+    DDP    w(s, b, d) = (b, b)                 W = B
+    FSDP   w(s, b, d) = (s mod W, b)           W = B
+    GPipe  w(s, b, d) = (s, s)                 W = S
+    LPP    w(s, b, d) = (h(s, b), h(s, b))
+    FSLPP  w(s, b, d) = (h(s, s), h(s, b))     weights: the batch id replaced by the stage id
+
+The seeds print FSLPP's tuple the other way round from their own prose; the prose is right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+Worker = int
+
+
+class Placement(Protocol):
+    def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]: ...
+
+
+def h(s: int, b: int, G: int, R: int) -> Worker:
+    """The looped-pipeline hash: group ``b mod G``, position ``s mod R`` inside the group."""
+    return R * (b % G) + (s % R)
+
+
+@dataclass(frozen=True)
+class DDP:
+    def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
+        return (b, b)
+
+
+@dataclass(frozen=True)
+class FSDP:
+    W: int
+
+    def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
+        return (s % self.W, b)
+
+
+@dataclass(frozen=True)
+class GPipe:
+    def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
+        return (s, s)
+
+
+@dataclass(frozen=True)
+class LPP:
+    G: int
+    R: int
+
+    def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
+        w = h(s, b, self.G, self.R)
+        return (w, w)
+
+
+@dataclass(frozen=True)
+class FSLPP:
+    G: int
+    R: int
+
+    def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
+        return (h(s, s, self.G, self.R), h(s, b, self.G, self.R))
+
+
+#: name -> factory(G, R); W = G * R for every scheme (DDP/FSDP use G = B, R = 1; GPipe G = 1, R = S).
+NAMED: dict[str, Callable[[int, int], Placement]] = {
+    "ddp": lambda G, R: DDP(),
+    "fsdp": lambda G, R: FSDP(G * R),
+    "gpipe": lambda G, R: GPipe(),
+    "lpp": lambda G, R: LPP(G, R),
+    "fslpp": lambda G, R: FSLPP(G, R),
+}
+
+
+def named(name: str, G: int, R: int) -> Placement:
+    """The named placement ``name`` for ``G`` groups of ``R`` workers."""
+    try:
+        return NAMED[name](G, R)
+    except KeyError:
+        raise ValueError(f"strategy={name!r} is not a known scheme; choose one of {sorted(NAMED)}") from None

@@ -1,0 +1,349 @@
+"""The greedy list scheduler of the seeds, as a discrete-event simulation.
+
+Repeatedly take, among the jobs whose predecessors are done, the one that can start soonest (its
+worker free, its inputs finished, plus ``comm`` when an input crosses workers); ties on a worker
+are broken by the order ``n``. Because every duration is positive, the soonest start never goes
+back in time, so the seeds' ``argmin`` over the frontier is the same as popping worker decision
+points from a heap in time order. Each worker keeps a heap of jobs waiting for their inputs
+(keyed by ready time) and heaps of jobs already available (keyed by ``n``), one per memory class,
+so a step costs ``O(log)`` per job, not a scan of the frontier.
+
+Memory: ``x_s^b`` is live on the worker of ``F(s,b)`` from that job's start to the end of the
+backward that consumes it (``B``, or ``I`` when split). A per-worker ``memory_limit`` M keeps a
+worker from starting a forward that would hold more than M live activations; the 1F1B warm-up
+keeps a worker whose lowest stage is ``s`` to at most ``height(s)`` (``S - s`` on a chain)
+micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .graph import JobSpace, StageGraph
+from .order import Order, make_order
+from .placement import Placement, named
+
+DEFAULT_DURATIONS = {"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: bad placement, or a memory limit under which it cannot finish."""
+
+
+@dataclass
+class Step:
+    """Everything that defines one step's schedule."""
+
+    space: JobSpace
+    placement: Placement
+    workers: int
+    order: Order
+    durations: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_DURATIONS))
+    comm: float = 0.0
+    memory_limit: int | Sequence[int] | None = None
+    name: str = "custom"
+
+    @property
+    def S(self) -> int:
+        return self.space.S
+
+    @property
+    def B(self) -> int:
+        return self.space.B
+
+
+def make_step(
+    strategy: str | Placement,
+    stages: int,
+    microbatches: int,
+    G: int = 1,
+    R: int = 1,
+    order: str | Order = "1f1b",
+    warmup: str | None = None,
+    durations: dict[str, float] | None = None,
+    comm: float = 0.0,
+    memory_limit: int | Sequence[int] | None = None,
+    split_backward: bool = False,
+    graph: StageGraph | None = None,
+) -> Step:
+    """Convenience builder: a named scheme (or a placement callable) on ``W = G * R`` workers."""
+    graph = graph or StageGraph.chain(stages)
+    placement = named(strategy, G, R) if isinstance(strategy, str) else strategy
+    o = order if isinstance(order, Order) else make_order(order, warmup)
+    d = dict(DEFAULT_DURATIONS)
+    d.update(durations or {})
+    return Step(
+        JobSpace(graph, microbatches, split_backward),
+        placement,
+        G * R,
+        o,
+        d,
+        comm,
+        memory_limit,
+        strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "custom"),
+    )
+
+
+@dataclass
+class Timeline:
+    """The simulated step: when and where every job ran."""
+
+    step: Step
+    compute: list[int]  # w_compute of each job id
+    weights: list[int]  # w_weights of each job id
+    start: list[float]
+    finish: list[float]
+    program: list[list[int]]  # per worker, its job ids in the order it runs them
+    peak_activations: list[int]
+
+    @property
+    def latency(self) -> float:
+        return max(self.finish) if self.finish else 0.0
+
+
+def place_all(step: Step) -> tuple[list[int], list[int]]:
+    """``(w_compute, w_weights)`` of every job, checked against the worker count."""
+    space, place, W = step.space, step.placement, step.workers
+    compute: list[int] = []
+    weights: list[int] = []
+    for d in space.kinds:
+        for s in range(space.S):
+            for b in range(space.B):
+                ww, wc = place(s, b, d)
+                compute.append(wc)
+                weights.append(ww)
+    bad = next((j for j in range(space.N) if not (0 <= compute[j] < W and 0 <= weights[j] < W)), None)
+    if bad is not None:
+        s, b, d = space.job(bad)
+        raise ScheduleError(
+            f"placement {step.name} sends job ({s}, {b}, {d}) to workers (w_weights={weights[bad]}, "
+            f"w_compute={compute[bad]}), but workers must lie in [0, {W}) with W={W}"
+        )
+    return compute, weights
+
+
+def worker_limits(step: Step, compute: list[int]) -> tuple[list[float], list[float]]:
+    """Per-worker activation limit M and micro-batches-in-flight limit (the 1F1B warm-up)."""
+    W, space = step.workers, step.space
+    ml = step.memory_limit
+    if ml is None:
+        act = [math.inf] * W
+    elif isinstance(ml, int):
+        act = [float(ml)] * W
+    else:
+        act = [float(x) for x in ml]
+    mb = [math.inf] * W
+    if step.order.warmup == "classic":
+        height = space.graph.height()
+        lowest = [space.S] * W
+        for s in range(space.S):
+            for b in range(space.B):
+                w = compute[s * space.B + b]
+                if s < lowest[w]:
+                    lowest[w] = s
+        mb = [float(height[lo]) if lo < space.S else math.inf for lo in lowest]
+    return act, mb
+
+
+def check_memory_limit(step: Step, compute: list[int], act_limit: list[float]) -> None:
+    """Reject a limit below what one micro-batch needs on one worker: that step can never finish."""
+    space = step.space
+    need: dict[tuple[int, int], int] = {}
+    for s in range(space.S):
+        for b in range(space.B):
+            key = (compute[s * space.B + b], b)
+            need[key] = need.get(key, 0) + 1
+    for (w, b), n in sorted(need.items()):
+        if n > act_limit[w]:
+            raise ScheduleError(
+                f"memory_limit={int(act_limit[w])} on worker {w} cannot finish the step: worker {w} "
+                f"holds {n} stages of micro-batch {b}, so it needs at least {n} live activations "
+                f"before that micro-batch's backward can start"
+            )
+
+
+def simulate(step: Step) -> Timeline:
+    """Run the greedy list scheduler; raise :class:`ScheduleError` if the step cannot finish."""
+    space = step.space
+    S, B, N, W = space.S, space.B, space.N, step.workers
+    compute, weights = place_all(step)
+    act_limit, mb_limit = worker_limits(step, compute)
+    if step.memory_limit is not None:
+        if not isinstance(step.memory_limit, int) and len(act_limit) != W:
+            raise ScheduleError(
+                f"memory_limit has {len(act_limit)} entries but there are W={W} workers; give one int or one per worker"
+            )
+        check_memory_limit(step, compute, act_limit)
+    limited = step.memory_limit is not None or step.order.warmup == "classic"
+
+    keys = step.order.keys(space)
+    by_ready = step.order.by_ready_time
+    # Built-in static orders give int keys: fold the job id in, so a heap entry is one int.
+    packed = not by_ready and step.order.n is None
+    if packed:
+        keys = [n * N + j for j, n in enumerate(keys)]
+    dur_of_kind = [float(step.durations[k]) for k in space.kinds]
+    comm = float(step.comm)
+    SB = S * B
+
+    # remaining predecessor counts, from the stage graph
+    stage_preds, stage_succs, is_sink = space.stage_preds, space.stage_succs, space.is_sink
+    npred = [0] * N
+    for s in range(S):
+        nf = len(stage_preds[s])
+        nb = len(stage_succs[s]) + (1 if is_sink[s] else 0)
+        npred[s * B : (s + 1) * B] = [nf] * B
+        npred[SB + s * B : SB + (s + 1) * B] = [nb] * B
+    if space.K == 3:
+        npred[2 * SB :] = [1] * SB
+
+    # memory classes: 0 = takes no activation, 1 = forward continuing a micro-batch already in
+    # flight here, 2 = forward starting a new micro-batch here
+    cls = [0] * N
+    mb_left: dict[int, int] = {}  # (b * W + w) -> forwards of b on w whose stash is still live
+    if limited:
+        for b in range(B):
+            seen: set[int] = set()
+            for s in range(S):  # topological, so the first stage seen on w is its lowest
+                j = s * B + b
+                w = compute[j]
+                cls[j] = 1 if w in seen else 2
+                seen.add(w)
+                mb_left[b * W + w] = mb_left.get(b * W + w, 0) + 1
+    C = 3 if limited else 1
+
+    ready_at = [0.0] * N
+    start = [0.0] * N
+    finish = [0.0] * N
+    program: list[list[int]] = [[] for _ in range(W)]
+    pend: list[list] = [[] for _ in range(W)]  # (ready time, job)
+    avail: list[list[list]] = [[[] for _ in range(C)] for _ in range(W)]  # (n, job) per class
+    releases: list[list] = [[] for _ in range(W)]  # (time, is_last_of_microbatch) from other workers
+    free_at = [0.0] * W
+    wake = [math.inf] * W
+    live = [0] * W
+    live_mb = [0] * W
+    peak = [0] * W
+    events: list[tuple[float, int]] = []
+
+    for j in range(N):
+        if npred[j] == 0:
+            w = compute[j]
+            pend[w].append((0.0, j))
+    for w in range(W):
+        if pend[w]:
+            heapq.heapify(pend[w])
+            wake[w] = 0.0
+            events.append((0.0, w))
+    heapq.heapify(events)
+
+    heappush, heappop = heapq.heappush, heapq.heappop
+    # succ(j) = [base + b for base in succ_base[j // B]]: the stage graph's edges, per (kind, stage)
+    succ_base = [[k - (k % B) for k in space.succ(q * B)] for q in range(space.K * S)]
+    done = 0
+    while events:
+        T, w = heappop(events)
+        if T != wake[w]:
+            continue  # superseded by an earlier decision point
+        wake[w] = math.inf
+        rel = releases[w]
+        while rel and rel[0][0] <= T:
+            _, last = heappop(rel)
+            live[w] -= 1
+            live_mb[w] -= last
+        pw = pend[w]
+        aw = avail[w]
+        while pw and pw[0][0] <= T:
+            r, j = heappop(pw)
+            if packed:
+                heappush(aw[cls[j]], keys[j])
+            else:
+                heappush(aw[cls[j]], (r, keys[j], j) if by_ready else (keys[j], j))
+
+        best = None
+        bc = 0
+        if C == 1:
+            if aw[0]:
+                best = aw[0][0]
+        else:
+            for c in range(C):
+                hc = aw[c]
+                if hc and (best is None or hc[0] < best):
+                    # a forward may start only under both limits (activations, micro-batches)
+                    if c == 0 or (live[w] < act_limit[w] and (c == 1 or live_mb[w] < mb_limit[w])):
+                        best = hc[0]
+                        bc = c
+        if best is None:
+            nxt = pw[0][0] if pw else math.inf
+            if rel and rel[0][0] < nxt:
+                nxt = rel[0][0]
+            if nxt < math.inf:
+                wake[w] = nxt
+                heappush(events, (nxt, w))
+            continue
+
+        j = heappop(aw[bc])
+        j = j % N if packed else j[-1]
+        fin = T + dur_of_kind[j // SB]
+        start[j] = T
+        finish[j] = fin
+        free_at[w] = fin
+        program[w].append(j)
+        done += 1
+        wake[w] = fin
+        heappush(events, (fin, w))
+
+        if bc:  # a forward takes an activation (and maybe a micro-batch slot)
+            live[w] += 1
+            if live[w] > peak[w]:
+                peak[w] = live[w]
+            if bc == 2:
+                live_mb[w] += 1
+        elif j // SB == 0:  # unlimited run: still count activations
+            live[w] += 1
+            if live[w] > peak[w]:
+                peak[w] = live[w]
+        elif j // SB == 1:  # the backward that consumes x_s^b frees it on F(s,b)'s worker
+            jf = j - SB
+            wf = compute[jf]
+            last = 0
+            if limited and cls[jf]:
+                key = (jf % B) * W + wf
+                mb_left[key] -= 1
+                last = 1 if mb_left[key] == 0 else 0
+            if wf == w:  # nothing on w can start before fin anyway
+                live[w] -= 1
+                live_mb[w] -= last
+            else:
+                heappush(releases[wf], (fin, last))
+                if fin < wake[wf]:
+                    wake[wf] = fin
+                    heappush(events, (fin, wf))
+
+        b = j % B
+        for k in succ_base[j // B]:
+            k += b
+            wk = compute[k]
+            r = fin + comm if wk != w else fin
+            if r > ready_at[k]:
+                ready_at[k] = r
+            npred[k] -= 1
+            if npred[k] == 0:
+                r = ready_at[k]
+                heappush(pend[wk], (r, k))
+                t = r if r > free_at[wk] else free_at[wk]
+                if t < wake[wk]:
+                    wake[wk] = t
+                    heappush(events, (t, wk))
+
+    if done != N:
+        stuck = [w for w in range(W) if any(avail[w]) or pend[w]]
+        raise ScheduleError(
+            f"memory_limit={step.memory_limit} (warmup={step.order.warmup}) cannot finish the step: "
+            f"workers {stuck} wait for activation memory that no running job will free "
+            f"({done} of {N} jobs ran); raise the limit or use order=1f1b's warm-up"
+        )
+    return Timeline(step, compute, weights, start, finish, program, peak)
