@@ -1,0 +1,73 @@
+"""Text pipeline diagrams, as in the seeds: one row per worker, one column per time slot.
+
+A cell names the job's direction (``f``, ``b``, ``i``, ``w``) and stage, and shows the micro-batch:
+``cells="both"`` writes ``f3:5`` (forward of stage 3 on micro-batch 5), ``"stage"`` writes the
+seeds' ``f3`` (they show the micro-batch as a colour), ``"microbatch"`` writes ``f5``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .simulate import Timeline
+
+CELLS = ("both", "stage", "microbatch")
+
+
+def _label(kind: str, stage: int, mb: int, cells: str) -> str:
+    d = kind.lower()
+    if cells == "stage":
+        return f"{d}{stage}"
+    if cells == "microbatch":
+        return f"{d}{mb}"
+    return f"{d}{stage}:{mb}"
+
+
+def slot(tl: Timeline) -> float:
+    """The time one column stands for: the shortest job duration in use."""
+    return min(tl.step.durations[k] for k in tl.step.space.kinds)
+
+
+def grid(tl: Timeline, cells: str = "both") -> list[list[str]]:
+    """Rows of cell labels (``""`` = idle); a job spans ``duration / slot`` columns."""
+    if cells not in CELLS:
+        raise ValueError(f"cells={cells!r} is not valid; choose one of {list(CELLS)}")
+    unit = slot(tl)
+    ncols = math.ceil(tl.latency / unit - 1e-9)
+    rows: list[list[str]] = []
+    for prog in tl.program:
+        row = [""] * ncols
+        for j in prog:
+            s, b, k = tl.step.space.job(j)
+            first = int(math.floor(tl.start[j] / unit + 1e-9))
+            last = int(math.ceil(tl.finish[j] / unit - 1e-9))
+            for c in range(first, max(last, first + 1)):
+                row[c] = _label(k, s, b, cells)
+        rows.append(row)
+    return rows
+
+
+def ascii_diagram(tl: Timeline, cells: str = "both", max_columns: int | None = 240) -> str:
+    """The whole diagram as text, or a one-line note when it has more than ``max_columns`` slots."""
+    rows = grid(tl, cells)
+    ncols = len(rows[0]) if rows else 0
+    if max_columns is not None and ncols > max_columns:
+        return f"(diagram omitted: {ncols} time slots > {max_columns}; see the PNG)"
+    width = max([2] + [len(c) for r in rows for c in r] + [len(str(ncols))])
+    name_w = len(f"w{len(rows) - 1}")
+    header = " " * name_w + " " + " ".join(str(c + 1).rjust(width) for c in range(ncols))
+    lines = [header.rstrip()]
+    for w, row in enumerate(rows):
+        cells_txt = " ".join((c or ".").rjust(width) for c in row)
+        lines.append(f"{f'w{w}'.ljust(name_w)} {cells_txt}".rstrip())
+    return "\n".join(lines)
+
+
+def legend(cells: str = "both") -> str:
+    example = _label("F", 3, 5, cells)
+    what = {
+        "both": "forward of stage 3 on micro-batch 5",
+        "stage": "forward of stage 3",
+        "microbatch": "forward of micro-batch 5",
+    }[cells]
+    return f"{example} = {what}; b = backward (i/w: input/weight gradient when split); . = idle"
