@@ -1,0 +1,5 @@
+"""``python -m launcher``: see :mod:`launcher.cli`."""
+
+from .cli import main
+
+main()

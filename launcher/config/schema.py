@@ -1,0 +1,89 @@
+"""The structured schema of the launcher's Hydra config: every key, its type and its default.
+
+Registered in Hydra's ConfigStore as ``launcher_schema`` (the first entry of ``conf/config.yaml``'s
+defaults list), so Hydra rejects a value of the wrong type while composing. The rules between keys
+(``W = G * R``, ``R <= stages``, ...) live in :mod:`launcher.config.validate`.
+
+``W`` is ``${mul:${G},${R}}``: the resolver ``mul`` is registered when this module is imported;
+the code still checks ``W == G * R`` (a user may override ``W``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+SCHEMA_NAME = "launcher_schema"
+
+#: the sizes of a step; each must be a positive integer
+SIZES = ("G", "R", "stages", "microbatches")
+MODES = ("simulate",)
+LATER_MODES = ("train",)  # accepted by a later issue; rejected with a clear sentence for now
+
+
+@dataclass
+class StrategyConf:
+    """A named scheme, or ``placement``: a node that ``hydra.utils.instantiate`` turns into a
+    callable ``(s, b, d) -> (w_weights, w_compute)`` (then ``name`` is only a label)."""
+
+    name: str = "lpp"
+    placement: Any = None
+
+
+@dataclass
+class OrderConf:
+    """A named tie-break order, or ``n``: a node instantiated into a callable ``n(s, b, d)``."""
+
+    name: str = "1f1b"
+    n: Any = None
+
+
+@dataclass
+class DurationsConf:
+    """Time of one job of each kind, in duration units (``I``/``W`` when the backward is split)."""
+
+    F: float = 1.0
+    B: float = 1.0
+    I: float = 0.5
+    W: float = 0.5
+
+
+@dataclass
+class LauncherConf:
+    mode: str = "simulate"
+    strategy: StrategyConf = field(default_factory=StrategyConf)
+    order: OrderConf = field(default_factory=OrderConf)
+    G: int = 2
+    R: int = 4
+    W: int = "${mul:${G},${R}}"  # type: ignore[assignment]  # interpolation, resolved to an int
+    stages: int = 8
+    microbatches: int = 16
+    durations: DurationsConf = field(default_factory=DurationsConf)
+    comm: float = 0.0
+    memory_limit: Any = None  # null | int | list of ints, one per worker
+    warmup: Optional[str] = None  # null = the order's default; classic | none
+    split_backward: bool = False
+    weight_cache: str = "step"  # step | job
+    prefetch: int = 1  # lookahead of the runtime (a later issue)
+    seed: int = 0
+
+
+def _mul(*xs: Any) -> Any:
+    """``${mul:${G},${R}}``; ``None`` when a factor is not an integer (validation reports it)."""
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in xs):
+        return math.prod(xs)
+    return None
+
+
+def register() -> None:
+    """Register the ``mul`` resolver and the schema; safe to call more than once."""
+    if not OmegaConf.has_resolver("mul"):
+        OmegaConf.register_new_resolver("mul", _mul)
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=LauncherConf)
+
+
+register()

@@ -1,0 +1,285 @@
+"""Every rule a launcher config must meet, each failure one sentence naming the key, the value and
+the rule. Checked before anything runs.
+
+Two entry points:
+
+- :func:`errors` / :func:`validate` check a composed config (one run, or one point of a sweep);
+- :func:`check_overrides` checks the command line itself before Hydra composes anything: an unknown
+  group option (``strategy=foo``) or a value of the wrong type (``G=2.5``) would otherwise stop
+  Hydra with a multi-line message, and in a sweep would abort every later point.
+
+A schedule that cannot finish under its ``memory_limit`` is found by the simulator itself
+(:class:`launcher.schedule.ScheduleError`); the CLI reports it the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from omegaconf import BooleanNode, DictConfig, FloatNode, IntegerNode, ListConfig, OmegaConf, StringNode
+from omegaconf.errors import OmegaConfBaseException
+
+from ..schedule.metrics import WEIGHT_CACHES
+from ..schedule.order import BUILTIN as ORDERS
+from ..schedule.order import WARMUPS
+from ..schedule.placement import NAMED
+from .schema import LATER_MODES, MODES, SIZES, LauncherConf
+
+STRATEGIES = tuple(sorted(NAMED))
+#: strategies whose worker count is fixed by the step, and what fixes it
+W_EQUALS = {"ddp": "microbatches", "fsdp": "microbatches", "gpipe": "stages"}
+GROUPS = ("strategy", "order")
+
+
+class ConfigError(ValueError):
+    """An invalid config; ``sentences`` holds one sentence per failed rule."""
+
+    def __init__(self, sentences: Sequence[str]):
+        self.sentences = list(sentences)
+        super().__init__("\n".join(self.sentences))
+
+
+def _is_size(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.select(cfg, key, default=default)
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _plain(v: Any) -> Any:
+    return OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
+
+
+def _has_target(node: Any) -> bool:
+    target = _get(node, "_target_") if node is not None else None
+    return isinstance(target, str) and target not in ("", "???")
+
+
+def _target(node: Any) -> str:
+    t = _get(node, "_target_") if isinstance(node, (Mapping, DictConfig)) else None
+    return "(not set)" if t in (None, "", "???") else str(t)
+
+
+def errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """One sentence per rule ``cfg`` breaks; empty when the config is valid."""
+    out: list[str] = []
+
+    mode = _get(cfg, "mode")
+    if mode in LATER_MODES:
+        out.append(f"mode={mode} is not available yet (it comes with the runtime); use mode=simulate.")
+    elif mode not in MODES:
+        out.append(f"mode={mode} is not a known mode; use mode=simulate.")
+
+    sizes = {k: _get(cfg, k) for k in SIZES}
+    for k, v in sizes.items():
+        if not _is_size(v):
+            out.append(f"{k}={v} is invalid: the sizes G, R, stages and microbatches must be positive integers.")
+    G, R, S, B = (sizes[k] for k in SIZES)
+    sizes_ok = all(_is_size(v) for v in sizes.values())
+
+    placement = _get(cfg, "strategy.placement")
+    strategy = _get(cfg, "strategy.name")
+    if placement is not None:
+        if not _has_target(placement):
+            out.append(
+                f"strategy.placement._target_={_target(placement)} is invalid: a custom placement needs "
+                f"it to name a callable (s, b, d) -> (w_weights, w_compute), e.g. mymodule.my_placement."
+            )
+    elif strategy not in NAMED:
+        out.append(
+            f"strategy={strategy} is not a known strategy; choose one of {', '.join(STRATEGIES)}, "
+            f"or strategy=custom with strategy.placement._target_."
+        )
+
+    order = _get(cfg, "order.name")
+    n = _get(cfg, "order.n")
+    if n is not None:
+        if not _has_target(n):
+            out.append(
+                f"order.n._target_={_target(n)} is invalid: a custom order needs it to name a "
+                f"callable n(s, b, d) -> comparable, e.g. mymodule.my_order."
+            )
+    elif order not in ORDERS:
+        out.append(
+            f"order={order} is not a known order; choose one of {', '.join(ORDERS)}, "
+            f"or order=custom with order.n._target_."
+        )
+
+    if sizes_ok:
+        W = _get(cfg, "W")
+        if W != G * R:
+            out.append(f"W={W} is invalid: W must equal G*R = {G}*{R} = {G * R}.")
+        if R > S:
+            out.append(f"R={R} is invalid: R must not exceed stages={S}, or some of a group's workers get no stage.")
+        if G > B:
+            out.append(f"G={G} is invalid: G must not exceed microbatches={B}, or some groups get no micro-batch.")
+        if placement is None and strategy in W_EQUALS:
+            key = W_EQUALS[strategy]
+            want = sizes[key]
+            if G * R != want:
+                default = "G=microbatches R=1" if key == "microbatches" else "G=1 R=stages"
+                out.append(
+                    f"strategy={strategy} needs W = {key}, but W=G*R={G * R} and {key}={want}; "
+                    f"leave G and R at the {strategy} defaults ({default}) or set {key}={G * R}."
+                )
+
+    for k in ("F", "B", "I", "W"):
+        v = _get(cfg, f"durations.{k}")
+        if not (_is_number(v) and v > 0):
+            out.append(f"durations.{k}={v} is invalid: job durations must be positive numbers.")
+    comm = _get(cfg, "comm", 0.0)
+    if not (_is_number(comm) and comm >= 0):
+        out.append(f"comm={comm} is invalid: the communication delay must be a number >= 0.")
+
+    ml = _plain(_get(cfg, "memory_limit"))
+    if ml is not None:
+        rule = "memory_limit must be null, a positive integer, or a list of positive integers, one per worker"
+        if isinstance(ml, list):
+            bad = [x for x in ml if not _is_size(x)]
+            if bad:
+                out.append(f"memory_limit={ml} is invalid: {rule}.")
+            elif sizes_ok and len(ml) != G * R:
+                out.append(f"memory_limit={ml} is invalid: it has {len(ml)} entries but there are W={G * R} workers ({rule}).")
+        elif not _is_size(ml):
+            out.append(f"memory_limit={ml} is invalid: {rule}.")
+
+    warmup = _get(cfg, "warmup")
+    if warmup is not None and warmup not in WARMUPS:
+        out.append(f"warmup={warmup} is invalid: use null (the order's default), {' or '.join(WARMUPS)}.")
+    cache = _get(cfg, "weight_cache", "step")
+    if cache not in WEIGHT_CACHES:
+        out.append(f"weight_cache={cache} is invalid: use {' or '.join(WEIGHT_CACHES)}.")
+    prefetch = _get(cfg, "prefetch", 1)
+    if not (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 0):
+        out.append(f"prefetch={prefetch} is invalid: the prefetch lookahead must be an integer >= 0.")
+    sb = _get(cfg, "split_backward", False)
+    if not isinstance(sb, bool):
+        out.append(f"split_backward={sb} is invalid: it must be true or false.")
+    return out
+
+
+def validate(cfg: DictConfig | Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` (all failures, one sentence each) unless ``cfg`` is valid."""
+    found = errors(cfg)
+    if found:
+        raise ConfigError(found)
+
+
+# --- the command line, before Hydra composes ------------------------------------------------
+
+_NODES = {int: IntegerNode, float: FloatNode, bool: BooleanNode, str: StringNode}
+_WHAT = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_ANY = object()
+_UNKNOWN = object()
+
+
+def _field_type(path: str) -> tuple[Any, bool]:
+    """The schema type at dotted ``path`` and whether it may be null; ``_ANY`` under an untyped
+    node, ``_UNKNOWN`` for a key the schema does not have."""
+    cls: Any = LauncherConf
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            return _UNKNOWN, False
+        hints = typing.get_type_hints(cls)
+        t = hints[part]
+        optional = False
+        if typing.get_origin(t) is typing.Union:
+            args = [a for a in typing.get_args(t) if a is not type(None)]
+            optional, t = True, args[0]
+        if t is Any:
+            return _ANY, True
+        if dataclasses.is_dataclass(t):
+            if i == len(parts) - 1:
+                return _ANY, False  # a whole node: Hydra checks it
+            cls = t
+            continue
+        return (t, optional) if i == len(parts) - 1 else (_UNKNOWN, False)
+    return _ANY, False
+
+
+def group_options(group: str, config_dirs: Iterable[str | Path] = ()) -> list[str]:
+    """Options of a config group: the shipped ``conf/<group>/*.yaml`` plus any ``--config-dir``'s."""
+    names: set[str] = set()
+    root = resources.files("launcher.conf") / group
+    if root.is_dir():
+        names.update(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+    for d in config_dirs:
+        p = Path(d) / group
+        if p.is_dir():
+            names.update(q.stem for q in p.glob("*.yaml"))
+    from hydra.core.config_store import ConfigStore
+
+    repo = ConfigStore.instance().repo.get(group, {})
+    names.update(k[: -len(".yaml")] for k in repo if k.endswith(".yaml"))
+    return sorted(names)
+
+
+def _values(override: Any) -> list[Any] | None:
+    """The values an override takes (several for a sweep); ``None`` when they cannot be listed."""
+    try:
+        if override.is_sweep_override():
+            return list(override.sweep_iterator())
+        return [override.value()]
+    except Exception:  # interval or glob sweeps, functions: leave them to Hydra
+        return None
+
+
+def check_overrides(overrides: Sequence[str], config_dirs: Iterable[str | Path] = ()) -> list[str]:
+    """One sentence per command-line value that Hydra could not compose: an unknown option of
+    ``strategy``/``order``, a key the schema lacks, or a value of the wrong type."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:
+        return []  # Hydra reports its own syntax errors
+    config_dirs = list(config_dirs)
+    out: list[str] = []
+    for o in parsed:
+        key = o.key_or_group
+        if key.startswith("hydra") or o.is_delete() or o.package is not None:
+            continue
+        values = _values(o)
+        if key in GROUPS:
+            options = group_options(key, config_dirs)
+            for v in values or []:
+                if isinstance(v, str) and v not in options:
+                    out.append(f"{key}={v} is not a known {key}; choose one of {', '.join(options)}.")
+            continue
+        t, optional = _field_type(key)
+        if t is _UNKNOWN:
+            if not o.is_add() and not o.is_force_add():
+                out.append(f"{key}={o.get_value_element_as_str()} is invalid: {key} is not a config key.")
+            continue
+        if t is _ANY or values is None:
+            continue
+        for v in values:
+            if isinstance(v, str) and v.startswith("${"):
+                continue  # an interpolation: resolved (and checked) later
+            try:
+                _NODES[t](value=v, is_optional=optional)
+            except OmegaConfBaseException:
+                shown = "null" if v is None else v
+                if key in SIZES:
+                    out.append(f"{key}={shown} is invalid: the sizes G, R, stages and microbatches must be positive integers.")
+                else:
+                    out.append(f"{key}={shown} is invalid: {key} must be {_WHAT[t]}{' or null' if optional else ''}.")
+    return out

@@ -1,0 +1,59 @@
+"""The pipeline diagram as a picture: rows = workers, x = time, one rectangle per job from its
+start to its finish, colour = micro-batch, label = f/b/i/w + stage.
+
+matplotlib is imported inside :func:`save_png` (Agg backend), so importing this module is cheap
+and :mod:`launcher.schedule` never pulls matplotlib in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..schedule.simulate import Timeline
+
+#: beyond this many jobs the labels would not fit; only colours are drawn
+MAX_LABELS = 2000
+
+
+def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int = 100) -> Path:
+    """Draw ``tl`` into ``path`` (PNG) and return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    space = tl.step.space
+    W, B = tl.step.workers, space.B
+    latency = tl.latency or 1.0
+    width = min(max(6.0, 0.35 * latency + 1.5), 40.0)
+    height = min(max(2.0, 0.4 * W + 1.2), 30.0)
+    plt.rcParams["hatch.linewidth"] = 0.4  # backward hatching stays behind the label
+    fig, ax = plt.subplots(figsize=(width, height))
+    cmap = plt.get_cmap("tab20" if B > 10 else "tab10")
+    colour = lambda b: cmap(b % cmap.N)  # noqa: E731
+    label = space.N <= MAX_LABELS
+    for w, prog in enumerate(tl.program):
+        for j in prog:
+            s, b, k = space.job(j)
+            x0, x1 = tl.start[j], tl.finish[j]
+            # forward solid, backward hatched: the same colour reads as the same micro-batch
+            ax.broken_barh([(x0, x1 - x0)], (w - 0.4, 0.8), facecolors=colour(b), edgecolors="black",
+                           linewidth=0.5, hatch="//" if k != "F" else None)
+            if label:
+                ax.text((x0 + x1) / 2, w, f"{k.lower()}{s}", ha="center", va="center", fontsize=7)
+    ax.set_ylim(W - 0.5, -0.5)  # worker 0 on top, as in the text diagram
+    ax.set_yticks(range(W))
+    ax.set_yticklabels([f"w{w}" for w in range(W)])
+    ax.set_xlim(0, latency)
+    ax.set_xlabel("time (duration units)")
+    ax.set_title(title or f"{tl.step.name}: S={space.S} B={B} W={W}, latency {tl.latency:g}")
+    if B <= 20:
+        handles = [Patch(facecolor=colour(b), edgecolor="black", label=f"mb {b}") for b in range(B)]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

@@ -1,0 +1,94 @@
+"""Rich tables of a simulated step: per worker with a total row, simulated vs closed form, and
+one row per point of a sweep."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from rich.table import Table
+
+from ..schedule.closed_form import METRICS, SEEDS
+
+#: per-worker columns: (key in summary["per_worker"], header)
+COLUMNS = (
+    ("busy", "busy"),
+    ("act_recv", "act recv"),
+    ("grad_recv", "grad recv"),
+    ("weight_fetch_stages", "fetch stages"),
+    ("weight_fetch_jobs", "fetch jobs"),
+    ("peak_activations", "peak act"),
+    ("weights_owned", "owned"),
+    ("weights_peak_resident", "peak resident"),
+)
+
+METRIC_NOTES = {
+    "latency_fb": "latency / (F + B)",
+    "act_xmit": "max act + grad received",
+    "weight_xmit": "max stages fetched",
+    "act_storage": "max peak activations",
+    "weight_storage": "max stages owned",
+}
+
+
+def fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.0f}" if x == int(x) else f"{x:.3g}" if abs(x) < 1 else f"{x:.2f}"
+    return str(x)
+
+
+def per_worker_table(summary: Mapping[str, Any], title: str = "per worker") -> Table:
+    pw, total = summary["per_worker"], summary["total"]
+    latency = summary["latency"]
+    t = Table(title=title, title_justify="left")
+    t.add_column("worker", justify="right")
+    for _, header in COLUMNS:
+        t.add_column(header, justify="right")
+    t.add_column("util", justify="right")
+    for w in range(summary["workers"]):
+        util = pw["busy"][w] / latency if latency else 0.0
+        t.add_row(f"w{w}", *(fmt(pw[k][w]) for k, _ in COLUMNS), f"{util:.2f}")
+    t.add_section()
+    t.add_row("total", *(fmt(total[k]) for k, _ in COLUMNS), f"{summary['utilization']:.2f}", style="bold")
+    return t
+
+
+def closed_form_table(rec: Mapping[str, Any], title: str = "simulated vs closed form (units of F + B)") -> Table:
+    """One row per closed-form metric: the simulated value beside each seed's formula; a note
+    where a formula exists and differs."""
+    cf, sim = rec["closed_form"], rec["simulated"]
+    t = Table(title=title, title_justify="left")
+    t.add_column("metric")
+    t.add_column("simulated", justify="right")
+    for seed in SEEDS:
+        t.add_column(f"seed {seed}", justify="right")
+    t.add_column("note")
+    for m in METRICS:
+        vals = [cf.get(seed, {}).get(m) for seed in SEEDS]
+        differ = [seed for seed, v in zip(SEEDS, vals) if v is not None and abs(v - sim[m]) > 1e-9]
+        note = METRIC_NOTES[m]
+        if differ:
+            note += "; differs: " + ", ".join(differ)
+        t.add_row(m, fmt(sim[m]), *(fmt(v) for v in vals), note)
+    regimes = [f"{seed}: {cf[seed]['regime'] or 'no row'}" for seed in SEEDS if seed in cf]
+    t.caption = ("rows used - " + "; ".join(regimes)) if regimes else "no closed form for a custom placement"
+    return t
+
+
+def sweep_table(points: Sequence[Mapping[str, Any]], title: str = "sweep") -> Table:
+    """One row per point of a multirun: its overrides, then latency, utilization, rho, or why it
+    was skipped."""
+    t = Table(title=title, title_justify="left")
+    for col in ("#", "point", "W", "latency", "utilization", "rho", "peak act", "status"):
+        t.add_column(col, justify="left" if col in ("point", "status") else "right")
+    for i, p in enumerate(points):
+        s = p.get("summary")
+        if s:
+            t.add_row(
+                str(i), p["point"], str(s["workers"]), fmt(s["latency"]), f"{s['utilization']:.2f}",
+                f"{s['rho']:.2f}", fmt(max(s["per_worker"]["peak_activations"])), "ok",
+            )
+        else:
+            t.add_row(str(i), p["point"], "", "", "", "", "", "skipped: invalid")
+    return t
