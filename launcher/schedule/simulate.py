@@ -319,9 +319,11 @@ def simulate(step: Step) -> Timeline:
                 live_mb[w] -= last
             else:
                 heappush(releases[wf], (fin, last))
-                if fin < wake[wf]:
-                    wake[wf] = fin
-                    heappush(events, (fin, wf))
+                # a busy holder sees the release when it is next free, not mid-job
+                t = fin if fin > free_at[wf] else free_at[wf]
+                if t < wake[wf]:
+                    wake[wf] = t
+                    heappush(events, (t, wf))
 
         b = j % B
         for k in succ_base[j // B]:

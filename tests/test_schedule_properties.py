@@ -1,0 +1,140 @@
+"""Property tests of the greedy simulator over random steps (hypothesis).
+
+Random S, B, G, R, every named placement plus random custom ones, every order (and a random custom
+one), random durations, communication delay, split backward, stage DAGs and memory limits. On every
+timeline: each job runs exactly once, no job starts before its predecessors end (plus ``comm``
+across workers), no worker runs two jobs at once, and no worker ever holds more activations than
+its limit (see :mod:`test_schedule_invariants` for the checks, recomputed from the timeline).
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from launcher.schedule import ScheduleError, StageGraph, make_step, simulate
+from test_schedule_invariants import check_greedy, check_timeline
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+SCHEMES = ("ddp", "fsdp", "gpipe", "lpp", "fslpp")
+ORDERS = ("1f1b", "1f1b/none", "breadth_first", "depth_first", "custom")
+HALVES = st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0])  # exact in binary: comparisons stay exact
+
+
+@st.composite
+def graphs(draw, S):
+    """A chain most of the time, else a random DAG on S stages (edges go upward)."""
+    if S == 1 or draw(st.booleans()):
+        return StageGraph.chain(S)
+    preds = [()]
+    for s in range(1, S):
+        ps = draw(st.sets(st.integers(0, s - 1), min_size=1, max_size=min(2, s)))
+        preds.append(tuple(sorted(ps)))
+    return StageGraph(tuple(preds))
+
+
+@st.composite
+def placements(draw, S, B):
+    """``(strategy, G, R)``: a named scheme with its worker count, or a random table on W workers."""
+    which = draw(st.sampled_from(SCHEMES + ("random",)))
+    if which in ("ddp", "fsdp"):
+        return which, B, 1
+    if which == "gpipe":
+        return which, 1, S
+    if which in ("lpp", "fslpp"):
+        return which, draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    W = draw(st.integers(1, 6))
+    kinds = ("F", "B", "I", "W")
+    table = {
+        (s, b, d): (draw(st.integers(0, W - 1)), draw(st.integers(0, W - 1)))
+        for s in range(S) for b in range(B) for d in kinds
+    }
+
+    def random_placement(s, b, d):
+        return table[(s, b, d)]
+
+    return random_placement, W, 1
+
+
+@st.composite
+def steps(draw, max_S=10, max_B=10):
+    S = draw(st.integers(1, max_S))
+    B = draw(st.integers(1, max_B))
+    strategy, G, R = draw(placements(S, B))
+    split = draw(st.booleans())
+    graph = draw(graphs(S))
+    o = draw(st.sampled_from(ORDERS))
+    warmup = None
+    if o == "1f1b/none":
+        o, warmup = "1f1b", "none"
+    elif o == "custom":
+        keys = draw(st.permutations(range(3 * S * B)))
+
+        def n(s, b, d):
+            return keys[("FBIW".index(d) % 3 * S + s) * B + b]
+
+        o = n
+    durations = {"F": draw(HALVES), "B": draw(HALVES), "I": draw(HALVES), "W": draw(HALVES)}
+    comm = draw(st.sampled_from([0.0, 0.0, 0.5, 1.0]))
+    W = G * R
+    limit = draw(st.one_of(
+        st.none(),
+        st.integers(1, S + 2),
+        st.lists(st.integers(1, S + 2), min_size=W, max_size=W),
+    ))
+    return make_step(strategy, S, B, G, R, order=o, warmup=warmup, durations=durations, comm=comm,
+                     memory_limit=limit, split_backward=split, graph=graph)
+
+
+@SETTINGS
+@given(steps())
+def test_every_timeline_is_valid(step):
+    try:
+        tl = simulate(step)
+    except ScheduleError:
+        # only a memory limit (checked up front, or a dead end found while running) may refuse
+        assert step.memory_limit is not None
+        return
+    check_timeline(tl)
+
+
+@SETTINGS
+@given(steps())
+def test_without_limits_no_worker_idles_while_a_job_of_its_own_is_ready(step):
+    step.memory_limit = None
+    step.order = type(step.order)(step.order.name, step.order.n, step.order.by_ready_time, "none")
+    tl = simulate(step)
+    check_timeline(tl)
+    check_greedy(tl)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    S=st.integers(1, 10), B=st.integers(1, 10), G=st.integers(1, 4), R=st.integers(1, 4),
+    scheme=st.sampled_from(SCHEMES), o=st.sampled_from(("1f1b", "breadth_first", "depth_first")),
+)
+def test_classic_warmup_never_deadlocks_the_named_schemes(S, B, G, R, scheme, o):
+    """The 1F1B warm-up limit alone (no M) always lets the named schemes finish."""
+    if scheme in ("ddp", "fsdp"):
+        G, R = B, 1
+    elif scheme == "gpipe":
+        G, R = 1, S
+    tl = simulate(make_step(scheme, S, B, G, R, order=o, warmup="classic"))
+    check_timeline(tl)
+
+
+def test_a_release_from_another_worker_does_not_start_a_second_job_on_a_busy_worker():
+    """Regression: x_s^b freed by a backward on another worker woke its (busy) holder early.
+
+    Forwards on worker 0, backwards on worker 1, F slower than B: B(1,0) on w1 ends at 7 and frees
+    x_1^0 on w0, which is then running F(0,1) in [6, 9); w0 must not start F(0,2) at 7.
+    """
+
+    def forwards_here_backwards_there(s, b, d):
+        w = 0 if d == "F" else 1
+        return (w, w)
+
+    step = make_step(forwards_here_backwards_there, 2, 3, G=2, R=1, order="1f1b", warmup="none",
+                     durations={"F": 3, "B": 1})
+    check_timeline(simulate(step))
