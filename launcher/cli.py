@@ -27,6 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, check_overrides, to_step
+from .config.step import one_line
 from .config.validate import errors as config_errors
 from .schedule import ScheduleError, Timeline, simulate
 from .schedule.diagram import ascii_diagram, legend
@@ -64,6 +65,21 @@ def _reject(sentences: list[str], point: str, sweep: bool) -> dict[str, Any]:
     return {"point": point, "ok": False, "errors": sentences}
 
 
+def _write_invalid(cfg: DictConfig, sentences: list[str]) -> None:
+    """``invalid.json`` in the run directory: why this run (sweep point) did not run."""
+    import json
+
+    try:
+        out = _output_dir()
+    except ValueError:
+        return
+    try:
+        config: Any = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an interpolation that cannot resolve: keep it as written
+        config = OmegaConf.to_container(cfg, resolve=False)
+    (out / "invalid.json").write_text(json.dumps({"config": config, "errors": sentences}, indent=2, default=str) + "\n")
+
+
 def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
     """Validate, build and simulate the step ``cfg`` describes; raise :class:`ConfigError` (one
     sentence per failure) when it is invalid or cannot finish."""
@@ -75,6 +91,15 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
         tl = simulate(step)
     except ScheduleError as e:
         raise ConfigError([str(e).rstrip(".") + "."]) from e
+    except ConfigError:  # a custom callable's failure, already one sentence
+        raise
+    except Exception as e:  # a user's placement or order callable failed: say which
+        custom = [k for k in ("strategy.placement", "order.n") if OmegaConf.select(cfg, k) is not None]
+        if not custom:
+            raise
+        raise ConfigError(
+            [f"the custom {' or '.join(custom)} failed while the step was planned: {one_line(e)}."]
+        ) from e
     return tl, summarize(tl, cfg.weight_cache)
 
 
@@ -122,6 +147,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         tl, summary = simulate_config(cfg)
     except ConfigError as e:
         result = _reject(e.sentences, point, sweep)
+        _write_invalid(cfg, e.sentences)
     else:
         report_simulation(cfg, tl, summary, _output_dir())
         result = {"point": point, "ok": True, "summary": summary}

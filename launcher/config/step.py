@@ -21,12 +21,19 @@ def _instantiate(node: Any, key: str, what: str) -> Callable:
     try:
         obj = instantiate(node)
     except Exception as e:  # import errors, bad arguments: one sentence, the cause's first line
-        cause = e.__cause__ or e
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise ConfigError([f"{key}._target_={target} could not be built: {first.rstrip('.')}."]) from e
+        raise ConfigError([f"{key}._target_={target} could not be built: {one_line(e)}."]) from e
     if not callable(obj):
         raise ConfigError([f"{key}._target_={target} is invalid: it built {obj!r}, which is not a callable {what}."])
     return obj
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """The root cause of an exception as ``Type: message`` on one line, without a final period."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return (text if len(text) <= limit else text[: limit - 3] + "...").rstrip(".")
 
 
 def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True) -> Step:
@@ -38,11 +45,11 @@ def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True) -> Step:
     strategy: Any = c.strategy.name
     if placement is not None:
         place = _instantiate(placement, "strategy.placement", "(s, b, d) -> (w_weights, w_compute)")
-        strategy = _named(place, c.strategy.name)
+        strategy = _guarded(place, "strategy.placement", placement.get("_target_"), c.strategy.name, pair=True)
     n = c.order.get("n")
     order: Any = c.order.name
     if n is not None:
-        order = _named(_instantiate(n, "order.n", "n(s, b, d)"), c.order.name)
+        order = _guarded(_instantiate(n, "order.n", "n(s, b, d)"), "order.n", n.get("_target_"), c.order.name)
     memory_limit = OmegaConf.to_container(c.memory_limit) if OmegaConf.is_list(c.memory_limit) else c.memory_limit
     return make_step(
         strategy,
@@ -59,16 +66,22 @@ def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True) -> Step:
     )
 
 
-def _named(fn: Callable, name: str) -> Callable:
-    """Give a callable (a ``functools.partial`` has no ``__name__``) the config's label."""
-    if getattr(fn, "__name__", None):
-        return fn
-    try:
-        fn.__name__ = name  # type: ignore[attr-defined]
-        return fn
-    except (AttributeError, TypeError):
-        def wrapped(s: int, b: int, d: str) -> Any:
-            return fn(s, b, d)
+def _guarded(fn: Callable, key: str, target: str, name: str, pair: bool = False) -> Callable:
+    """``fn`` under the config's label, turning its failures (and, for a placement, a result that
+    is not a pair of ints) into one sentence naming the job."""
 
-        wrapped.__name__ = name
-        return wrapped
+    def call(s: int, b: int, d: str) -> Any:
+        try:
+            out = fn(s, b, d)
+        except Exception as e:
+            raise ConfigError([f"{key}._target_={target} failed on job ({s}, {b}, {d}): {one_line(e)}."]) from e
+        if pair and not (
+            isinstance(out, tuple) and len(out) == 2 and all(isinstance(w, int) and not isinstance(w, bool) for w in out)
+        ):
+            raise ConfigError(
+                [f"{key}._target_={target} returned {out!r} for job ({s}, {b}, {d}); it must return (w_weights, w_compute), two ints."]
+            )
+        return out
+
+    call.__name__ = name
+    return call

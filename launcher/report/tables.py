@@ -77,18 +77,22 @@ def closed_form_table(rec: Mapping[str, Any], title: str = "simulated vs closed 
 
 
 def sweep_table(points: Sequence[Mapping[str, Any]], title: str = "sweep") -> Table:
-    """One row per point of a multirun: its overrides, then latency, utilization, rho, or why it
-    was skipped."""
+    """One row per point of a multirun: its overrides, then latency, throughput, memory and traffic
+    (totals over workers, maxima where marked), or that it was skipped."""
     t = Table(title=title, title_justify="left")
-    for col in ("#", "point", "W", "latency", "utilization", "rho", "peak act", "status"):
+    cols = ("#", "point", "W", "latency", "utilization", "rho", "max peak act", "act+grad recv", "fetch stages",
+            "max owned", "status")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("point", "status") else "right")
     for i, p in enumerate(points):
         s = p.get("summary")
         if s:
+            pw, tot = s["per_worker"], s["total"]
             t.add_row(
                 str(i), p["point"], str(s["workers"]), fmt(s["latency"]), f"{s['utilization']:.2f}",
-                f"{s['rho']:.2f}", fmt(max(s["per_worker"]["peak_activations"])), "ok",
+                f"{s['rho']:.2f}", fmt(max(pw["peak_activations"])), fmt(tot["act_recv"] + tot["grad_recv"]),
+                fmt(tot["weight_fetch_stages"]), fmt(max(pw["weights_owned"])), "ok",
             )
         else:
-            t.add_row(str(i), p["point"], "", "", "", "", "", "skipped: invalid")
+            t.add_row(str(i), p["point"], *[""] * (len(cols) - 3), "skipped: invalid")
     return t

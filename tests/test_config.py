@@ -1,0 +1,177 @@
+"""The Hydra config layer, composed in-process: group defaults, the schema, every validation rule
+(one sentence each, naming key and value), the command-line pre-check, and config -> Step."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+import launcher.config  # noqa: F401  (registers the schema and the resolver)
+from launcher.cli import simulate_config
+from launcher.config import ConfigError, check_overrides, errors, to_step
+from launcher.schedule import make_step, simulate
+
+
+@pytest.fixture(scope="module")
+def cfg_of():
+    with initialize_config_module("launcher.conf", version_base="1.3"):
+        yield lambda *overrides: compose("config", overrides=list(overrides))
+
+
+def test_defaults_compose_and_are_valid(cfg_of):
+    c = cfg_of()
+    assert (c.mode, c.strategy.name, c.order.name) == ("simulate", "lpp", "1f1b")
+    assert (c.G, c.R, c.W, c.stages, c.microbatches) == (2, 4, 8, 8, 16)
+    assert dict(c.durations) == {"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}
+    assert (c.comm, c.memory_limit, c.warmup, c.split_backward, c.weight_cache, c.prefetch) == (
+        0.0, None, None, False, "step", 1)
+    assert errors(c) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, G, R",
+    [
+        (["strategy=ddp"], 16, 1),
+        (["strategy=fsdp", "microbatches=6"], 6, 1),  # G follows microbatches
+        (["strategy=gpipe", "stages=5"], 1, 5),  # R follows stages
+        (["strategy=fslpp", "G=4", "R=4"], 4, 4),  # as written in the design
+        (["strategy=ddp", "G=8", "R=2"], 8, 2),  # the command line wins over the group file
+        (["strategy=gpipe", "R=2", "G=4", "stages=8"], 4, 2),
+    ],
+)
+def test_strategy_defaults_and_command_line_wins(cfg_of, overrides, G, R):
+    c = cfg_of(*overrides)
+    assert (c.G, c.R, c.W) == (G, R, G * R)
+    assert errors(c) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["W=5"], "W=5 is invalid: W must equal G*R = 2*4 = 8."),
+        (["R=9"], "R=9 is invalid: R must not exceed stages=8"),
+        (["G=17"], "G=17 is invalid: G must not exceed microbatches=16"),
+        (["strategy=ddp", "G=2", "R=4"], "strategy=ddp needs W = microbatches, but W=G*R=8 and microbatches=16"),
+        (["strategy=fsdp", "G=4"], "strategy=fsdp needs W = microbatches, but W=G*R=4 and microbatches=16"),
+        (["strategy=gpipe", "G=2"], "strategy=gpipe needs W = stages, but W=G*R=16 and stages=8"),
+        (["G=0"], "G=0 is invalid: the sizes G, R, stages and microbatches must be positive integers."),
+        (["stages=-1"], "stages=-1 is invalid"),
+        (["microbatches=0"], "microbatches=0 is invalid"),
+        (["mode=train"], "mode=train is not available yet"),
+        (["mode=fly"], "mode=fly is not a known mode"),
+        (["strategy.name=foo"], "strategy=foo is not a known strategy"),
+        (["order.name=bar"], "order=bar is not a known order"),
+        (["strategy=custom"], "strategy.placement._target_=(not set) is invalid"),
+        (["order=custom"], "order.n._target_=(not set) is invalid"),
+        (["memory_limit=0"], "memory_limit=0 is invalid"),
+        (["memory_limit=[2,2]"], "memory_limit=[2, 2] is invalid: it has 2 entries but there are W=8 workers"),
+        (["memory_limit=[2,2,2,2,2,2,2,x]"], "memory_limit=[2, 2, 2, 2, 2, 2, 2, 'x'] is invalid"),
+        (["warmup=later"], "warmup=later is invalid"),
+        (["weight_cache=forever"], "weight_cache=forever is invalid"),
+        (["durations.F=0"], "durations.F=0.0 is invalid: job durations must be positive numbers."),
+        (["comm=-1"], "comm=-1.0 is invalid"),
+        (["prefetch=-1"], "prefetch=-1 is invalid"),
+    ],
+)
+def test_each_rule_is_one_sentence_naming_key_and_value(cfg_of, overrides, expected):
+    found = errors(cfg_of(*overrides))
+    assert len(found) == 1, found
+    assert found[0].startswith(expected), found
+    assert "\n" not in found[0] and found[0].endswith(".")
+
+
+def test_all_failures_are_reported(cfg_of):
+    found = errors(cfg_of("mode=train", "R=9", "G=17", "comm=-1"))
+    assert [f.split("=")[0] for f in found] == ["mode", "R", "G", "comm"]
+
+
+def test_validate_plain_mapping_catches_non_integer_sizes():
+    c = OmegaConf.to_container(OmegaConf.structured(launcher.config.LauncherConf), resolve=True)
+    c.update(G=2.5, R="4")
+    found = errors(c)
+    assert found[:2] == [
+        "G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers.",
+        "R=4 is invalid: the sizes G, R, stages and microbatches must be positive integers.",
+    ]
+
+
+def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
+    with pytest.raises(ConfigError) as e:
+        simulate_config(cfg_of("memory_limit=1"))  # LPP G=2 R=4 on 8 stages: 2 stages per worker
+    (sentence,) = e.value.sentences
+    assert sentence.startswith("memory_limit=1 on worker 0 cannot finish the step") and "\n" not in sentence
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["strategy=foo"], ["strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]),
+        (["-m", "strategy=ddp,foo"], None),  # "-m" is not an override: parsed away by the CLI
+        (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, custom, depth_first."]),
+        (["G=2.5"], ["G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
+        (["R=1,x"], ["R=x is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
+        (["comm=abc"], ["comm=abc is invalid: comm must be a number."]),
+        (["split_backward=maybe"], ["split_backward=maybe is invalid: split_backward must be true or false."]),
+        (["colour=red"], ["colour=red is invalid: colour is not a config key."]),
+    ],
+)
+def test_command_line_precheck(overrides, expected):
+    if expected is None:
+        assert check_overrides(["strategy=ddp,foo"]) == [
+            "strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]
+    else:
+        assert check_overrides(overrides) == expected
+
+
+def test_command_line_precheck_accepts_valid_overrides():
+    assert check_overrides([
+        "strategy=ddp,gpipe,lpp,fslpp,fsdp", "order=breadth_first", "G=1,2", "R=range(1,3)", "stages=8",
+        "warmup=null", "memory_limit=[3,3]", "durations.F=2", "comm=0.5", "G=${microbatches}",
+        "strategy=custom", "strategy.placement._target_=a.b", "+strategy.placement.G=2", "hydra.run.dir=x",
+        "weight_cache=job", "split_backward=true", "seed=3",
+    ]) == []
+
+
+def test_to_step_matches_make_step(cfg_of):
+    c = cfg_of("strategy=fslpp", "G=2", "R=2", "stages=4", "microbatches=6", "order=breadth_first", "comm=0.5")
+    step = to_step(c)
+    ref = make_step("fslpp", 4, 6, G=2, R=2, order="breadth_first", comm=0.5)
+    assert (step.workers, step.S, step.B, step.name, step.order.name) == (4, 4, 6, "fslpp", "breadth_first")
+    a, b = simulate(step), simulate(ref)
+    assert (a.start, a.finish, a.compute, a.weights) == (b.start, b.finish, b.compute, b.weights)
+
+
+def test_lpp_identities_through_the_config(cfg_of):
+    """LPP with G=1, R=S is GPipe; with G=B, R=1 it is DDP: the same timelines from the config."""
+    for named, G, R in (("gpipe", 1, 4), ("ddp", 6, 1)):
+        a = simulate(to_step(cfg_of(f"strategy={named}", "stages=4", "microbatches=6")))
+        b = simulate(to_step(cfg_of("strategy=lpp", f"G={G}", f"R={R}", "stages=4", "microbatches=6")))
+        assert (a.start, a.finish, a.compute) == (b.start, b.finish, b.compute)
+
+
+def test_custom_placement_and_order_by_target(cfg_of):
+    c = cfg_of(
+        "strategy=custom", "strategy.placement._target_=launcher.schedule.placement.LPP",
+        "strategy.placement._partial_=false", "+strategy.placement.G=${G}", "+strategy.placement.R=${R}",
+        "order=custom", "order.n._target_=operator.add",  # n(s, b, d) fails: three arguments
+    )
+    assert errors(c) == []
+    with pytest.raises(ConfigError, match=r"^order.n._target_=operator.add failed on job \(0, 0, F\): TypeError"):
+        simulate_config(c)
+    c = cfg_of(
+        "strategy=custom", "strategy.placement._target_=launcher.schedule.placement.LPP",
+        "strategy.placement._partial_=false", "+strategy.placement.G=${G}", "+strategy.placement.R=${R}",
+    )
+    tl, summary = simulate_config(c)
+    ref = simulate(make_step("lpp", 8, 16, G=2, R=4))
+    assert tl.finish == ref.finish and summary["latency"] == ref.latency
+
+
+def test_custom_target_that_cannot_be_built(cfg_of):
+    with pytest.raises(ConfigError) as e:
+        to_step(cfg_of("strategy=custom", "strategy.placement._target_=no_such_module.fn"))
+    assert e.value.sentences == [
+        "strategy.placement._target_=no_such_module.fn could not be built: "
+        "ModuleNotFoundError: No module named 'no_such_module'."
+    ]
