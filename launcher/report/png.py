@@ -34,14 +34,19 @@ def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int 
     colour = lambda b: cmap(b % cmap.N)  # noqa: E731
     label = space.N <= MAX_LABELS
     for w, prog in enumerate(tl.program):
-        for j in prog:
-            s, b, k = space.job(j)
-            x0, x1 = tl.start[j], tl.finish[j]
-            # forward solid, backward hatched: the same colour reads as the same micro-batch
-            ax.broken_barh([(x0, x1 - x0)], (w - 0.4, 0.8), facecolors=colour(b), edgecolors="black",
-                           linewidth=0.5, hatch="//" if k != "F" else None)
-            if label:
-                ax.text((x0 + x1) / 2, w, f"{k.lower()}{s}", ha="center", va="center", fontsize=7)
+        # one collection per worker and direction (fast for thousands of jobs): forwards solid,
+        # backwards hatched, so the same colour reads as the same micro-batch both ways
+        for forward in (True, False):
+            jobs = [j for j in prog if (space.job(j).kind == "F") == forward]
+            if not jobs:
+                continue
+            ax.broken_barh([(tl.start[j], tl.finish[j] - tl.start[j]) for j in jobs], (w - 0.4, 0.8),
+                           facecolors=[colour(space.job(j).microbatch) for j in jobs], edgecolors="black",
+                           linewidth=0.5, hatch=None if forward else "//")
+        if label:
+            for j in prog:
+                s, b, k = space.job(j)
+                ax.text((tl.start[j] + tl.finish[j]) / 2, w, f"{k.lower()}{s}", ha="center", va="center", fontsize=7)
     ax.set_ylim(W - 0.5, -0.5)  # worker 0 on top, as in the text diagram
     ax.set_yticks(range(W))
     ax.set_yticklabels([f"w{w}" for w in range(W)])

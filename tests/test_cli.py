@@ -1,0 +1,98 @@
+"""End-to-end: the README's commands as subprocesses (``python -m launcher ...``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PER_WORKER = ("busy", "act_recv", "grad_recv", "weight_fetch_stages", "weight_fetch_jobs", "peak_activations",
+              "weights_owned", "weights_peak_resident")
+
+
+def launcher(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_simulate_prints_tables_and_diagram_and_writes_png_and_json(tmp_path):
+    run_dir = tmp_path / "run"
+    p = launcher("mode=simulate", "strategy=lpp", "G=2", "R=4", "stages=8", "microbatches=16", "order=1f1b",
+                 f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    # the per-worker table with a total row, and the closed-form table
+    assert "per worker" in out and "peak resident" in out and "│  total │" in out
+    assert "simulated vs closed form" in out and "seed 000" in out and "seed 001" in out
+    assert "latency_fb" in out and "differs" in out
+    # the text diagram: one row per worker, cells f<stage>:<micro-batch>
+    rows = [line for line in out.splitlines() if line.startswith(("w0 ", "w7 "))]
+    assert len(rows) == 2 and "f0:0" in rows[0] and "b0:14" in rows[0] and "f3:1" in rows[1]
+
+    rec = json.loads((run_dir / "simulation.json").read_text())
+    assert rec["config"]["strategy"]["name"] == "lpp" and rec["config"]["W"] == 8
+    assert rec["latency"] == 42.0 and rec["workers"] == 8
+    assert rec["utilization"] == pytest.approx(256 / (8 * 42))
+    assert rec["bubble_fraction"] == pytest.approx(1 - rec["utilization"])
+    assert rec["rho"] == pytest.approx(rec["utilization"])  # F = B
+    for k in PER_WORKER:
+        assert len(rec["per_worker"][k]) == 8, k
+    assert sum(rec["per_worker"]["busy"]) == 256
+    assert rec["closed_form"]["000"]["latency_fb"] == 15.0 and rec["closed_form"]["001"]["latency_fb"] == 19.0
+    assert rec["simulated"]["latency_fb"] == 21.0
+    assert (run_dir / "pipeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"wrote {run_dir / 'simulation.json'}" in out
+
+
+def test_invalid_config_is_one_sentence_and_exit_2(tmp_path):
+    p = launcher("strategy=ddp", "G=2", "R=4", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.splitlines() == [
+        "error: strategy=ddp needs W = microbatches, but W=G*R=8 and microbatches=16; leave G and R at the ddp "
+        "defaults (G=microbatches R=1) or set microbatches=8."
+    ]
+    p = launcher("strategy=foo", cwd=tmp_path)  # rejected before Hydra starts
+    assert p.returncode == 2
+    assert p.stderr.splitlines() == [
+        "error: strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]
+    # a typo on the command line stops a sweep before any point runs
+    p = launcher("-m", "strategy=ddp,lpp", "G=2,2.5", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert p.returncode == 2 and not (tmp_path / "sweep").exists()
+    assert p.stderr.splitlines() == [
+        "error: G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]
+
+
+def test_multirun_skips_the_invalid_point_and_runs_the_others(tmp_path):
+    sweep = tmp_path / "sweep"
+    # ddp needs W = microbatches = 16: with G=2 R=4 that point is invalid; gpipe (W = stages = 8) and lpp run
+    p = launcher("-m", "strategy=ddp,gpipe,lpp", "G=2", "R=4", "stages=8", "microbatches=16",
+                 f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert "error: strategy=ddp needs W = microbatches" in p.stderr
+    assert "skipped: strategy=ddp G=2 R=4 stages=8 microbatches=16" in p.stderr
+    assert "1 of 3 points were invalid and skipped" in p.stderr
+    invalid = json.loads((sweep / "0" / "invalid.json").read_text())
+    assert invalid["errors"][0].startswith("strategy=ddp needs W = microbatches")
+    assert not (sweep / "0" / "simulation.json").exists()
+    for n, name in ((1, "gpipe"), (2, "lpp")):
+        rec = json.loads((sweep / str(n) / "simulation.json").read_text())
+        assert rec["config"]["strategy"]["name"] == name
+        assert (sweep / str(n) / "pipeline.png").exists()
+    assert "sweep: 3 points" in p.stdout and "skipped: invalid" in p.stdout
+
+
+def test_recipe_all_schemes(tmp_path):
+    sweep = tmp_path / "all"
+    p = launcher("--config-dir", str(ROOT / "recipes"), "-cn", "all_schemes", "stages=4", "microbatches=4",
+                 f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    names = [json.loads((sweep / str(n) / "simulation.json").read_text())["config"]["strategy"]["name"]
+             for n in range(5)]
+    assert names == ["ddp", "fsdp", "gpipe", "lpp", "fslpp"]
+    assert "sweep: 5 points" in p.stdout
