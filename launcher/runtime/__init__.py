@@ -1,0 +1,23 @@
+"""The runtime: run any schedule on real workers over ``torch.distributed``.
+
+- :mod:`.plan` lowers a simulated timeline into one program per worker (pure Python);
+- :mod:`.model` holds staged models, a small staged MLP and the single-process oracle;
+- :mod:`.comm` issues a step's point-to-point messages in the plan's order;
+- :mod:`.worker` is the :class:`Engine` that runs a worker's program;
+- :mod:`.measure` records what happened beside what the simulator predicted;
+- :mod:`.failure` stops every worker, naming the culprit, when one fails;
+- :mod:`.launch` starts workers locally (fork) or joins a torchrun group.
+"""
+
+from .failure import DEFAULT_TIMEOUT, Watchdog, WorkerAborted, WorkerFailed
+from .launch import auto_backend, init_from_env, launch
+from .measure import merge, mismatches
+from .model import StagedModel, mlp_batches, reference_step, staged_mlp
+from .plan import Plan, PlanError, lower
+from .worker import Engine
+
+__all__ = [
+    "DEFAULT_TIMEOUT", "Watchdog", "WorkerAborted", "WorkerFailed", "auto_backend", "init_from_env", "launch",
+    "merge", "mismatches", "StagedModel", "mlp_batches", "reference_step", "staged_mlp", "Plan", "PlanError",
+    "lower", "Engine",
+]

@@ -1,0 +1,160 @@
+"""Point-to-point messages of one step over ``torch.distributed``, issued in the plan's pair order.
+
+Every operation is asynchronous (``isend``/``irecv``); the communication backend moves data on its
+own threads while the worker computes, which is the seeds' prefetch thread without a Python thread
+fighting the compute for the GIL. A receive is *wanted* once its consuming job is within the
+prefetch window; a send is *ready* once its data exists. Per peer, operations are issued strictly
+in the plan's order (what NCCL needs): issuing stops at the first send whose data is not ready,
+and a receive that is not wanted yet is posted early when a later operation of the same pair must
+go out (posting a receive never blocks).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .failure import Watchdog, WorkerAborted
+from .plan import Msg, Plan
+
+Spec = tuple[tuple[int, ...], torch.dtype]
+
+
+class Comm:
+    """The messages of one worker in one step, with counts and bytes per kind."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        worker: int,
+        spec: Callable[[Msg], Spec],
+        device: torch.device,
+        watchdog: Watchdog | None = None,
+        group: dist.ProcessGroup | None = None,
+        ranks: list[int] | None = None,
+        on_alloc: Callable[[Msg], None] | None = None,
+    ) -> None:
+        self.msgs = plan.messages
+        self.me = worker
+        self.spec = spec
+        self.device = device
+        self.watchdog = watchdog
+        self.group = group
+        self.ranks = ranks or list(range(plan.workers))  # worker -> rank in ``group``
+        self.on_alloc = on_alloc
+        self.queue = plan.programs[worker].pair_order
+        self.next = {p: 0 for p in self.queue}
+        self.ready: dict[int, torch.Tensor] = {}
+        self.wanted: set[int] = set()
+        self.works: dict[int, dist.Work] = {}
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.recv_count: dict[str, int] = defaultdict(int)
+        self.recv_bytes: dict[str, int] = defaultdict(int)
+        self.sent_count: dict[str, int] = defaultdict(int)
+        self.sent_bytes: dict[str, int] = defaultdict(int)
+
+    def _peer(self, m: Msg) -> int:
+        return m.dst if m.src == self.me else m.src
+
+    def _pump(self, peer: int) -> None:
+        q, i = self.queue[peer], self.next[peer]
+        last = i - 1
+        for k in range(i, len(q)):
+            mid = q[k]
+            if self.msgs[mid].src == self.me:
+                if mid not in self.ready:
+                    break
+                last = k
+            elif mid in self.wanted:
+                last = k
+        for k in range(i, last + 1):
+            self._issue(q[k])
+        self.next[peer] = last + 1
+
+    def _issue(self, mid: int) -> None:
+        m = self.msgs[mid]
+        self._check()
+        try:
+            if m.src == self.me:
+                t = self.ready.pop(mid)
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                self.sends.append((dist.isend(t, self.ranks[m.dst], group=self.group, tag=mid), t))
+                self.sent_count[m.kind] += 1
+                self.sent_bytes[m.kind] += t.numel() * t.element_size()
+            else:
+                shape, dtype = self.spec(m)
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                if self.on_alloc is not None:
+                    self.on_alloc(m)
+                self.buffers[mid] = buf
+                self.works[mid] = dist.irecv(buf, self.ranks[m.src], group=self.group, tag=mid)
+        except Exception as e:
+            self._failed(e)
+
+    # ---- the worker's side ------------------------------------------------------------------
+    def send(self, mid: int, tensor: torch.Tensor) -> None:
+        """Hand over the data of an outgoing message; it goes out as soon as the pair order allows."""
+        self.ready[mid] = tensor.detach()
+        self._pump(self._peer(self.msgs[mid]))
+
+    def want(self, mid: int) -> None:
+        """Ask for an incoming message ahead of time (prefetch)."""
+        if mid not in self.wanted:
+            self.wanted.add(mid)
+            self._pump(self._peer(self.msgs[mid]))
+
+    def wait(self, mid: int) -> torch.Tensor:
+        """The data of an incoming message, blocking until it is here; counted once."""
+        self.want(mid)
+        work = self.works.pop(mid, None)
+        if work is not None:
+            self._check()
+            try:
+                work.wait()
+            except Exception as e:
+                self._failed(e)
+            m = self.msgs[mid]
+            buf = self.buffers[mid]
+            self.recv_count[m.kind] += 1
+            self.recv_bytes[m.kind] += buf.numel() * buf.element_size()
+        if mid not in self.buffers:  # never posted: only possible if the pair order is broken
+            raise RuntimeError(f"message {self.msgs[mid]} was not posted; the plan's pair order is inconsistent")
+        return self.buffers[mid]
+
+    def drop(self, mid: int) -> None:
+        """Forget a received buffer (the worker's reference is what keeps its memory)."""
+        self.buffers.pop(mid, None)
+
+    def finish(self) -> None:
+        """Wait for every outgoing message to be delivered."""
+        for peer in self.queue:
+            self._pump(peer)
+            if self.next[peer] != len(self.queue[peer]):
+                pending = [self.msgs[m] for m in self.queue[peer][self.next[peer] :]]
+                raise RuntimeError(f"worker {self.me} ends its step with messages to/from {peer} not issued: {pending[:3]}")
+        for work, _ in self.sends:
+            self._check()
+            try:
+                work.wait()
+            except Exception as e:
+                self._failed(e)
+        self.sends.clear()
+
+    def _check(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.check()
+
+    def _failed(self, e: Exception) -> None:
+        """A communication error: most likely a peer died. Name it if the watchdog can."""
+        if isinstance(e, WorkerAborted):
+            raise e
+        if self.watchdog is not None:
+            msg = self.watchdog.wait_abort(self.watchdog.timeout + self.watchdog.grace)
+            if msg is not None:
+                raise WorkerAborted(msg) from e
+        raise e

@@ -1,0 +1,214 @@
+"""Start workers: W local processes (fork), or join a group that torchrun (or Slurm) started.
+
+Local::
+
+    results = launch(train, 4, cfg, timeout=30)      # train(cfg) runs on 4 forked ranks
+
+Each child sets one intra-op thread (2-core machines oversubscribe badly otherwise), joins a
+``torch.distributed`` group through a store the parent hosts, starts its :class:`Watchdog`, runs
+the function and sends its return value back. The parent watches the children: when one raises or
+dies, the store's ``abort`` key names it (and the job it was running), every other child stops
+within ``timeout`` (+ the watchdog's grace), stragglers are killed, and :class:`WorkerFailed` is
+raised. No child outlives :func:`launch`.
+
+torchrun: ``torchrun --nproc-per-node 4 -m launcher.runtime --strategy lpp --G 2 --R 2`` (see
+``launcher/runtime/__main__.py``); :func:`init_from_env` joins the group and starts the watchdog.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .failure import ABORT_KEY, DEFAULT_TIMEOUT, Watchdog, WorkerAborted, WorkerFailed, failure_message, set_current_watchdog
+
+#: how long a blocking collective may take before the backend itself gives up; failure detection
+#: is the watchdog's job (a slow but healthy peer keeps beating), so this is generous
+PG_TIMEOUT = timedelta(minutes=10)
+
+
+def auto_backend(backend: str = "auto") -> str:
+    """``gloo`` on CPU, ``nccl`` when CUDA is available."""
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _child(
+    rank: int, world: int, port: int, backend: str, timeout: float, conn, slot, fn: Callable, args: tuple, kwargs: dict
+) -> None:
+    def report(kind: str, payload: Any) -> None:
+        try:
+            conn.send((kind, payload))
+        except Exception:
+            pass
+
+    code = 0
+    wd = None
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
+        # the watchdog gets its own connection: a blocking store call of the group must not delay it
+        wd_store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
+        wd = Watchdog(dist.PrefixStore("watchdog", wd_store), rank, world, timeout, job_slot=slot,
+                      on_hard_exit=lambda msg: report("aborted", msg))
+        wd.start()
+        set_current_watchdog(wd)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+                                timeout=PG_TIMEOUT)
+        result = fn(*args, **kwargs)
+        wd.stop(done=True)
+        report("ok", result)
+    except WorkerAborted as e:
+        report("aborted", f"rank {rank} stopped because {e}")
+        code = 1
+    except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        msg = wd.fail(e) if wd is not None else failure_message(rank, "", f"{type(e).__name__}: {e}")
+        own = msg.startswith(f"rank {rank} ")
+        report("failed" if own else "aborted", msg if own else f"rank {rank} stopped because {msg}")
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # no interpreter teardown: no atexit of the parent's objects, no waiting on a broken group
+        os._exit(code)
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+    deadline: float | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return each rank's result.
+
+    ``timeout``: seconds within which every worker stops after one fails (and how long a silent
+    worker may go before it is declared dead). ``deadline``: optional bound on the whole run.
+    Raises :class:`WorkerFailed` naming the failed rank and job.
+    """
+    backend = auto_backend(backend)
+    ctx = mp.get_context("fork")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timedelta(seconds=60), wait_for_workers=False)
+    wstore = dist.PrefixStore("watchdog", store)
+    slots = [ctx.RawArray("c", 256) for _ in range(world_size)]
+    procs, conns = [], []
+    for r in range(world_size):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(r, world_size, store.port, backend, timeout, child_end, slots[r], fn, args, kwargs),
+                        name=f"launcher-worker-{r}", daemon=True)
+        p.start()
+        child_end.close()
+        procs.append(p)
+        conns.append(parent_end)
+
+    results: list[Any] = [None] * world_size
+    reports: dict[int, tuple[str, Any]] = {}
+    failure: str | None = None
+    stop_by: float | None = None
+    end_by = time.monotonic() + deadline if deadline is not None else None
+    alive = set(range(world_size))
+    open_conns = {conns[r]: r for r in range(world_size)}
+    sentinels = {procs[r].sentinel: r for r in range(world_size)}
+
+    def take(r: int) -> None:
+        c = conns[r]
+        try:
+            while c.poll():
+                reports[r] = c.recv()
+        except (EOFError, OSError):
+            pass
+        open_conns.pop(c, None)
+
+    def set_failure(msg: str) -> None:
+        nonlocal failure, stop_by
+        if failure is None:
+            failure = wstore.compare_set(ABORT_KEY, "", msg).decode()
+            stop_by = time.monotonic() + timeout + min(2.0, timeout / 4) + 1.0
+
+    try:
+        while alive:
+            now = time.monotonic()
+            wait_for = [procs[r].sentinel for r in alive] + list(open_conns)
+            limit = [t - now for t in (stop_by, end_by) if t is not None]
+            ready = mp.connection.wait(wait_for, timeout=max(0.0, min(limit)) if limit else None)
+            for obj in ready:
+                if obj in open_conns:
+                    r = open_conns[obj]
+                    try:
+                        reports[r] = obj.recv()
+                    except (EOFError, OSError):
+                        open_conns.pop(obj, None)
+                    continue
+                r = sentinels.get(obj)
+                if r is None or r not in alive:
+                    continue  # a pipe already drained when its process ended
+                procs[r].join()
+                alive.discard(r)
+                take(r)
+                kind, payload = reports.get(r, ("died", None))
+                if kind == "ok":
+                    results[r] = payload
+                elif kind == "failed":
+                    set_failure(payload)
+                elif kind == "died":
+                    code = procs[r].exitcode
+                    how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+                    set_failure(failure_message(r, slots[r].value.decode(), f"the process died ({how})"))
+                else:  # aborted because of someone else: that one is (or will be) the failure
+                    if failure is None and wstore.check([ABORT_KEY]):
+                        set_failure(wstore.get(ABORT_KEY).decode())
+            now = time.monotonic()
+            if alive and ((stop_by is not None and now >= stop_by) or (end_by is not None and now >= end_by)):
+                if failure is None:
+                    set_failure(f"the run exceeded its deadline of {deadline} s")
+                break
+    finally:
+        for r in list(alive):  # stragglers past the bound, or an interrupted parent
+            if procs[r].is_alive():
+                os.kill(procs[r].pid, signal.SIGKILL)
+            procs[r].join()
+            take(r)
+        for c in conns:
+            c.close()
+    if failure is not None:
+        errors = {r: str(p) for r, (k, p) in reports.items() if k != "ok"}
+        for r in range(world_size):
+            if r not in reports and procs[r].exitcode != 0:
+                errors[r] = f"rank {r} was killed after not stopping within the bound"
+        raise WorkerFailed(failure, errors)
+    return results
+
+
+def init_from_env(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> Watchdog:
+    """Join the process group torchrun (or any ``env://`` launcher) describes, with a watchdog.
+
+    torchrun's agent already stops every worker when one exits with an error; the watchdog adds
+    the error that names the failed rank and its job, and stops a worker whose peer hangs.
+    """
+    backend = auto_backend(backend)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=PG_TIMEOUT)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timedelta(seconds=60))
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run") + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    wd = Watchdog(dist.PrefixStore(f"launcher/{run}/watchdog", store), rank, world, timeout).start()
+    set_current_watchdog(wd)
+    return wd

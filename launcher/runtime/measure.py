@@ -1,0 +1,116 @@
+"""What actually happened on a worker in one step, beside what the simulator predicted.
+
+A record's ``per_worker`` keys are ``simulation.json``'s (:data:`PER_WORKER_KEYS`), each with
+``predicted`` and ``measured``. Units: ``busy`` is simulated duration units when predicted and
+seconds when measured; every other key is a count. ``measured_only`` holds what the simulator does
+not predict: bytes per message kind, peak activation bytes, weight messages received, wall time of
+each job and of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.schedule.metrics import PER_WORKER_KEYS
+
+
+@dataclass
+class Meter:
+    """Counters the engine updates as it runs a step."""
+
+    live: int = 0
+    live_bytes: int = 0
+    peak_live: int = 0
+    peak_live_bytes: int = 0
+    resident: int = 0  # fetched stage copies held now
+    peak_resident: int = 0
+    fetched_stages: set = field(default_factory=set)
+    fetched_jobs: int = 0
+    allreduce: int = 0
+    jobs: list = field(default_factory=list)  # [stage, microbatch, kind, seconds]
+    loss: float = 0.0
+    t0: float = field(default_factory=time.perf_counter)
+    step_s: float = 0.0
+
+    def take(self, nbytes: int) -> None:
+        self.live += 1
+        self.live_bytes += nbytes
+        self.peak_live = max(self.peak_live, self.live)
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def release(self, nbytes: int) -> None:
+        self.live -= 1
+        self.live_bytes -= nbytes
+
+    def hold_weights(self) -> None:
+        self.resident += 1
+        self.peak_resident = max(self.peak_resident, self.resident)
+
+    def free_weights(self) -> None:
+        self.resident -= 1
+
+
+def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, owned: int, step: int) -> dict[str, Any]:
+    """One worker's record for one step."""
+    measured = {
+        "busy": sum(j[3] for j in meter.jobs),
+        "act_recv": comm.recv_count["act"],
+        "grad_recv": comm.recv_count["grad"],
+        "stash_recv": 0,  # the runtime keeps every job of (s, b) where F(s, b) ran
+        "weight_fetch_stages": len(meter.fetched_stages),
+        "weight_fetch_jobs": meter.fetched_jobs,
+        "weight_grad_send": comm.sent_count["wgrad"],
+        "weight_allreduce": meter.allreduce,
+        "peak_activations": meter.peak_live,
+        "weights_owned": owned,
+        "weights_peak_resident": owned + meter.peak_resident,
+    }
+    kinds = sorted(set(comm.recv_count) | set(comm.sent_count))
+    return {
+        "step": step,
+        "worker": worker,
+        "per_worker": {k: {"predicted": predicted[k][worker], "measured": measured[k]} for k in PER_WORKER_KEYS},
+        "measured_only": {
+            "recv_count": {k: comm.recv_count[k] for k in kinds},
+            "recv_bytes": {k: comm.recv_bytes[k] for k in kinds},
+            "sent_count": {k: comm.sent_count[k] for k in kinds},
+            "sent_bytes": {k: comm.sent_bytes[k] for k in kinds},
+            "weight_fetches": comm.recv_count["weights"],
+            "peak_activation_bytes": meter.peak_live_bytes,
+            "step_s": meter.step_s,
+            "jobs": meter.jobs,
+            "loss": meter.loss,
+        },
+    }
+
+
+def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-worker records of one step -> one record with a list per key, indexed by worker."""
+    records = sorted((r for r in records if r), key=lambda r: r["worker"])
+    out: dict[str, Any] = {"step": records[0]["step"] if records else 0, "per_worker": {}, "measured_only": defaultdict(list)}
+    for k in PER_WORKER_KEYS:
+        out["per_worker"][k] = {
+            "predicted": [r["per_worker"][k]["predicted"] for r in records],
+            "measured": [r["per_worker"][k]["measured"] for r in records],
+        }
+    for r in records:
+        for k, v in r["measured_only"].items():
+            out["measured_only"][k].append(v)
+    out["measured_only"] = dict(out["measured_only"])
+    out["loss"] = sum(r["measured_only"]["loss"] for r in records)
+    out["step_s"] = max((r["measured_only"]["step_s"] for r in records), default=0.0)
+    return out
+
+
+#: counts the runtime must reproduce exactly
+EXACT_KEYS = ("act_recv", "grad_recv", "stash_recv", "weight_fetch_stages", "weight_fetch_jobs",
+              "weight_grad_send", "weight_allreduce", "peak_activations", "weights_owned")
+
+
+def mismatches(record: dict[str, Any], keys: tuple[str, ...] = EXACT_KEYS) -> dict[str, Any]:
+    """Keys whose measured value differs from the prediction (empty when they all agree)."""
+    pw = record["per_worker"]
+    return {k: pw[k] for k in keys if pw[k]["predicted"] != pw[k]["measured"]}

@@ -1,0 +1,175 @@
+"""Staged models: a list of stage modules plus a loss on the last stage, and the oracle.
+
+A stage takes the outputs of its predecessor stages (in ``graph.preds`` order; a source stage takes
+the micro-batch input) and returns one tensor. A loss stage's output goes to ``loss(output,
+target)``. The loss of a step is the mean over micro-batches, so every micro-batch's loss is
+scaled by ``1/B`` before its backward.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from launcher.schedule.graph import StageGraph
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input, target) of one micro-batch
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class StagedModel:
+    """The user's model, cut into stages; ``graph`` defaults to the chain ``0 -> ... -> S-1``."""
+
+    stages: list[nn.Module]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    graph: StageGraph | None = None
+
+    def __post_init__(self) -> None:
+        if self.graph is None:
+            self.graph = StageGraph.chain(len(self.stages))
+        if self.graph.stages != len(self.stages):
+            raise ValueError(f"the stage graph has {self.graph.stages} stages but the model has {len(self.stages)}")
+        for s, m in enumerate(self.stages):
+            if list(m.buffers()):
+                raise ValueError(f"stage {s} has buffers; the runtime supports stages whose state is parameters only")
+            dtypes = {p.dtype for p in m.parameters()}
+            if len(dtypes) > 1:
+                raise ValueError(f"stage {s} mixes parameter dtypes {sorted(map(str, dtypes))}; use one dtype per stage")
+
+    @property
+    def S(self) -> int:
+        return len(self.stages)
+
+
+@dataclass
+class StageLayout:
+    """Names, shapes and offsets of one stage's parameters inside a flat buffer."""
+
+    names: list[str]
+    shapes: list[torch.Size]
+    numels: list[int]
+    dtype: torch.dtype
+    numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.numel = sum(self.numels)
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "StageLayout":
+        named = list(module.named_parameters())
+        dtype = named[0][1].dtype if named else torch.float32
+        return cls([n for n, _ in named], [p.shape for _, p in named], [p.numel() for _, p in named], dtype)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameters as views into ``flat`` (so autograd through them lands in ``flat.grad``)."""
+        return {n: t.view(shape) for n, t, shape in zip(self.names, flat.split(self.numels), self.shapes)}
+
+    def pack(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        if not tensors:
+            return torch.zeros(0, dtype=self.dtype) if out is None else out
+        return torch.cat([t.reshape(-1) for t in tensors], out=out) if out is not None else torch.cat([t.reshape(-1) for t in tensors])
+
+
+def run_stage(module: nn.Module, params: dict[str, torch.Tensor] | None, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Apply a stage with its own parameters (``params=None``) or with the given tensors."""
+    out = module(*inputs) if params is None else functional_call(module, params, tuple(inputs))
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"a stage must return one tensor, got {type(out).__name__}")
+    return out
+
+
+def skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` on the meta device: its structure, without storage."""
+    return copy.deepcopy(module).to("meta")
+
+
+# ---- a small staged MLP, for tests and examples -------------------------------------------------
+
+
+class Block(nn.Module):
+    """``tanh(x W + b)``: one stage of the test MLP."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def staged_mlp(
+    stages: int, width: int = 8, d_in: int = 6, d_out: int = 3, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> StagedModel:
+    """A chain of ``stages`` tanh layers (the last one linear) with an MSE loss; deterministic in ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    mods: list[nn.Module] = []
+    for s in range(stages):
+        a = d_in if s == 0 else width
+        z = d_out if s == stages - 1 else width
+        m: nn.Module = nn.Linear(a, z) if s == stages - 1 else Block(a, z)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5)
+        mods.append(m.to(dtype))
+    return StagedModel(mods, nn.functional.mse_loss)
+
+
+def mlp_batches(
+    microbatches: int, size: int = 4, d_in: int = 6, d_out: int = 3, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> list[Batch]:
+    """``microbatches`` random (input, target) pairs of ``size`` rows each."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    return [
+        (torch.randn(size, d_in, generator=gen, dtype=dtype), torch.randn(size, d_out, generator=gen, dtype=dtype))
+        for _ in range(microbatches)
+    ]
+
+
+# ---- the oracle ---------------------------------------------------------------------------------
+
+
+def forward_all(model: StagedModel, x: torch.Tensor) -> list[torch.Tensor]:
+    """Outputs of every stage for one micro-batch, through the stage graph."""
+    outs: list[torch.Tensor] = []
+    for s, m in enumerate(model.stages):
+        preds = model.graph.preds[s]
+        outs.append(run_stage(m, None, [outs[p] for p in preds] if preds else [x]))
+    return outs
+
+
+def reference_loss(model: StagedModel, batch: Batch, microbatches: int) -> torch.Tensor:
+    """One micro-batch's contribution to the step loss: the sum of its sinks' losses over ``B``."""
+    x, y = batch
+    outs = forward_all(model, x)
+    return sum(model.loss(outs[s], y) for s in model.graph.sinks) / microbatches
+
+
+def reference_step(
+    model: StagedModel, optimizer: torch.optim.Optimizer, microbatches: Sequence[Batch]
+) -> tuple[list[torch.Tensor], float]:
+    """Plain single-process training with gradient accumulation; returns per-stage flat grads and the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for batch in microbatches:
+        loss = reference_loss(model, batch, len(microbatches))
+        loss.backward()
+        total += float(loss.detach())
+    grads = [
+        torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in m.parameters()])
+        if list(m.parameters())
+        else torch.zeros(0)
+        for m in model.stages
+    ]
+    optimizer.step()
+    return grads, total
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    ps = [p.detach().reshape(-1) for p in module.parameters()]
+    return torch.cat(ps) if ps else torch.zeros(0)

@@ -1,0 +1,249 @@
+"""Lower a simulated :class:`~launcher.schedule.Timeline` into one program per worker.
+
+Pure Python, no torch. Every worker calls :func:`lower` on the same timeline and gets the same
+:class:`Plan`, so every send has its matching receive without a coordinator.
+
+What the placement implies (DESIGN.md section 2), as messages:
+
+- ``act``: ``F(p,b) -> F(c,b)`` across workers carries ``x_c^b`` (the output of stage ``p``);
+- ``grad``: backward ``(c,b) -> (p,b)`` across workers carries ``dL/d(output of p)``;
+- ``weights``: a job with ``w_compute != w_weights`` runs on a copy of stage ``s`` sent by the
+  owner ``w_weights``. With ``weight_cache="step"`` a worker fetches each stage once, for the
+  first job that needs it, and keeps it to the end of the step; with ``"job"`` every such job
+  fetches its own copy and frees it when it finishes;
+- ``wgrad``: after the compute, each worker sends its per-stage weight-gradient sum to every
+  other owner it computed for (one message per ``(stage, owner)``);
+- ``reduce`` / ``bcast``: owners of a replicated stage (DDP, LPP with G > 1) sum their partial
+  gradients at the lowest-ranked owner (the root), which sends the total back; then each owner
+  steps its optimizer for the stages it owns.
+
+Message order, for NCCL: NCCL ignores tags, matches point-to-point operations between a pair of
+ranks in issue order, and runs a pair's operations (both directions) one after another. So every
+message gets a sort ``key``: the simulated time at which its data is ready at the sender
+(``act``/``grad``: the producing job's finish; ``weights``: the consuming job's start, since owners
+hold weights all step), then the end-of-step phases. Both ends issue a pair's operations in key
+order. A worker only ever waits for data whose key is earlier than the simulated start of the job
+that waits, so issuing in key order cannot deadlock (the simulated timeline is a witness).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launcher.schedule.metrics import WEIGHT_CACHES, per_worker
+from launcher.schedule.simulate import Timeline
+
+ACT, GRAD, WEIGHTS, WGRAD, REDUCE, BCAST = "act", "grad", "weights", "wgrad", "reduce", "bcast"
+KINDS = (ACT, GRAD, WEIGHTS, WGRAD, REDUCE, BCAST)
+
+
+class PlanError(ValueError):
+    """A timeline the runtime cannot lower."""
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One point-to-point message of the step.
+
+    ``stage``: the stage whose tensor it carries (``act``/``grad``: the producing stage ``p`` of
+    the edge ``p -> peer_stage``; weight kinds: the stage). ``microbatch`` is -1 for weight kinds.
+    """
+
+    mid: int
+    kind: str
+    src: int
+    dst: int
+    stage: int
+    microbatch: int
+    peer_stage: int
+    key: tuple
+
+
+@dataclass
+class JobOp:
+    """A compute job with the messages it consumes and produces."""
+
+    job: int
+    stage: int
+    microbatch: int
+    kind: str
+    owner: int  # w_weights of this job
+    recv: dict[int, int] = field(default_factory=dict)  # pred stage (F) or succ stage (B/I) -> mid
+    send: list[int] = field(default_factory=list)  # mids this job's output feeds
+    weights: int | None = None  # weights message this job runs on (None: owned stage)
+    free_weights: bool = False  # drop the fetched copy when the job ends (cache "job")
+    start: float = 0.0  # simulated start, for reports
+
+
+@dataclass
+class StageReduce:
+    """End-of-step gradient traffic of one stage on one worker."""
+
+    stage: int
+    send_to_owner: dict[int, int] = field(default_factory=dict)  # owner -> wgrad mid
+    recv_from: list[int] = field(default_factory=list)  # wgrad mids into this owner
+    reduce_send: int | None = None  # non-root owner: partial -> root
+    reduce_recv: list[int] = field(default_factory=list)  # root: partials in
+    bcast_send: list[int] = field(default_factory=list)  # root: total out
+    bcast_recv: int | None = None  # non-root owner: total in
+
+
+@dataclass
+class Program:
+    """Everything one worker does in a step, in order."""
+
+    worker: int
+    jobs: list[JobOp]
+    reduces: list[StageReduce]
+    owned: list[int]  # stages this worker is a source of truth for
+    pair_order: dict[int, list[int]]  # peer -> mids to or from that peer, in issue order
+
+
+@dataclass
+class Plan:
+    """The step lowered for every worker, plus the counts the simulator predicts."""
+
+    timeline: Timeline
+    weight_cache: str
+    messages: list[Msg]
+    programs: list[Program]
+    owners: list[list[int]]  # stage -> sorted owner workers
+    predicted: dict[str, list]
+
+    @property
+    def workers(self) -> int:
+        return len(self.programs)
+
+    def counts(self) -> dict[str, list[int]]:
+        """Messages received per worker and kind, straight from the plan."""
+        out = {k: [0] * self.workers for k in KINDS}
+        for m in self.messages:
+            out[m.kind][m.dst] += 1
+        return out
+
+
+def _check_colocated(tl: Timeline) -> None:
+    """Every job of ``(s, b)`` must run where ``F(s, b)`` ran: its activation stash lives there."""
+    space = tl.step.space
+    SB = space.S * space.B
+    for j in range(SB, space.N):
+        if tl.compute[j] != tl.compute[j % SB]:
+            s, b, d = space.job(j)
+            raise PlanError(
+                f"placement {tl.step.name} runs F({s},{b}) on worker {tl.compute[j % SB]} but "
+                f"{d}({s},{b}) on worker {tl.compute[j]}; the runtime needs every job of a "
+                f"(stage, micro-batch) on the worker that holds its activations"
+            )
+
+
+def lower(tl: Timeline, weight_cache: str = "step") -> Plan:
+    """Lower ``tl`` into per-worker programs; identical on every worker."""
+    if weight_cache not in WEIGHT_CACHES:
+        raise PlanError(f"weight_cache={weight_cache!r} is not valid; choose one of {list(WEIGHT_CACHES)}")
+    _check_colocated(tl)
+    space, W = tl.step.space, tl.step.workers
+    S, B, SB = space.S, space.B, space.S * space.B
+    comp, wts = tl.compute, tl.weights
+    end = tl.latency + 1.0  # keys of the end-of-step phases sort after every compute message
+    msgs: list[Msg] = []
+
+    def new(kind: str, src: int, dst: int, stage: int, mb: int, peer: int, key: tuple) -> int:
+        msgs.append(Msg(len(msgs), kind, src, dst, stage, mb, peer, key))
+        return len(msgs) - 1
+
+    ops: dict[int, JobOp] = {}
+    for w in range(W):
+        for j in tl.program[w]:
+            s, b, d = space.job(j)
+            ops[j] = JobOp(j, s, b, d, wts[j], start=tl.start[j])
+
+    # activations and gradients: one message per edge of the job graph that crosses workers
+    for j in range(SB * 2):
+        k, s = divmod(j // B, S)
+        b = j % B
+        for p in space.pred(j):
+            if comp[p] == comp[j] or p // SB != k:  # local, or the loss stage's F -> B
+                continue
+            ps = (p // B) % S
+            if k == 0:  # F(ps,b) -> F(s,b): the output of ps
+                mid = new(ACT, comp[p], comp[j], ps, b, s, (tl.finish[p], 0, p, j))
+            else:  # backward(ps,b) -> backward(s,b): dL/d(output of s), from stage ps
+                mid = new(GRAD, comp[p], comp[j], s, b, ps, (tl.finish[p], 0, p, j))
+            ops[j].recv[ps] = mid
+            ops[p].send.append(mid)
+
+    # weights: per job (cache "job") or per (worker, stage) for the first job that needs it
+    for w in range(W):
+        cached: dict[int, int] = {}
+        for j in tl.program[w]:
+            op = ops[j]
+            if op.owner == w:
+                continue
+            if weight_cache == "job":
+                op.weights = new(WEIGHTS, op.owner, w, op.stage, -1, op.stage, (tl.start[j], -1, j, j))
+                op.free_weights = True
+            else:
+                if op.stage not in cached:
+                    cached[op.stage] = new(WEIGHTS, op.owner, w, op.stage, -1, op.stage, (tl.start[j], -1, j, j))
+                op.weights = cached[op.stage]
+
+    # end of step: gradient sums to owners, then replica reduction per stage, in stage order
+    owners: list[set[int]] = [set() for _ in range(S)]
+    for j in range(space.N):
+        owners[(j // B) % S].add(wts[j])
+    grad_kind = space.K - 1  # B, or W when split: the job that yields stage s's weight gradient
+    contrib: list[set[tuple[int, int]]] = [set() for _ in range(S)]  # stage -> (worker, owner)
+    for j in range(space.N):
+        if j // SB == grad_kind:
+            contrib[(j // B) % S].add((comp[j], wts[j]))
+    reduces: list[dict[int, StageReduce]] = [{} for _ in range(W)]
+
+    def red(w: int, s: int) -> StageReduce:
+        return reduces[w].setdefault(s, StageReduce(s))
+
+    for s in range(S):
+        for w, o in sorted(contrib[s]):
+            if w != o:
+                mid = new(WGRAD, w, o, s, -1, s, (end, s, 0, w, o))
+                red(w, s).send_to_owner[o] = mid
+                red(o, s).recv_from.append(mid)
+        os_ = sorted(owners[s])
+        for o in os_:
+            red(o, s)
+        if len(os_) > 1:
+            root = os_[0]
+            for o in os_[1:]:
+                mid = new(REDUCE, o, root, s, -1, s, (end, s, 1, o, root))
+                red(o, s).reduce_send = mid
+                red(root, s).reduce_recv.append(mid)
+            for o in os_[1:]:
+                mid = new(BCAST, root, o, s, -1, s, (end, s, 2, root, o))
+                red(root, s).bcast_send.append(mid)
+                red(o, s).bcast_recv = mid
+
+    pair: list[dict[int, list[int]]] = [{} for _ in range(W)]
+    for m in sorted(msgs, key=lambda m: m.key):
+        pair[m.src].setdefault(m.dst, []).append(m.mid)
+        pair[m.dst].setdefault(m.src, []).append(m.mid)
+    programs = [
+        Program(
+            w,
+            [ops[j] for j in tl.program[w]],
+            [reduces[w][s] for s in sorted(reduces[w])],
+            sorted(s for s in range(S) if w in owners[s]),
+            pair[w],
+        )
+        for w in range(W)
+    ]
+    return Plan(tl, weight_cache, msgs, programs, [sorted(o) for o in owners], per_worker(tl, weight_cache))
+
+
+def predicted_receives(plan: Plan) -> dict[str, list[int]]:
+    """What the simulator predicts the runtime will receive, per kind, in plan terms.
+
+    ``weights`` is the distinct-stage fetch count with ``weight_cache="step"`` and the per-job
+    count with ``"job"``: the two policies the simulator's metrics describe.
+    """
+    p = plan.predicted
+    fetch = p["weight_fetch_stages"] if plan.weight_cache == "step" else p["weight_fetch_jobs"]
+    return {ACT: list(p["act_recv"]), GRAD: list(p["grad_recv"]), WEIGHTS: list(fetch)}

@@ -1,0 +1,421 @@
+"""The engine: one worker runs its program of a step over ``torch.distributed``.
+
+Usable on its own (plain Python) in any initialized process group, one engine per rank::
+
+    engine = Engine(staged_model, make_step("lpp", S, B, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    record = engine.train_step(microbatches)   # a list of B (input, target) pairs, the same on every rank
+
+Rank ``w`` of the group is worker ``w`` of the schedule; ranks at or above ``W`` have nothing to
+do. Every rank builds every stage, then keeps real weights (and optimizer state) only for the
+stages it owns; the others become meta-device skeletons, used to infer message shapes and to run
+fetched copies of the weights (``torch.func.functional_call``).
+
+Activations: ``F(s, b)`` stashes its inputs ``x_s^b`` (and, unless it recomputes, the autograd
+graph of stage ``s``) from its start to the end of ``B(s, b)`` (or ``I(s, b)``), as the simulator
+counts. A job on fetched weights under ``weight_cache="job"`` frees its copy when it ends, so its
+backward fetches again and recomputes the stage's forward from the stashed input (activation
+checkpointing, as FSDP does); everything else keeps the graph and does not recompute.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from launcher.schedule.simulate import Step, Timeline, simulate
+
+from .comm import Comm
+from .failure import Watchdog, current_watchdog
+from .measure import Meter, worker_record
+from .model import Batch, OptimizerFactory, StagedModel, StageLayout, run_stage, skeleton
+from .plan import ACT, GRAD, WEIGHTS, JobOp, Msg, Plan, lower
+
+
+@dataclass
+class _Stash:
+    inputs: list[torch.Tensor]
+    out: torch.Tensor | None  # None: recompute in the backward
+    loss: torch.Tensor | None
+    targets: list[torch.Tensor]  # the weight tensors the stage's weight gradient is taken against
+    nbytes: int
+
+
+def default_device(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Engine:
+    """Runs this rank's share of every training step of one schedule."""
+
+    def __init__(
+        self,
+        model: StagedModel,
+        schedule: Step | Timeline | Plan,
+        optimizer: OptimizerFactory | None = None,
+        *,
+        prefetch: int = 2,
+        weight_cache: str = "step",
+        group: dist.ProcessGroup | None = None,
+        rank: int | None = None,
+        device: torch.device | str | None = None,
+        watchdog: Watchdog | None = None,
+    ) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch={prefetch} is not valid; it must be an int >= 0 (jobs of lookahead)")
+        if isinstance(schedule, Plan):
+            self.plan = schedule
+        else:
+            tl = schedule if isinstance(schedule, Timeline) else simulate(schedule)
+            self.plan = lower(tl, weight_cache)
+        self.timeline = self.plan.timeline
+        space = self.timeline.step.space
+        if model.graph.preds != space.graph.preds:
+            raise ValueError(f"the model has stage graph {model.graph.preds} but the schedule has {space.graph.preds}")
+        self.model, self.space, self.prefetch = model, space, prefetch
+        self.group = group
+        self.rank = dist.get_rank(group) if rank is None else rank
+        W = self.plan.workers
+        if dist.get_world_size(group) < W:
+            raise ValueError(f"the schedule needs W={W} workers but the process group has {dist.get_world_size(group)}")
+        self.ranks = list(range(W))
+        self.worker: int | None = self.rank if self.rank < W else None
+        self.device = torch.device(device) if device is not None else default_device(dist.get_backend(group))
+        self.watchdog = watchdog if watchdog is not None else current_watchdog()
+        self.layouts = [StageLayout.of(m) for m in model.stages]
+        self.skeletons = [skeleton(m) for m in model.stages]
+        self.owned = self.plan.programs[self.worker].owned if self.worker is not None else []
+        # only owners keep weights: every other stage of the user's model becomes its skeleton
+        self.modules = {s: model.stages[s].to(self.device) for s in self.owned}
+        for s in range(space.S):
+            model.stages[s] = self.modules.get(s, self.skeletons[s])
+        params = [p for s in self.owned for p in self.modules[s].parameters()]
+        self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self.last_grads: dict[int, torch.Tensor] = {}  # owned stage -> reduced flat gradient of the last step
+        self.steps = 0
+        self._specs: dict[Any, list[list[tuple]]] = {}
+        comp, B, SB = self.timeline.compute, space.B, space.S * space.B
+        # F(s, b)'s output feeds how many forwards on the same worker
+        self._local_succ = [
+            sum(1 for c in space.stage_succs[j // B] if comp[c * B + j % B] == comp[j]) for j in range(SB)
+        ]
+        self._grad_kind = space.K - 1
+
+    # ---- shapes ------------------------------------------------------------------------------
+    def _act_specs(self, microbatches: Sequence[Batch]) -> list[list[tuple]]:
+        """(shape, dtype) of every stage's output for every micro-batch, by running the skeletons on meta."""
+        key = tuple((tuple(x.shape), x.dtype) for x, _ in microbatches)
+        if key not in self._specs:
+            by_shape: dict[Any, list[tuple]] = {}
+            for shape, dtype in key:
+                if (shape, dtype) in by_shape:
+                    continue
+                outs: list[torch.Tensor] = []
+                with torch.no_grad():
+                    for s, m in enumerate(self.skeletons):
+                        preds = self.space.stage_preds[s]
+                        inputs = [outs[p] for p in preds] if preds else [torch.empty(shape, dtype=dtype, device="meta")]
+                        outs.append(run_stage(m, None, inputs))
+                by_shape[(shape, dtype)] = [(tuple(o.shape), o.dtype) for o in outs]
+            self._specs[key] = [by_shape[k] for k in key]
+        return self._specs[key]
+
+    # ---- the step ----------------------------------------------------------------------------
+    def train_step(self, microbatches: Sequence[Batch]) -> dict[str, Any]:
+        """Run one step (every rank calls it with the same micro-batches); returns this worker's record."""
+        self.steps += 1
+        if self.worker is None:
+            return {}
+        B = self.space.B
+        if len(microbatches) != B:
+            raise ValueError(f"the schedule has B={B} micro-batches but train_step got {len(microbatches)}")
+        w, plan = self.worker, self.plan
+        prog, msgs = plan.programs[w], plan.messages
+        meter = Meter()
+        specs = self._act_specs(microbatches)
+
+        def spec(m: Msg) -> tuple:
+            if m.kind in (ACT, GRAD):
+                return specs[m.microbatch][m.stage]
+            L = self.layouts[m.stage]
+            return (L.numel,), L.dtype
+
+        comm = Comm(plan, w, spec, self.device, self.watchdog, self.group, self.ranks,
+                    on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None)
+        # owners hold their weights all step: every weight message they send is ready now
+        packed: dict[int, torch.Tensor] = {}
+        for q in prog.pair_order.values():
+            for mid in q:
+                m = msgs[mid]
+                if m.kind == WEIGHTS and m.src == w:
+                    if m.stage not in packed:
+                        packed[m.stage] = self.layouts[m.stage].pack([p.detach() for p in self.modules[m.stage].parameters()])
+                    comm.send(mid, packed[m.stage])
+
+        st = _StepState(self, comm, meter, microbatches)
+        jobs = prog.jobs
+        for i, op in enumerate(jobs):
+            for k in range(i, min(len(jobs), i + 1 + self.prefetch)):
+                st.request(jobs[k])
+            if self.watchdog is not None:
+                self.watchdog.check()
+                self.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of step {self.steps}")
+            t = time.perf_counter()
+            st.run(op)
+            meter.jobs.append([op.stage, op.microbatch, op.kind, time.perf_counter() - t])
+
+        totals = st.reduce(prog)
+        comm.finish()
+        for mid in list(st.weights):
+            st.free(mid)
+        if self.optimizer is not None:
+            for s in self.owned:
+                for p, g in zip(self.modules[s].parameters(), self.layouts[s].views(totals[s]).values()):
+                    p.grad = g
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.last_grads = totals
+        if self.watchdog is not None:
+            self.watchdog.set_job("")
+        meter.step_s = time.perf_counter() - meter.t0
+        return worker_record(w, plan.predicted, meter, comm, len(self.owned), self.steps)
+
+    # ---- state -------------------------------------------------------------------------------
+    def gather_state(self, dst: int = 0) -> list[dict[str, torch.Tensor]] | None:
+        """Every stage's parameters at worker ``dst`` (each from its lowest-ranked owner); None elsewhere."""
+        out: list[dict[str, torch.Tensor]] = []
+        tag0 = 1 << 20  # apart from the step's message tags
+        for s in range(self.space.S):
+            root = self.plan.owners[s][0]
+            L = self.layouts[s]
+            if self.worker == root:
+                flat = L.pack([p.detach() for p in self.modules[s].parameters()])
+                if dst != root:
+                    dist.send(flat, self.ranks[dst], group=self.group, tag=tag0 + s)
+            elif self.worker == dst:
+                flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
+                dist.recv(flat, self.ranks[root], group=self.group, tag=tag0 + s)
+            if self.worker == dst:
+                out.append({k: v.detach().clone().cpu() for k, v in L.views(flat).items()})
+        return out if self.worker == dst else None
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write every stage's weights to ``path`` from worker 0; atomic, so never partial."""
+        state = self.gather_state(0)
+        if state is not None:
+            tmp = f"{path}.tmp-{os.getpid()}"
+            torch.save({"stages": state, "step": self.steps}, tmp)
+            os.replace(tmp, path)
+
+
+class _StepState:
+    """Everything a worker holds during one step."""
+
+    def __init__(self, engine: Engine, comm: Comm, meter: Meter, microbatches: Sequence[Batch]) -> None:
+        self.e, self.comm, self.meter, self.mb = engine, comm, meter, microbatches
+        self.msgs = engine.plan.messages
+        self.outs: dict[tuple[int, int], list] = {}  # (s, b) -> [output, local forwards still to read it]
+        self.grads: dict[tuple[int, int], dict[int, torch.Tensor]] = defaultdict(dict)  # (p, b) -> {c: dL/dout_p}
+        self.stash: dict[tuple[int, int], _Stash] = {}
+        self.wstash: dict[tuple[int, int], tuple] = {}  # split backward: I's graph kept for W
+        self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (stage, owner) -> summed weight gradient
+        self.weights: dict[int, torch.Tensor] = {}  # weights message -> fetched flat copy (a leaf)
+
+    def request(self, op: JobOp) -> None:
+        for mid in op.recv.values():
+            self.comm.want(mid)
+        if op.weights is not None:
+            self.comm.want(op.weights)
+
+    # ---- weights -----------------------------------------------------------------------------
+    def fetch(self, op: JobOp) -> tuple[torch.nn.Module, dict | None, list[torch.Tensor]]:
+        """Module, parameter override and gradient targets for ``op``'s stage."""
+        s = op.stage
+        if op.weights is None:
+            mod = self.e.modules[s]
+            return mod, None, list(mod.parameters())
+        mid = op.weights
+        if mid not in self.weights:
+            flat = self.comm.wait(mid)
+            self.comm.drop(mid)
+            self.weights[mid] = flat.requires_grad_(True)
+        flat = self.weights[mid]
+        self.meter.fetched_jobs += 1
+        self.meter.fetched_stages.add(s)
+        return self.e.skeletons[s], self.e.layouts[s].views(flat), [flat]
+
+    def free(self, mid: int) -> None:
+        if self.weights.pop(mid, None) is not None:
+            self.meter.free_weights()
+
+    # ---- jobs --------------------------------------------------------------------------------
+    def run(self, op: JobOp) -> None:
+        if op.kind == "F":
+            self.forward(op)
+        elif op.kind in ("B", "I"):
+            self.backward(op, split=op.kind == "I")
+        else:
+            self.weight_grad(op)
+
+    def _inputs(self, op: JobOp) -> list[torch.Tensor]:
+        s, b = op.stage, op.microbatch
+        preds = self.e.space.stage_preds[s]
+        if not preds:
+            return [self.mb[b][0].to(self.e.device)]
+        out = []
+        for p in preds:
+            if p in op.recv:
+                t = self.comm.wait(op.recv[p])
+                self.comm.drop(op.recv[p])
+            else:
+                entry = self.outs[(p, b)]
+                t = entry[0]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self.outs[(p, b)]
+            # a leaf of its own, so the backward of stage s stops at its inputs
+            out.append(t.detach().requires_grad_(True))
+        return out
+
+    def _loss(self, op: JobOp, out: torch.Tensor) -> torch.Tensor | None:
+        if not self.e.space.is_sink[op.stage]:
+            return None
+        y = self.mb[op.microbatch][1].to(self.e.device)
+        return self.e.model.loss(out, y) / self.e.space.B
+
+    def forward(self, op: JobOp) -> None:
+        s, b = op.stage, op.microbatch
+        inputs = self._inputs(op)
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        self.meter.take(nbytes)  # x_s^b is live from the start of F(s, b)
+        mod, params, targets = self.fetch(op)
+        recompute = op.free_weights  # the copy goes away after this job: keep only the input
+        with torch.set_grad_enabled(not recompute):
+            out = run_stage(mod, params, inputs)
+            loss = self._loss(op, out)
+        if loss is not None:
+            self.meter.loss += float(loss.detach())
+        self.stash[(s, b)] = _Stash(inputs, None if recompute else out, None if recompute else loss, targets, nbytes)
+        n = self.e._local_succ[s * self.e.space.B + b]
+        if n:
+            self.outs[(s, b)] = [out.detach(), n]
+        for mid in op.send:
+            self.comm.send(mid, out)
+        if op.free_weights:
+            self.free(op.weights)
+
+    def backward(self, op: JobOp, split: bool) -> None:
+        s, b = op.stage, op.microbatch
+        st = self.stash.pop((s, b))
+        if st.out is None:  # recompute the stage's forward on freshly fetched weights
+            mod, params, targets = self.fetch(op)
+            with torch.enable_grad():
+                out = run_stage(mod, params, st.inputs)
+                loss = self._loss(op, out)
+        else:
+            out, loss, targets = st.out, st.loss, st.targets
+            if op.weights is not None:
+                self.fetch(op)  # cache "step": the copy F used; counted as a job on fetched weights
+        if loss is not None:
+            root, g = loss, None
+        else:
+            root, g = out, None
+            for c in self.e.space.stage_succs[s]:  # sum of the successors' contributions, in graph order
+                if c in op.recv:
+                    gc = self.comm.wait(op.recv[c])
+                    self.comm.drop(op.recv[c])
+                else:
+                    gc = self.grads[(s, b)].pop(c)
+                g = gc if g is None else g + gc
+            self.grads.pop((s, b), None)
+        leaves = [t for t in st.inputs if t.requires_grad]
+        want = leaves + ([] if split else targets)
+        res = torch.autograd.grad(root, want, g, retain_graph=split, allow_unused=True) if want else ()
+        self._route_input_grads(op, res[: len(leaves)])
+        if not split:
+            self._accumulate(op, targets, res[len(leaves) :])
+        self.meter.release(st.nbytes)  # x_s^b dies with the job that consumes it
+        if split:
+            hold = op.weights if op.free_weights else None  # I's copy lives in the graph until W
+            self.wstash[(s, b)] = (root, g, targets, hold)
+            if hold is not None:
+                self.weights.pop(hold, None)  # not freed yet: still counted as resident
+        elif op.free_weights:
+            self.free(op.weights)
+
+    def weight_grad(self, op: JobOp) -> None:
+        root, g, targets, hold = self.wstash.pop((op.stage, op.microbatch))
+        if op.weights is not None:
+            # the placement runs W on fetched weights; the gradient itself comes from I's graph
+            self.fetch(op)
+            if op.free_weights:
+                self.free(op.weights)
+        self._accumulate(op, targets, torch.autograd.grad(root, targets, g, allow_unused=True))
+        if hold is not None:
+            self.meter.free_weights()
+
+    def _route_input_grads(self, op: JobOp, grads: Sequence[torch.Tensor | None]) -> None:
+        s, b = op.stage, op.microbatch
+        preds = self.e.space.stage_preds[s]
+        if not preds:
+            return
+        to = {self.msgs[mid].stage: mid for mid in op.send}
+        for p, gi in zip(preds, grads):
+            if gi is None:
+                gi = torch.zeros(self.e._act_specs(self.mb)[b][p][0], dtype=self.e._act_specs(self.mb)[b][p][1], device=self.e.device)
+            if p in to:
+                self.comm.send(to[p], gi)
+            else:
+                self.grads[(p, b)][s] = gi
+
+    def _accumulate(self, op: JobOp, targets: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+        gs = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
+        flat = gs[0].reshape(-1) if len(gs) == 1 else self.e.layouts[op.stage].pack(gs)
+        key = (op.stage, op.owner)
+        if key in self.acc:
+            self.acc[key] += flat
+        else:
+            self.acc[key] = flat.detach().clone()
+
+    # ---- end of step -------------------------------------------------------------------------
+    def reduce(self, prog) -> dict[int, torch.Tensor]:
+        """Gradient sums to owners, replica reduction; returns each owned stage's total gradient."""
+        e, comm, w = self.e, self.comm, self.e.worker
+        totals: dict[int, torch.Tensor] = {}
+        for red in prog.reduces:
+            s = red.stage
+            if e.watchdog is not None:
+                e.watchdog.check()
+                e.watchdog.set_job(f"gradient reduction of stage {s} in step {e.steps}")
+            for o, mid in red.send_to_owner.items():
+                comm.send(mid, self.acc[(s, o)])
+            if s not in e.owned:
+                continue
+            L = e.layouts[s]
+            total = self.acc.get((s, w))
+            if total is None:
+                total = torch.zeros(L.numel, dtype=L.dtype, device=e.device)
+            for mid in red.recv_from:
+                total = total + comm.wait(mid)
+                comm.drop(mid)
+            if red.reduce_send is not None:  # replica: partial to the root, total back
+                comm.send(red.reduce_send, total)
+                total = comm.wait(red.bcast_recv)
+                comm.drop(red.bcast_recv)
+                self.meter.allreduce += 1
+            elif red.reduce_recv:  # the root of a replicated stage
+                for mid in red.reduce_recv:
+                    total = total + comm.wait(mid)
+                    comm.drop(mid)
+                for mid in red.bcast_send:
+                    comm.send(mid, total)
+                self.meter.allreduce += 1
+            totals[s] = total
+        return totals
