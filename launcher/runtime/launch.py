@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .model import warm_up_meta
 from .failure import ABORT_KEY, DEFAULT_TIMEOUT, Watchdog, WorkerAborted, WorkerFailed, failure_message, set_current_watchdog
 
 #: how long a blocking collective may take before the backend itself gives up; failure detection
@@ -68,6 +69,7 @@ def _child(
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                                 timeout=PG_TIMEOUT)
+        report("started", None)
         result = fn(*args, **kwargs)
         wd.stop(done=True)
         report("ok", result)
@@ -94,6 +96,7 @@ def launch(
     backend: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
     deadline: float | None = None,
+    start_timeout: float = 120.0,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return each rank's result.
@@ -103,6 +106,7 @@ def launch(
     Raises :class:`WorkerFailed` naming the failed rank and job.
     """
     backend = auto_backend(backend)
+    warm_up_meta()  # once here, inherited by every child, instead of W concurrent imports
     ctx = mp.get_context("fork")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timedelta(seconds=60), wait_for_workers=False)
     wstore = dist.PrefixStore("watchdog", store)
@@ -122,6 +126,8 @@ def launch(
     failure: str | None = None
     stop_by: float | None = None
     end_by = time.monotonic() + deadline if deadline is not None else None
+    start_by: float | None = time.monotonic() + start_timeout
+    started: set[int] = set()
     alive = set(range(world_size))
     open_conns = {conns[r]: r for r in range(world_size)}
     sentinels = {procs[r].sentinel: r for r in range(world_size)}
@@ -130,7 +136,9 @@ def launch(
         c = conns[r]
         try:
             while c.poll():
-                reports[r] = c.recv()
+                kind, payload = c.recv()
+                if kind != "started":
+                    reports[r] = (kind, payload)
         except (EOFError, OSError):
             pass
         open_conns.pop(c, None)
@@ -145,13 +153,19 @@ def launch(
         while alive:
             now = time.monotonic()
             wait_for = [procs[r].sentinel for r in alive] + list(open_conns)
-            limit = [t - now for t in (stop_by, end_by) if t is not None]
+            limit = [t - now for t in (stop_by, end_by, start_by) if t is not None]
             ready = mp.connection.wait(wait_for, timeout=max(0.0, min(limit)) if limit else None)
             for obj in ready:
                 if obj in open_conns:
                     r = open_conns[obj]
                     try:
-                        reports[r] = obj.recv()
+                        kind, payload = obj.recv()
+                        if kind == "started":
+                            started.add(r)
+                            if len(started) == world_size:
+                                start_by = None
+                        else:
+                            reports[r] = (kind, payload)
                     except (EOFError, OSError):
                         open_conns.pop(obj, None)
                     continue
@@ -174,6 +188,9 @@ def launch(
                     if failure is None and wstore.check([ABORT_KEY]):
                         set_failure(wstore.get(ABORT_KEY).decode())
             now = time.monotonic()
+            if start_by is not None and now >= start_by and failure is None:
+                late = sorted(set(range(world_size)) - started)
+                set_failure(failure_message(late[0], "", f"ranks {late} did not join the process group within {start_timeout:g} s"))
             if alive and ((stop_by is not None and now >= stop_by) or (end_by is not None and now >= end_by)):
                 if failure is None:
                     set_failure(f"the run exceeded its deadline of {deadline} s")

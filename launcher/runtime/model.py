@@ -84,6 +84,24 @@ def run_stage(module: nn.Module, params: dict[str, torch.Tensor] | None, inputs:
     return out
 
 
+def warm_up_meta() -> None:
+    """Run common ops on the meta device once: their first use imports ``torch._dynamo`` (~1 s).
+
+    The local launcher calls this before forking, so W workers do not import it all at once.
+    """
+    import torch._dynamo  # noqa: F401  (what the meta kernels import lazily)
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        for dt in (torch.float32, torch.float64):
+            x = torch.empty(2, 4, dtype=dt, device="meta")
+            y = F.linear(x, torch.empty(3, 4, dtype=dt, device="meta"), torch.empty(3, dtype=dt, device="meta"))
+            for f in (torch.tanh, F.relu, F.gelu, torch.sigmoid):
+                f(y)
+            F.layer_norm(y, (3,))
+            F.softmax(y, -1)
+
+
 def skeleton(module: nn.Module) -> nn.Module:
     """A copy of ``module`` on the meta device: its structure, without storage."""
     return copy.deepcopy(module).to("meta")

@@ -1,0 +1,83 @@
+"""The engine on real worker processes (gloo) equals single-process training, and its measured
+counts equal the simulator's predictions, for every named scheme and order.
+
+Every case runs inside one group of forked workers per module (starting a group is the expensive
+part); each rank compares the stages it owns against the oracle trained beside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.runtime import launch, merge, mismatches
+from launcher.runtime.oracle import Case, run_cases
+
+ATOL = 1e-10
+SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("lpp", 2, 2, 4, 4), ("fslpp", 2, 2, 4, 4)]
+ORDERS = ["1f1b", "breadth_first", "depth_first"]
+
+CASES_W4 = (
+    [Case(n, G, R, S, B, order=o, optimizer=opt) for n, G, R, S, B in SCHEMES for o in ORDERS for opt in ("sgd", "adam")]
+    # S = 8 stages on 4 workers
+    + [Case(n, G, R, 8, 4, order=o, optimizer="adam") for n, G, R in [("fsdp", 4, 1), ("lpp", 2, 2), ("fslpp", 2, 2)]
+       for o in ("1f1b", "breadth_first")]
+    # the split backward (I then W)
+    + [Case(n, G, R, S, B, order=o, split=True) for n, G, R, S, B in SCHEMES for o in ("1f1b", "depth_first")]
+    # fetched weights freed after every job, and the prefetch window at its extremes
+    + [Case("fsdp", 4, 1, 4, 4, weight_cache="job"), Case("fslpp", 2, 2, 8, 4, weight_cache="job", optimizer="adam"),
+       Case("fslpp", 2, 2, 4, 4, weight_cache="job", split=True), Case("fslpp", 2, 2, 8, 4, prefetch=0),
+       Case("lpp", 2, 2, 8, 8, prefetch=6, order="breadth_first")]
+)
+CASES_W8 = [
+    Case("ddp", 8, 1, 3, 8), Case("gpipe", 1, 8, 8, 8, order="breadth_first", optimizer="adam"),
+    Case("lpp", 2, 4, 8, 8, optimizer="adam"), Case("fslpp", 4, 2, 4, 8, order="depth_first", split=True),
+    Case("fsdp", 8, 1, 4, 8, weight_cache="job"),
+]
+
+
+def _run(cases: list[Case], W: int) -> dict[str, tuple[Case, list[dict]]]:
+    per_rank = launch(run_cases, W, cases, timeout=20, deadline=240)
+    return {c.name: (c, [r[i] for r in per_rank]) for i, c in enumerate(cases)}
+
+
+@pytest.fixture(scope="module")
+def results_w4():
+    return _run(CASES_W4, 4)
+
+
+@pytest.fixture(scope="module")
+def results_w8():
+    return _run(CASES_W8, 8)
+
+
+def _check(case: Case, ranks: list[dict]) -> None:
+    W = case.G * case.R
+    ranks = ranks[:W]
+    owned = sorted({s for r in ranks for s in r["owned"]})
+    assert owned == list(range(case.S)), f"{case.name}: stages {owned} have owners, expected all {case.S}"
+    grad_err = max(r["grad_err"] for r in ranks)
+    param_err = max(r["param_err"] for r in ranks)
+    assert grad_err <= ATOL and param_err <= ATOL, f"{case.name}: grad err {grad_err:.3g}, param err {param_err:.3g}"
+    for i in range(case.steps):
+        rec = merge([r["records"][i] for r in ranks])
+        bad = mismatches(rec)
+        assert not bad, f"{case.name} step {i}: measured != predicted: {bad}"
+        # weight messages: one per distinct stage (cache step) or per job (cache job)
+        fetch_key = "weight_fetch_stages" if case.weight_cache == "step" else "weight_fetch_jobs"
+        assert rec["measured_only"]["weight_fetches"] == rec["per_worker"][fetch_key]["predicted"]
+        assert all(b > 0 for b in rec["measured_only"]["peak_activation_bytes"])
+        if case.weight_cache == "step":
+            pw = rec["per_worker"]["weights_peak_resident"]
+            assert pw["measured"] == pw["predicted"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES_W4, ids=lambda c: c.name)
+def test_oracle_w4(results_w4, case):
+    _check(*results_w4[case.name])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES_W8, ids=lambda c: c.name)
+def test_oracle_w8(results_w8, case):
+    _check(*results_w8[case.name])
