@@ -128,6 +128,7 @@ def launch(
     end_by = time.monotonic() + deadline if deadline is not None else None
     start_by: float | None = time.monotonic() + start_timeout
     started: set[int] = set()
+    killed: set[int] = set()
     alive = set(range(world_size))
     open_conns = {conns[r]: r for r in range(world_size)}
     sentinels = {procs[r].sentinel: r for r in range(world_size)}
@@ -183,7 +184,9 @@ def launch(
                 elif kind == "died":
                     code = procs[r].exitcode
                     how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-                    set_failure(failure_message(r, slots[r].value.decode(), f"the process died ({how})"))
+                    msg = failure_message(r, slots[r].value.decode(), f"the process died ({how})")
+                    reports[r] = ("died", msg)
+                    set_failure(msg)
                 else:  # aborted because of someone else: that one is (or will be) the failure
                     if failure is None and wstore.check([ABORT_KEY]):
                         set_failure(wstore.get(ABORT_KEY).decode())
@@ -199,15 +202,15 @@ def launch(
         for r in list(alive):  # stragglers past the bound, or an interrupted parent
             if procs[r].is_alive():
                 os.kill(procs[r].pid, signal.SIGKILL)
+                killed.add(r)
             procs[r].join()
             take(r)
         for c in conns:
             c.close()
     if failure is not None:
         errors = {r: str(p) for r, (k, p) in reports.items() if k != "ok"}
-        for r in range(world_size):
-            if r not in reports and procs[r].exitcode != 0:
-                errors[r] = f"rank {r} was killed after not stopping within the bound"
+        for r in killed:
+            errors.setdefault(r, f"rank {r} was killed after not stopping within the bound")
         raise WorkerFailed(failure, errors)
     return results
 
