@@ -39,14 +39,15 @@ def execute_abstract(plan: Plan) -> None:
     flat: list[list[tuple[str, int]]] = []
     for w, prog in enumerate(plan.programs):
         ops: list[tuple[str, int]] = []
-        for op in prog.jobs:
+        for i, op in enumerate(prog.jobs):
+            ops += [("send", m) for m in prog.weight_release.get(i, ())]
             ops += [("wait", m) for m in op.recv.values()]
             if op.weights is not None:
                 ops.append(("wait", op.weights))
             ops += [("send", m) for m in op.send]
+        ops += [("send", m) for m in prog.weight_release.get(len(prog.jobs), ())]
         flat.append(ops + _end_phase(plan, w))
-    weight_sends = [{m.mid for m in msgs if m.kind == WEIGHTS and m.src == w} for w in range(W)]
-    ready = [set(weight_sends[w]) for w in range(W)]
+    ready: list[set[int]] = [set() for _ in range(W)]
     wanted: list[set[int]] = [set() for _ in range(W)]
     issued = [{p: 0 for p in plan.programs[w].pair_order} for w in range(W)]
     done: set[int] = set()
@@ -70,10 +71,6 @@ def execute_abstract(plan: Plan) -> None:
                 for mid in q[:n]:
                     done.add(mid)
 
-    for w in range(W):  # owners hand over their weights at the start of the step
-        for p in plan.programs[w].pair_order:
-            pump(w, p)
-    complete()
     progress = True
     while progress:
         progress = False

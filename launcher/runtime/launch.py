@@ -46,7 +46,8 @@ def auto_backend(backend: str = "auto") -> str:
 
 
 def _child(
-    rank: int, world: int, port: int, backend: str, timeout: float, conn, slot, fn: Callable, args: tuple, kwargs: dict
+    rank: int, world: int, backend: str, timeout: float, start_timeout: float, conn, slot, fn: Callable, args: tuple,
+    kwargs: dict,
 ) -> None:
     def report(kind: str, payload: Any) -> None:
         try:
@@ -58,6 +59,9 @@ def _child(
     wd = None
     try:
         torch.set_num_threads(1)
+        if not conn.poll(start_timeout):
+            raise TimeoutError(f"the launcher sent no store address within {start_timeout:g} s")
+        port = conn.recv()
         store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
         # the watchdog gets its own connection: a blocking store call of the group must not delay it
         wd_store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
@@ -69,6 +73,8 @@ def _child(
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                                 timeout=PG_TIMEOUT)
+        # everyone has finished gloo's full-mesh connect before anyone can exit and close a pair
+        dist.barrier()
         report("started", None)
         result = fn(*args, **kwargs)
         wd.stop(done=True)
@@ -108,18 +114,25 @@ def launch(
     backend = auto_backend(backend)
     warm_up_meta()  # once here, inherited by every child, instead of W concurrent imports
     ctx = mp.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timedelta(seconds=60), wait_for_workers=False)
-    wstore = dist.PrefixStore("watchdog", store)
     slots = [ctx.RawArray("c", 256) for _ in range(world_size)]
     procs, conns = [], []
+    # fork before the store exists: forking while its server thread holds a lock can leave a child
+    # stuck for ever inside gloo's set-up (seen about once in a hundred launches)
     for r in range(world_size):
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(r, world_size, store.port, backend, timeout, child_end, slots[r], fn, args, kwargs),
-                        name=f"launcher-worker-{r}", daemon=True)
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        p = ctx.Process(target=_child, args=(r, world_size, backend, timeout, start_timeout, child_end, slots[r], fn,
+                                             args, kwargs), name=f"launcher-worker-{r}", daemon=True)
         p.start()
         child_end.close()
         procs.append(p)
         conns.append(parent_end)
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timedelta(seconds=60), wait_for_workers=False)
+    wstore = dist.PrefixStore("watchdog", store)
+    for c in conns:
+        try:
+            c.send(store.port)
+        except OSError:
+            pass  # that child already died; the loop below reports it
 
     results: list[Any] = [None] * world_size
     reports: dict[int, tuple[str, Any]] = {}
@@ -227,6 +240,7 @@ def init_from_env(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> Wa
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=PG_TIMEOUT)
+    dist.barrier()  # as in launch(): no rank leaves while another is still connecting
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timedelta(seconds=60))
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run") + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     wd = Watchdog(dist.PrefixStore(f"launcher/{run}/watchdog", store), rank, world, timeout).start()

@@ -21,13 +21,15 @@ Message order, for NCCL: NCCL ignores tags, matches point-to-point operations be
 ranks in issue order, and runs a pair's operations (both directions) one after another. So every
 message gets a sort ``key``: the simulated time at which its data is ready at the sender
 (``act``/``grad``: the producing job's finish; ``weights``: the consuming job's start, since owners
-hold weights all step), then the end-of-step phases. Both ends issue a pair's operations in key
+hold weights all step), then the end-of-step phases. An owner hands a weights message over just
+before its first job that starts at or after that key (``Program.weight_release``). Both ends issue a pair's operations in key
 order. A worker only ever waits for data whose key is earlier than the simulated start of the job
 that waits, so issuing in key order cannot deadlock (the simulated timeline is a witness).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from launcher.schedule.metrics import WEIGHT_CACHES, per_worker
@@ -97,6 +99,9 @@ class Program:
     reduces: list[StageReduce]
     owned: list[int]  # stages this worker is a source of truth for
     pair_order: dict[int, list[int]]  # peer -> mids to or from that peer, in issue order
+    # job index -> weights this owner hands over before that job (index len(jobs): at the end);
+    # just in time, so a consumer is never made to post a receive for weights it needs much later
+    weight_release: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -225,6 +230,11 @@ def lower(tl: Timeline, weight_cache: str = "step") -> Plan:
     for m in sorted(msgs, key=lambda m: m.key):
         pair[m.src].setdefault(m.dst, []).append(m.mid)
         pair[m.dst].setdefault(m.src, []).append(m.mid)
+    release: list[dict[int, list[int]]] = [{} for _ in range(W)]
+    for m in msgs:
+        if m.kind == WEIGHTS:
+            starts = [tl.start[j] for j in tl.program[m.src]]
+            release[m.src].setdefault(bisect_left(starts, m.key[0]), []).append(m.mid)
     programs = [
         Program(
             w,
@@ -232,6 +242,7 @@ def lower(tl: Timeline, weight_cache: str = "step") -> Plan:
             [reduces[w][s] for s in sorted(reduces[w])],
             sorted(s for s in range(S) if w in owners[s]),
             pair[w],
+            {i: sorted(v, key=lambda mid: msgs[mid].key) for i, v in sorted(release[w].items())},
         )
         for w in range(W)
     ]

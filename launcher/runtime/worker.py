@@ -149,19 +149,24 @@ class Engine:
 
         comm = Comm(plan, w, spec, self.device, self.watchdog, self.group, self.ranks,
                     on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None)
-        # owners hold their weights all step: every weight message they send is ready now
+        # owners hand weights over just in time (the plan's release points, ``prefetch`` jobs early)
         packed: dict[int, torch.Tensor] = {}
-        for q in prog.pair_order.values():
-            for mid in q:
-                m = msgs[mid]
-                if m.kind == WEIGHTS and m.src == w:
-                    if m.stage not in packed:
-                        packed[m.stage] = self.layouts[m.stage].pack([p.detach() for p in self.modules[m.stage].parameters()])
-                    comm.send(mid, packed[m.stage])
+        released = -1
+
+        def release(upto: int) -> None:
+            nonlocal released
+            for i in range(released + 1, upto + 1):
+                for mid in prog.weight_release.get(i, ()):
+                    s = msgs[mid].stage
+                    if s not in packed:
+                        packed[s] = self.layouts[s].pack([p.detach() for p in self.modules[s].parameters()])
+                    comm.send(mid, packed[s])
+            released = max(released, upto)
 
         st = _StepState(self, comm, meter, microbatches)
         jobs = prog.jobs
         for i, op in enumerate(jobs):
+            release(i + self.prefetch)
             for k in range(i, min(len(jobs), i + 1 + self.prefetch)):
                 st.request(jobs[k])
             if self.watchdog is not None:
@@ -171,6 +176,7 @@ class Engine:
             st.run(op)
             meter.jobs.append([op.stage, op.microbatch, op.kind, time.perf_counter() - t])
 
+        release(len(jobs))
         totals = st.reduce(prog)
         comm.finish()
         for mid in list(st.weights):
