@@ -6,11 +6,11 @@
 - :mod:`.worker` is the :class:`Engine` that runs a worker's program;
 - :mod:`.measure` records what happened beside what the simulator predicted;
 - :mod:`.failure` stops every worker, naming the culprit, when one fails;
-- :mod:`.launch` starts workers locally (fork) or joins a torchrun group.
+- :mod:`.processes` starts workers locally (fork) or joins a torchrun group.
 """
 
 from .failure import DEFAULT_TIMEOUT, Watchdog, WorkerAborted, WorkerFailed
-from .launch import auto_backend, init_from_env, launch
+from .processes import auto_backend, init_from_env, launch
 from .measure import merge, mismatches
 from .model import StagedModel, mlp_batches, reference_step, staged_mlp
 from .plan import Plan, PlanError, lower

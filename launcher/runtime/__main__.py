@@ -23,7 +23,7 @@ import torch
 from launcher.schedule.simulate import make_step
 
 from .failure import DEFAULT_TIMEOUT, WorkerFailed
-from .launch import init_from_env, launch
+from .processes import init_from_env, launch
 from .measure import merge, mismatches
 from .model import mlp_batches, staged_mlp
 from .worker import Engine

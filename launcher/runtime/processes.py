@@ -17,6 +17,7 @@ torchrun: ``torchrun --nproc-per-node 4 -m launcher.runtime --strategy lpp --G 2
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -118,14 +119,22 @@ def launch(
     procs, conns = [], []
     # fork before the store exists: forking while its server thread holds a lock can leave a child
     # stuck for ever inside gloo's set-up (seen about once in a hundred launches)
-    for r in range(world_size):
-        parent_end, child_end = ctx.Pipe(duplex=True)
-        p = ctx.Process(target=_child, args=(r, world_size, backend, timeout, start_timeout, child_end, slots[r], fn,
-                                             args, kwargs), name=f"launcher-worker-{r}", daemon=True)
-        p.start()
-        child_end.close()
-        procs.append(p)
-        conns.append(parent_end)
+    # Children must never garbage-collect what they inherit: a store or process group left over
+    # from an earlier launch in this process would join threads that do not exist in the child
+    # and abort it. Collect here, where destructors are safe, then freeze the rest across fork.
+    gc.collect()
+    gc.freeze()
+    try:
+        for r in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_child, args=(r, world_size, backend, timeout, start_timeout, child_end, slots[r],
+                                                 fn, args, kwargs), name=f"launcher-worker-{r}", daemon=True)
+            p.start()
+            child_end.close()
+            procs.append(p)
+            conns.append(parent_end)
+    finally:
+        gc.unfreeze()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timedelta(seconds=60), wait_for_workers=False)
     wstore = dist.PrefixStore("watchdog", store)
     for c in conns:
