@@ -58,7 +58,7 @@ def test_strategy_defaults_and_command_line_wins(cfg_of, overrides, G, R):
         (["G=0"], "G=0 is invalid: the sizes G, R, stages and microbatches must be positive integers."),
         (["stages=-1"], "stages=-1 is invalid"),
         (["microbatches=0"], "microbatches=0 is invalid"),
-        (["mode=train"], "mode=train is not available yet"),
+        (["mode=train"], "mode=train is not available from this command yet"),
         (["mode=fly"], "mode=fly is not a known mode"),
         (["strategy.name=foo"], "strategy=foo is not a known strategy"),
         (["order.name=bar"], "order=bar is not a known order"),

@@ -57,3 +57,23 @@ def test_torchrun_entry(tmp_path):
     r = _run(cmd, 100)
     assert r.returncode == 0, r.stderr[-3000:]
     _check(out)
+
+
+@pytest.mark.parametrize(
+    "argv, sentence",
+    [
+        (["--strategy", "ddp", "--G", "2", "--R", "2", "--microbatches", "8"],
+         "strategy=ddp needs W = microbatches, but W=G*R=4 and microbatches=8"),
+        (["--strategy", "gpipe", "--G", "1", "--R", "4", "--stages", "3"], "R=4 is invalid: R must not exceed stages=3"),
+        (["--strategy", "lpp", "--G", "3", "--microbatches", "2"], "G=3 is invalid: G must not exceed microbatches=2"),
+        (["--strategy", "lpp", "--order", "zigzag"], "order=zigzag is not a known order"),
+        (["--strategy", "lpp", "--steps", "0"], "--steps=0 is invalid"),
+    ],
+)
+def test_bad_flags_are_refused_before_any_worker_starts(argv, sentence, capsys):
+    from launcher.runtime.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {sentence}" in err
+    assert "rank" not in err  # refused up front, not by a failing worker

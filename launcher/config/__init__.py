@@ -6,6 +6,6 @@ config with Hydra.
 
 from .schema import LauncherConf, register
 from .step import to_step
-from .validate import ConfigError, check_overrides, errors, validate
+from .validate import ConfigError, check_overrides, errors, step_errors, validate
 
-__all__ = ["LauncherConf", "register", "to_step", "ConfigError", "check_overrides", "errors", "validate"]
+__all__ = ["LauncherConf", "register", "to_step", "ConfigError", "check_overrides", "errors", "step_errors", "validate"]

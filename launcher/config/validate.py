@@ -79,13 +79,20 @@ def _target(node: Any) -> str:
 def errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     """One sentence per rule ``cfg`` breaks; empty when the config is valid."""
     out: list[str] = []
-
     mode = _get(cfg, "mode")
     if mode in LATER_MODES:
-        out.append(f"mode={mode} is not available yet (it comes with the runtime); use mode=simulate.")
+        out.append(
+            f"mode={mode} is not available from this command yet; use mode=simulate, or train on real "
+            f"workers with python -m launcher.runtime."
+        )
     elif mode not in MODES:
         out.append(f"mode={mode} is not a known mode; use mode=simulate.")
+    return out + step_errors(cfg)
 
+
+def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """One sentence per rule the step ``cfg`` describes breaks (every key but ``mode``)."""
+    out: list[str] = []
     sizes = {k: _get(cfg, k) for k in SIZES}
     for k, v in sizes.items():
         if not _is_size(v):

@@ -19,13 +19,16 @@ import sys
 from typing import Any, Callable
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-from launcher.schedule.simulate import make_step
+from launcher.config import LauncherConf, step_errors, to_step
+from launcher.schedule.simulate import ScheduleError, simulate
 
 from .failure import DEFAULT_TIMEOUT, WorkerFailed
-from .processes import init_from_env, launch
 from .measure import merge, mismatches
 from .model import mlp_batches, staged_mlp
+from .plan import PlanError, lower
+from .processes import init_from_env, launch
 from .worker import Engine
 
 
@@ -58,13 +61,40 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     """This rank's share of ``args.steps`` steps; returns its per-step records."""
-    step = make_step(args.strategy, args.stages, args.microbatches, G=args.G, R=args.R, order=args.order,
-                     split_backward=args.split_backward)
+    step = to_step(config_of(args), check=False)  # main() validated it before any worker started
     model = _load(args.model)() if args.model else staged_mlp(args.stages)
     data = _load(args.data) if args.data else (lambda i, B: mlp_batches(B, seed=i))
     opt = torch.optim.SGD if args.optimizer == "sgd" else torch.optim.Adam
     engine = Engine(model, step, lambda ps: opt(ps, lr=args.lr), prefetch=args.prefetch, weight_cache=args.weight_cache)
     return [engine.train_step(data(i, args.microbatches)) for i in range(args.steps)]
+
+
+def config_of(args: argparse.Namespace) -> DictConfig:
+    """The launcher config (:mod:`launcher.config.schema`) these flags describe."""
+    cfg = OmegaConf.structured(LauncherConf)
+    cfg.strategy.name = args.strategy
+    cfg.order.name = args.order
+    for key in ("G", "R", "stages", "microbatches", "split_backward", "weight_cache", "prefetch"):
+        cfg[key] = getattr(args, key)
+    return cfg
+
+
+def check(args: argparse.Namespace) -> list[str]:
+    """Every rule the flags break, one sentence each, as the Hydra front end words them; the
+    schedule is simulated too, so a step that cannot finish is refused before any worker starts."""
+    cfg = config_of(args)
+    found = step_errors(cfg)
+    if args.steps < 1:
+        found.append(f"--steps={args.steps} is invalid: the number of steps must be a positive integer.")
+    if args.timeout <= 0:
+        found.append(f"--timeout={args.timeout} is invalid: the failure timeout must be a positive number of seconds.")
+    if found:
+        return found
+    try:
+        lower(simulate(to_step(cfg, check=False)), args.weight_cache)
+    except (ScheduleError, PlanError) as e:
+        return [str(e).rstrip(".") + "."]
+    return []
 
 
 def report(per_rank: list[list[dict[str, Any]]], out: str | None) -> list[dict[str, Any]]:
@@ -81,6 +111,11 @@ def report(per_rank: list[list[dict[str, Any]]], out: str | None) -> list[dict[s
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    problems = check(args)
+    if problems:
+        for sentence in problems:
+            print(f"error: {sentence}", file=sys.stderr)
+        return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, Slurm with env://, ...
         import torch.distributed as dist
 
