@@ -60,14 +60,10 @@ _T000: dict[str, list[Row]] = {
                    lambda S, B, G, R: S / R * min(S, B / G), lambda S, B, G, R: 1)],
 }
 
-# seed 001, its table (big-O in the text, compared here as exact values)
+# seed 001, its table (big-O in the text, compared here as exact values); DDP and FSDP as in 000
 _T001: dict[str, list[Row]] = {
-    "ddp": [_row("W = B", _always,
-                 lambda S, B, G, R: S, lambda S, B, G, R: 0, lambda S, B, G, R: 0,
-                 lambda S, B, G, R: S, lambda S, B, G, R: S)],
-    "fsdp": [_row("W = B", _always,
-                  lambda S, B, G, R: S, lambda S, B, G, R: 0, lambda S, B, G, R: S - 1,
-                  lambda S, B, G, R: S, lambda S, B, G, R: 1)],
+    "ddp": _T000["ddp"],
+    "fsdp": _T000["fsdp"],
     "gpipe": [_row("W = S", _always,
                    lambda S, B, G, R: B + S - 1, lambda S, B, G, R: 2 * B, lambda S, B, G, R: 0,
                    lambda S, B, G, R: S, lambda S, B, G, R: 1)],
