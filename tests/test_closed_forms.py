@@ -100,10 +100,10 @@ def test_rho_is_at_most_twice_the_mean_peak_over_S_plus_1(step):
 
 def test_rho_le_M_over_S_is_false_for_lpp_under_a_memory_limit():
     """Seed 000's stated theorem, with M the largest per-worker peak, fails for LPP itself."""
-    tl = simulate(make_step("lpp", 4, 4, G=1, R=2, order="1f1b", memory_limit=3))
+    tl = simulate(make_step("lpp", 4, 2, G=1, R=2, order="1f1b", memory_limit=3))
     sm = summarize(tl)
     M = max(tl.peak_activations)
-    assert M == 3 and sm["rho"] == 0.8 > M / 4
+    assert M == 2 and sm["latency_fb"] == 7 and sm["rho"] == 4 / 7 > M / 4
     assert sm["rho"] <= memory_time_bound(tl)
 
 

@@ -124,6 +124,34 @@ def test_classic_warmup_never_deadlocks_the_named_schemes(S, B, G, R, scheme, o)
     check_timeline(tl)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    S=st.integers(1, 8), B=st.integers(1, 8), G=st.integers(1, 4), R=st.integers(1, 4),
+    scheme=st.sampled_from(SCHEMES), o=st.sampled_from(("1f1b", "breadth_first", "depth_first")),
+    warmup=st.sampled_from(("classic", "none")), extra=st.integers(0, 2), split=st.booleans(),
+)
+def test_every_limit_the_up_front_check_accepts_finishes_the_named_schemes(S, B, G, R, scheme, o, warmup, extra,
+                                                                            split):
+    """A memory limit is refused before the run or the step finishes: admission reserves a
+    micro-batch's whole need on a worker, so greedy starts cannot strand one another."""
+    if scheme in ("ddp", "fsdp"):
+        G, R = B, 1
+    elif scheme == "gpipe":
+        G, R = 1, S
+    G, R = min(G, B), min(R, S)
+    probe = make_step(scheme, S, B, G, R)
+    tl0 = simulate(probe)
+    per_mb = {}
+    for s in range(S):
+        for b in range(B):
+            key = (tl0.compute[probe.space.id(s, b, "F")], b)
+            per_mb[key] = per_mb.get(key, 0) + 1
+    M = max(per_mb.values()) + extra  # the smallest limit the up-front check accepts, and a little more
+    tl = simulate(make_step(scheme, S, B, G, R, order=o, warmup=warmup, memory_limit=M, split_backward=split))
+    check_timeline(tl)
+    assert max(tl.peak_activations) <= M
+
+
 def test_a_release_from_another_worker_does_not_start_a_second_job_on_a_busy_worker():
     """Regression: x_s^b freed by a backward on another worker woke its (busy) holder early.
 

@@ -2,7 +2,7 @@
 
 ``w_compute(s, b, d)`` is the worker that runs job ``(s, b, d)``; ``w_weights(s, b, d)`` is the
 worker holding the source of truth of stage ``s``'s weights for that job. Every data movement of a
-scheme follows from these two functions (see :mod:`launcher.schedule.traffic`).
+scheme follows from these two functions (see :mod:`launcher.schedule.metrics`).
 
 The named schemes, with ``W = G * R`` workers and the looped hash ``h``:
 
@@ -18,12 +18,16 @@ The seeds print FSLPP's tuple the other way round from their own prose; the pros
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 Worker = int
 
 
 class Placement(Protocol):
+    """``(s, b, d) -> (w_weights, w_compute)``. A placement whose answer does not depend on ``d``
+    may say so with a ``same_for_every_direction = True`` attribute: it is then asked once per
+    ``(s, b)`` instead of once per job."""
+
     def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]: ...
 
 
@@ -34,12 +38,14 @@ def h(s: int, b: int, G: int, R: int) -> Worker:
 
 @dataclass(frozen=True)
 class DDP:
+    same_for_every_direction: ClassVar[bool] = True
     def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
         return (b, b)
 
 
 @dataclass(frozen=True)
 class FSDP:
+    same_for_every_direction: ClassVar[bool] = True
     W: int
 
     def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
@@ -48,12 +54,14 @@ class FSDP:
 
 @dataclass(frozen=True)
 class GPipe:
+    same_for_every_direction: ClassVar[bool] = True
     def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
         return (s, s)
 
 
 @dataclass(frozen=True)
 class LPP:
+    same_for_every_direction: ClassVar[bool] = True
     G: int
     R: int
 
@@ -64,6 +72,7 @@ class LPP:
 
 @dataclass(frozen=True)
 class FSLPP:
+    same_for_every_direction: ClassVar[bool] = True
     G: int
     R: int
 

@@ -109,12 +109,17 @@ def place_all(step: Step) -> tuple[list[int], list[int]]:
     space, place, W = step.space, step.placement, step.workers
     compute: list[int] = []
     weights: list[int] = []
-    for d in space.kinds:
+    # the named schemes ignore the direction: place each (s, b) once and repeat it for every kind
+    kinds = space.kinds[:1] if getattr(place, "same_for_every_direction", False) else space.kinds
+    for d in kinds:
         for s in range(space.S):
             for b in range(space.B):
                 ww, wc = place(s, b, d)
                 compute.append(wc)
                 weights.append(ww)
+    if len(kinds) < space.K:
+        compute *= space.K
+        weights *= space.K
     bad = next((j for j in range(space.N) if not (0 <= compute[j] < W and 0 <= weights[j] < W)), None)
     if bad is not None:
         s, b, d = space.job(bad)
@@ -200,19 +205,18 @@ def simulate(step: Step) -> Timeline:
     if space.K == 3:
         npred[2 * SB :] = [1] * SB
 
-    # memory classes: 0 = takes no activation, 1 = forward continuing a micro-batch already in
-    # flight here, 2 = forward starting a new micro-batch here
-    cls = [0] * N
-    mb_left: dict[int, int] = {}  # (b * W + w) -> forwards of b on w whose stash is still live
+    # Admission control, per worker w and micro-batch b (key b * W + w): the forward that starts b
+    # on w reserves every activation b will hold there (need), so a micro-batch once admitted
+    # never waits for memory on that worker, and greedy admission cannot strand half-finished
+    # micro-batches that block each other. ``held`` = live activations + reserved ones not yet
+    # taken. Memory classes of ready jobs: 0 = takes no activation, 1 = forward of a micro-batch
+    # already admitted here, 2 = forward that must admit its micro-batch first.
+    need = [0] * (B * W if limited else 0)
     if limited:
-        for b in range(B):
-            seen: set[int] = set()
-            for s in range(S):  # topological, so the first stage seen on w is its lowest
-                j = s * B + b
-                w = compute[j]
-                cls[j] = 1 if w in seen else 2
-                seen.add(w)
-                mb_left[b * W + w] = mb_left.get(b * W + w, 0) + 1
+        for j in range(SB):
+            need[(j % B) * W + compute[j]] += 1
+    mb_left = list(need)  # forwards of b on w whose stash is still live
+    admitted = bytearray(len(need))
     C = 3 if limited else 1
 
     ready_at = [0.0] * N
@@ -221,10 +225,11 @@ def simulate(step: Step) -> Timeline:
     program: list[list[int]] = [[] for _ in range(W)]
     pend: list[list] = [[] for _ in range(W)]  # (ready time, job)
     avail: list[list[list]] = [[[] for _ in range(C)] for _ in range(W)]  # (n, job) per class
-    releases: list[list] = [[] for _ in range(W)]  # (time, is_last_of_microbatch) from other workers
+    releases: list[list] = [[] for _ in range(W)]  # (time, key, last forward of b here) from other workers
     free_at = [0.0] * W
     wake = [math.inf] * W
     live = [0] * W
+    held = [0] * W
     live_mb = [0] * W
     peak = [0] * W
     events: list[tuple[float, int]] = []
@@ -251,17 +256,18 @@ def simulate(step: Step) -> Timeline:
         wake[w] = math.inf
         rel = releases[w]
         while rel and rel[0][0] <= T:
-            _, last = heappop(rel)
+            _, key, last = heappop(rel)
             live[w] -= 1
-            live_mb[w] -= last
+            held[w] -= 1
+            if last:
+                live_mb[w] -= 1
+                admitted[key] = 0
         pw = pend[w]
         aw = avail[w]
         while pw and pw[0][0] <= T:
             r, j = heappop(pw)
-            if packed:
-                heappush(aw[cls[j]], keys[j])
-            else:
-                heappush(aw[cls[j]], (r, keys[j], j) if by_ready else (keys[j], j))
+            c = 0 if not limited or j >= SB else 2 - admitted[(j % B) * W + w]
+            heappush(aw[c], keys[j] if packed else ((r, keys[j], j) if by_ready else (keys[j], j)))
 
         best = None
         bc = 0
@@ -269,13 +275,21 @@ def simulate(step: Step) -> Timeline:
             if aw[0]:
                 best = aw[0][0]
         else:
+            a2 = aw[2]
+            while a2:  # forwards whose micro-batch another forward admitted meanwhile (DAGs)
+                j = a2[0] % N if packed else a2[0][-1]
+                if not admitted[(j % B) * W + w]:
+                    break
+                heappush(aw[1], heappop(a2))
             for c in range(C):
                 hc = aw[c]
                 if hc and (best is None or hc[0] < best):
-                    # a forward may start only under both limits (activations, micro-batches)
-                    if c == 0 or (live[w] < act_limit[w] and (c == 1 or live_mb[w] < mb_limit[w])):
-                        best = hc[0]
-                        bc = c
+                    if c == 2:  # admit a micro-batch only if all it will hold here fits
+                        j = hc[0] % N if packed else hc[0][-1]
+                        if held[w] + need[(j % B) * W + w] > act_limit[w] or live_mb[w] >= mb_limit[w]:
+                            continue
+                    best = hc[0]
+                    bc = c
         if best is None:
             nxt = pw[0][0] if pw else math.inf
             if rel and rel[0][0] < nxt:
@@ -296,11 +310,14 @@ def simulate(step: Step) -> Timeline:
         wake[w] = fin
         heappush(events, (fin, w))
 
-        if bc:  # a forward takes an activation (and maybe a micro-batch slot)
+        if bc:  # a forward takes an activation (an admission reserves all of b's here)
             live[w] += 1
             if live[w] > peak[w]:
                 peak[w] = live[w]
             if bc == 2:
+                key = (j % B) * W + w
+                admitted[key] = 1
+                held[w] += need[key]
                 live_mb[w] += 1
         elif j // SB == 0:  # unlimited run: still count activations
             live[w] += 1
@@ -309,16 +326,19 @@ def simulate(step: Step) -> Timeline:
         elif j // SB == 1:  # the backward that consumes x_s^b frees it on F(s,b)'s worker
             jf = j - SB
             wf = compute[jf]
+            key = (jf % B) * W + wf
             last = 0
-            if limited and cls[jf]:
-                key = (jf % B) * W + wf
+            if limited:
                 mb_left[key] -= 1
                 last = 1 if mb_left[key] == 0 else 0
             if wf == w:  # nothing on w can start before fin anyway
                 live[w] -= 1
-                live_mb[w] -= last
+                held[w] -= 1
+                if last:
+                    live_mb[w] -= 1
+                    admitted[key] = 0
             else:
-                heappush(releases[wf], (fin, last))
+                heappush(releases[wf], (fin, key, last))
                 # a busy holder sees the release when it is next free, not mid-job
                 t = fin if fin > free_at[wf] else free_at[wf]
                 if t < wake[wf]:
@@ -345,7 +365,7 @@ def simulate(step: Step) -> Timeline:
         stuck = [w for w in range(W) if any(avail[w]) or pend[w]]
         raise ScheduleError(
             f"memory_limit={step.memory_limit} (warmup={step.order.warmup}) cannot finish the step: "
-            f"workers {stuck} wait for activation memory that no running job will free "
-            f"({done} of {N} jobs ran); raise the limit or use order=1f1b's warm-up"
+            f"after {done} of {N} jobs, workers {stuck} each wait for activation memory held by "
+            f"micro-batches that wait on one another across workers; raise memory_limit"
         )
     return Timeline(step, compute, weights, start, finish, program, peak)
