@@ -153,3 +153,13 @@ def test_without_the_warmup_1f1b_fills_the_first_stage_until_its_first_backward(
             tl = simulate(make_step("gpipe", S, B, G=1, R=S, order="1f1b", warmup="none"))
             assert tl.peak_activations[0] == min(B, 2 * S - 1)
             assert tl.latency == 2 * (B + S - 1)
+
+
+def test_diagram_cells_follow_jobs_when_comm_shifts_them_off_the_slot_grid():
+    """With comm = 0.3 jobs start between slots; each still shows once per slot it covers, none overwritten."""
+    tl = simulate(make_step("gpipe", 3, 2, G=1, R=3, order="1f1b", comm=0.3))
+    rows = grid(tl, "both")
+    for w, prog in enumerate(tl.program):
+        shown = [c for c in rows[w] if c]
+        labels = [f"{k.lower()}{s}:{b}" for s, b, k in (tl.step.space.job(j) for j in prog)]
+        assert [c for i, c in enumerate(shown) if i == 0 or c != shown[i - 1]] == labels

@@ -33,14 +33,19 @@ def grid(tl: Timeline, cells: str = "both") -> list[list[str]]:
     if cells not in CELLS:
         raise ValueError(f"cells={cells!r} is not valid; choose one of {list(CELLS)}")
     unit = slot(tl)
-    ncols = math.ceil(tl.latency / unit - 1e-9)
+
+    def col(t: float) -> int:
+        # round to the nearest slot edge: monotone, so jobs that do not overlap in time never
+        # share a cell, and every job (at least one slot long) keeps at least one cell
+        return math.floor(t / unit + 0.5)
+
+    ncols = col(tl.latency)
     rows: list[list[str]] = []
     for prog in tl.program:
         row = [""] * ncols
         for j in prog:
             s, b, k = tl.step.space.job(j)
-            first = int(math.floor(tl.start[j] / unit + 1e-9))
-            last = int(math.ceil(tl.finish[j] / unit - 1e-9))
+            first, last = col(tl.start[j]), col(tl.finish[j])
             for c in range(first, max(last, first + 1)):
                 row[c] = _label(k, s, b, cells)
         rows.append(row)
