@@ -1,7 +1,7 @@
 """Config -> :class:`launcher.schedule.Step`: the one place a launcher config becomes a schedule.
 
-The simulator, the runtime and the Lightning strategy all start from :func:`to_step`, so they plan
-the same step from the same config.
+The simulator (``mode=simulate``) and the runtime entry (``python -m launcher.runtime``) both start
+from :func:`to_step`, so they plan the same step from the same config.
 """
 
 from __future__ import annotations

@@ -145,15 +145,3 @@ class JobSpace:
                 out.append((2 * S + s) * B + b)
             return out
         return []
-
-    def npred(self, j: int) -> int:
-        return len(self.pred(j))
-
-    def stash_release(self, j: int) -> bool:
-        """Whether finishing ``j`` frees the activation ``x_s^b`` taken by ``F(s,b)``.
-
-        The stash lives until the job that consumes the input gradient path: ``B``, or ``I``
-        when the backward is split (``W`` keeps only what it needs for the weight gradient).
-        """
-        return (j // self.B) // self.S == 1
-
