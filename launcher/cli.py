@@ -8,11 +8,13 @@ Exit codes:
 
 - ``0``: every run (every point of a sweep) ran;
 - ``2``: an invalid config. The command line itself (an unknown ``strategy``/``order`` option, a
-  key the schema lacks, a value of the wrong type, e.g. ``G=2.5``) is checked before Hydra starts:
-  nothing runs, not even in a sweep. A config that composes but breaks a rule (``W != G*R``,
-  ``R > stages``, a memory limit the step cannot finish under, ...) stops a single run; in a sweep
-  that point is reported and skipped, the other points still run, and the exit code is ``2`` once
-  all of them have run;
+  key the schema lacks, a value of the wrong type, e.g. ``G=2.5``) is checked before Hydra starts.
+  In a single run nothing runs. In a multirun (``-m``) each value of a sweep is checked on its
+  own: an invalid one is reported, taken out of the sweep and the other points still run; nothing
+  runs when a plain override, a key, or every value of a sweep is invalid. A config that composes
+  but breaks a rule (``W != G*R``, ``R > stages``, a memory limit the step cannot finish under,
+  ...) stops a single run; in a sweep that point is reported and skipped, the other points still
+  run. Either way the exit code is ``2`` once all of them have run;
 - ``1``: anything else (Hydra's own errors, a crash).
 """
 
@@ -28,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, check_overrides, to_step
 from .config.step import one_line
+from .config.validate import SweepCheck, check_sweep_overrides
 from .config.validate import errors as config_errors
 from .schedule import ScheduleError, Timeline, simulate
 from .schedule.diagram import ascii_diagram, legend
@@ -160,26 +163,46 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     return run(cfg)
 
 
-def _preflight(argv: list[str]) -> list[str]:
-    """Sentences for the command line's own typos (see the module doc); [] when there are none or
-    when Hydra is only asked to show something (``--help``, ``--cfg``, ``--info``)."""
+def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
+    """Check the command line's own typos (see the module doc) before Hydra starts; returns the
+    argv to hand Hydra and the check. In a multirun each value of a sweep is checked on its own
+    and an invalid one is taken out of the argv (:func:`check_sweep_overrides`). Nothing is
+    checked when Hydra is only asked to show something (``--help``, ``--cfg``, ``--info``)."""
     from hydra._internal.utils import get_args_parser
 
+    nothing = SweepCheck([], [], [])
     try:
         args, _ = get_args_parser().parse_known_args(argv)
     except SystemExit:
-        return []  # argparse has printed its usage error; Hydra will repeat it
+        return argv, nothing  # argparse has printed its usage error; Hydra will repeat it
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
-        return []
-    return check_overrides(args.overrides, [args.config_dir] if args.config_dir else [])
+        return argv, nothing
+    dirs = [args.config_dir] if args.config_dir else []
+    multirun = args.multirun or any(o.replace(" ", "") in ("hydra.mode=MULTIRUN", "hydra.mode=multirun")
+                                    for o in args.overrides)
+    if not multirun:
+        return argv, SweepCheck(list(args.overrides), check_overrides(args.overrides, dirs), [])
+    found = check_sweep_overrides(args.overrides, dirs)
+    if found.fatal or not found.skipped:
+        return argv, found
+    # the overrides are argv's positional arguments, in order: swap each for its filtered form
+    new, pending = list(argv), list(zip(args.overrides, found.overrides))
+    for i, token in enumerate(new):
+        if pending and token == pending[0][0]:
+            new[i] = pending.pop(0)[1]
+    return new, found
 
 
 def main() -> None:
-    typos = _preflight(sys.argv[1:])
-    if typos:
-        for s in typos:
+    argv, found = _preflight(sys.argv[1:])
+    if found.fatal:
+        for s in found.fatal:
             print(f"error: {s}", file=sys.stderr)
         sys.exit(EXIT_INVALID)
+    for point, s in found.skipped:
+        print(f"error: {s}", file=sys.stderr)
+        print(f"skipped: {point} (invalid config; the other points still run)", file=sys.stderr)
+    sys.argv[1:] = argv
     POINTS.clear()
     _hydra_main()
     if len(POINTS) > 1:
@@ -187,9 +210,13 @@ def main() -> None:
 
         _console().print(sweep_table(POINTS, title=f"sweep: {len(POINTS)} points"))
     bad = [p for p in POINTS if not p["ok"]]
-    if bad:
-        if len(POINTS) > 1:
-            print(f"error: {len(bad)} of {len(POINTS)} points were invalid and skipped", file=sys.stderr)
+    if bad and len(POINTS) > 1:
+        print(f"error: {len(bad)} of {len(POINTS)} points were invalid and skipped", file=sys.stderr)
+    if found.skipped:
+        values = ", ".join(point for point, _ in found.skipped)
+        print(f"error: {len(found.skipped)} invalid sweep value{'s were' if len(found.skipped) > 1 else ' was'} "
+              f"skipped before the sweep started: {values}", file=sys.stderr)
+    if bad or found.skipped:
         sys.exit(EXIT_INVALID)
 
 

@@ -61,11 +61,31 @@ def test_invalid_config_is_one_sentence_and_exit_2(tmp_path):
     assert p.returncode == 2
     assert p.stderr.splitlines() == [
         "error: strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]
-    # a typo on the command line stops a sweep before any point runs
-    p = launcher("-m", "strategy=ddp,lpp", "G=2,2.5", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
-    assert p.returncode == 2 and not (tmp_path / "sweep").exists()
+    # in a sweep, a typo in a plain override, or in every value of a sweep, stops it before any point runs
+    for bad in (["strategy=ddp,lpp", "G=2.5"], ["strategy=foo,bar"]):
+        p = launcher("-m", *bad, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+        assert p.returncode == 2 and not (tmp_path / "sweep").exists()
+        assert p.stderr.splitlines() == {
+            "G=2.5": ["error: G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."],
+            "strategy=foo,bar": [
+                f"error: strategy={s} is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."
+                for s in ("foo", "bar")],
+        }[bad[-1]]
+
+
+def test_multirun_skips_an_invalid_sweep_value_and_runs_the_others(tmp_path):
+    sweep = tmp_path / "sweep"
+    p = launcher("-m", "strategy=lpp,foo", "stages=8", "microbatches=8", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
     assert p.stderr.splitlines() == [
-        "error: G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]
+        "error: strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp.",
+        "skipped: strategy=foo (invalid config; the other points still run)",
+        "error: 1 invalid sweep value was skipped before the sweep started: strategy=foo",
+    ]
+    rec = json.loads((sweep / "0" / "simulation.json").read_text())
+    assert rec["config"]["strategy"]["name"] == "lpp" and rec["config"]["stages"] == 8
+    assert not (sweep / "1").exists()
+    assert "Traceback" not in p.stderr
 
 
 def test_multirun_skips_the_invalid_point_and_runs_the_others(tmp_path):

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from launcher.cli import simulate_config
 from launcher.config import ConfigError, check_overrides, errors, to_step
+from launcher.config.validate import check_sweep_overrides
 from launcher.schedule import make_step, simulate
 
 
@@ -122,6 +123,36 @@ def test_command_line_precheck(overrides, expected):
             "strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]
     else:
         assert check_overrides(overrides) == expected
+
+
+@pytest.mark.parametrize(
+    "overrides, kept, skipped",
+    [
+        (["strategy=lpp,foo", "stages=8"], ["strategy=lpp", "stages=8"], ["strategy=foo"]),
+        (["G=2,2.5,4", "R=1"], ["G=2,4", "R=1"], ["G=2.5"]),
+        (["G=choice(1,x,2)"], ["G=1,2"], ["G=x"]),
+        (["order=shuffle(1f1b,lifo,depth_first)"], ["order=shuffle(1f1b,depth_first)"], ["order=lifo"]),
+        (["comm=range(0,3)"], ["comm=range(0,3)"], []),  # every value has the right type
+        (["strategy=ddp,lpp", "G=1,2", "hydra.sweep.dir=x"], ["strategy=ddp,lpp", "G=1,2", "hydra.sweep.dir=x"], []),
+    ],
+)
+def test_sweep_precheck_takes_out_only_the_invalid_values(overrides, kept, skipped):
+    found = check_sweep_overrides(overrides)
+    assert found.fatal == []
+    assert found.overrides == kept
+    assert [point for point, _ in found.skipped] == skipped
+    for point, sentence in found.skipped:
+        assert sentence.startswith(f"{point} is ") and "\n" not in sentence
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["strategy=foo,bar"], ["strategy=lpp,foo", "G=2.5"], ["colour=red,blue"], ["G=x,y", "R=1,2"]],
+)
+def test_sweep_precheck_is_fatal_when_nothing_valid_is_left(overrides):
+    found = check_sweep_overrides(overrides)
+    assert found.fatal == check_overrides(overrides) and found.fatal
+    assert found.skipped == [] and found.overrides == overrides
 
 
 def test_command_line_precheck_accepts_valid_overrides():

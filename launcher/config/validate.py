@@ -239,54 +239,140 @@ def group_options(group: str, config_dirs: Iterable[str | Path] = ()) -> list[st
     return sorted(names)
 
 
-def _values(override: Any) -> list[Any] | None:
-    """The values an override takes (several for a sweep); ``None`` when they cannot be listed."""
-    try:
-        if override.is_sweep_override():
-            return list(override.sweep_iterator())
-        return [override.value()]
-    except Exception:  # interval or glob sweeps, functions: leave them to Hydra
+def _values(override: Any) -> list[tuple[Any, str]] | None:
+    """The values an override takes (several for a sweep), each with its command-line spelling;
+    ``None`` when they cannot be listed (interval and glob sweeps: left to Hydra)."""
+    from hydra.core.override_parser.types import ChoiceSweep, Override, RangeSweep
+
+    raw = override._value
+    if not override.is_sweep_override():
+        return [(override.value(), override.get_value_element_as_str())]
+    if isinstance(raw, ChoiceSweep):
+        return [(Override._convert_value(x), Override._get_value_element_as_str(x)) for x in raw.list]
+    if isinstance(raw, RangeSweep):
+        return [(x, str(x)) for x in raw.range()]
+    return None
+
+
+def _value_error(key: str, v: Any, t: Any, optional: bool, options: list[str] | None) -> str | None:
+    """The sentence for one value of a command-line override, ``None`` when Hydra can compose it."""
+    if options is not None:  # a config group
+        if isinstance(v, str) and v not in options:
+            return f"{key}={v} is not a known {key}; choose one of {', '.join(options)}."
         return None
+    if t is _ANY or (isinstance(v, str) and v.startswith("${")):
+        return None  # an untyped node, or an interpolation: resolved (and checked) later
+    try:
+        _NODES[t](value=v, is_optional=optional)
+    except OmegaConfBaseException:
+        shown = "null" if v is None else v
+        if key in SIZES:
+            return f"{key}={shown} is invalid: the sizes G, R, stages and microbatches must be positive integers."
+        return f"{key}={shown} is invalid: {key} must be {_WHAT[t]}{' or null' if optional else ''}."
+    return None
+
+
+@dataclasses.dataclass
+class _Checked:
+    """One command-line override and what is wrong with it."""
+
+    text: str  #: as given
+    override: Any = None  #: Hydra's parse of it; ``None`` when it is not checked here
+    key_error: str | None = None  #: a sentence about the key itself (it is not a config key)
+    #: ``(spelling, shown, sentence or None)`` per value (``shown``: as the sentences show it);
+    #: ``None`` when the values cannot be listed
+    values: list[tuple[str, str, str | None]] | None = None
+
+    @property
+    def sentences(self) -> list[str]:
+        if self.key_error:
+            return [self.key_error]
+        return [e for _, _, e in self.values or [] if e]
+
+
+def _check_each(overrides: Sequence[str], config_dirs: Iterable[str | Path]) -> list[_Checked] | None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    try:
+        parsed = parser.parse_overrides(list(overrides))
+    except Exception:
+        return None  # Hydra reports its own syntax errors
+    config_dirs = list(config_dirs)
+    out: list[_Checked] = []
+    for text, o in zip(overrides, parsed):
+        key = o.key_or_group
+        if key.startswith("hydra") or o.is_delete() or o.package is not None:
+            out.append(_Checked(text))
+            continue
+        if key in GROUPS:
+            t, optional, options = None, False, group_options(key, config_dirs)
+        else:
+            (t, optional), options = _field_type(key), None
+            if t is _UNKNOWN:
+                key_error = None
+                if not o.is_add() and not o.is_force_add():
+                    key_error = f"{key}={o.input_line.partition('=')[2]} is invalid: {key} is not a config key."
+                out.append(_Checked(text, o, key_error))
+                continue
+        try:
+            values = _values(o)
+        except Exception:  # anything Hydra's parser accepts but we cannot enumerate: Hydra's call
+            values = None
+        checked = None if values is None else [
+            (s, v if isinstance(v, str) else s, _value_error(key, v, t, optional, options)) for v, s in values]
+        out.append(_Checked(text, o, None, checked))
+    return out
 
 
 def check_overrides(overrides: Sequence[str], config_dirs: Iterable[str | Path] = ()) -> list[str]:
     """One sentence per command-line value that Hydra could not compose: an unknown option of
     ``strategy``/``order``, a key the schema lacks, or a value of the wrong type."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    return [s for c in _check_each(overrides, config_dirs) or [] for s in c.sentences]
 
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except Exception:
-        return []  # Hydra reports its own syntax errors
-    config_dirs = list(config_dirs)
-    out: list[str] = []
-    for o in parsed:
-        key = o.key_or_group
-        if key.startswith("hydra") or o.is_delete() or o.package is not None:
-            continue
-        values = _values(o)
-        if key in GROUPS:
-            options = group_options(key, config_dirs)
-            for v in values or []:
-                if isinstance(v, str) and v not in options:
-                    out.append(f"{key}={v} is not a known {key}; choose one of {', '.join(options)}.")
-            continue
-        t, optional = _field_type(key)
-        if t is _UNKNOWN:
-            if not o.is_add() and not o.is_force_add():
-                out.append(f"{key}={o.get_value_element_as_str()} is invalid: {key} is not a config key.")
-            continue
-        if t is _ANY or values is None:
-            continue
-        for v in values:
-            if isinstance(v, str) and v.startswith("${"):
-                continue  # an interpolation: resolved (and checked) later
-            try:
-                _NODES[t](value=v, is_optional=optional)
-            except OmegaConfBaseException:
-                shown = "null" if v is None else v
-                if key in SIZES:
-                    out.append(f"{key}={shown} is invalid: the sizes G, R, stages and microbatches must be positive integers.")
-                else:
-                    out.append(f"{key}={shown} is invalid: {key} must be {_WHAT[t]}{' or null' if optional else ''}.")
-    return out
+
+@dataclasses.dataclass
+class SweepCheck:
+    """:func:`check_sweep_overrides`'s answer."""
+
+    #: the overrides to hand to Hydra: as given, but without the invalid values of each sweep
+    overrides: list[str]
+    #: the sentences that stop the command before any point runs (empty when the sweep may run)
+    fatal: list[str]
+    #: ``(key=value, sentence)`` of each sweep value taken out: reported and skipped
+    skipped: list[tuple[str, str]]
+
+
+def _sweep_text(o: Any, kept: list[str]) -> str:
+    """The override ``o`` with only the values ``kept`` (their command-line spellings)."""
+    sweep = o._value
+    body = ",".join(kept)
+    shuffle, tags = getattr(sweep, "shuffle", False), sorted(getattr(sweep, "tags", None) or ())
+    if len(kept) > 1 and shuffle:
+        body = f"shuffle({body})"
+    if tags:
+        body = f"tag({','.join(tags)},{body if body.startswith('shuffle(') else f'choice({body})'})"
+    return f"{o.get_key_element()}={body}"
+
+
+def check_sweep_overrides(overrides: Sequence[str], config_dirs: Iterable[str | Path] = ()) -> SweepCheck:
+    """The multirun form of :func:`check_overrides`: each value of a sweep (``a,b``,
+    ``choice(...)``, ``range(...)``) is checked on its own, and an invalid one is taken out of the
+    sweep so that the other points still run. An invalid value of a plain override, a key the
+    schema lacks, or a sweep none of whose values is valid is fatal: every sentence is then in
+    ``fatal`` and nothing should run."""
+    checked = _check_each(overrides, config_dirs)
+    if checked is None:
+        return SweepCheck(list(overrides), [], [])
+    kept: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    for c in checked:
+        bad = [(shown, e) for _, shown, e in c.values or [] if e]
+        if c.key_error or (bad and (not c.override.is_sweep_override() or len(bad) == len(c.values))):
+            return SweepCheck(list(overrides), [s for c in checked for s in c.sentences], [])
+        if bad:
+            skipped.extend((f"{c.override.key_or_group}={shown}", e) for shown, e in bad)
+            kept.append(_sweep_text(c.override, [s for s, _, e in c.values if not e]))
+        else:
+            kept.append(c.text)
+    return SweepCheck(kept, [], skipped)
