@@ -7,7 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from launcher.schedule import make_step, simulate
-from launcher.runtime.plan import ACT, BCAST, GRAD, REDUCE, WEIGHTS, WGRAD, Plan, PlanError, lower, predicted_receives
+from launcher.schedule.metrics import per_worker
+from launcher.runtime.plan import (ACT, BCAST, GRAD, REDUCE, WEIGHTS, WGRAD, Plan, PlanError, lower, predicted_receives,
+                                   resident_peaks)
 
 SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("lpp", 2, 2, 4, 4),
            ("fslpp", 2, 2, 4, 4), ("lpp", 2, 2, 8, 8), ("fslpp", 4, 2, 8, 8)]
@@ -97,6 +99,41 @@ def execute_abstract(plan: Plan) -> None:
             assert issued[w][p] == len(plan.programs[w].pair_order[p]), f"worker {w} left messages to {p} unissued"
 
 
+def _check_weights(plan: Plan) -> None:
+    """Weight copies: what the plan sends and the resident peak it predicts, against the simulator."""
+    p, tl = plan.predicted, plan.timeline
+    sim = per_worker(tl, plan.weight_cache)
+    assert p["stash_recv"] == [0] * plan.workers  # colocated placements only: no stash ever moves
+    for prog in plan.programs:
+        for op in prog.jobs:
+            if plan.weight_cache == "job" and op.kind == "W":
+                assert op.weights is None, "a W runs on its I's graph: no transfer"
+    peaks = [o + r for o, r in zip(p["weights_owned"], resident_peaks(plan, plan.prefetch))]
+    assert peaks == p["weights_peak_resident"]
+    if plan.weight_cache == "step":  # every fetched stage stays: lookahead changes nothing
+        assert p == sim
+        for k in (0, 3):
+            assert [o + r for o, r in zip(p["weights_owned"], resident_peaks(plan, k))] == sim["weights_peak_resident"]
+    else:  # the simulator's value assumes no lookahead: a lower bound
+        assert all(a >= b for a, b in zip(p["weights_peak_resident"], sim["weights_peak_resident"]))
+        assert {k: v for k, v in p.items() if k != "weights_peak_resident"} == \
+            {k: v for k, v in sim.items() if k != "weights_peak_resident"}
+
+
+def test_job_cache_peak_counts_the_lookahead():
+    """FSDP on 4 workers, cache job: the reviewer's case; the engine holds prefetched copies too."""
+    tl = simulate(make_step("fsdp", 4, 4, G=4, R=1))
+    assert per_worker(tl, "job")["weights_peak_resident"] == [2, 2, 2, 2]
+    assert lower(tl, "job", 0).predicted["weights_peak_resident"] == [2, 2, 2, 2]
+    assert lower(tl, "job", 2).predicted["weights_peak_resident"] == [4, 4, 3, 4]
+    split = simulate(make_step("fsdp", 4, 4, G=4, R=1, split_backward=True))
+    # an I keeps its copy until its W, which fetches none
+    assert per_worker(split, "job")["weights_peak_resident"] == [4, 4, 4, 4]
+    assert per_worker(split, "job")["weight_fetch_jobs"] == [6, 6, 6, 6]
+    with pytest.raises(PlanError, match="prefetch=-1"):
+        lower(tl, "job", -1)
+
+
 @pytest.mark.parametrize("cache", ["step", "job"])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("order", ORDERS)
@@ -111,6 +148,10 @@ def test_plan_matches_simulator(name, G, R, S, B, order, split, cache):
     replicated = [sum(1 for r in prog.reduces if r.reduce_send is not None or r.reduce_recv) for prog in plan.programs]
     assert replicated == p["weight_allreduce"]
     assert [len(prog.owned) for prog in plan.programs] == p["weights_owned"]
+    _check_weights(plan)
+    if cache == "job":  # named schemes: with no lookahead the engine holds what the simulator says
+        tl = plan.timeline
+        assert lower(tl, cache, 0).predicted["weights_peak_resident"] == per_worker(tl, cache)["weights_peak_resident"]
     # both ends of every pair list the same messages in the same order, sorted by key
     for w, prog in enumerate(plan.programs):
         for peer, q in prog.pair_order.items():
@@ -166,16 +207,17 @@ def custom(draw):
 
     step = make_step(place, S, B, order=order, split_backward=split)
     step.workers = W
-    return step, cache
+    return step, cache, draw(st.integers(0, 4))
 
 
 @settings(max_examples=150, deadline=None)
 @given(custom())
 def test_any_colocated_placement_lowers_and_cannot_deadlock(sc):
-    step, cache = sc
-    plan = lower(simulate(step), cache)
+    step, cache, prefetch = sc
+    plan = lower(simulate(step), cache, prefetch)
     counts, pred = plan.counts(), predicted_receives(plan)
     assert counts[ACT] == pred[ACT] and counts[GRAD] == pred[GRAD] and counts[WEIGHTS] == pred[WEIGHTS]
+    _check_weights(plan)
     execute_abstract(plan)
 
 

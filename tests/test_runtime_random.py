@@ -66,5 +66,8 @@ def test_random_configurations_complete():
         err = max(max(r["grad_err"], r["param_err"]) for r in ranks)
         assert err <= 1e-10, f"seed {SEED}, {case}: error {err:.3g} against the oracle"
         for s in range(case.steps):
-            bad = mismatches(merge([r["records"][s] for r in ranks]))
+            rec = merge([r["records"][s] for r in ranks])
+            bad = mismatches(rec)
             assert not bad, f"seed {SEED}, {case} step {s}: measured != predicted: {bad}"
+            pw = rec["per_worker"]["weights_peak_resident"]  # in mismatches' keys; said outright
+            assert pw["measured"] == pw["predicted"], f"seed {SEED}, {case} step {s}: peak resident weights {pw}"

@@ -56,7 +56,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--order", default="1f1b", help="1f1b, breadth_first or depth_first")
     p.add_argument("--split-backward", action="store_true")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--weight-cache", default="step", choices=("step", "job"))
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for every worker to stop after one fails")
     p.add_argument("--backend", default="auto", help=f"{', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}")

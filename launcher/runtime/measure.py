@@ -2,9 +2,10 @@
 
 A record's ``per_worker`` keys are ``simulation.json``'s (:data:`PER_WORKER_KEYS`), each with
 ``predicted`` and ``measured``. Units: ``busy`` is simulated duration units when predicted and
-seconds when measured; every other key is a count. ``measured_only`` holds what the simulator does
-not predict: bytes per message kind, peak activation bytes, weight messages received, wall time of
-each job and of the step.
+seconds when measured; ``stash_recv`` is not measured (``None``); every other key is a count.
+``weights_peak_resident`` counts a fetched copy from the moment its receive buffer is posted.
+``measured_only`` holds what the simulator does not predict: bytes per message kind, peak
+activation bytes, weight messages received, wall time of each job and of the step.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, o
         "busy": sum(j[3] for j in meter.jobs),
         "act_recv": comm.recv_count["act"],
         "grad_recv": comm.recv_count["grad"],
-        "stash_recv": 0,  # the runtime keeps every job of (s, b) where F(s, b) ran
+        # never measured: the plan refuses placements that split the jobs of (s, b) across workers
+        # (plan._check_colocated), so no stash ever moves and the prediction is 0 by construction
+        "stash_recv": None,
         "weight_fetch_stages": len(meter.fetched_stages),
         "weight_fetch_jobs": meter.fetched_jobs,
         "weight_grad_send": comm.sent_count["wgrad"],
@@ -105,9 +108,11 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-#: counts the runtime must reproduce exactly
-EXACT_KEYS = ("act_recv", "grad_recv", "stash_recv", "weight_fetch_stages", "weight_fetch_jobs",
-              "weight_grad_send", "weight_allreduce", "peak_activations", "weights_owned")
+#: counts the runtime must reproduce exactly, under either weight cache (``weights_peak_resident``
+#: under ``"job"`` as the plan predicts it for the engine's lookahead). Not ``stash_recv``: the
+#: runtime only runs placements that move no stash, so it has nothing to measure (``None``).
+EXACT_KEYS = ("act_recv", "grad_recv", "weight_fetch_stages", "weight_fetch_jobs", "weight_grad_send",
+              "weight_allreduce", "peak_activations", "weights_owned", "weights_peak_resident")
 
 
 def mismatches(record: dict[str, Any], keys: tuple[str, ...] = EXACT_KEYS) -> dict[str, Any]:

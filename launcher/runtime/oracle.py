@@ -33,7 +33,7 @@ class Case:
     optimizer: str = "sgd"
     split: bool = False
     weight_cache: str = "step"
-    prefetch: int = 2
+    prefetch: int = 1
     steps: int = 3
     placement: Callable | None = field(default=None, compare=False)
     W: int | None = None  # with a custom placement
@@ -42,7 +42,7 @@ class Case:
     def name(self) -> str:
         extra = "".join([
             "-split" if self.split else "", f"-cache_{self.weight_cache}" if self.weight_cache != "step" else "",
-            f"-prefetch{self.prefetch}" if self.prefetch != 2 else "",
+            f"-prefetch{self.prefetch}" if self.prefetch != 1 else "",
         ])
         return f"{self.strategy}-G{self.G}R{self.R}-S{self.S}B{self.B}-{self.order}-{self.optimizer}{extra}"
 

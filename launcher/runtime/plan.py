@@ -10,7 +10,9 @@ What the placement implies (DESIGN.md section 2), as messages:
 - ``weights``: a job with ``w_compute != w_weights`` runs on a copy of stage ``s`` sent by the
   owner ``w_weights``. With ``weight_cache="step"`` a worker fetches each stage once, for the
   first job that needs it, and keeps it to the end of the step; with ``"job"`` every such job
-  fetches its own copy and frees it when it finishes;
+  fetches its own copy and frees it when it finishes, except that a backward whose forward ran on
+  this worker's own weights backpropagates through that forward's graph (no copy), and a ``W``
+  takes its gradient from its ``I``'s graph, on the copy ``I`` kept until then (no copy either);
 - ``wgrad``: after the compute, each worker sends its per-stage weight-gradient sum to every
   other owner it computed for (one message per ``(stage, owner)``);
 - ``reduce`` / ``bcast``: owners of a replicated stage (DDP, LPP with G > 1) sum their partial
@@ -114,6 +116,7 @@ class Plan:
     programs: list[Program]
     owners: list[list[int]]  # stage -> sorted owner workers
     predicted: dict[str, list]
+    prefetch: int = 1  # the engine's lookahead (jobs) that ``predicted["weights_peak_resident"]`` is for
 
     @property
     def workers(self) -> int:
@@ -141,10 +144,17 @@ def _check_colocated(tl: Timeline) -> None:
             )
 
 
-def lower(tl: Timeline, weight_cache: str = "step") -> Plan:
-    """Lower ``tl`` into per-worker programs; identical on every worker."""
+def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
+    """Lower ``tl`` into per-worker programs; identical on every worker.
+
+    ``plan.predicted`` is the simulator's :func:`~launcher.schedule.metrics.per_worker`, except
+    ``weights_peak_resident`` under ``weight_cache="job"``: the exact peak of the engine running
+    with lookahead ``prefetch`` (:func:`resident_peaks`), which the simulator cannot know.
+    """
     if weight_cache not in WEIGHT_CACHES:
         raise PlanError(f"weight_cache={weight_cache!r} is not valid; choose one of {list(WEIGHT_CACHES)}")
+    if not (isinstance(prefetch, int) and prefetch >= 0):
+        raise PlanError(f"prefetch={prefetch!r} is not valid; it must be an int >= 0 (jobs of lookahead)")
     _check_colocated(tl)
     space, W = tl.step.space, tl.step.workers
     S, B, SB = space.S, space.B, space.S * space.B
@@ -185,6 +195,9 @@ def lower(tl: Timeline, weight_cache: str = "step") -> Plan:
             if op.owner == w:
                 continue
             if weight_cache == "job":
+                f = ops.get(j % SB)  # F(s, b), here (the placement is colocated)
+                if op.kind == "W" or (op.kind != "F" and f is not None and f.owner == w):
+                    continue  # reuses the graph (and copy) of F or I: no transfer
                 op.weights = new(WEIGHTS, op.owner, w, op.stage, -1, op.stage, (tl.start[j], -1, j, j))
                 op.free_weights = True
             else:
@@ -246,14 +259,88 @@ def lower(tl: Timeline, weight_cache: str = "step") -> Plan:
         )
         for w in range(W)
     ]
-    return Plan(tl, weight_cache, msgs, programs, [sorted(o) for o in owners], per_worker(tl, weight_cache))
+    plan = Plan(tl, weight_cache, msgs, programs, [sorted(o) for o in owners], per_worker(tl, weight_cache), prefetch)
+    if weight_cache == "job":
+        owned = plan.predicted["weights_owned"]
+        plan.predicted["weights_peak_resident"] = [o + r for o, r in zip(owned, resident_peaks(plan, prefetch))]
+    return plan
+
+
+def resident_peaks(plan: Plan, prefetch: int) -> list[int]:
+    """Most fetched weight copies each worker's engine holds at once, with lookahead ``prefetch``.
+
+    A copy is resident from the moment its receive buffer is posted (comm.py) until the engine
+    frees it: at the end of its job (``F``/``B``), at the end of the ``W`` after an ``I``, or at the
+    end of the step (cache ``step``). When a receive is posted depends only on the worker's own
+    program, so this replays, without torch, the engine's order of calls (``Engine.train_step``:
+    release owned weights ``prefetch`` jobs ahead, want the inputs and weights of the next
+    ``prefetch + 1`` jobs, run the job: its sends, then its frees) through comm.py's issue rule
+    (per peer in plan order, stopping at a send whose data is not ready; a receive is posted once
+    wanted or once a later operation of the pair goes out).
+    """
+    msgs, out = plan.messages, []
+    for prog in plan.programs:
+        ready: set[int] = set()
+        wanted: set[int] = set()
+        nxt = {p: 0 for p in prog.pair_order}
+        held = peak = 0
+
+        def pump(peer: int) -> None:
+            nonlocal held, peak
+            q, i = prog.pair_order[peer], nxt[peer]
+            last = i - 1
+            for k in range(i, len(q)):
+                if msgs[q[k]].src == prog.worker:
+                    if q[k] not in ready:
+                        break
+                    last = k
+                elif q[k] in wanted:
+                    last = k
+            for k in range(i, last + 1):
+                if msgs[q[k]].dst == prog.worker and msgs[q[k]].kind == WEIGHTS:
+                    held += 1
+                    peak = max(peak, held)
+            nxt[peer] = last + 1
+
+        def send(mid: int) -> None:
+            ready.add(mid)
+            pump(msgs[mid].dst)
+
+        def want(mid: int) -> None:
+            if mid not in wanted:
+                wanted.add(mid)
+                pump(msgs[mid].src)
+
+        jobs, released, kept = prog.jobs, -1, set()
+        for i, op in enumerate(jobs):
+            for r in range(released + 1, i + prefetch + 1):
+                for mid in prog.weight_release.get(r, ()):
+                    send(mid)
+            released = max(released, i + prefetch)
+            for nop in jobs[i : i + 1 + prefetch]:
+                for mid in nop.recv.values():
+                    want(mid)
+                if nop.weights is not None:
+                    want(nop.weights)
+            for mid in op.send:
+                send(mid)
+            if op.kind == "I" and op.free_weights:
+                kept.add((op.stage, op.microbatch))
+            elif op.free_weights:
+                held -= 1
+            if op.kind == "W" and (op.stage, op.microbatch) in kept:
+                kept.discard((op.stage, op.microbatch))
+                held -= 1
+        out.append(peak)
+    return out
 
 
 def predicted_receives(plan: Plan) -> dict[str, list[int]]:
     """What the simulator predicts the runtime will receive, per kind, in plan terms.
 
     ``weights`` is the distinct-stage fetch count with ``weight_cache="step"`` and the per-job
-    count with ``"job"``: the two policies the simulator's metrics describe.
+    count with ``"job"`` (the jobs that need a transfer): the two policies the simulator's metrics
+    describe.
     """
     p = plan.predicted
     fetch = p["weight_fetch_stages"] if plan.weight_cache == "step" else p["weight_fetch_jobs"]

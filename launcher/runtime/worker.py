@@ -12,9 +12,12 @@ fetched copies of the weights (``torch.func.functional_call``).
 
 Activations: ``F(s, b)`` stashes its inputs ``x_s^b`` (and, unless it recomputes, the autograd
 graph of stage ``s``) from its start to the end of ``B(s, b)`` (or ``I(s, b)``), as the simulator
-counts. A job on fetched weights under ``weight_cache="job"`` frees its copy when it ends, so its
-backward fetches again and recomputes the stage's forward from the stashed input (activation
-checkpointing, as FSDP does); everything else keeps the graph and does not recompute.
+counts. A forward on fetched weights under ``weight_cache="job"`` frees its copy when it ends, so
+its backward fetches again (unless the worker owns the stage) and recomputes the stage's forward
+from the stashed input (activation checkpointing, as FSDP does); everything else keeps the graph
+and does not recompute, and its backward fetches nothing under ``"job"``. A split backward's ``W``
+takes its gradient from its ``I``'s graph: under ``"job"`` it fetches nothing, and the copy ``I``
+fetched (if any) stays resident until ``W`` ends.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class Engine:
         schedule: Step | Timeline | Plan,
         optimizer: OptimizerFactory | None = None,
         *,
-        prefetch: int = 2,
+        prefetch: int = 1,
         weight_cache: str = "step",
         group: dist.ProcessGroup | None = None,
         rank: int | None = None,
@@ -71,10 +74,13 @@ class Engine:
         if prefetch < 0:
             raise ValueError(f"prefetch={prefetch} is not valid; it must be an int >= 0 (jobs of lookahead)")
         if isinstance(schedule, Plan):
+            if schedule.prefetch != prefetch:
+                raise ValueError(f"the plan was lowered for prefetch={schedule.prefetch} but the engine got "
+                                 f"prefetch={prefetch}; its predicted peak resident weights would not hold")
             self.plan = schedule
         else:
             tl = schedule if isinstance(schedule, Timeline) else simulate(schedule)
-            self.plan = lower(tl, weight_cache)
+            self.plan = lower(tl, weight_cache, prefetch)
         self.timeline = self.plan.timeline
         space = self.timeline.step.space
         if model.graph.preds != space.graph.preds:
@@ -328,7 +334,7 @@ class _StepState:
         else:
             out, loss, targets = st.out, st.loss, st.targets
             if op.weights is not None:
-                self.fetch(op)  # cache "step": the copy F used; counted as a job on fetched weights
+                self.fetch(op)  # cache "step" only: the copy F used; counted as a job on fetched weights
         if loss is not None:
             root, g = loss, None
         else:
@@ -359,10 +365,9 @@ class _StepState:
     def weight_grad(self, op: JobOp) -> None:
         root, g, targets, hold = self.wstash.pop((op.stage, op.microbatch))
         if op.weights is not None:
-            # the placement runs W on fetched weights; the gradient itself comes from I's graph
+            # cache "step" only: W on the step's copy, counted as a job on fetched weights; the
+            # gradient itself comes from I's graph (under "job" the plan sends W no copy at all)
             self.fetch(op)
-            if op.free_weights:
-                self.free(op.weights)
         self._accumulate(op, targets, torch.autograd.grad(root, targets, g, allow_unused=True))
         if hold is not None:
             self.meter.free_weights()

@@ -6,14 +6,26 @@ Traffic is derived from ``w(s, b, d)`` alone (DESIGN.md section 2):
 - ``grad_recv``: gradients received, one per backward edge ``B(c,b) -> B(s,b)`` that crosses workers;
 - ``stash_recv``: activations a backward needs from the worker that ran its forward (zero for every
   named scheme, where ``F(s,b)`` and ``B(s,b)`` share a worker);
-- ``weight_fetch_jobs``: jobs that ran on fetched weights (``w_compute != w_weights``);
-- ``weight_fetch_stages``: distinct stages fetched, when fetched weights are kept for the step;
+- ``weight_fetch_jobs``: jobs that need a fetched copy of their stage's weights, under the cache
+  policy. ``step``: every job with ``w_compute != w_weights`` (each reads the copy fetched once for
+  the step). ``job``: the jobs that receive a copy of their own, i.e. the weight transfers: a job
+  with ``w_compute != w_weights``, except a backward (``B``/``I``) whose ``F(s,b)`` ran on the same
+  worker on weights that worker owns (it backpropagates through that forward's graph and weights,
+  so it needs none), and except every ``W`` (it takes its gradient from its ``I``'s graph, on the
+  copy that ``I`` kept, if any);
+- ``weight_fetch_stages``: distinct stages among those jobs (``step``: the weight transfers);
 - ``weight_grad_send``: stage gradients summed locally and sent to a different owner;
 - ``weight_allreduce``: owned stages that other owners replicate, so owners all-reduce them.
 
 Memory: ``peak_activations`` from the timeline; ``weights_owned`` the stages a worker is source of
-truth for; ``weights_peak_resident`` owned plus fetched copies held at once under the cache policy
-(``step``: every fetched stage stays to the end; ``job``: one copy at a time).
+truth for; ``weights_peak_resident`` owned plus the most fetched copies held at once. ``step``:
+every fetched stage stays to the end of the step. ``job``: each copy is held from the start of the
+job that fetches it to its end, except that an ``I``'s copy is held to the end of its ``W`` (so a
+split backward can hold several): the value if every copy arrives just as its job starts, a lower
+bound. A runtime that receives weights ahead of their job (lookahead, or a receive posted early so
+a later message to the same peer can go out in order) holds more, so the runtime does not take
+this value: :func:`launcher.runtime.plan.lower` computes the exact one for its lookahead
+(``prefetch``) and message order.
 """
 
 from __future__ import annotations
@@ -88,6 +100,36 @@ def traffic(tl: Timeline) -> dict[str, list[int]]:
     }
 
 
+def _job_cache(tl: Timeline) -> tuple[list[int], list[int], list[int]]:
+    """Under ``weight_cache="job"``: fetching jobs, their distinct stages, and the most copies held
+    at once with no lookahead, per worker (see the module docstring)."""
+    space, W = tl.step.space, tl.step.workers
+    SB = space.S * space.B
+    comp, wts = tl.compute, tl.weights
+    jobs, peak = [0] * W, [0] * W
+    stages: list[set[int]] = [set() for _ in range(W)]
+    for w, prog in enumerate(tl.program):
+        held, kept = 0, set()  # copies held now; (s, b) whose I keeps its copy until W
+        for j in prog:
+            s, b, d = space.job(j)
+            f = j % SB  # F(s, b)
+            own_graph = comp[f] == w and wts[f] == w
+            if d == "W" or wts[j] == w or (d != "F" and own_graph):
+                if d == "W" and (s, b) in kept:
+                    kept.discard((s, b))
+                    held -= 1
+                continue
+            jobs[w] += 1
+            stages[w].add(s)
+            held += 1
+            peak[w] = max(peak[w], held)
+            if d == "I":
+                kept.add((s, b))
+            else:
+                held -= 1
+    return jobs, [len(x) for x in stages], peak
+
+
 def per_worker(tl: Timeline, weight_cache: str = "step") -> dict[str, list]:
     """Every per-worker metric, keyed as in ``simulation.json``'s ``per_worker``."""
     if weight_cache not in WEIGHT_CACHES:
@@ -99,7 +141,11 @@ def per_worker(tl: Timeline, weight_cache: str = "step") -> dict[str, list]:
     out: dict[str, list] = {"busy": busy}
     out.update(traffic(tl))
     out["peak_activations"] = list(tl.peak_activations)
-    held = out["weight_fetch_stages"] if weight_cache == "step" else [min(1, n) for n in out["weight_fetch_jobs"]]
+    if weight_cache == "job":
+        jobs, stages, held = _job_cache(tl)
+        out["weight_fetch_jobs"], out["weight_fetch_stages"] = jobs, stages
+    else:
+        held = out["weight_fetch_stages"]
     out["weights_peak_resident"] = [o + f for o, f in zip(out["weights_owned"], held)]
     return {k: out[k] for k in PER_WORKER_KEYS}
 
