@@ -21,6 +21,7 @@ import gc
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import sys
 import time
@@ -51,10 +52,16 @@ def _child(
     kwargs: dict,
 ) -> None:
     def report(kind: str, payload: Any) -> None:
+        # plain pickle copies tensors by value; the connection's own pickler would hand over
+        # shared-memory handles that die with this process before the launcher reads them
         try:
-            conn.send((kind, payload))
-        except Exception:
-            pass
+            data = pickle.dumps((kind, payload))
+        except Exception as e:  # noqa: BLE001 - an unpicklable result is this rank's failure
+            data = pickle.dumps(("failed", f"rank {rank} could not send its result: {type(e).__name__}: {e}"))
+        try:
+            conn.send_bytes(data)
+        except OSError:
+            pass  # the launcher is gone; nobody to tell
 
     code = 0
     wd = None
@@ -159,7 +166,7 @@ def launch(
         c = conns[r]
         try:
             while c.poll():
-                kind, payload = c.recv()
+                kind, payload = pickle.loads(c.recv_bytes())
                 if kind != "started":
                     reports[r] = (kind, payload)
         except (EOFError, OSError):

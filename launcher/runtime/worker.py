@@ -102,6 +102,7 @@ class Engine:
         self.modules = {s: model.stages[s].to(self.device) for s in self.owned}
         for s in range(space.S):
             model.stages[s] = self.modules.get(s, self.skeletons[s])
+        self._sync_replicas()
         params = [p for s in self.owned for p in self.modules[s].parameters()]
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self.last_grads: dict[int, torch.Tensor] = {}  # owned stage -> reduced flat gradient of the last step
@@ -200,6 +201,36 @@ class Engine:
         return worker_record(w, plan.predicted, meter, comm, len(self.owned), self.steps)
 
     # ---- state -------------------------------------------------------------------------------
+    def _sync_replicas(self) -> None:
+        """Every owner of a replicated stage (DDP, LPP with G > 1) starts from the weights of the
+        stage's lowest-ranked owner: ranks that built their model apart (torchrun, a per-rank
+        seed) would otherwise train replicas that silently diverge.
+
+        Messages go out in one order shared by both ends of every pair, (stage, src, dst), so
+        the exchange is also correct where point-to-point operations match in issue order (NCCL).
+        """
+        if self.worker is None:
+            return
+        w, tag0 = self.worker, 1 << 21  # apart from the step's and gather_state's tags
+        works, into = [], []
+        for s, owners in enumerate(self.plan.owners):
+            if len(owners) < 2 or w not in owners:
+                continue
+            root, L = owners[0], self.layouts[s]
+            if w == root:
+                flat = L.pack([p.detach() for p in self.modules[s].parameters()])
+                works += [dist.isend(flat, self.ranks[o], group=self.group, tag=tag0 + s) for o in owners[1:]]
+            else:
+                flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
+                works.append(dist.irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
+                into.append((s, flat))
+        for work in works:
+            work.wait()
+        with torch.no_grad():
+            for s, flat in into:
+                for p, v in zip(self.modules[s].parameters(), self.layouts[s].views(flat).values()):
+                    p.copy_(v)
+
     def gather_state(self, dst: int = 0) -> list[dict[str, torch.Tensor]] | None:
         """Every stage's parameters at worker ``dst`` (each from its lowest-ranked owner); None elsewhere."""
         out: list[dict[str, torch.Tensor]] = []

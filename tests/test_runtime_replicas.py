@@ -1,0 +1,32 @@
+"""Replicas of a stage start equal even when ranks build their models apart (torchrun, per-rank seeds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launcher.runtime import Engine, StagedModel, launch, mlp_batches, reference_step, staged_mlp
+from launcher.schedule import make_step
+
+
+def _train_with_per_rank_seeds() -> list[dict[str, torch.Tensor]] | None:
+    # every rank draws its own initial weights; the engine must start every replica from the root's
+    model = staged_mlp(4, seed=dist.get_rank())
+    engine = Engine(model, make_step("lpp", 4, 4, G=2, R=2, order="1f1b"), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine.train_step(mlp_batches(4, seed=1))
+    return engine.gather_state(0)  # tensors travel back to the launcher by value
+
+
+@pytest.mark.timeout(120)
+def test_replicas_start_from_the_root_owners_weights():
+    state = launch(_train_with_per_rank_seeds, 4, timeout=20)[0]
+    # LPP G=2 R=2: stages 0 and 2 are rooted at worker 0 (seed 0), stages 1 and 3 at worker 1 (seed 1)
+    ref0, ref1 = staged_mlp(4, seed=0), staged_mlp(4, seed=1)
+    stages = [ref0.stages[0], ref1.stages[1], ref0.stages[2], ref1.stages[3]]
+    oracle = StagedModel(stages, ref0.loss)
+    params = [p for m in oracle.stages for p in m.parameters()]
+    reference_step(oracle, torch.optim.SGD(params, lr=0.1), mlp_batches(4, seed=1))
+    for s, got in enumerate(state):
+        for (name, want), (_, have) in zip(oracle.stages[s].named_parameters(), got.items()):
+            torch.testing.assert_close(have, want.detach(), rtol=0, atol=1e-12, msg=f"stage {s} {name}")
