@@ -47,6 +47,10 @@ class Comm:
         self.on_alloc = on_alloc
         self.queue = plan.programs[worker].pair_order
         self.next = {p: 0 for p in self.queue}
+        # where each message stands in its pair's order, and per pair the furthest operation that is
+        # wanted or ready: nothing past it can be issued, so a pump never scans beyond it
+        self.pos = {mid: k for q in self.queue.values() for k, mid in enumerate(q)}
+        self.horizon = {p: -1 for p in self.queue}
         self.ready: dict[int, torch.Tensor] = {}
         self.wanted: set[int] = set()
         self.works: dict[int, dist.Work] = {}
@@ -61,19 +65,24 @@ class Comm:
         return m.dst if m.src == self.me else m.src
 
     def _pump(self, peer: int) -> None:
+        """Issue the pair's operations in order, up to the furthest wanted or ready one, stopping
+        at a send whose data does not exist yet (receives before it are posted early)."""
         q, i = self.queue[peer], self.next[peer]
         last = i - 1
-        for k in range(i, len(q)):
-            mid = q[k]
-            if self.msgs[mid].src == self.me:
-                if mid not in self.ready:
-                    break
-                last = k
-            elif mid in self.wanted:
-                last = k
+        for k in range(i, self.horizon[peer] + 1):
+            if self.msgs[q[k]].src == self.me and q[k] not in self.ready:
+                break
+            last = k
         for k in range(i, last + 1):
             self._issue(q[k])
         self.next[peer] = last + 1
+
+    def _reach(self, mid: int) -> int:
+        """Extend the pair's horizon to ``mid``; return the peer."""
+        peer = self._peer(self.msgs[mid])
+        if self.pos[mid] > self.horizon[peer]:
+            self.horizon[peer] = self.pos[mid]
+        return peer
 
     def _issue(self, mid: int) -> None:
         m = self.msgs[mid]
@@ -100,13 +109,13 @@ class Comm:
     def send(self, mid: int, tensor: torch.Tensor) -> None:
         """Hand over the data of an outgoing message; it goes out as soon as the pair order allows."""
         self.ready[mid] = tensor.detach()
-        self._pump(self._peer(self.msgs[mid]))
+        self._pump(self._reach(mid))
 
     def want(self, mid: int) -> None:
         """Ask for an incoming message ahead of time (prefetch)."""
         if mid not in self.wanted:
             self.wanted.add(mid)
-            self._pump(self._peer(self.msgs[mid]))
+            self._pump(self._reach(mid))
 
     def wait(self, mid: int) -> torch.Tensor:
         """The data of an incoming message, blocking until it is here; counted once."""
