@@ -410,8 +410,9 @@ class _StepState:
             return
         to = {self.msgs[mid].stage: mid for mid in op.send}
         for p, gi in zip(preds, grads):
-            if gi is None:
-                gi = torch.zeros(self.e._act_specs(self.mb)[b][p][0], dtype=self.e._act_specs(self.mb)[b][p][1], device=self.e.device)
+            if gi is None:  # the stage ignored this input: its gradient is zero
+                shape, dtype = self.e._act_specs(self.mb)[b][p]
+                gi = torch.zeros(shape, dtype=dtype, device=self.e.device)
             if p in to:
                 self.comm.send(to[p], gi)
             else:
