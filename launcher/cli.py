@@ -1,8 +1,8 @@
 """``python -m launcher`` / ``launcher``: the Hydra front end.
 
-Thin by design: Hydra composes the config (``conf/``, typed by :mod:`launcher.config.schema`),
-:mod:`launcher.config.validate` checks it, :func:`launcher.config.to_step` turns it into a
-:class:`~launcher.schedule.Step`, and ``mode=simulate`` reports the simulated step.
+Thin by design: Hydra composes the config (``conf/``, typed by :mod:`launcher.config.schema`) and
+this module hands it to one module per mode (:mod:`launcher.modes`), each of which validates it
+(:mod:`launcher.config.validate`) before it runs anything.
 
 Exit codes:
 
@@ -21,20 +21,14 @@ Exit codes:
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from .config import ConfigError, check_overrides, to_step
-from .config.step import one_line
+from .config import check_overrides
 from .config.validate import SweepCheck, check_sweep_overrides
-from .config.validate import errors as config_errors
-from .schedule import ScheduleError, Timeline, simulate
-from .schedule.diagram import ascii_diagram, legend
-from .schedule.metrics import summarize
+from .modes import MODES, common
 
 EXIT_INVALID = 2
 
@@ -42,118 +36,10 @@ EXIT_INVALID = 2
 POINTS: list[dict[str, Any]] = []
 
 
-def _console():
-    from rich.console import Console
-
-    # not a terminal (a pipe, a log file): wide enough that the tables never wrap
-    return Console(width=None if sys.stdout.isatty() else 200, soft_wrap=False)
-
-
-def _point() -> str:
-    try:
-        return " ".join(HydraConfig.get().overrides.task) or "(defaults)"
-    except ValueError:  # not inside Hydra (tests calling run_config directly)
-        return "(config)"
-
-
-def _output_dir() -> Path:
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
-def _reject(sentences: list[str], point: str, sweep: bool) -> dict[str, Any]:
-    for s in sentences:
-        print(f"error: {s}", file=sys.stderr)
-    if sweep:
-        print(f"skipped: {point} (invalid config; the other points still run)", file=sys.stderr)
-    return {"point": point, "ok": False, "errors": sentences}
-
-
-def _write_invalid(cfg: DictConfig, sentences: list[str]) -> None:
-    """``invalid.json`` in the run directory: why this run (sweep point) did not run."""
-    import json
-
-    try:
-        out = _output_dir()
-    except ValueError:
-        return
-    try:
-        config: Any = OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # an interpolation that cannot resolve: keep it as written
-        config = OmegaConf.to_container(cfg, resolve=False)
-    (out / "invalid.json").write_text(json.dumps({"config": config, "errors": sentences}, indent=2, default=str) + "\n")
-
-
-def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
-    """Validate, build and simulate the step ``cfg`` describes; raise :class:`ConfigError` (one
-    sentence per failure) when it is invalid or cannot finish."""
-    found = config_errors(cfg)
-    if found:
-        raise ConfigError(found)
-    step = to_step(cfg, check=False)
-    try:
-        tl = simulate(step)
-    except ScheduleError as e:
-        raise ConfigError([str(e).rstrip(".") + "."]) from e
-    except ConfigError:  # a custom callable's failure, already one sentence
-        raise
-    except Exception as e:  # a user's placement or order callable failed: say which
-        custom = [k for k in ("strategy.placement", "order.n") if OmegaConf.select(cfg, k) is not None]
-        if not custom:
-            raise
-        raise ConfigError(
-            [f"the custom {' or '.join(custom)} failed while the step was planned: {one_line(e)}."]
-        ) from e
-    return tl, summarize(tl, cfg.weight_cache)
-
-
-def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Print the tables and the text diagram; write ``simulation.json`` and ``pipeline.png``."""
-    from .report import closed_form_table, per_worker_table, record, write_record
-    from .report.png import save_png
-
-    config = OmegaConf.to_container(cfg, resolve=True)
-    scheme = cfg.strategy.name if cfg.strategy.get("placement") is None else "custom"
-    rec = record(config, summary, scheme)
-    json_path = write_record(rec, out_dir)
-    png_path = save_png(tl, out_dir / "pipeline.png")
-
-    con = _console()
-    warmup = tl.step.order.warmup
-    con.print(
-        f"[bold]simulate[/bold] strategy={cfg.strategy.name} G={cfg.G} R={cfg.R} W={summary['workers']} "
-        f"stages={cfg.stages} microbatches={cfg.microbatches} order={cfg.order.name} (warmup {warmup})"
-        f"{' split_backward' if cfg.split_backward else ''}",
-        highlight=False,
-    )
-    con.print(
-        f"latency {summary['latency']:g} ({summary['latency_fb']:g} x (F+B)), utilization "
-        f"{summary['utilization']:.3f}, bubble fraction {summary['bubble_fraction']:.3f}, "
-        f"rho {summary['rho']:.3f}",
-        highlight=False,
-    )
-    con.print(per_worker_table(summary))
-    con.print(closed_form_table(rec))
-    con.print(f"pipeline ({legend('both')}):", highlight=False)
-    print(ascii_diagram(tl, cells="both"), flush=True)
-    con.print(f"wrote {json_path} and {png_path}", highlight=False, soft_wrap=True)
-    return rec
-
-
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """One run (or one point of a sweep): never raises for an invalid config, records it."""
-    point = _point()
-    try:
-        sweep = HydraConfig.get().mode.name == "MULTIRUN"
-    except ValueError:
-        sweep = False
-    try:
-        tl, summary = simulate_config(cfg)
-    except ConfigError as e:
-        result = _reject(e.sentences, point, sweep)
-        _write_invalid(cfg, e.sentences)
-    else:
-        report_simulation(cfg, tl, summary, _output_dir())
-        result = {"point": point, "ok": True, "summary": summary}
+    """One run (one point of a sweep) in the mode the config names; records its outcome."""
+    mode: Callable[[DictConfig], dict[str, Any]] = MODES.get(cfg.get("mode"), MODES["simulate"])
+    result = mode(cfg)
     POINTS.append(result)
     return result
 
@@ -208,7 +94,7 @@ def main() -> None:
     if len(POINTS) > 1:
         from .report import sweep_table
 
-        _console().print(sweep_table(POINTS, title=f"sweep: {len(POINTS)} points"))
+        common.console().print(sweep_table(POINTS, title=f"sweep: {len(POINTS)} points"))
     bad = [p for p in POINTS if not p["ok"]]
     if bad and len(POINTS) > 1:
         print(f"error: {len(bad)} of {len(POINTS)} points were invalid and skipped", file=sys.stderr)

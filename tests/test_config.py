@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
-from launcher.cli import simulate_config
+from launcher.modes.simulate import simulate_config
 from launcher.config import ConfigError, check_overrides, errors, to_step
 from launcher.config.validate import check_sweep_overrides
 from launcher.schedule import make_step, simulate

@@ -345,3 +345,33 @@ def predicted_receives(plan: Plan) -> dict[str, list[int]]:
     p = plan.predicted
     fetch = p["weight_fetch_stages"] if plan.weight_cache == "step" else p["weight_fetch_jobs"]
     return {ACT: list(p["act_recv"]), GRAD: list(p["grad_recv"]), WEIGHTS: list(fetch)}
+
+
+def forward_only(plan: Plan) -> Plan:
+    """The forward half of ``plan``, for evaluation: each worker's ``F`` jobs in the same order,
+    the activation messages between them and the weights they run on; no gradients, no
+    reduction. A subsequence of a deadlock-free pair order is deadlock-free (every wait is still
+    for data keyed before the waiting job's simulated start), so this needs no new schedule."""
+    keep: set[int] = set()
+    programs: list[Program] = []
+    for prog in plan.programs:
+        jobs = [op for op in prog.jobs if op.kind == "F"]
+        for op in jobs:
+            keep.update(op.recv.values())
+            keep.update(op.send)
+            if op.weights is not None:
+                keep.add(op.weights)
+        programs.append(Program(prog.worker, jobs, [], prog.owned, {}, {}))
+    for prog, old in zip(programs, plan.programs):
+        prog.pair_order = {p: [m for m in q if m in keep] for p, q in old.pair_order.items()}
+        prog.pair_order = {p: q for p, q in prog.pair_order.items() if q}
+        # release points move with the jobs: index i of the old program -> forwards before it
+        new_index, n = [], 0
+        for op in old.jobs + [None]:
+            new_index.append(n)
+            n += op is not None and op.kind == "F"
+        for i, mids in old.weight_release.items():
+            kept = [m for m in mids if m in keep]
+            if kept:
+                prog.weight_release.setdefault(new_index[i], []).extend(kept)
+    return Plan(plan.timeline, plan.weight_cache, plan.messages, programs, plan.owners, plan.predicted, plan.prefetch)

@@ -37,7 +37,7 @@ from .comm import Comm
 from .failure import Watchdog, current_watchdog
 from .measure import Meter, worker_record
 from .model import Batch, OptimizerFactory, StagedModel, StageLayout, run_stage, skeleton
-from .plan import ACT, GRAD, WEIGHTS, JobOp, Msg, Plan, lower
+from .plan import ACT, GRAD, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
 
 
 @dataclass
@@ -114,6 +114,7 @@ class Engine:
             sum(1 for c in space.stage_succs[j // B] if comp[c * B + j % B] == comp[j]) for j in range(SB)
         ]
         self._grad_kind = space.K - 1
+        self._eval_plan: Plan | None = None
 
     # ---- shapes ------------------------------------------------------------------------------
     def _act_specs(self, microbatches: Sequence[Batch]) -> list[list[tuple]]:
@@ -136,7 +137,18 @@ class Engine:
 
     # ---- the step ----------------------------------------------------------------------------
     def train_step(self, microbatches: Sequence[Batch]) -> dict[str, Any]:
-        """Run one step (every rank calls it with the same micro-batches); returns this worker's record."""
+        """Run one step (every rank calls it with the same micro-batches) and step the owners'
+        optimizer; returns this worker's record."""
+        record = self.compute_step(microbatches)
+        if self.optimizer is not None:
+            self.install_grads()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return record
+
+    def compute_step(self, microbatches: Sequence[Batch]) -> dict[str, Any]:
+        """Every job of one step and the gradient reduction, without the optimizer step: each
+        owned stage's total gradient is left in :attr:`last_grads` (see :meth:`install_grads`)."""
         self.steps += 1
         if self.worker is None:
             return {}
@@ -144,8 +156,51 @@ class Engine:
         if len(microbatches) != B:
             raise ValueError(f"the schedule has B={B} micro-batches but train_step got {len(microbatches)}")
         w, plan = self.worker, self.plan
-        prog, msgs = plan.programs[w], plan.messages
         meter = Meter()
+        st = self._run_program(plan, microbatches, meter, train=True)
+        totals = st.reduce(plan.programs[w])
+        st.comm.finish()
+        for mid in list(st.weights):
+            st.free(mid)
+        self.last_grads = totals
+        if self.watchdog is not None:
+            self.watchdog.set_job("")
+        meter.step_s = time.perf_counter() - meter.t0
+        return worker_record(w, plan.predicted, meter, st.comm, len(self.owned), self.steps)
+
+    def install_grads(self) -> None:
+        """Point every owned parameter's ``.grad`` at its slice of the step's reduced gradient."""
+        for s in self.owned:
+            for p, g in zip(self.modules[s].parameters(), self.layouts[s].views(self.last_grads[s]).values()):
+                p.grad = g
+
+    def evaluate(self, microbatches: Sequence[Batch]) -> tuple[float, dict[int, torch.Tensor]]:
+        """A forward-only pass of the step's schedule (no gradients, no optimizer): every forward
+        job where the training step runs it, with the same activation and weight messages.
+
+        Returns this worker's share of the loss (the sum of its micro-batches' losses over ``B``;
+        summed over workers it is the batch loss) and the loss stages' outputs it computed, by
+        micro-batch."""
+        if self.worker is None:
+            return 0.0, {}
+        if len(microbatches) != self.space.B:
+            raise ValueError(f"the schedule has B={self.space.B} micro-batches but evaluate got {len(microbatches)}")
+        if self._eval_plan is None:
+            self._eval_plan = forward_only(self.plan)
+        meter = Meter()
+        with torch.no_grad():
+            st = self._run_program(self._eval_plan, microbatches, meter, train=False)
+            st.comm.finish()
+            for mid in list(st.weights):
+                st.free(mid)
+        if self.watchdog is not None:
+            self.watchdog.set_job("")
+        return meter.loss, st.predictions
+
+    def _run_program(self, plan: Plan, microbatches: Sequence[Batch], meter: Meter, train: bool) -> "_StepState":
+        """Run this worker's jobs of ``plan`` in order, with prefetch and just-in-time weight hand-over."""
+        w = self.worker
+        prog, msgs = plan.programs[w], plan.messages
         specs = self._act_specs(microbatches)
 
         def spec(m: Msg) -> tuple:
@@ -170,35 +225,21 @@ class Engine:
                     comm.send(mid, packed[s])
             released = max(released, upto)
 
-        st = _StepState(self, comm, meter, microbatches)
+        st = _StepState(self, comm, meter, microbatches, train)
         jobs = prog.jobs
+        what = "step" if train else "evaluation step"
         for i, op in enumerate(jobs):
             release(i + self.prefetch)
             for k in range(i, min(len(jobs), i + 1 + self.prefetch)):
                 st.request(jobs[k])
             if self.watchdog is not None:
                 self.watchdog.check()
-                self.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of step {self.steps}")
+                self.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of {what} {self.steps}")
             t = time.perf_counter()
             st.run(op)
             meter.jobs.append([op.stage, op.microbatch, op.kind, time.perf_counter() - t])
-
         release(len(jobs))
-        totals = st.reduce(prog)
-        comm.finish()
-        for mid in list(st.weights):
-            st.free(mid)
-        if self.optimizer is not None:
-            for s in self.owned:
-                for p, g in zip(self.modules[s].parameters(), self.layouts[s].views(totals[s]).values()):
-                    p.grad = g
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.last_grads = totals
-        if self.watchdog is not None:
-            self.watchdog.set_job("")
-        meter.step_s = time.perf_counter() - meter.t0
-        return worker_record(w, plan.predicted, meter, comm, len(self.owned), self.steps)
+        return st
 
     # ---- state -------------------------------------------------------------------------------
     def _sync_replicas(self) -> None:
@@ -261,8 +302,9 @@ class Engine:
 class _StepState:
     """Everything a worker holds during one step."""
 
-    def __init__(self, engine: Engine, comm: Comm, meter: Meter, microbatches: Sequence[Batch]) -> None:
-        self.e, self.comm, self.meter, self.mb = engine, comm, meter, microbatches
+    def __init__(self, engine: Engine, comm: Comm, meter: Meter, microbatches: Sequence[Batch], train: bool = True) -> None:
+        self.e, self.comm, self.meter, self.mb, self.train = engine, comm, meter, microbatches, train
+        self.predictions: dict[int, torch.Tensor] = {}  # evaluation: micro-batch -> loss stage output
         self.msgs = engine.plan.messages
         self.outs: dict[tuple[int, int], list] = {}  # (s, b) -> [output, local forwards still to read it]
         self.grads: dict[tuple[int, int], dict[int, torch.Tensor]] = defaultdict(dict)  # (p, b) -> {c: dL/dout_p}
@@ -334,6 +376,8 @@ class _StepState:
         return self.e.model.loss(out, y) / self.e.space.B
 
     def forward(self, op: JobOp) -> None:
+        if not self.train:
+            return self.forward_eval(op)
         s, b = op.stage, op.microbatch
         inputs = self._inputs(op)
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
@@ -349,6 +393,24 @@ class _StepState:
         n = self.e._local_succ[s * self.e.space.B + b]
         if n:
             self.outs[(s, b)] = [out.detach(), n]
+        for mid in op.send:
+            self.comm.send(mid, out)
+        if op.free_weights:
+            self.free(op.weights)
+
+    def forward_eval(self, op: JobOp) -> None:
+        """A forward that keeps nothing for a backward: no stash, its copy of the weights freed
+        when the job ends whatever the cache (no backward will use it)."""
+        s, b = op.stage, op.microbatch
+        mod, params, _ = self.fetch(op)
+        out = run_stage(mod, params, self._inputs(op))
+        loss = self._loss(op, out)
+        if loss is not None:
+            self.meter.loss += float(loss)
+            self.predictions[b] = out
+        n = self.e._local_succ[s * self.e.space.B + b]
+        if n:
+            self.outs[(s, b)] = [out, n]
         for mid in op.send:
             self.comm.send(mid, out)
         if op.free_weights:

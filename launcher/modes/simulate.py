@@ -1,0 +1,87 @@
+"""``mode=simulate``: plan one training step with the greedy simulator and report it (tables, the
+text diagram, ``simulation.json`` and ``pipeline.png`` in the run directory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..config import ConfigError, to_step
+from ..config.step import one_line
+from ..config.validate import errors as config_errors
+from ..schedule import ScheduleError, Timeline, simulate
+from ..schedule.diagram import ascii_diagram, legend
+from ..schedule.metrics import summarize
+from .common import console, in_sweep, output_dir, point, reject, write_invalid
+
+
+def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
+    """Validate, build and simulate the step ``cfg`` describes; raise :class:`ConfigError` (one
+    sentence per failure) when it is invalid or cannot finish."""
+    found = config_errors(cfg)
+    if found:
+        raise ConfigError(found)
+    step = to_step(cfg, check=False)
+    try:
+        tl = simulate(step)
+    except ScheduleError as e:
+        raise ConfigError([str(e).rstrip(".") + "."]) from e
+    except ConfigError:  # a custom callable's failure, already one sentence
+        raise
+    except Exception as e:  # a user's placement or order callable failed: say which
+        custom = [k for k in ("strategy.placement", "order.n") if OmegaConf.select(cfg, k) is not None]
+        if not custom:
+            raise
+        raise ConfigError(
+            [f"the custom {' or '.join(custom)} failed while the step was planned: {one_line(e)}."]
+        ) from e
+    return tl, summarize(tl, cfg.weight_cache)
+
+
+def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Print the tables and the text diagram; write ``simulation.json`` and ``pipeline.png``."""
+    from .report import closed_form_table, per_worker_table, record, write_record
+    from .report.png import save_png
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    scheme = cfg.strategy.name if cfg.strategy.get("placement") is None else "custom"
+    rec = record(config, summary, scheme)
+    json_path = write_record(rec, out_dir)
+    png_path = save_png(tl, out_dir / "pipeline.png")
+
+    con = console()
+    warmup = tl.step.order.warmup
+    con.print(
+        f"[bold]simulate[/bold] strategy={cfg.strategy.name} G={cfg.G} R={cfg.R} W={summary['workers']} "
+        f"stages={cfg.stages} microbatches={cfg.microbatches} order={cfg.order.name} (warmup {warmup})"
+        f"{' split_backward' if cfg.split_backward else ''}",
+        highlight=False,
+    )
+    con.print(
+        f"latency {summary['latency']:g} ({summary['latency_fb']:g} x (F+B)), utilization "
+        f"{summary['utilization']:.3f}, bubble fraction {summary['bubble_fraction']:.3f}, "
+        f"rho {summary['rho']:.3f}",
+        highlight=False,
+    )
+    con.print(per_worker_table(summary))
+    con.print(closed_form_table(rec))
+    con.print(f"pipeline ({legend('both')}):", highlight=False)
+    print(ascii_diagram(tl, cells="both"), flush=True)
+    con.print(f"wrote {json_path} and {png_path}", highlight=False, soft_wrap=True)
+    return rec
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """One run (or one point of a sweep): never raises for an invalid config, records it."""
+    where = point()
+    try:
+        tl, summary = simulate_config(cfg)
+    except ConfigError as e:
+        result = reject(e.sentences, where, in_sweep())
+        write_invalid(cfg, e.sentences)
+    else:
+        report_simulation(cfg, tl, summary, output_dir())
+        result = {"point": where, "ok": True, "summary": summary}
+    return result
