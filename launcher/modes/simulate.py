@@ -42,8 +42,8 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
 
 def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Print the tables and the text diagram; write ``simulation.json`` and ``pipeline.png``."""
-    from .report import closed_form_table, per_worker_table, record, write_record
-    from .report.png import save_png
+    from ..report import closed_form_table, per_worker_table, record, write_record
+    from ..report.png import save_png
 
     config = OmegaConf.to_container(cfg, resolve=True)
     scheme = cfg.strategy.name if cfg.strategy.get("placement") is None else "custom"
