@@ -65,6 +65,10 @@ def _child(
 
     code = 0
     wd = None
+    # Ctrl-C reaches the whole foreground process group: the launcher alone handles it (and
+    # SIGTERM), stopping every worker with one line instead of a traceback from each
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         torch.set_num_threads(1)
         if not conn.poll(start_timeout):
@@ -131,6 +135,7 @@ def launch(
     # and abort it. Collect here, where destructors are safe, then freeze the rest across fork.
     gc.collect()
     gc.freeze()
+    previous_term = _raise_on_sigterm()
     try:
         for r in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
@@ -179,6 +184,7 @@ def launch(
             failure = wstore.compare_set(ABORT_KEY, "", msg).decode()
             stop_by = time.monotonic() + timeout + min(2.0, timeout / 4) + 1.0
 
+    interrupted: Interrupted | None = None
     try:
         while alive:
             now = time.monotonic()
@@ -227,7 +233,12 @@ def launch(
                 if failure is None:
                     set_failure(f"the run exceeded its deadline of {deadline} s")
                 break
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        interrupted = Interrupted(signum, _where({r: slots[r].value.decode() for r in sorted(alive)}, signum))
     finally:
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
         for r in list(alive):  # stragglers past the bound, or an interrupted parent
             if procs[r].is_alive():
                 os.kill(procs[r].pid, signal.SIGKILL)
@@ -236,12 +247,54 @@ def launch(
             take(r)
         for c in conns:
             c.close()
+    if interrupted is not None:
+        raise interrupted
     if failure is not None:
         errors = {r: str(p) for r, (k, p) in reports.items() if k != "ok"}
         for r in killed:
             errors.setdefault(r, f"rank {r} was killed after not stopping within the bound")
         raise WorkerFailed(failure, errors)
     return results
+
+
+class Interrupted(BaseException):
+    """The launching process got SIGINT or SIGTERM; every worker has been stopped. A
+    ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` on the way up
+    (Hydra's job runner, a user's retry loop) mistakes it for a failed run and goes on."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = int(signum)
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention: 128 + the signal number (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + self.signum
+
+
+def _raise_on_sigterm() -> Any:
+    """While workers run, SIGTERM to the launcher stops them like Ctrl-C does; returns the handler
+    to restore (None off the main thread, where Python cannot install one)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signum, "")
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        return None
+
+
+def _where(jobs: dict[int, str], signum: int) -> str:
+    """One line: which signal, and where the workers still running were when it came."""
+    busy = [(r, j) for r, j in jobs.items() if j]
+    name = signal.Signals(signum).name
+    if not jobs:
+        return f"stopped by {name}"
+    if not busy:
+        return f"stopped by {name} between steps; all {len(jobs)} workers stopped"
+    shown = ", ".join(f"rank {r} in {j}" for r, j in busy[:3]) + (", ..." if len(busy) > 3 else "")
+    return f"stopped by {name}: {shown}; all {len(jobs)} workers stopped"
 
 
 def init_from_env(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> Watchdog:

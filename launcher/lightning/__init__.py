@@ -1,0 +1,6 @@
+"""The Lightning layer: :class:`UnifiedStrategy` runs any scheme of the schedule engine inside
+Lightning's ``Trainer`` (registered with Lightning's ``StrategyRegistry`` as ``"unified"``)."""
+
+from .strategy import UnifiedStrategy, clip_by_global_norm
+
+__all__ = ["UnifiedStrategy", "clip_by_global_norm"]

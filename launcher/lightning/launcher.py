@@ -1,0 +1,79 @@
+"""Start the workers of a :class:`~launcher.lightning.UnifiedStrategy` by forking this process.
+
+Lightning's own ``_MultiProcessingLauncher`` is the model: the same result hand-over (rank 0's
+trainer state, callback metrics and trained weights back to the launching process), but the
+processes come from :func:`launcher.runtime.launch`, which already sets up the process group,
+watches every worker, stops them all when one fails (naming the rank, its job and its error), and
+stops them all, with one line, on Ctrl-C or SIGTERM. Forking, unlike Lightning's default of
+re-running ``sys.argv``, works inside a Hydra multirun and inside a Slurm job.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch.distributed as dist
+from lightning.fabric.utilities import move_data_to_device
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+
+from ..runtime.processes import launch
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from .strategy import UnifiedStrategy
+
+
+class ForkLauncher(_MultiProcessingLauncher):
+    """Forks ``strategy.num_processes`` workers and runs the trainer's function on each."""
+
+    def __init__(self, strategy: "UnifiedStrategy", timeout: float) -> None:
+        super().__init__(strategy, start_method="fork")
+        self.timeout = timeout
+
+    def launch(self, function: Callable, *args: Any, trainer: "pl.Trainer | None" = None, **kwargs: Any) -> Any:
+        if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise NotImplementedError(
+                "calling trainer.fit() twice on one Trainer with UnifiedStrategy is not supported; create a new "
+                "Trainer and pass fit(ckpt_path=...)"
+            )
+        strategy: UnifiedStrategy = self._strategy  # type: ignore[assignment]
+        results = launch(self._work, strategy.num_processes, trainer, function, args, kwargs,
+                         backend=strategy.backend, timeout=self.timeout)
+        output = results[0]
+        if trainer is None:
+            return output
+        self._already_fit |= trainer.state.fn == TrainerFn.FITTING
+        # the workers converted the module to the trainer's precision (e.g. 64-true): do the same
+        # here before the trained weights come back, or loading them would round them
+        strategy.precision_plugin.convert_module(trainer.lightning_module)
+        self._recover_results_in_main_process(output, trainer)
+        return output.trainer_results
+
+    def _work(self, trainer: "pl.Trainer | None", function: Callable, args: tuple, kwargs: dict) -> Any:
+        """One worker: run the function, then (on every rank: it is collective) gather what rank 0
+        hands back."""
+        os.environ["LOCAL_RANK"] = str(dist.get_rank())
+        results = function(*args, **kwargs)
+        if trainer is None:
+            return move_data_to_device(results, "cpu") if dist.get_rank() == 0 else None
+        return self._collect(trainer, results)
+
+    def _collect(self, trainer: "pl.Trainer", results: Any) -> _WorkerOutput | None:
+        strategy: UnifiedStrategy = self._strategy  # type: ignore[assignment]
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        # every stage from its owner: collective, so every rank takes part
+        state = strategy.lightning_module_state_dict() if fitting else None
+        if dist.get_rank() != 0:
+            return None
+        ckpt = trainer.checkpoint_callback
+        best = getattr(ckpt, "best_model_path", None) if ckpt is not None else None
+        weights_path = None
+        if fitting:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(state, weights_path)
+        return _WorkerOutput(best, weights_path, trainer.state, move_data_to_device(results, "cpu"),
+                             self.get_extra_results(trainer))

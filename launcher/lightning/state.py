@@ -1,0 +1,118 @@
+"""Checkpoint state of a partitioned module, in the single-device layout.
+
+Each worker holds only the stages it owns. A checkpoint gathers every stage from its first owner
+(replicas are equal) into the state dict the unpartitioned LightningModule would have, and the
+optimizer state into the layout the single-device optimizer would have: parameters numbered in the
+module's ``named_parameters()`` order, each parameter group listing its parameters in that order.
+So the file loads with ``load_from_checkpoint`` on one process, resumes under Lightning's default
+strategy, and resumes under any other scheme (each worker takes back its own stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Layout:
+    """Where every parameter of the full module lives.
+
+    ``names``: the full module's parameter names, in ``named_parameters()`` order;
+    ``stage_names[s]``: the names of stage ``s``'s parameters, in the stage module's order;
+    ``writers``: the stages this worker writes into a checkpoint (those it is the first owner of).
+    """
+
+    names: list[str]
+    stage_names: list[list[str]]
+    writers: list[int]
+
+    @property
+    def index(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.names)}
+
+
+def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """Every rank's ``obj`` at rank 0 (None elsewhere); every rank must call it."""
+    out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(obj, out, dst=0, group=group)
+    return out
+
+
+def gather_module_state(module: nn.Module, layout: Layout, modules: dict[int, nn.Module],
+                        group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """The full module's state dict at rank 0 (empty elsewhere). ``modules``: owned stage -> module."""
+    mine = {}
+    for s in layout.writers:
+        for name, p in zip(layout.stage_names[s], modules[s].parameters()):
+            mine[name] = p.detach().cpu()
+    parts = _gather(mine, group)
+    if parts is None:
+        return {}
+    every = {k: v for part in parts for k, v in part.items()}
+    # entries outside the stages (buffers or parameters of the module itself) come from rank 0
+    out: dict[str, torch.Tensor] = {}
+    for k, v in module.state_dict().items():
+        if not k.startswith("stages.") and not k.startswith("_launcher"):
+            out[k] = v.detach().cpu()
+    missing = [n for n in layout.names if n not in every and not n.startswith("_launcher")]
+    if missing:
+        raise RuntimeError(f"no worker wrote {missing[:3]} into the checkpoint; every stage must have an owner")
+    out.update(every)
+    return out
+
+
+def gather_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, layout: Layout,
+                           group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """The optimizer's state in the single-device layout at rank 0 (empty elsewhere)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    writes = {n for s in layout.writers for n in layout.stage_names[s]}
+    local = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    entries: dict[str, tuple[int, dict]] = {}
+    for gi, g in enumerate(local["param_groups"]):
+        for i in g["params"]:
+            n = names.get(id(params[i]))
+            if n in writes:
+                entries[n] = (gi, {k: v.detach().cpu() if torch.is_tensor(v) else v
+                                   for k, v in local["state"].get(i, {}).items()})
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in local["param_groups"]]
+    parts = _gather((entries, hyper), group)
+    if parts is None:
+        return {}
+    index = layout.index
+    merged = {n: e for part, _ in parts for n, e in part.items()}
+    groups = [dict(h, params=[]) for h in parts[0][1]]
+    state: dict[int, dict] = {}
+    for n in sorted(merged, key=index.__getitem__):
+        gi, st = merged[n]
+        groups[gi]["params"].append(index[n])
+        if st:
+            state[index[n]] = st
+    return {"state": state, "param_groups": groups}
+
+
+def scatter_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, layout: Layout,
+                            full: dict[str, Any]) -> dict[str, Any]:
+    """This worker's share of a single-device-layout optimizer state, ready for
+    ``optimizer.load_state_dict``."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    index = layout.index
+    state: dict[int, dict] = {}
+    groups = []
+    i = 0
+    for gi, g in enumerate(optimizer.param_groups):
+        saved = full["param_groups"][gi]
+        mine = []
+        for p in g["params"]:
+            n = names.get(id(p))
+            if n in index and index[n] in full["state"]:
+                state[i] = full["state"][index[n]]
+            mine.append(i)
+            i += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": mine})
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,455 @@
+"""``UnifiedStrategy``: any scheme of the schedule engine as a Lightning strategy.
+
+    trainer = Trainer(strategy=UnifiedStrategy(scheme="fslpp", G=2, R=2, stages=4, microbatches=4),
+                      accelerator="cpu", devices=4)
+    trainer.fit(model)        # any LightningModule with self.stages and self.loss(output, target)
+
+What it does, as a thin adapter over :class:`launcher.runtime.Engine` (NeMo's ``MegatronStrategy``
+is the model: the strategy runs the whole schedule in ``training_step`` and takes over backward):
+
+- launching: forks ``W = G*R`` workers itself (:class:`ForkLauncher`), or joins the processes
+  torchrun or Slurm started (Lightning's cluster environments);
+- set-up: cuts ``module.stages`` into ``stages`` consecutive groups balanced by parameter count,
+  builds the engine, and leaves on the module only the stages this worker owns, so the module's
+  own ``configure_optimizers`` builds an optimizer over owned parameters only;
+- ``training_step``: cuts the batch into ``microbatches`` equal micro-batches and runs the step
+  through the engine; the loss (summed from whichever workers computed it) is returned and logged
+  as ``train_loss``. Lightning's automatic optimization then runs as usual: ``backward`` installs
+  the engine's reduced gradients, ``gradient_clip_val`` clips by the global norm across owners
+  (:func:`clip_by_global_norm`), the optimizer and learning-rate schedulers step as Lightning
+  steps them;
+- ``validation_step``/``test_step``/``predict_step``: a forward-only pass of the same schedule
+  (:meth:`Engine.evaluate`); ``val_loss``/``test_loss`` logged, predictions gathered;
+- checkpoints: every stage gathered from its owner, in the single-device layout (:mod:`.state`).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
+
+from ..config import ConfigError, LauncherConf, step_errors, to_step
+from ..runtime import DEFAULT_TIMEOUT, Engine, StagedModel
+from ..runtime.failure import Watchdog, set_current_watchdog
+from ..runtime.processes import auto_backend
+from ..schedule import Step, make_step
+from .launcher import ForkLauncher
+from .partition import group_modules
+from .state import Layout, gather_module_state, gather_optimizer_state, scatter_optimizer_state
+
+#: the G and R each named scheme implies when they are not given
+DEFAULT_GR: dict[str, Callable[[int, int], tuple[int, int]]] = {
+    "ddp": lambda S, B: (B, 1),
+    "fsdp": lambda S, B: (B, 1),
+    "gpipe": lambda S, B: (1, S),
+}
+PLACEHOLDER = "_launcher_nothing_owned"
+
+
+class _Elsewhere(nn.Module):
+    """Stands in, on this worker, for a stage module whose weights live on other workers."""
+
+    def __init__(self, index: int, owners: list[int]) -> None:
+        super().__init__()
+        self.index, self.owners = index, owners
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError(f"module stages[{self.index}] lives on worker(s) {self.owners}; under UnifiedStrategy "
+                           f"run it through the trainer (fit, validate, test, predict)")
+
+    def extra_repr(self) -> str:
+        return f"on workers {self.owners}"
+
+
+def launcher_config(scheme: str, G: int | None, R: int | None, stages: int, microbatches: int, order: str,
+                    extra: Mapping[str, Any]) -> Any:
+    """The launcher config (:class:`LauncherConf`) these keywords describe; raises
+    :class:`ConfigError` with one sentence per broken rule."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.structured(LauncherConf)
+    unknown = sorted(set(extra) - set(cfg.keys()) - {"mode"})
+    if unknown:
+        raise ConfigError([f"UnifiedStrategy got {unknown[0]}={extra[unknown[0]]!r}, which is not a launcher config "
+                           f"key; use one of {', '.join(k for k in cfg.keys() if k not in ('mode', 'W'))}."])
+    cfg.strategy.name = scheme
+    cfg.stages, cfg.microbatches = stages, microbatches
+    dG, dR = DEFAULT_GR.get(scheme, lambda S, B: (1, 1))(stages, microbatches)
+    cfg.G = dG if G is None else G
+    cfg.R = dR if R is None else R
+    cfg.order.name = order
+    for k, v in extra.items():
+        cfg[k] = v
+    found = step_errors(cfg)
+    if found:
+        raise ConfigError(found)
+    return cfg
+
+
+class UnifiedStrategy(ParallelStrategy):
+    """Train any LightningModule with stages under any scheme of the schedule engine.
+
+    ``scheme``: ddp, fsdp, gpipe, lpp, fslpp, or a placement callable ``(s, b, d) -> (w_weights,
+    w_compute)`` (then ``G * R`` is the worker count). ``stages`` defaults to ``len(module.stages)``.
+    Any other key of the launcher config (``memory_limit``, ``split_backward``, ``weight_cache``,
+    ``prefetch``, ``warmup``, ``durations``, ``comm``) may be given as a keyword.
+    ``timeout``: seconds within which every worker stops after one fails.
+    """
+
+    strategy_name = "unified"
+
+    def __init__(
+        self,
+        scheme: str | Callable = "lpp",
+        G: int | None = None,
+        R: int | None = None,
+        stages: int | None = None,
+        microbatches: int = 1,
+        order: str = "1f1b",
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        process_group_backend: str | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        **config: Any,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.placement = scheme if callable(scheme) else None
+        self.scheme = getattr(scheme, "__name__", "custom") if callable(scheme) else scheme
+        self._args = dict(G=G, R=R, microbatches=microbatches, order=order, config=config)
+        self.timeout = timeout
+        self._backend = process_group_backend
+        self._num_nodes = 1
+        self.cfg: Any = None
+        if stages is not None:
+            self._configure(stages)
+        self.engine: Engine | None = None
+        self.layout: Layout | None = None
+        self.records: list[dict[str, Any]] = []  # this worker's record of every training step
+        self.step_walls: list[float] = []  # this worker's wall time of every training step (incl. the optimizer)
+        self._watchdog: Watchdog | None = None
+
+    # ---- configuration -------------------------------------------------------------------
+    def _configure(self, stages: int) -> None:
+        a = self._args
+        scheme = "lpp" if self.placement is not None else self.scheme
+        self.cfg = launcher_config(scheme, a["G"], a["R"], stages, a["microbatches"], a["order"], a["config"])
+        if self.placement is not None:
+            self.cfg.strategy.name = "custom"
+
+    @property
+    def W(self) -> int:
+        return int(self.cfg.G * self.cfg.R)
+
+    @property
+    def B(self) -> int:
+        return int(self.cfg.microbatches)
+
+    def make_step(self) -> Step:
+        """The schedule this strategy runs (the same every worker derives)."""
+        c = self.cfg
+        if self.placement is None:
+            return to_step(c, check=False)
+        step = make_step(self.placement, c.stages, c.microbatches, order=c.order.name, warmup=c.warmup,
+                         durations=dict(c.durations), comm=float(c.comm), split_backward=bool(c.split_backward),
+                         memory_limit=c.memory_limit)
+        step.workers = self.W
+        return step
+
+    # ---- processes -----------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self._backend or ("nccl" if self.root_device.type == "cuda" else auto_backend("gloo"))
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank % len(self.parallel_devices)]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # every worker reads the whole batch (the engine cuts it into micro-batches), so Lightning
+        # must not shard the data with a DistributedSampler
+        return False
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = ForkLauncher(self, self.timeout)
+
+    def setup_environment(self) -> None:
+        self.setup_distributed()
+        super().setup_environment()
+
+    def setup_distributed(self) -> None:
+        self.set_world_ranks()
+        if not _distributed_is_initialized():  # torchrun or Slurm started us; the fork launcher did it already
+            _init_dist_connection(self.cluster_environment, self.backend, timeout=default_pg_timeout)
+            store = dist.distributed_c10d._get_default_store()
+            self._watchdog = Watchdog(dist.PrefixStore("launcher/watchdog", store), self.global_rank,
+                                      self.world_size, self.timeout).start()
+            set_current_watchdog(self._watchdog)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ---- set-up: partition the module, build the engine ----------------------------------
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if getattr(trainer, "accumulate_grad_batches", 1) != 1:
+            raise ValueError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
+                             f"UnifiedStrategy: it accumulates over microbatches={self.B} itself; leave it at 1.")
+        stages = getattr(module, "stages", None)
+        if not isinstance(stages, nn.ModuleList):
+            raise TypeError(f"{type(module).__name__} has no self.stages (an nn.ModuleList); UnifiedStrategy "
+                            f"needs the module's layers as a list of stages")
+        if self.cfg is None:
+            self._configure(len(stages))
+        S = int(self.cfg.stages)
+        if len(stages) < S:
+            raise ValueError(f"stages={S} is more than the {len(stages)} modules of {type(module).__name__}.stages")
+        if self.W > self.world_size:
+            raise ValueError(f"the scheme needs W=G*R={self.W} workers but {self.world_size} processes were started")
+        outside = [n for n, _ in module.named_parameters() if not n.startswith("stages.")]
+        if outside:
+            raise ValueError(f"parameter {outside[0]} of {type(module).__name__} is outside self.stages; "
+                             f"UnifiedStrategy trains the parameters of self.stages only")
+        self.precision_plugin.convert_module(module)
+        names = [n for n, _ in module.named_parameters()]
+        groups, index = group_modules(list(stages), S)
+        stage_names = [[f"stages.{i}.{n}" for i in g for n, _ in stages[i].named_parameters()] for g in index]
+        self.engine = Engine(StagedModel(groups, module.loss), self.make_step(), None, prefetch=int(self.cfg.prefetch),
+                             weight_cache=str(self.cfg.weight_cache), device=self.root_device)
+        owners = self.engine.plan.owners
+        me = self.engine.worker
+        self.layout = Layout(names, stage_names, [s for s in self.engine.owned if owners[s][0] == me])
+        for s, g in enumerate(index):  # keep only owned stages on the module
+            if s not in self.engine.owned:
+                for i in g:
+                    stages[i] = _Elsewhere(i, owners[s])
+        if not self.engine.owned:  # configure_optimizers must still build an optimizer
+            module.register_parameter(PLACEHOLDER, nn.Parameter(torch.zeros(0, device=self.root_device)))
+        self.model_to_device()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            _with_global_clipping(self)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # each worker takes its own stages back, so the partition must exist first
+
+    # ---- the step --------------------------------------------------------------------------
+    def _microbatches(self, batch: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        batch = self.precision_plugin.convert_input(batch)
+        if isinstance(batch, torch.Tensor):
+            x, y = batch, None
+        elif isinstance(batch, (tuple, list)) and len(batch) in (1, 2) and all(torch.is_tensor(t) for t in batch):
+            x, y = batch[0], batch[1] if len(batch) == 2 else None
+        else:
+            raise TypeError(f"UnifiedStrategy needs batches of (input, target) tensors, got {type(batch).__name__}")
+        n, B = x.shape[0], self.B
+        if n % B:
+            raise ValueError(f"a batch of {n} samples cannot be cut into microbatches={B} equal micro-batches; "
+                             f"use a batch size divisible by {B}.")
+        xs = x.split(n // B)
+        ys = y.split(n // B) if y is not None else [None] * B
+        return list(zip(xs, ys))
+
+    def _sum_over_workers(self, value: float) -> torch.Tensor:
+        t = torch.tensor([value], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(t)
+        return t[0]
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert self.engine is not None
+        mbs = self._microbatches(args[0])
+        with self.precision_plugin.train_step_context():
+            record = self.engine.compute_step(mbs)
+        self.records.append(record)
+        loss = self._sum_over_workers(record["measured_only"]["loss"] if record else 0.0)
+        loss = loss.to(self.lightning_module.dtype)
+        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The engine has run the backward already: install its reduced gradients, with the hooks
+        Lightning calls around a backward."""
+        assert self.engine is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.engine.install_grads()
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step (its closure runs :meth:`training_step` and :meth:`backward`),
+        timed: the wall time of the whole training step on this worker."""
+        t0 = time.perf_counter()
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.step_walls.append(time.perf_counter() - t0)
+        return out
+
+    def _evaluate(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        assert self.engine is not None
+        mbs = self._microbatches(batch)
+        with self.precision_plugin.val_step_context():
+            share, preds = self.engine.evaluate(mbs)
+        loss = self._sum_over_workers(share).to(self.lightning_module.dtype)
+        if key is not None and mbs[0][1] is not None:
+            self.lightning_module.log(key, loss, prog_bar=key == "val_loss")
+        return loss, preds
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._evaluate(args[0], "val_loss")[0]
+
+    def test_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._evaluate(args[0], "test_loss")[0]
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The loss stage's outputs for the whole batch, on every rank."""
+        _, preds = self._evaluate(args[0], None)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, {b: t.cpu() for b, t in preds.items()})
+        merged = {b: t for part in every for b, t in part.items()}
+        return torch.cat([merged[b] for b in range(self.B)]).to(self.root_device)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.engine is not None and self.layout is not None
+        return gather_module_state(self.lightning_module, self.layout, self.engine.modules)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        assert self.layout is not None
+        opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the real one
+        return gather_optimizer_state(opt, self.lightning_module, self.layout)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.engine is not None and self.layout is not None
+        state = checkpoint["state_dict"]
+        mine = {n for s in self.engine.owned for n in self.layout.stage_names[s]}
+        missing = sorted(mine - set(state))
+        if strict and missing:
+            raise KeyError(f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more of this worker's stages)")
+        own = {k: v for k, v in state.items() if k in mine or not k.startswith("stages.")}
+        self.lightning_module.load_state_dict(own, strict=False)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.layout is not None
+        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(scatter_optimizer_state(optimizer, self.lightning_module, self.layout, full))
+
+    # ---- metrics ---------------------------------------------------------------------------
+    def gather_run(self) -> list[dict[str, Any]] | None:
+        """Every worker's step records, step wall times and peak memory at rank 0 (collective)."""
+        peak = (torch.cuda.max_memory_allocated(self.root_device) if self.root_device.type == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        mine = {"rank": self.global_rank, "records": self.records, "walls": self.step_walls,
+                "peak_memory_bytes": peak, "memory_kind": "cuda_max_allocated" if self.root_device.type == "cuda" else "rss"}
+        out: list[Any] | None = [None] * dist.get_world_size() if self.global_rank == 0 else None
+        dist.gather_object(mine, out, dst=0)
+        return out
+
+    def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop(done=True)
+            self._watchdog = None
+        super().teardown()
+
+
+def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Tensor:
+    """Scale every owned gradient by ``max_norm / (norm + 1e-6)`` (at most 1), where ``norm`` is
+    the 2-norm over every stage's gradient counted once (by its first owner), summed across
+    workers: exactly what ``clip_grad_norm_`` does on one device."""
+    engine = strategy.engine
+    assert engine is not None
+    first = [s for s in engine.owned if engine.plan.owners[s][0] == engine.worker]
+    grads = [p.grad for s in engine.owned for p in engine.modules[s].parameters() if p.grad is not None]
+    counted = [p.grad for s in first for p in engine.modules[s].parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
+    for g in counted:
+        sq += torch.linalg.vector_norm(g.double()) ** 2
+    dist.all_reduce(sq)
+    coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return sq.sqrt()
+
+
+_CLIPPING: dict[type, type] = {}
+
+
+def _clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float) -> None:
+    clip_by_global_norm(plugin.unified_strategy, float(clip_val))
+
+
+def _with_global_clipping(strategy: UnifiedStrategy) -> None:
+    """Make the precision plugin clip by the global norm across owners (``gradient_clip_val``
+    with ``gradient_clip_algorithm="norm"``). Lightning clips in the precision plugin, whatever
+    the precision, so its class gets a subclass that overrides that one method; clipping by value
+    is elementwise and stays as it is."""
+    plugin = strategy.precision_plugin
+    cls = type(plugin)
+    if cls not in _CLIPPING.values():
+        if cls not in _CLIPPING:
+            _CLIPPING[cls] = type(f"GlobalNorm{cls.__name__}", (cls,), {"clip_grad_by_norm": _clip_grad_by_norm})
+        plugin.__class__ = _CLIPPING[cls]
+    plugin.unified_strategy = strategy
+
+StrategyRegistry.register("unified", UnifiedStrategy, description="the schedule engine: ddp, fsdp, gpipe, lpp, fslpp or a custom placement",
+                          override=True)

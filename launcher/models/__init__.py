@@ -1,0 +1,10 @@
+"""The built-in models and data: ordinary LightningModules and a LightningDataModule that need no
+download, no account and no server. Each model exposes ``self.stages`` (an ``nn.ModuleList``) and
+``self.loss(output, target)``, so it trains under any scheme of :class:`~launcher.lightning.UnifiedStrategy`
+and, unchanged, under Lightning's default strategy."""
+
+from .data import CharCorpus, stdlib_text
+from .gpt import GPT
+from .mlp import CharMLP
+
+__all__ = ["CharCorpus", "stdlib_text", "GPT", "CharMLP"]
