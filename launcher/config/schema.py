@@ -21,8 +21,8 @@ SCHEMA_NAME = "launcher_schema"
 
 #: the sizes of a step; each must be a positive integer
 SIZES = ("G", "R", "stages", "microbatches")
-MODES = ("simulate",)
-LATER_MODES = ("train",)  # accepted by a later issue; rejected with a clear sentence for now
+MODES = ("train", "simulate")
+LATER_MODES: tuple[str, ...] = ()  # modes a later issue adds; rejected with a clear sentence until then
 
 
 @dataclass
@@ -54,7 +54,7 @@ class DurationsConf:
 
 @dataclass
 class LauncherConf:
-    mode: str = "simulate"
+    mode: str = "train"
     strategy: StrategyConf = field(default_factory=StrategyConf)
     order: OrderConf = field(default_factory=OrderConf)
     G: int = 2
@@ -68,8 +68,16 @@ class LauncherConf:
     warmup: Optional[str] = None  # null = the order's default; classic | none
     split_backward: bool = False
     weight_cache: str = "step"  # step | job
-    prefetch: int = 1  # lookahead of the runtime (a later issue)
-    seed: int = 0
+    prefetch: int = 1  # jobs of lookahead of the runtime's prefetch
+    seed: int = 0  # mode=train: seed_everything(seed) before the model and data are built
+    # mode=train: groups instantiated with hydra.utils.instantiate (conf/model, conf/data, conf/logger)
+    # and the keyword arguments of lightning's Trainer (conf/trainer)
+    model: Any = None
+    data: Any = None
+    trainer: Any = None
+    logger: Any = None
+    timeout: float = 30.0  # seconds within which every worker stops after one fails
+    ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
 
 
 def _mul(*xs: Any) -> Any:

@@ -26,8 +26,6 @@ is the model: the strategy runs the whole schedule in ``training_step`` and take
 from __future__ import annotations
 
 import resource
-import time
-from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch
@@ -44,6 +42,7 @@ from ..runtime import DEFAULT_TIMEOUT, Engine, StagedModel
 from ..runtime.failure import Watchdog, set_current_watchdog
 from ..runtime.processes import auto_backend
 from ..schedule import Step, make_step
+from ..schedule.placement import named
 from .launcher import ForkLauncher
 from .partition import group_modules
 from .state import Layout, gather_module_state, gather_optimizer_state, scatter_optimizer_state
@@ -89,8 +88,10 @@ def launcher_config(scheme: str, G: int | None, R: int | None, stages: int, micr
     cfg.G = dG if G is None else G
     cfg.R = dR if R is None else R
     cfg.order.name = order
-    for k, v in extra.items():
-        cfg[k] = v
+    try:
+        cfg = OmegaConf.merge(cfg, dict(extra))
+    except Exception as e:  # noqa: BLE001 - omegaconf's type check of a keyword: one sentence
+        raise ConfigError([f"UnifiedStrategy got an invalid value: {' '.join(str(e).split())}."]) from e
     found = step_errors(cfg)
     if found:
         raise ConfigError(found)
@@ -116,7 +117,7 @@ class UnifiedStrategy(ParallelStrategy):
         R: int | None = None,
         stages: int | None = None,
         microbatches: int = 1,
-        order: str = "1f1b",
+        order: str | Callable = "1f1b",
         *,
         timeout: float = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
@@ -131,6 +132,7 @@ class UnifiedStrategy(ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.placement = scheme if callable(scheme) else None
+        self.order_fn = order if callable(order) else None
         self.scheme = getattr(scheme, "__name__", "custom") if callable(scheme) else scheme
         self._args = dict(G=G, R=R, microbatches=microbatches, order=order, config=config)
         self.timeout = timeout
@@ -142,14 +144,15 @@ class UnifiedStrategy(ParallelStrategy):
         self.engine: Engine | None = None
         self.layout: Layout | None = None
         self.records: list[dict[str, Any]] = []  # this worker's record of every training step
-        self.step_walls: list[float] = []  # this worker's wall time of every training step (incl. the optimizer)
+        self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes
         self._watchdog: Watchdog | None = None
 
     # ---- configuration -------------------------------------------------------------------
     def _configure(self, stages: int) -> None:
         a = self._args
         scheme = "lpp" if self.placement is not None else self.scheme
-        self.cfg = launcher_config(scheme, a["G"], a["R"], stages, a["microbatches"], a["order"], a["config"])
+        order = "1f1b" if self.order_fn is not None else a["order"]
+        self.cfg = launcher_config(scheme, a["G"], a["R"], stages, a["microbatches"], order, a["config"])
         if self.placement is not None:
             self.cfg.strategy.name = "custom"
 
@@ -164,9 +167,10 @@ class UnifiedStrategy(ParallelStrategy):
     def make_step(self) -> Step:
         """The schedule this strategy runs (the same every worker derives)."""
         c = self.cfg
-        if self.placement is None:
+        if self.placement is None and self.order_fn is None:
             return to_step(c, check=False)
-        step = make_step(self.placement, c.stages, c.microbatches, order=c.order.name, warmup=c.warmup,
+        place = self.placement or named(c.strategy.name, c.G, c.R)
+        step = make_step(place, c.stages, c.microbatches, order=self.order_fn or c.order.name, warmup=c.warmup,
                          durations=dict(c.durations), comm=float(c.comm), split_backward=bool(c.split_backward),
                          memory_limit=c.memory_limit)
         step.workers = self.W
@@ -324,6 +328,7 @@ class UnifiedStrategy(ParallelStrategy):
         with self.precision_plugin.train_step_context():
             record = self.engine.compute_step(mbs)
         self.records.append(record)
+        self._last_batch = mbs
         loss = self._sum_over_workers(record["measured_only"]["loss"] if record else 0.0)
         loss = loss.to(self.lightning_module.dtype)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
@@ -336,14 +341,6 @@ class UnifiedStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         self.engine.install_grads()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Lightning's optimizer step (its closure runs :meth:`training_step` and :meth:`backward`),
-        timed: the wall time of the whole training step on this worker."""
-        t0 = time.perf_counter()
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.step_walls.append(time.perf_counter() - t0)
-        return out
 
     def _evaluate(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         assert self.engine is not None
@@ -395,15 +392,38 @@ class UnifiedStrategy(ParallelStrategy):
             optimizer.load_state_dict(scatter_optimizer_state(optimizer, self.lightning_module, self.layout, full))
 
     # ---- metrics ---------------------------------------------------------------------------
-    def gather_run(self) -> list[dict[str, Any]] | None:
-        """Every worker's step records, step wall times and peak memory at rank 0 (collective)."""
+    def gather_run(self, walls: list[float]) -> list[dict[str, Any]] | None:
+        """Every worker's step records, step wall times (``walls``), peak memory and optimizer-state
+        bytes per stage at rank 0 (collective: every rank calls it)."""
+        assert self.engine is not None and self.layout is not None
         peak = (torch.cuda.max_memory_allocated(self.root_device) if self.root_device.type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        mine = {"rank": self.global_rank, "records": self.records, "walls": self.step_walls,
-                "peak_memory_bytes": peak, "memory_kind": "cuda_max_allocated" if self.root_device.type == "cuda" else "rss"}
+        state = self.optimizers[0].state if self.optimizers else {}
+        opt_bytes = {s: sum(v.numel() * v.element_size() for p in self.engine.modules[s].parameters()
+                            for v in state.get(p, {}).values() if torch.is_tensor(v))
+                     for s in self.layout.writers}
+        mine = {"rank": self.global_rank, "records": self.records, "walls": list(walls), "peak_memory_bytes": peak,
+                "memory_kind": "cuda_max_allocated" if self.root_device.type == "cuda" else "rss",
+                "optimizer_bytes": opt_bytes}
         out: list[Any] | None = [None] * dist.get_world_size() if self.global_rank == 0 else None
         dist.gather_object(mine, out, dst=0)
         return out
+
+    def sizes(self) -> tuple[list[int], list[list[int]], list[int]]:
+        """Bytes of every planned message, of every stage input ``x_s^b`` (per micro-batch) and of
+        every stage's parameters, for the last training batch's shapes."""
+        assert self.engine is not None and self._last_batch is not None
+        e, mbs = self.engine, self._last_batch
+        specs = e._act_specs(mbs)
+
+        def nbytes(shape: tuple, dtype: torch.dtype) -> int:
+            return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+        params = [L.numel * torch.empty((), dtype=L.dtype).element_size() for L in e.layouts]
+        msg = [nbytes(*specs[m.microbatch][m.stage]) if m.microbatch >= 0 else params[m.stage] for m in e.plan.messages]
+        act = [[sum(nbytes(*specs[b][p]) for p in e.space.stage_preds[s]) if e.space.stage_preds[s]
+                else mbs[b][0].numel() * mbs[b][0].element_size() for b in range(e.space.B)] for s in range(e.space.S)]
+        return msg, act, params
 
     def teardown(self) -> None:
         if self._watchdog is not None:

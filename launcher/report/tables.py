@@ -96,3 +96,53 @@ def sweep_table(points: Sequence[Mapping[str, Any]], title: str = "sweep") -> Ta
         else:
             t.add_row(str(i), p["point"], *[""] * (len(cols) - 3), "skipped: invalid")
     return t
+
+
+def _mib(x: Any) -> str:
+    return "-" if x is None else f"{x / 2**20:.1f}"
+
+
+def metrics_tables(m: Mapping[str, Any]) -> list[Table]:
+    """The end-of-run summary of a training run: the step (predicted beside measured) and every
+    worker's memory and traffic (predicted / measured)."""
+    run = m["run"]
+    steps = m.get("steps") or []
+    title = (f"train {run['scheme']} G={run['G']} R={run['R']} W={run['W']} stages={run['stages']} "
+             f"microbatches={run['microbatches']} order={run['order']}: {len(steps)} steps")
+    if steps:
+        title += f", loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}"
+    if m.get("val"):
+        title += f", val_loss {m['val'][-1]['val_loss']:.4f}"
+    t = Table(title=title, title_justify="left")
+    for col in ("", "predicted", "measured"):
+        t.add_column(col, justify="left" if not col else "right")
+    lat, thr, bub = m["latency_s"], m["throughput_samples_per_s"], m["bubble_fraction"]
+    t.add_row("step time (ms)", fmt(lat["predicted"] and lat["predicted"] * 1e3), fmt(lat["measured"] * 1e3))
+    t.add_row("throughput (samples/s)", fmt(thr["predicted"]), fmt(thr["measured"]))
+    t.add_row("bubble fraction", fmt(bub["predicted"]), fmt(bub["measured"]))
+    tables = [t]
+    pw = m.get("per_worker", {})
+    if "peak_activations" in pw:
+        w = Table(title="per worker (predicted / measured; traffic = received)", title_justify="left")
+        for col in ("worker", "bubble", "peak act", "peak act MiB", "owned", "resident", "act+grad msgs",
+                    "weight msgs", "MiB received", f"peak {m.get('memory_kind') or 'memory'} MiB"):
+            w.add_column(col, justify="right")
+        n = len(pw["peak_activations"]["measured"])
+        tc, tb = pw["traffic_count"], pw["traffic_bytes"]
+
+        def both(key: str, i: int, f: Any = fmt) -> str:
+            return f"{f(pw[key]['predicted'][i])} / {f(pw[key]['measured'][i])}"
+
+        def kinds(d: Mapping[str, Any], ks: Sequence[str], side: str, i: int) -> Any:
+            vals = [d[k][side][i] for k in ks if k in d]
+            return None if any(v is None for v in vals) else sum(vals)
+
+        for i in range(n):
+            w.add_row(str(i), both("bubble_fraction", i), both("peak_activations", i),
+                      both("peak_activation_bytes", i, _mib), both("weights_owned", i), both("weights_peak_resident", i),
+                      f"{fmt(kinds(tc, ('act', 'grad'), 'predicted', i))} / {fmt(kinds(tc, ('act', 'grad'), 'measured', i))}",
+                      f"{fmt(kinds(tc, ('weights',), 'predicted', i))} / {fmt(kinds(tc, ('weights',), 'measured', i))}",
+                      f"{_mib(kinds(tb, tuple(tb), 'predicted', i))} / {_mib(kinds(tb, tuple(tb), 'measured', i))}",
+                      _mib(pw["peak_memory_bytes"]["measured"][i]))
+        tables.append(w)
+    return tables

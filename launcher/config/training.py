@@ -1,0 +1,125 @@
+"""The rules of ``mode=train`` on top of the step's (:mod:`.validate`): the data's batch size, the
+Trainer's keys, the model/data/logger nodes, the failure timeout, a checkpoint to resume. Each
+failure is one sentence naming the key, the value and the rule; nothing is instantiated here
+(:func:`launcher.modes.train.prepare` builds the objects and reports what fails there)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from .validate import _get, _is_size, step_errors
+
+#: Trainer arguments the launcher sets itself, and from what
+RESERVED = {
+    "strategy": "strategy=... (ddp, fsdp, gpipe, lpp, fslpp, custom, single)",
+    "devices": "W = G*R",
+    "num_nodes": "the cluster environment (torchrun or Slurm)",
+    "logger": "logger=wandb|none",
+    "callbacks": "the launcher (checkpoints and metrics)",
+    "default_root_dir": "hydra.run.dir",
+}
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+
+
+def _trainer_params() -> set[str]:
+    from lightning.pytorch import Trainer
+
+    return set(inspect.signature(Trainer.__init__).parameters) - {"self"}
+
+
+def _container(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else node
+
+
+def is_single(cfg: Any) -> bool:
+    """``strategy=single``: Lightning's default strategy on one device, no schedule."""
+    return _get(cfg, "strategy.name") == "single" and _get(cfg, "strategy.placement") is None
+
+
+def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """One sentence per rule a ``mode=train`` config breaks (the step's rules included)."""
+    out: list[str] = []
+    single = is_single(cfg)
+    if not single:
+        out += step_errors(cfg)
+    B = _get(cfg, "microbatches")
+
+    data = _container(_get(cfg, "data"))
+    if not isinstance(data, Mapping) or not isinstance(data.get("_target_"), str) or data.get("_target_") == "???":
+        out.append(f"data._target_={None if not isinstance(data, Mapping) else data.get('_target_')} is invalid: "
+                   f"data needs _target_ naming a LightningDataModule class, e.g. data=chars or data=custom "
+                   f"data._target_=mymodule.MyData.")
+    else:
+        bs = _get(cfg, "data.batch_size")
+        if not _is_size(bs):
+            out.append(f"data.batch_size={bs} is invalid: the batch size must be a positive integer.")
+        elif not single and _is_size(B) and bs % B:
+            out.append(f"data.batch_size={bs} is invalid: each batch is cut into microbatches={B} equal "
+                       f"micro-batches, so the batch size must be a multiple of {B} (e.g. {B * max(1, bs // B)}).")
+
+    model = _container(_get(cfg, "model"))
+    if not isinstance(model, Mapping) or not isinstance(model.get("_target_"), str) or model.get("_target_") == "???":
+        out.append(f"model._target_={None if not isinstance(model, Mapping) else model.get('_target_')} is invalid: "
+                   f"model needs _target_ naming a LightningModule class, e.g. model=gpt, model=mlp, or model=custom "
+                   f"model._target_=mymodule.MyModel.")
+
+    logger = _container(_get(cfg, "logger"))
+    if logger not in (None, {}) and not (isinstance(logger, Mapping) and isinstance(logger.get("_target_"), str)):
+        out.append(f"logger={logger} is invalid: use logger=wandb, logger=none, or a node with _target_ naming a "
+                   f"Lightning logger class.")
+
+    out += _trainer_errors(cfg, single)
+
+    timeout = _get(cfg, "timeout")
+    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout > 0):
+        out.append(f"timeout={timeout} is invalid: the failure timeout must be a positive number of seconds.")
+    ckpt = _get(cfg, "ckpt_path")
+    if ckpt is not None and not os.path.isfile(str(ckpt)):
+        out.append(f"ckpt_path={ckpt} is invalid: no such checkpoint file.")
+    return out
+
+
+def _trainer_errors(cfg: Any, single: bool) -> list[str]:
+    out: list[str] = []
+    trainer = _container(_get(cfg, "trainer"))
+    if trainer is None:
+        return out
+    if not isinstance(trainer, Mapping):
+        return [f"trainer={trainer} is invalid: trainer must be a mapping of lightning Trainer arguments."]
+    known = _trainer_params()
+    for key in trainer:
+        if key in RESERVED:
+            out.append(f"trainer.{key}={trainer[key]} is invalid: the launcher sets {key} from {RESERVED[key]}; "
+                       f"remove trainer.{key}.")
+        elif key not in known:
+            close = sorted(k for k in known if k.startswith(key[:4]))[:3]
+            out.append(f"trainer.{key} is not an argument of lightning's Trainer"
+                       f"{'; did you mean ' + ' or '.join(close) + '?' if close else '.'}")
+    steps, epochs = _get(cfg, "trainer.max_steps", -1), _get(cfg, "trainer.max_epochs", None)
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and (steps >= 1 or steps == -1)):
+        out.append(f"trainer.max_steps={steps} is invalid: it must be a positive integer, or -1 with trainer.max_epochs set.")
+    elif steps == -1 and not (isinstance(epochs, int) and epochs >= 1):
+        out.append(f"trainer.max_steps=-1 with trainer.max_epochs={epochs} never ends: set trainer.max_steps to a "
+                   f"positive integer or trainer.max_epochs to one.")
+    acc = _get(cfg, "trainer.accumulate_grad_batches", 1)
+    if not single and acc != 1:
+        out.append(f"trainer.accumulate_grad_batches={acc} is invalid: the schedule accumulates gradients over the "
+                   f"micro-batches itself; set microbatches instead and leave it at 1.")
+    accel = _get(cfg, "trainer.accelerator", "cpu")
+    if accel not in ACCELERATORS:
+        out.append(f"trainer.accelerator={accel} is invalid: use {', '.join(ACCELERATORS)}.")
+    elif accel in ("gpu", "cuda"):
+        import torch
+
+        W = 1 if single else _get(cfg, "W")
+        if not torch.cuda.is_available():
+            out.append(f"trainer.accelerator={accel} is invalid here: no CUDA GPU is available; use trainer.accelerator=cpu.")
+        elif isinstance(W, int) and W > torch.cuda.device_count() and "RANK" not in os.environ:
+            out.append(f"trainer.accelerator={accel} needs one GPU per worker, but W={W} and this machine has "
+                       f"{torch.cuda.device_count()}; use fewer workers or trainer.accelerator=cpu.")
+    return out

@@ -1,0 +1,107 @@
+"""``RunMetrics``: the Lightning callback that turns a run into ``metrics.json`` (and its diagram
+and W&B summary). A thin adapter: the numbers come from :mod:`launcher.report.metrics`, the W&B
+records from :mod:`launcher.report.wandb_log`.
+
+Every worker times its training steps and keeps the loss Lightning hands back; at the end of
+``fit``, rank 0 gathers every worker's records (:meth:`UnifiedStrategy.gather_run`), writes
+``metrics.json`` and ``pipeline.png`` into the run directory and logs them to every W&B logger
+of the trainer, then finishes the W&B run (a forked worker never runs wandb's exit hook).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
+
+from ..report import metrics as report
+from .strategy import UnifiedStrategy
+
+
+class RunMetrics(Callback):
+    """Writes ``metrics.json`` into ``out_dir`` at the end of ``fit``; ``run`` labels it."""
+
+    def __init__(self, out_dir: str | Path, config: Mapping[str, Any], run: Mapping[str, Any]) -> None:
+        self.out_dir, self.config, self.run = Path(out_dir), dict(config), dict(run)
+        self.walls: list[float] = []
+        self.losses: list[float] = []
+        self.samples: list[int] = []
+        self.val: list[dict[str, float]] = []
+        self.metrics: dict[str, Any] | None = None
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        wall = time.perf_counter() - self._t0
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
+        n = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
+        self.walls.append(wall)
+        self.losses.append(float(loss))
+        self.samples.append(n)
+        pl_module.log_dict({"step_s": wall, "samples_per_s": n / wall}, on_step=True, on_epoch=False)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if "val_loss" in trainer.callback_metrics and not trainer.sanity_checking:
+            self.val.append({"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val_loss"])})
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, UnifiedStrategy):
+            gathered = strategy.gather_run(self.walls)  # collective
+            sizes = strategy.sizes() if gathered is not None else None
+            if gathered is None:
+                return
+            walls = [max(r["walls"][i] for r in gathered if i < len(r["walls"])) for i in range(len(self.walls))]
+            msg, act, params = sizes
+            opt = {}
+            for r in gathered:
+                opt.update(r["optimizer_bytes"])
+            stage_bytes = {"params": params, "grads": params,
+                           "optimizer": [opt.get(s, 0) for s in range(len(params))],
+                           "activation": [max(a) for a in act]}
+            self.metrics, tl = report.build(
+                config=self.config, run=self.run, plan=strategy.engine.plan, per_rank=gathered, msg_bytes=msg,
+                act_bytes=act, stage_bytes=stage_bytes, steps=self._steps(walls), val=self.val,
+                samples_per_step=self.samples[-1] if self.samples else 0)
+            from ..report.png import save_png
+
+            save_png(tl, self.out_dir / "pipeline.png",
+                     title=f"{self.run.get('scheme')} G={self.run.get('G')} R={self.run.get('R')} (profiled durations, seconds)")
+        else:
+            if trainer.global_rank != 0:
+                return
+            self.metrics = report.single_device(
+                config=self.config, run=self.run, steps=self._steps(self.walls), val=self.val,
+                samples_per_step=self.samples[-1] if self.samples else 0,
+                peak_memory_bytes=_peak_memory(pl_module.device), memory_kind="cuda_max_allocated"
+                if pl_module.device.type == "cuda" else "rss")
+        report.write(self.metrics, self.out_dir)
+        from ..report import wandb_log
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                wandb_log.log_summary(logger.experiment, self.metrics, self.out_dir)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.global_rank == 0:
+            for logger in trainer.loggers:
+                if isinstance(logger, WandbLogger) and logger._experiment is not None:
+                    logger._experiment.finish()
+
+    def _steps(self, walls: list[float]) -> list[dict[str, float]]:
+        return [{"step": i + 1, "loss": loss, "step_s": w, "samples_per_s": n / w if w else None}
+                for i, (loss, w, n) in enumerate(zip(self.losses, walls, self.samples))]
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,220 @@
+"""``mode=train``: train the configured LightningModule on ``W = G*R`` workers through
+:class:`~launcher.lightning.UnifiedStrategy` (or on one device with ``strategy=single``), then
+print the run's metrics and leave ``metrics.json``, ``pipeline.png``, checkpoints and the W&B run
+in the run directory.
+
+Everything is validated and built (:func:`prepare`) before any worker starts: a bad config is one
+sentence per rule, ``invalid.json``, and no worker, W&B run or result. A worker that fails stops
+the others and the run is recorded in ``failed.json`` with the error; Ctrl-C and SIGTERM stop
+every worker and end the command (:class:`launcher.runtime.Interrupted`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..config import ConfigError
+from ..config.step import one_line
+from ..config.training import is_single, train_errors
+from .common import console, in_sweep, output_dir, point, reject, write_invalid
+
+#: what a run directory holds about how the run ended; a new run removes the old ones
+OUTCOMES = ("metrics.json", "failed.json", "invalid.json")
+
+
+@dataclass
+class Job:
+    """Everything ``trainer.fit`` needs, built and checked."""
+
+    model: Any
+    data: Any
+    trainer: Any
+    strategy: Any
+    run: dict[str, Any]
+
+
+def _build(node: Any, key: str, want: type, what: str) -> Any:
+    from hydra.utils import instantiate
+
+    target = node.get("_target_")
+    try:
+        obj = instantiate(node)
+    except Exception as e:  # noqa: BLE001 - a user's class may raise anything: one sentence
+        raise ConfigError([f"{key}._target_={target} could not be built: {one_line(e)}."]) from e
+    if not isinstance(obj, want):
+        raise ConfigError([f"{key}._target_={target} built a {type(obj).__name__}, not a {what}."])
+    return obj
+
+
+def _model_errors(model: Any, cfg: DictConfig, single: bool) -> list[str]:
+    """What UnifiedStrategy needs of a LightningModule, checked before any worker starts."""
+    from torch import nn
+
+    target = cfg.model.get("_target_")
+    stages = getattr(model, "stages", None)
+    if not isinstance(stages, nn.ModuleList):
+        return [f"model._target_={target} has no self.stages (an nn.ModuleList of its layers, in order); the "
+                f"launcher cuts self.stages into stages."]
+    if not callable(getattr(model, "loss", None)):
+        return [f"model._target_={target} has no self.loss(output, target); the last stage's output goes into it."]
+    if single:
+        return []
+    if len(stages) < cfg.stages:
+        return [f"stages={cfg.stages} is invalid: {type(model).__name__}.stages has only {len(stages)} modules; use "
+                f"stages <= {len(stages)}."]
+    outside = [n for n, _ in model.named_parameters() if not n.startswith("stages.")]
+    if outside:
+        return [f"model._target_={target} has parameter {outside[0]} outside self.stages; put every layer in self.stages."]
+    return []
+
+
+def _run_info(cfg: DictConfig) -> dict[str, Any]:
+    single = is_single(cfg)
+    return {"scheme": "single" if single else cfg.strategy.name, "G": cfg.G, "R": cfg.R,
+            "W": 1 if single else cfg.G * cfg.R, "stages": cfg.stages, "microbatches": cfg.microbatches,
+            "order": cfg.order.name, "model": cfg.model.get("_target_"), "batch_size": cfg.data.get("batch_size"),
+            "point": point()}
+
+
+def _devices(W: int) -> dict[str, Any]:
+    """Trainer(devices=..., num_nodes=...) for how the processes are started: torchrun or Slurm
+    with one task per worker join those processes; otherwise the strategy forks W workers."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_WORLD_SIZE" in env:  # torchrun
+        local = int(env["LOCAL_WORLD_SIZE"])
+        return {"devices": local, "num_nodes": int(env["WORLD_SIZE"]) // local}
+    if int(env.get("SLURM_NTASKS", "1")) > 1:
+        nodes = int(env.get("SLURM_NNODES", "1"))
+        return {"devices": int(env["SLURM_NTASKS"]) // nodes, "num_nodes": nodes}
+    extra: dict[str, Any] = {"devices": W, "num_nodes": 1}
+    if "SLURM_NTASKS" in env:  # one Slurm task: fork the workers inside it
+        extra["plugins"] = [LightningEnvironment()]
+    return extra
+
+
+def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
+    """Validate ``cfg`` and build the model, data, strategy and trainer (and, with ``out_dir``, the
+    logger and callbacks writing there); raise :class:`ConfigError` with one sentence per problem."""
+    found = train_errors(cfg)
+    if found:
+        raise ConfigError(found)
+    from lightning.pytorch import LightningDataModule, LightningModule, Trainer, seed_everything
+
+    from ..lightning import UnifiedStrategy
+
+    seed_everything(int(cfg.seed), verbose=False)
+    single = is_single(cfg)
+    data = _build(cfg.data, "data", LightningDataModule, "LightningDataModule")
+    model = _build(cfg.model, "model", LightningModule, "LightningModule")
+    found = _model_errors(model, cfg, single)
+    if found:
+        raise ConfigError(found)
+    if single:
+        strategy: Any = "auto"
+        devices: dict[str, Any] = {"devices": 1}
+    else:
+        from ..config import to_step
+
+        step = to_step(cfg, check=False)  # builds (and so checks) a custom placement or order
+        scheme = step.placement if cfg.strategy.get("placement") is not None else cfg.strategy.name
+        order = step.order.n if cfg.order.get("n") is not None else cfg.order.name
+        ml = cfg.memory_limit
+        strategy = UnifiedStrategy(
+            scheme, G=cfg.G, R=cfg.R, stages=cfg.stages, microbatches=cfg.microbatches, order=order,
+            timeout=float(cfg.timeout), memory_limit=OmegaConf.to_container(ml) if OmegaConf.is_list(ml) else ml,
+            warmup=cfg.warmup, split_backward=cfg.split_backward, weight_cache=cfg.weight_cache,
+            prefetch=cfg.prefetch, durations=dict(cfg.durations), comm=cfg.comm)
+        devices = _devices(cfg.G * cfg.R)
+    run = _run_info(cfg)
+    kwargs: dict[str, Any] = dict(OmegaConf.to_container(cfg.trainer, resolve=True) or {})
+    kwargs.update(devices, strategy=strategy, logger=False, enable_checkpointing=False)
+    if out_dir is not None:
+        kwargs.update(_outputs(cfg, out_dir, run))
+    try:
+        trainer = Trainer(**kwargs)
+    except Exception as e:  # noqa: BLE001 - Lightning's own checks of its arguments: one sentence
+        raise ConfigError([f"trainer: lightning's Trainer refused the configuration: {one_line(e)}."]) from e
+    return Job(model, data, trainer, strategy, run)
+
+
+def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, Any]:
+    """Logger, checkpoints and the metrics callback, all writing into the run directory."""
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ..lightning.metrics import RunMetrics
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    callbacks: list[Any] = [RunMetrics(out_dir, config, run)]
+    if cfg.trainer.get("enable_checkpointing", True):
+        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True))
+    out: dict[str, Any] = {"callbacks": callbacks, "default_root_dir": str(out_dir),
+                           "enable_checkpointing": bool(cfg.trainer.get("enable_checkpointing", True))}
+    if cfg.logger:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        tags = [run["scheme"], f"G={run['G']}", f"R={run['R']}", run["order"]]
+        # partial: instantiate() takes `config` itself, and wandb.init wants ours under that name
+        make = instantiate(cfg.logger, _partial_=True)
+        out["logger"] = make(save_dir=str(out_dir), group=_group(out_dir), tags=tags, name=run["point"], config=config)
+    return out
+
+
+def _group(out_dir: Path) -> str:
+    """Runs of one sweep share a W&B group: the sweep's directory; a single run is its own group."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        if HydraConfig.get().mode.name == "MULTIRUN":
+            return str(Path(HydraConfig.get().sweep.dir).name) or "sweep"
+    except ValueError:
+        pass
+    return out_dir.name
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """One training run (one point of a sweep)."""
+    from ..runtime import WorkerFailed
+
+    where = point()
+    out = output_dir()
+    for name in OUTCOMES:
+        (out / name).unlink(missing_ok=True)
+    try:
+        job = prepare(cfg, out)
+    except ConfigError as e:
+        write_invalid(cfg, e.sentences)
+        return reject(e.sentences, where, in_sweep())
+    try:
+        job.trainer.fit(job.model, datamodule=job.data, ckpt_path=cfg.ckpt_path)
+    except WorkerFailed as e:
+        return _failed(cfg, out, where, str(e))
+    except Exception as e:  # noqa: BLE001 - a crash in this process (single-device runs): record it
+        return _failed(cfg, out, where, one_line(e))
+    path = out / "metrics.json"
+    if not path.exists():
+        return _failed(cfg, out, where, "training ended without writing metrics.json")
+    metrics = json.loads(path.read_text())
+    from ..report.tables import metrics_tables
+
+    con = console()
+    for table in metrics_tables(metrics):
+        con.print(table)
+    con.print(f"wrote {path}", highlight=False, soft_wrap=True)
+    return {"point": where, "ok": True, "metrics": metrics}
+
+
+def _failed(cfg: DictConfig, out: Path, where: str, error: str) -> dict[str, Any]:
+    import sys
+
+    print(f"error: {error}", file=sys.stderr)
+    config = OmegaConf.to_container(cfg, resolve=False)
+    (out / "failed.json").write_text(json.dumps({"config": config, "error": error}, indent=2, default=str) + "\n")
+    return {"point": where, "ok": False, "failed": True, "errors": [error]}

@@ -1,0 +1,192 @@
+"""``metrics.json`` of a training run: predicted beside measured, per step, per worker, per kind.
+
+Pure Python (no torch): the Lightning layer gathers what every worker measured and hands it here
+with the plan. The prediction is the simulator's, fed with durations profiled on this run's own
+workers (the mean wall time of each job kind over the steps after the first), so it is in seconds.
+
+Keys (the comparison dashboard reads them):
+
+- ``run``: scheme, G, R, W, stages, microbatches, order, batch_size; ``config``: the resolved config;
+- ``status``: ``ok`` (``failed``/``invalid`` runs write ``failed.json``/``invalid.json`` instead);
+- ``steps``: per step ``loss``, ``step_s`` (wall, slowest worker), ``samples_per_s``; ``val``: per
+  validation ``step`` and ``val_loss``;
+- ``latency_s``, ``throughput_samples_per_s``, ``bubble_fraction``: ``{"predicted", "measured"}``
+  (measured = the median over the steps after the first);
+- ``profile``: ``durations_s`` per job kind, ``comm_s`` (0: the prediction adds no message cost),
+  ``bytes`` per stage (``params``, ``grads``, ``optimizer``, ``activation``: x_s^b of one
+  micro-batch), the input the planner reads;
+- ``per_worker``: lists indexed by worker, each ``{"predicted", "measured"}``: ``bubble_fraction``,
+  ``peak_activations`` (count) and ``peak_activation_bytes``, ``weights_owned``,
+  ``weights_peak_resident``, ``traffic_count`` and ``traffic_bytes`` (per message kind, received),
+  ``peak_memory_bytes`` (measured only: RSS on CPU, ``max_memory_allocated`` on GPU);
+- ``diagram``: the PNG of the predicted timeline, beside this file.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..runtime.plan import KINDS, Plan
+from ..schedule import Timeline, simulate
+from ..schedule.simulate import Step
+
+
+def _median_after_first(xs: Sequence[float]) -> float:
+    return statistics.median(xs[1:] if len(xs) > 1 else xs) if xs else 0.0
+
+
+def profiled_durations(per_rank: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> dict[str, float]:
+    """Mean seconds of each job kind over every worker and every step after the first."""
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for r in per_rank:
+        recs = [x for x in r["records"] if x]
+        for rec in recs[1:] if len(recs) > 1 else recs:
+            for _, _, kind, sec in rec["measured_only"]["jobs"]:
+                total[kind] += sec
+                count[kind] += 1
+    return {k: (total[k] / count[k] if count[k] else 0.0) for k in kinds}
+
+
+def activation_peaks(tl: Timeline, act_bytes: Sequence[Sequence[int]]) -> list[int]:
+    """Peak bytes of live activations per worker on the timeline: ``x_s^b`` from the start of
+    ``F(s,b)`` to the end of the backward that consumes it (frees first at equal times)."""
+    space = tl.step.space
+    B, SB = space.B, space.S * space.B
+    events: list[list[tuple[float, int, int]]] = [[] for _ in range(tl.step.workers)]
+    for j in range(SB):
+        s, b = divmod(j, B)
+        w, n = tl.compute[j], act_bytes[s][b]
+        events[w].append((tl.start[j], 1, n))
+        events[w].append((tl.finish[SB + j], 0, -n))  # B(s,b), or I(s,b) when split
+    peaks = []
+    for ev in events:
+        live = peak = 0
+        for _, _, n in sorted(ev):
+            live += n
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def traffic(plan: Plan, msg_bytes: Sequence[int]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Messages and bytes each worker receives, per kind, as planned."""
+    counts = {k: [0] * plan.workers for k in KINDS}
+    nbytes = {k: [0] * plan.workers for k in KINDS}
+    for m in plan.messages:
+        counts[m.kind][m.dst] += 1
+        nbytes[m.kind][m.dst] += msg_bytes[m.mid]
+    return counts, nbytes
+
+
+def build(
+    *,
+    config: Mapping[str, Any],
+    run: Mapping[str, Any],
+    plan: Plan,
+    per_rank: Sequence[Mapping[str, Any]],
+    msg_bytes: Sequence[int],
+    act_bytes: Sequence[Sequence[int]],
+    stage_bytes: Mapping[str, Sequence[int]],
+    steps: Sequence[Mapping[str, Any]],
+    val: Sequence[Mapping[str, Any]],
+    samples_per_step: int,
+) -> tuple[dict[str, Any], Timeline]:
+    """The metrics record and the predicted timeline (for the diagram).
+
+    ``per_rank``: each worker's ``{"rank", "records", "peak_memory_bytes", "memory_kind"}``, in rank
+    order; ``steps``: per step ``loss`` and ``step_s``.
+    """
+    W = plan.workers
+    ranks = [r for r in per_rank if r["rank"] < W]
+    step: Step = plan.timeline.step
+    kinds = step.space.kinds
+    durations = profiled_durations(ranks, kinds)
+    tuned = Step(step.space, step.placement, step.workers, step.order,
+                 {k: max(v, 1e-9) for k, v in durations.items()} | {k: 1.0 for k in "FBIW" if k not in kinds},
+                 0.0, step.memory_limit, step.name)
+    tl = simulate(tuned)
+    predicted_s = tl.latency
+    measured_s = _median_after_first([s["step_s"] for s in steps])
+
+    busy_pred = [0.0] * W
+    for w in range(W):
+        busy_pred[w] = sum(tl.finish[j] - tl.start[j] for j in tl.program[w])
+    # measured busy time per worker and step: the sum of its jobs' wall times
+    busy_meas = []
+    for r in ranks:
+        recs = [x for x in r["records"] if x]
+        per_step = [sum(j[3] for j in rec["measured_only"]["jobs"]) / max(s["step_s"], 1e-12)
+                    for rec, s in zip(recs, steps)]
+        busy_meas.append(1.0 - _median_after_first(per_step) if per_step else None)
+    last = [next((x for x in reversed(r["records"]) if x), None) for r in ranks]
+
+    def pw(key: str) -> dict[str, list]:
+        return {"predicted": list(plan.predicted[key]),
+                "measured": [rec["per_worker"][key]["measured"] if rec else None for rec in last]}
+
+    counts, nbytes = traffic(plan, msg_bytes)
+    traffic_count = {k: {"predicted": counts[k],
+                         "measured": [rec["measured_only"]["recv_count"].get(k, 0) if rec else None for rec in last]}
+                     for k in KINDS}
+    traffic_bytes = {k: {"predicted": nbytes[k],
+                         "measured": [rec["measured_only"]["recv_bytes"].get(k, 0) if rec else None for rec in last]}
+                     for k in KINDS}
+    peak_bytes_meas = [max((x["measured_only"]["peak_activation_bytes"] for x in r["records"] if x), default=None)
+                       for r in ranks]
+    bubble_pred_total = 1.0 - sum(busy_pred) / (W * predicted_s) if predicted_s else 0.0
+    meas_bubbles = [b for b in busy_meas if b is not None]
+    return {
+        "run": dict(run),
+        "config": dict(config),
+        "status": "ok",
+        "steps": [dict(s) for s in steps],
+        "val": [dict(v) for v in val],
+        "latency_s": {"predicted": predicted_s, "measured": measured_s},
+        "throughput_samples_per_s": {"predicted": samples_per_step / predicted_s if predicted_s else None,
+                                     "measured": samples_per_step / measured_s if measured_s else None},
+        "bubble_fraction": {"predicted": bubble_pred_total,
+                            "measured": sum(meas_bubbles) / len(meas_bubbles) if meas_bubbles else None},
+        "profile": {"durations_s": {k: durations.get(k) for k in ("F", "B", "I", "W")}, "comm_s": 0.0,
+                    "bytes": {k: list(v) for k, v in stage_bytes.items()}},
+        "per_worker": {
+            "bubble_fraction": {"predicted": [1.0 - b / predicted_s if predicted_s else 0.0 for b in busy_pred],
+                                "measured": busy_meas},
+            "peak_activations": pw("peak_activations"),
+            "peak_activation_bytes": {"predicted": activation_peaks(tl, act_bytes), "measured": peak_bytes_meas},
+            "weights_owned": pw("weights_owned"),
+            "weights_peak_resident": pw("weights_peak_resident"),
+            "traffic_count": traffic_count,
+            "traffic_bytes": traffic_bytes,
+            "peak_memory_bytes": {"predicted": None, "measured": [r["peak_memory_bytes"] for r in ranks]},
+        },
+        "memory_kind": ranks[0]["memory_kind"] if ranks else None,
+        "diagram": "pipeline.png",
+    }, tl
+
+
+def single_device(*, config: Mapping[str, Any], run: Mapping[str, Any], steps: Sequence[Mapping[str, Any]],
+                  val: Sequence[Mapping[str, Any]], samples_per_step: int, peak_memory_bytes: int,
+                  memory_kind: str) -> dict[str, Any]:
+    """The metrics of a run under Lightning's default strategy (the reference): measured only."""
+    measured_s = _median_after_first([s["step_s"] for s in steps])
+    return {
+        "run": dict(run), "config": dict(config), "status": "ok",
+        "steps": [dict(s) for s in steps], "val": [dict(v) for v in val],
+        "latency_s": {"predicted": None, "measured": measured_s},
+        "throughput_samples_per_s": {"predicted": None, "measured": samples_per_step / measured_s if measured_s else None},
+        "bubble_fraction": {"predicted": None, "measured": None},
+        "per_worker": {"peak_memory_bytes": {"predicted": None, "measured": [peak_memory_bytes]}},
+        "memory_kind": memory_kind,
+        "diagram": None,
+    }
+
+
+def write(metrics: Mapping[str, Any], directory: str | Path, name: str = "metrics.json") -> Path:
+    path = Path(directory) / name
+    path.write_text(json.dumps(metrics, indent=1, default=str) + "\n")
+    return path

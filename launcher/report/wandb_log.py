@@ -1,0 +1,48 @@
+"""What a run leaves in Weights & Biases beside Lightning's per-step scalars: the summary
+(predicted beside measured), the per-worker predicted-vs-measured table and the pipeline diagram."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+
+def summary_of(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat ``name/predicted`` and ``name/measured`` scalars, and the first and last loss."""
+    out: dict[str, Any] = {}
+    for key in ("latency_s", "throughput_samples_per_s", "bubble_fraction"):
+        for side in ("predicted", "measured"):
+            out[f"{key}/{side}"] = metrics[key][side]
+    steps = metrics.get("steps") or []
+    if steps:
+        out["loss/first"], out["loss/last"] = steps[0]["loss"], steps[-1]["loss"]
+    if metrics.get("val"):
+        out["val_loss/last"] = metrics["val"][-1]["val_loss"]
+    return out
+
+
+def per_worker_rows(metrics: Mapping[str, Any]) -> list[list[Any]]:
+    """``[worker, metric, predicted, measured]`` rows of the per-worker comparison."""
+    rows: list[list[Any]] = []
+    for key, v in metrics.get("per_worker", {}).items():
+        items = v.items() if key.startswith("traffic_") else [(None, v)]
+        for kind, pm in items:
+            name = f"{key}/{kind}" if kind else key
+            measured = pm["measured"] or []
+            predicted = pm["predicted"] or [None] * len(measured)
+            for w, (p, m) in enumerate(zip(predicted, measured)):
+                rows.append([w, name, p, m])
+    return rows
+
+
+def log_summary(run: Any, metrics: Mapping[str, Any], out_dir: str | Path) -> None:
+    """Log ``metrics`` into the W&B ``run``: summary, table and (if written) the diagram."""
+    import wandb
+
+    run.summary.update(summary_of(metrics))
+    extra: dict[str, Any] = {"per_worker": wandb.Table(columns=["worker", "metric", "predicted", "measured"],
+                                                        data=per_worker_rows(metrics))}
+    png = Path(out_dir) / metrics["diagram"] if metrics.get("diagram") else None
+    if png is not None and png.exists():
+        extra["pipeline"] = wandb.Image(str(png))
+    run.log(extra)
