@@ -14,12 +14,17 @@ Exit codes:
   runs when a plain override, a key, or every value of a sweep is invalid. A config that composes
   but breaks a rule (``W != G*R``, ``R > stages``, a memory limit the step cannot finish under,
   ...) stops a single run; in a sweep that point is reported and skipped, the other points still
-  run. Either way the exit code is ``2`` once all of them have run;
-- ``1``: anything else (Hydra's own errors, a crash).
+  run. Either way the exit code is ``2`` once all of them have run. A single training run is
+  checked whole (model, data and Trainer built) before Hydra makes its run directory;
+- ``1``: a training run (a point) failed: a worker raised or died (the others still ran), or
+  anything else (Hydra's own errors, a crash);
+- ``130`` / ``143``: stopped by SIGINT (Ctrl-C) / SIGTERM; every worker was stopped first.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from typing import Any, Callable
 
@@ -31,6 +36,7 @@ from .config.validate import SweepCheck, check_sweep_overrides
 from .modes import MODES, common
 
 EXIT_INVALID = 2
+EXIT_FAILED = 1
 
 #: the points this process ran (one for a run, one per point of a sweep on the in-process launcher)
 POINTS: list[dict[str, Any]] = []
@@ -67,7 +73,10 @@ def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
     multirun = args.multirun or any(o.replace(" ", "") in ("hydra.mode=MULTIRUN", "hydra.mode=multirun")
                                     for o in args.overrides)
     if not multirun:
-        return argv, SweepCheck(list(args.overrides), check_overrides(args.overrides, dirs), [])
+        found = check_overrides(args.overrides, dirs)
+        if not found:
+            found = _check_training(args.config_name or "config", list(args.overrides), dirs)
+        return argv, SweepCheck(list(args.overrides), found, [])
     found = check_sweep_overrides(args.overrides, dirs)
     if found.fatal or not found.skipped:
         return argv, found
@@ -79,7 +88,58 @@ def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
     return new, found
 
 
+def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> list[str]:
+    """A single training run is checked whole before Hydra starts (composed here with Hydra's
+    compose API, then built by :func:`launcher.modes.train.prepare` without starting anything), so
+    an invalid one leaves no run directory behind. Simulations keep reporting from their run."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .config import ConfigError
+    from .modes import train
+
+    extra = [f"hydra.searchpath=[file://{os.path.abspath(d)}]" for d in dirs]
+    try:
+        with initialize_config_module("launcher.conf", version_base="1.3"):
+            cfg = compose(config_name, overrides + extra)
+    except Exception as e:  # noqa: BLE001 - Hydra's composition error, e.g. a key not in the config: one sentence
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()][:2]
+        return [" ".join(lines).rstrip(".") + "."]
+    finally:
+        GlobalHydra.instance().clear()
+    if cfg.get("mode") != "train":
+        return []
+    try:
+        train.prepare(cfg, None)
+    except ConfigError as e:
+        return e.sentences
+    return []
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    from .runtime import Interrupted
+
+    raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} before any worker started")
+
+
 def main() -> None:
+    from .runtime import Interrupted
+
+    # the console script, like python -m, imports a custom placement or model from the working directory
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        _main()
+    except Interrupted as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("error: stopped by SIGINT before any worker started", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
+
+
+def _main() -> None:
     argv, found = _preflight(sys.argv[1:])
     if found.fatal:
         for s in found.fatal:
@@ -95,9 +155,14 @@ def main() -> None:
         from .report import sweep_table
 
         common.console().print(sweep_table(POINTS, title=f"sweep: {len(POINTS)} points"))
-    bad = [p for p in POINTS if not p["ok"]]
+    failed = [p for p in POINTS if p.get("failed")]
+    bad = [p for p in POINTS if not p["ok"] and not p.get("failed")]
     if bad and len(POINTS) > 1:
         print(f"error: {len(bad)} of {len(POINTS)} points were invalid and skipped", file=sys.stderr)
+    if failed and len(POINTS) > 1:
+        print(f"error: {len(failed)} of {len(POINTS)} points failed while training", file=sys.stderr)
+    if failed:
+        sys.exit(EXIT_FAILED)
     if found.skipped:
         values = ", ".join(point for point, _ in found.skipped)
         print(f"error: {len(found.skipped)} invalid sweep value{'s were' if len(found.skipped) > 1 else ' was'} "

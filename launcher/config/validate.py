@@ -32,7 +32,7 @@ from .schema import LATER_MODES, MODES, SIZES, LauncherConf
 STRATEGIES = tuple(sorted(NAMED))
 #: strategies whose worker count is fixed by the step, and what fixes it
 W_EQUALS = {"ddp": "microbatches", "fsdp": "microbatches", "gpipe": "stages"}
-GROUPS = ("strategy", "order")
+GROUPS = ("strategy", "order", "model", "data", "trainer", "logger")
 
 
 class ConfigError(ValueError):

@@ -100,6 +100,19 @@ def _devices(W: int) -> dict[str, Any]:
     return extra
 
 
+def _quiet() -> None:
+    """Lightning's start-up notes (accelerators found, tips) go to its own handler only, not also
+    to Hydra's root logger, and a torch deprecation warning it triggers in every worker is hidden:
+    the run's output is the progress bar, the summary and any error."""
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).propagate = False
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+
+
 def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
     """Validate ``cfg`` and build the model, data, strategy and trainer (and, with ``out_dir``, the
     logger and callbacks writing there); raise :class:`ConfigError` with one sentence per problem."""
@@ -110,6 +123,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
 
     from ..lightning import UnifiedStrategy
 
+    _quiet()
     seed_everything(int(cfg.seed), verbose=False)
     single = is_single(cfg)
     data = _build(cfg.data, "data", LightningDataModule, "LightningDataModule")
