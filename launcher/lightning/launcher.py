@@ -10,13 +10,17 @@ re-running ``sys.argv``, works inside a Hydra multirun and inside a Slurm job.
 
 from __future__ import annotations
 
+import io
 import os
+import signal
 import tempfile
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities import move_data_to_device
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..runtime.processes import launch
@@ -27,12 +31,23 @@ if TYPE_CHECKING:
     from .strategy import UnifiedStrategy
 
 
-class ForkLauncher(_MultiProcessingLauncher):
-    """Forks ``strategy.num_processes`` workers and runs the trainer's function on each."""
+class ForkLauncher(_Launcher):
+    """Forks ``strategy.num_processes`` workers and runs the trainer's function on each.
+
+    Not a subclass of Lightning's ``_MultiProcessingLauncher``: Lightning refuses to return
+    predictions from those, and this one returns them (rank 0's, which every rank holds)."""
 
     def __init__(self, strategy: "UnifiedStrategy", timeout: float) -> None:
-        super().__init__(strategy, start_method="fork")
+        self._strategy = strategy
         self.timeout = timeout
+        self._already_fit = False
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def kill(self, signum: signal.Signals | int) -> None:
+        pass  # launch() stops every worker itself before it returns or raises
 
     def launch(self, function: Callable, *args: Any, trainer: "pl.Trainer | None" = None, **kwargs: Any) -> Any:
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
@@ -75,5 +90,20 @@ class ForkLauncher(_MultiProcessingLauncher):
         if fitting:
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             strategy.checkpoint_io.save_checkpoint(state, weights_path)
+        buffer = io.BytesIO()
+        torch.save({k: v.cpu() if torch.is_tensor(v) else v for k, v in trainer.callback_metrics.items()}, buffer)
         return _WorkerOutput(best, weights_path, trainer.state, move_data_to_device(results, "cpu"),
-                             self.get_extra_results(trainer))
+                             {"callback_metrics_bytes": buffer.getvalue()})
+
+    def _recover_results_in_main_process(self, output: _WorkerOutput, trainer: "pl.Trainer") -> None:
+        """What Lightning's multiprocessing launcher hands back: best checkpoint path, trained
+        weights, trainer state and callback metrics."""
+        if trainer.checkpoint_callback is not None and hasattr(trainer.checkpoint_callback, "best_model_path"):
+            trainer.checkpoint_callback.best_model_path = str(output.best_model_path)
+        if output.weights_path is not None:
+            ckpt = self._strategy.checkpoint_io.load_checkpoint(output.weights_path)
+            trainer.lightning_module.load_state_dict(ckpt, strict=False)
+            self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
+        trainer.state = output.trainer_state
+        metrics = torch.load(io.BytesIO(output.extra["callback_metrics_bytes"]), weights_only=True)
+        trainer.callback_metrics.update(metrics)

@@ -301,7 +301,10 @@ class UnifiedStrategy(ParallelStrategy):
         return True  # each worker takes its own stages back, so the partition must exist first
 
     # ---- the step --------------------------------------------------------------------------
-    def _microbatches(self, batch: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _microbatches(self, batch: Any, equal: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The batch cut into ``microbatches`` pieces: equal ones (the loss is the mean of the
+        micro-batches' means, so they must be), or for prediction as equal as they can be (Lightning
+        keeps the last, partial batch when predicting)."""
         batch = self.precision_plugin.convert_input(batch)
         if isinstance(batch, torch.Tensor):
             x, y = batch, None
@@ -310,11 +313,11 @@ class UnifiedStrategy(ParallelStrategy):
         else:
             raise TypeError(f"UnifiedStrategy needs batches of (input, target) tensors, got {type(batch).__name__}")
         n, B = x.shape[0], self.B
-        if n % B:
+        if n % B if equal else n < B:
             raise ValueError(f"a batch of {n} samples cannot be cut into microbatches={B} equal micro-batches; "
                              f"use a batch size divisible by {B}.")
-        xs = x.split(n // B)
-        ys = y.split(n // B) if y is not None else [None] * B
+        xs = x.tensor_split(B)
+        ys = y.tensor_split(B) if y is not None else [None] * B
         return list(zip(xs, ys))
 
     def _sum_over_workers(self, value: float) -> torch.Tensor:
@@ -344,7 +347,7 @@ class UnifiedStrategy(ParallelStrategy):
 
     def _evaluate(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         assert self.engine is not None
-        mbs = self._microbatches(batch)
+        mbs = self._microbatches(batch, equal=key is not None)
         with self.precision_plugin.val_step_context():
             share, preds = self.engine.evaluate(mbs)
         loss = self._sum_over_workers(share).to(self.lightning_module.dtype)

@@ -1,0 +1,137 @@
+"""UnifiedStrategy against the oracle: the same LightningModule, unchanged, under Lightning's
+default single-device strategy. Equal parameters after several steps (float64), for every scheme
+and order, with AdamW, a learning-rate schedule stepped every step and gradient clipping by norm;
+equal validation loss and predictions through the forward-only path."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from launcher.lightning import UnifiedStrategy
+from launcher.models import GPT, CharCorpus
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 3
+TOL = 1e-10
+
+
+def data(batch_size: int = 8) -> CharCorpus:
+    return CharCorpus(batch_size=batch_size, seq_len=8, chars=20_000, shuffle=True, seed=3)
+
+
+def trainer(strategy, devices: int, **kw) -> L.Trainer:
+    args = dict(accelerator="cpu", precision="64-true", max_steps=STEPS, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2,
+                val_check_interval=STEPS, gradient_clip_val=0.05)
+    args.update(kw)
+    return L.Trainer(strategy=strategy, devices=devices, **args)
+
+
+@pytest.fixture(scope="module")
+def base() -> GPT:
+    torch.manual_seed(0)
+    return GPT(seq_len=8, d_model=16, n_head=2, n_layer=4, max_steps=STEPS)  # 6 modules
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    model = copy.deepcopy(base)
+    tr = trainer("auto", 1)
+    tr.fit(model, datamodule=data())
+    return model, float(tr.callback_metrics["val_loss"])
+
+
+def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
+
+
+CASES = [
+    # (scheme, G, R, stages, microbatches, order, extra)
+    *[(s, G, R, 4, 4, o, {}) for s, G, R in (("ddp", None, None), ("fsdp", None, None), ("gpipe", None, None),
+                                             ("lpp", 2, 2), ("fslpp", 2, 2))
+      for o in ("1f1b", "breadth_first", "depth_first")],
+    ("gpipe", None, None, 4, 2, "1f1b", {}),  # fewer micro-batches than stages
+    ("lpp", 1, 2, 2, 4, "1f1b", {}),  # 6 modules grouped into 2 stages by parameter count
+    ("fslpp", 2, 2, 4, 4, "1f1b", {"split_backward": True, "weight_cache": "job", "prefetch": 2}),
+]
+
+
+@pytest.mark.parametrize("scheme,G,R,S,B,order,extra", CASES,
+                         ids=[f"{c[0]}-S{c[3]}B{c[4]}-{c[5]}{'-' + '-'.join(c[6]) if c[6] else ''}" for c in CASES])
+def test_equals_default_strategy(base, reference, scheme, G, R, S, B, order, extra):
+    ref, ref_val = reference
+    model = copy.deepcopy(base)
+    st = UnifiedStrategy(scheme, G=G, R=R, stages=S, microbatches=B, order=order, **extra)
+    tr = trainer(st, st.W)
+    tr.fit(model, datamodule=data())
+    assert max_diff(ref, model) < TOL  # the launching process holds the trained weights
+    assert abs(float(tr.callback_metrics["val_loss"]) - ref_val) < TOL
+    assert abs(float(tr.callback_metrics["train_loss"]) - float(tr.callback_metrics["train_loss"])) == 0
+
+
+def test_clipping_is_active_and_global(base, reference):
+    """Without clipping the result differs, so the equality above really tests the global norm."""
+    ref, _ = reference
+    model = copy.deepcopy(base)
+    st = UnifiedStrategy("fslpp", G=2, R=2, stages=4, microbatches=4)
+    trainer(st, st.W, gradient_clip_val=None).fit(model, datamodule=data())
+    assert max_diff(ref, model) > 1e-6
+
+
+def test_custom_placement_callable(base, reference):
+    ref, _ = reference
+
+    def two_groups(s: int, b: int, d: str) -> tuple[int, int]:  # stages 0,1 on worker b%2, 2,3 on 2+b%2
+        w = 2 * (s // 2) + b % 2
+        return (w, w)
+
+    model = copy.deepcopy(base)
+    st = UnifiedStrategy(two_groups, G=2, R=2, stages=4, microbatches=4)
+    trainer(st, st.W).fit(model, datamodule=data())
+    assert max_diff(ref, model) < TOL
+
+
+def test_predict_and_test_match(base, reference):
+    ref, _ = reference
+    st = UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4)
+    tr = trainer(st, st.W)
+    preds = tr.predict(copy.deepcopy(ref), datamodule=data())
+    single = trainer("auto", 1).predict(copy.deepcopy(ref), datamodule=data())
+    assert len(preds) == len(single) > 0
+    assert max((a - b).abs().max().item() for a, b in zip(preds, single)) < TOL
+    got = trainer(UnifiedStrategy("gpipe", stages=4, microbatches=4), 4).test(copy.deepcopy(ref), datamodule=data(),
+                                                                               verbose=False)
+    want = trainer("auto", 1).test(copy.deepcopy(ref), datamodule=data(), verbose=False)
+    assert abs(got[0]["test_loss"] - want[0]["test_loss"]) < TOL
+
+
+def test_batch_that_does_not_divide_is_one_clear_error(base):
+    from launcher.runtime import WorkerFailed
+
+    st = UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4)
+    with pytest.raises(WorkerFailed, match="cannot be cut into microbatches=4 equal micro-batches"):
+        trainer(st, st.W).fit(copy.deepcopy(base), datamodule=data(batch_size=6))
+
+
+def test_bad_keywords_are_one_sentence():
+    from launcher.config import ConfigError
+
+    with pytest.raises(ConfigError, match="W must equal|needs W = microbatches"):
+        UnifiedStrategy("ddp", G=2, R=2, stages=4, microbatches=8)
+    with pytest.raises(ConfigError, match="not a launcher config key"):
+        UnifiedStrategy("lpp", G=1, R=2, stages=4, microbatches=4, memory_limt=3)
+    with pytest.raises(ConfigError, match="R=8 is invalid"):
+        UnifiedStrategy("lpp", G=1, R=8, stages=4, microbatches=4)
+
+
+def test_registered_with_lightning():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "unified" in StrategyRegistry
