@@ -352,8 +352,7 @@ class UnifiedStrategy(ParallelStrategy):
             share, preds = self.engine.evaluate(mbs)
         loss = self._sum_over_workers(share).to(self.lightning_module.dtype)
         if key is not None and mbs[0][1] is not None:
-            # the same value on every worker already; sync_dist only keeps Lightning from warning
-            self.lightning_module.log(key, loss, prog_bar=key == "val_loss", sync_dist=True)
+            self.lightning_module.log(key, loss, prog_bar=key == "val_loss")  # the same on every worker
         return loss, preds
 
     def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 VOCAB = 128  # ASCII
 
@@ -35,11 +35,34 @@ def stdlib_text(chars: int) -> str:
     return text
 
 
+class EpochSampler(Sampler[int]):
+    """A permutation per epoch, seeded by ``seed + epoch`` (so it does not depend on what ran
+    before), that can start part-way into an epoch: how a resumed run sees the batches an
+    uninterrupted one would have seen."""
+
+    def __init__(self, n: int, shuffle: bool, seed: int) -> None:
+        self.n, self.shuffle, self.seed = n, shuffle, seed
+        self.epoch, self.skip = 0, 0
+
+    def __iter__(self):  # noqa: ANN204
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(self.n)
+        start, self.skip = self.skip, 0
+        self.epoch += 1
+        return iter(order[start:].tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class CharCorpus(LightningDataModule):
     """Next-character prediction on standard-library source; ``batch_size`` windows per batch.
 
-    Shuffling uses its own generator seeded by ``seed``, so every worker of a scheme and the
-    single-device reference see the same batches in the same order.
+    Shuffling uses its own generator seeded by ``seed`` and the epoch, so every worker of a scheme
+    and the single-device reference see the same batches in the same order; the position in the
+    epoch is saved in checkpoints, so a resumed run continues with the next batch.
     """
 
     vocab_size = VOCAB
@@ -51,6 +74,8 @@ class CharCorpus(LightningDataModule):
         self.val_fraction, self.shuffle, self.seed = val_fraction, shuffle, seed
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
+        self.sampler: EpochSampler | None = None
+        self._resume: dict[str, int] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -65,8 +90,21 @@ class CharCorpus(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, drop_last=True, generator=gen)
+        self.sampler = EpochSampler(len(self.train_set), self.shuffle, self.seed)
+        if self._resume is not None:
+            self.sampler.epoch, self.sampler.skip = self._resume["epoch"], self._resume["samples"]
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=self.sampler, drop_last=True)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where training stands in the data: the epoch and the samples of it already trained on."""
+        loop = self.trainer.fit_loop if self.trainer is not None else None
+        if loop is None:
+            return {}
+        done = loop.epoch_loop.batch_progress.current.processed
+        return {"epoch": self.trainer.current_epoch, "samples": done * self.batch_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = dict(state) if state else None
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None

@@ -111,6 +111,8 @@ def _quiet() -> None:
         logging.getLogger(name).propagate = False
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # val_loss is summed over the workers before it is logged: nothing left to synchronise
+    warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
 
 
 def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
@@ -156,6 +158,10 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
         trainer = Trainer(**kwargs)
     except Exception as e:  # noqa: BLE001 - Lightning's own checks of its arguments: one sentence
         raise ConfigError([f"trainer: lightning's Trainer refused the configuration: {one_line(e)}."]) from e
+    if single:
+        # Lightning's single-device strategy loads a checkpoint before it converts the module to the
+        # trainer's precision, which would round a float64 checkpoint through float32: convert first
+        trainer.precision_plugin.convert_module(model)
     return Job(model, data, trainer, strategy, run)
 
 
@@ -216,9 +222,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if not path.exists():
         return _failed(cfg, out, where, "training ended without writing metrics.json")
     metrics = json.loads(path.read_text())
-    from ..report.tables import metrics_tables
+    from ..report.tables import metrics_headline, metrics_tables
 
     con = console()
+    con.print(metrics_headline(metrics), highlight=False, soft_wrap=True)
     for table in metrics_tables(metrics):
         con.print(table)
     con.print(f"wrote {path}", highlight=False, soft_wrap=True)

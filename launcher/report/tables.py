@@ -102,18 +102,23 @@ def _mib(x: Any) -> str:
     return "-" if x is None else f"{x / 2**20:.1f}"
 
 
+def metrics_headline(m: Mapping[str, Any]) -> str:
+    """One line: the run, its steps and how the loss went."""
+    run = m["run"]
+    steps = m.get("steps") or []
+    line = (f"train {run['scheme']} G={run['G']} R={run['R']} W={run['W']} stages={run['stages']} "
+            f"microbatches={run['microbatches']} order={run['order']}: {len(steps)} steps")
+    if steps:
+        line += f", loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}"
+    if m.get("val"):
+        line += f", val_loss {m['val'][-1]['val_loss']:.4f}"
+    return line
+
+
 def metrics_tables(m: Mapping[str, Any]) -> list[Table]:
     """The end-of-run summary of a training run: the step (predicted beside measured) and every
     worker's memory and traffic (predicted / measured)."""
-    run = m["run"]
-    steps = m.get("steps") or []
-    title = (f"train {run['scheme']} G={run['G']} R={run['R']} W={run['W']} stages={run['stages']} "
-             f"microbatches={run['microbatches']} order={run['order']}: {len(steps)} steps")
-    if steps:
-        title += f", loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}"
-    if m.get("val"):
-        title += f", val_loss {m['val'][-1]['val_loss']:.4f}"
-    t = Table(title=title, title_justify="left")
+    t = Table(title="step", title_justify="left")
     for col in ("", "predicted", "measured"):
         t.add_column(col, justify="left" if not col else "right")
     lat, thr, bub = m["latency_s"], m["throughput_samples_per_s"], m["bubble_fraction"]

@@ -1,0 +1,129 @@
+"""``python -m launcher`` trains (mode=train, the default): metrics.json, the W&B offline run read
+back from disk, checkpoints that resume exactly, load on one process and resume under another
+scheme."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher.report.wandb_read import find_runs, read_run
+
+pytestmark = pytest.mark.timeout(300)
+
+#: a small model and data, so each run takes seconds
+SMALL = ["stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000", "model.d_model=16",
+         "model.n_head=2", "model.n_layer=2"]
+
+
+def launcher(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(cwd))
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def fslpp_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    tmp = tmp_path_factory.mktemp("train")
+    run = tmp / "run"
+    p = launcher("strategy=fslpp", "G=2", "R=2", *SMALL, "trainer.max_steps=4", "trainer.val_check_interval=2",
+                 f"hydra.run.dir={run}", cwd=tmp)
+    return run, p
+
+
+def test_trains_and_prints_the_summary(fslpp_run):
+    run, p = fslpp_run
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "train fslpp G=2 R=2 W=4 stages=4 microbatches=4 order=1f1b: 4 steps" in p.stdout
+    for row in ("step time (ms)", "throughput (samples/s)", "bubble fraction", "per worker"):
+        assert row in p.stdout
+    assert f"wrote {run / 'metrics.json'}" in p.stdout.replace("\n", "")
+
+
+def test_metrics_json(fslpp_run):
+    run, _ = fslpp_run
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["run"] | {"scheme": "fslpp", "G": 2, "R": 2, "W": 4} == m["run"]
+    assert [s["step"] for s in m["steps"]] == [1, 2, 3, 4]
+    assert all(s["loss"] > 0 and s["step_s"] > 0 and s["samples_per_s"] > 0 for s in m["steps"])
+    assert m["steps"][-1]["loss"] < m["steps"][0]["loss"]
+    assert [v["step"] for v in m["val"]] == [2, 4]
+    for key in ("latency_s", "throughput_samples_per_s", "bubble_fraction"):
+        assert m[key]["predicted"] > 0 and m[key]["measured"] > 0
+    pw = m["per_worker"]
+    for key in ("peak_activations", "weights_owned", "weights_peak_resident"):
+        assert pw[key]["predicted"] == pw[key]["measured"], key
+    for kind in ("act", "grad", "weights", "wgrad"):
+        assert pw["traffic_count"][kind]["predicted"] == pw["traffic_count"][kind]["measured"], kind
+        assert pw["traffic_bytes"][kind]["predicted"] == pw["traffic_bytes"][kind]["measured"], kind
+    assert pw["peak_activation_bytes"]["predicted"] == pw["peak_activation_bytes"]["measured"]
+    assert len(pw["peak_memory_bytes"]["measured"]) == 4 and min(pw["peak_memory_bytes"]["measured"]) > 2**20
+    assert m["profile"]["durations_s"]["F"] > 0 and len(m["profile"]["bytes"]["params"]) == 4
+    assert (run / "pipeline.png").stat().st_size > 1000
+    assert (run / "checkpoints" / "last.ckpt").exists()
+
+
+def test_wandb_offline_run_read_back(fslpp_run):
+    run, _ = fslpp_run
+    files = find_runs(run)
+    assert len(files) == 1 and str(run / "wandb") in files[0]
+    r = read_run(files[0])
+    assert r.group == "run"  # a single run is its own group; a sweep's runs share the sweep's
+    assert r.tags == ["fslpp", "G=2", "R=2", "1f1b"]
+    assert r.config["strategy"] == {"name": "fslpp", "placement": None}
+    losses = [h["train_loss"] for h in r.history if "train_loss" in h]
+    m = json.loads((run / "metrics.json").read_text())
+    assert losses == pytest.approx([s["loss"] for s in m["steps"]])
+    assert any("step_s" in h for h in r.history) and any("val_loss" in h for h in r.history)
+    assert r.summary["latency_s/predicted"] == pytest.approx(m["latency_s"]["predicted"])
+    assert r.summary["latency_s/measured"] == pytest.approx(m["latency_s"]["measured"])
+    assert r.summary["pipeline/_type"] == "image-file"
+    assert r.summary["per_worker/_type"] == "table-file"
+    image = Path(r.dir) / "files" / r.summary["pipeline/path"]
+    assert image.exists() and image.read_bytes()[:4] == b"\x89PNG"
+    table = json.loads((Path(r.dir) / "files" / r.summary["per_worker/path"]).read_text())
+    assert table["columns"] == ["worker", "metric", "predicted", "measured"] and len(table["data"]) > 4
+
+
+RESUME = [*SMALL, "model.max_steps=6", "trainer.precision=64-true", "trainer.val_check_interval=3", "logger=none"]
+
+
+def _params(ckpt: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt, weights_only=False)["state_dict"]
+
+
+def test_resume_equals_uninterrupted_and_across_schemes(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d, steps, extra in ((a, 6, []), (b, 3, [])):
+        p = launcher("strategy=fslpp", "G=2", "R=2", *RESUME, f"trainer.max_steps={steps}", f"hydra.run.dir={d}", *extra,
+                     cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+    ckpt = b / "checkpoints" / "last.ckpt"
+    p = launcher("strategy=fslpp", "G=2", "R=2", *RESUME, "trainer.max_steps=6", f"ckpt_path={ckpt}",
+                 f"hydra.run.dir={c}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    want, got = _params(a / "checkpoints" / "last.ckpt"), _params(c / "checkpoints" / "last.ckpt")
+    assert want.keys() == got.keys()
+    assert max((want[k] - got[k]).abs().max().item() for k in want) == 0.0
+
+    # the same checkpoint resumes under another scheme and under Lightning's default strategy,
+    # to the same parameters (float64, up to rounding)
+    for strategy in (["strategy=gpipe"], ["strategy=single"]):
+        d = tmp_path / strategy[0].split("=")[1]
+        p = launcher(*strategy, *RESUME, "trainer.max_steps=6", f"ckpt_path={ckpt}", f"hydra.run.dir={d}", cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        other = _params(d / "checkpoints" / "last.ckpt")
+        assert max((want[k] - other[k]).abs().max().item() for k in want) < 1e-10, strategy
+
+    # and loads into the same LightningModule on one process (whose parameters are float32)
+    from launcher.models import GPT
+
+    model = GPT.load_from_checkpoint(a / "checkpoints" / "last.ckpt")
+    assert model.state_dict().keys() == want.keys()
+    assert all(torch.allclose(model.state_dict()[k].double(), want[k], rtol=1e-6, atol=1e-7) for k in want)
