@@ -96,6 +96,7 @@ def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> 
     from hydra.core.global_hydra import GlobalHydra
 
     from .config import ConfigError
+    from .config.validate import errors as config_errors
     from .modes import train
 
     extra = [f"hydra.searchpath=[file://{os.path.abspath(d)}]" for d in dirs]
@@ -108,7 +109,7 @@ def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> 
     finally:
         GlobalHydra.instance().clear()
     if cfg.get("mode") != "train":
-        return []
+        return [s for s in config_errors(cfg) if s.startswith("mode=")]
     try:
         train.prepare(cfg, None)
     except ConfigError as e:

@@ -22,7 +22,7 @@ def cfg_of():
 
 def test_defaults_compose_and_are_valid(cfg_of):
     c = cfg_of()
-    assert (c.mode, c.strategy.name, c.order.name) == ("simulate", "lpp", "1f1b")
+    assert (c.mode, c.strategy.name, c.order.name) == ("train", "lpp", "1f1b")
     assert (c.G, c.R, c.W, c.stages, c.microbatches) == (2, 4, 8, 8, 16)
     assert dict(c.durations) == {"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}
     assert (c.comm, c.memory_limit, c.warmup, c.split_backward, c.weight_cache, c.prefetch) == (
@@ -59,7 +59,6 @@ def test_strategy_defaults_and_command_line_wins(cfg_of, overrides, G, R):
         (["G=0"], "G=0 is invalid: the sizes G, R, stages and microbatches must be positive integers."),
         (["stages=-1"], "stages=-1 is invalid"),
         (["microbatches=0"], "microbatches=0 is invalid"),
-        (["mode=train"], "mode=train is not available from this command yet"),
         (["mode=fly"], "mode=fly is not a known mode"),
         (["strategy.name=foo"], "strategy=foo is not a known strategy"),
         (["order.name=bar"], "order=bar is not a known order"),
@@ -83,7 +82,7 @@ def test_each_rule_is_one_sentence_naming_key_and_value(cfg_of, overrides, expec
 
 
 def test_all_failures_are_reported(cfg_of):
-    found = errors(cfg_of("mode=train", "R=9", "G=17", "comm=-1"))
+    found = errors(cfg_of("mode=fly", "R=9", "G=17", "comm=-1"))
     assert [f.split("=")[0] for f in found] == ["mode", "R", "G", "comm"]
 
 

@@ -86,7 +86,7 @@ def errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
             f"workers with python -m launcher.runtime."
         )
     elif mode not in MODES:
-        out.append(f"mode={mode} is not a known mode; use mode=simulate.")
+        out.append(f"mode={mode} is not a known mode; use {' or '.join('mode=' + m for m in MODES)}.")
     return out + step_errors(cfg)
 
 

@@ -82,6 +82,22 @@ def _run_info(cfg: DictConfig) -> dict[str, Any]:
             "point": point()}
 
 
+def _plannable(step: Any, cfg: DictConfig) -> None:
+    """Simulate and lower the step once here: a memory limit it cannot finish under, or a
+    placement the runtime cannot run, is refused before any worker starts."""
+    from ..runtime.plan import PlanError, lower
+    from ..schedule import ScheduleError, simulate
+
+    try:
+        lower(simulate(step), str(cfg.weight_cache), int(cfg.prefetch))
+    except (ScheduleError, PlanError) as e:
+        raise ConfigError([str(e).rstrip(".") + "."]) from e
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a custom placement or order failed: one sentence
+        raise ConfigError([f"the custom placement or order failed while the step was planned: {one_line(e)}."]) from e
+
+
 def _devices(W: int) -> dict[str, Any]:
     """Trainer(devices=..., num_nodes=...) for how the processes are started: torchrun or Slurm
     with one task per worker join those processes; otherwise the strategy forks W workers."""
@@ -140,6 +156,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
         from ..config import to_step
 
         step = to_step(cfg, check=False)  # builds (and so checks) a custom placement or order
+        _plannable(step, cfg)
         scheme = step.placement if cfg.strategy.get("placement") is not None else cfg.strategy.name
         order = step.order.n if cfg.order.get("n") is not None else cfg.order.name
         ml = cfg.memory_limit
