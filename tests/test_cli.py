@@ -54,8 +54,8 @@ def test_invalid_config_is_one_sentence_and_exit_2(tmp_path):
     p = launcher("strategy=ddp", "G=2", "R=4", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.splitlines() == [
-        "error: strategy=ddp needs W = microbatches, but W=G*R=8 and microbatches=16; leave G and R at the ddp "
-        "defaults (G=microbatches R=1) or set microbatches=8."
+        "error: strategy=ddp needs W = microbatches, but W=G*R=8 and microbatches=16; set G=16 R=1 (the ddp "
+        "layout) or microbatches=8."
     ]
     p = launcher("strategy=foo", cwd=tmp_path)  # rejected before Hydra starts
     assert p.returncode == 2

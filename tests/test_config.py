@@ -70,7 +70,7 @@ def test_strategy_defaults_and_command_line_wins(cfg_of, overrides, G, R):
         (["memory_limit=[2,2,2,2,2,2,2,x]"], "memory_limit=[2, 2, 2, 2, 2, 2, 2, 'x'] is invalid"),
         (["warmup=later"], "warmup=later is invalid"),
         (["weight_cache=forever"], "weight_cache=forever is invalid"),
-        (["durations.F=0"], "durations.F=0.0 is invalid: job durations must be positive numbers."),
+        (["durations.F=0"], "durations.F=0.0 is invalid: job durations must be positive finite numbers."),
         (["comm=-1"], "comm=-1.0 is invalid"),
         (["prefetch=-1"], "prefetch=-1 is invalid"),
     ],
@@ -112,9 +112,9 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
         (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, custom, depth_first."]),
         (["G=2.5"], ["G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["R=1,x"], ["R=x is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
-        (["comm=abc"], ["comm=abc is invalid: comm must be a number."]),
-        (["split_backward=maybe"], ["split_backward=maybe is invalid: split_backward must be true or false."]),
-        (["colour=red"], ["colour=red is invalid: colour is not a config key."]),
+        (["comm=abc"], ["comm=abc is invalid: the communication delay must be a finite number >= 0."]),
+        (["split_backward=maybe"], ["split_backward=maybe is invalid: it must be true or false."]),
+        (["colour=red"], ["colour=red is invalid: colour is not a known key."]),
     ],
 )
 def test_command_line_precheck(overrides, expected):

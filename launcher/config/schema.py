@@ -68,8 +68,9 @@ class LauncherConf:
     warmup: Optional[str] = None  # null = the order's default; classic | none
     split_backward: bool = False
     weight_cache: str = "step"  # step | job
-    prefetch: int = 1  # lookahead of the runtime (a later issue)
-    seed: int = 0
+    prefetch: int = 1  # jobs of lookahead of the runtime; mode=simulate reports its resident weights
+    seed: int = 0  # training's random seed (seed_everything in mode=train); no effect on a simulation
+    png: Any = "auto"  # pipeline.png: true | false | auto (drawn up to report.png.AUTO_MAX_JOBS jobs)
 
 
 def _mul(*xs: Any) -> Any:
