@@ -79,7 +79,17 @@ def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
     return new, found
 
 
+def _import_from_cwd() -> None:
+    """``python -m launcher`` imports from the working directory; the ``launcher`` console script
+    must too, or a ``_target_=mymodule.fn`` that works one way fails the other."""
+    import os
+
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def main() -> None:
+    _import_from_cwd()
     argv, found = _preflight(sys.argv[1:])
     if found.fatal:
         for s in found.fatal:

@@ -252,7 +252,7 @@ class Engine:
         """
         if self.worker is None:
             return
-        w, tag0 = self.worker, 1 << 21  # apart from the step's and gather_state's tags
+        w, tag0 = self.worker, self.plan.tag_base + self.space.S  # after the step's and gather_state's tags
         works, into = [], []
         for s, owners in enumerate(self.plan.owners):
             if len(owners) < 2 or w not in owners:
@@ -275,7 +275,7 @@ class Engine:
     def gather_state(self, dst: int = 0) -> list[dict[str, torch.Tensor]] | None:
         """Every stage's parameters at worker ``dst`` (each from its lowest-ranked owner); None elsewhere."""
         out: list[dict[str, torch.Tensor]] = []
-        tag0 = 1 << 20  # apart from the step's message tags
+        tag0 = self.plan.tag_base  # after the step's message tags
         for s in range(self.space.S):
             root = self.plan.owners[s][0]
             L = self.layouts[s]
