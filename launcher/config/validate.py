@@ -75,7 +75,7 @@ def errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     elif mode not in MODES:
         out.append(f"mode={mode} is not a known mode; use mode=simulate.")
     png = _get(cfg, "png", "auto")
-    if png not in (True, False, "auto"):
+    if not (isinstance(png, bool) or png == "auto"):  # not `in (True, False)`: 0 == False
         out.append(f"png={rules.shown(png)} is invalid: use true, false or auto.")
     return out + step_errors(cfg)
 
@@ -239,9 +239,9 @@ def _values(override: Any) -> list[tuple[Any, str]] | None:
 
 def _value_error(key: str, v: Any, t: Any, optional: bool, options: list[str] | None) -> str | None:
     """The sentence for one value of a command-line override, ``None`` when Hydra can compose it."""
-    if options is not None:  # a config group
+    if options is not None:  # a config group: the schedule's sentence, plus a user's own options
         if isinstance(v, str) and v not in options:
-            return f"{key}={v} is not a known {key}; choose one of {', '.join(options)}."
+            return rules.unknown_option(key, v, [o for o in options if o != "custom"])
         return None
     if t is _ANY or (isinstance(v, str) and v.startswith("${")):
         return None  # an untyped node, or an interpolation: resolved (and checked) later

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.simulate import Step, Timeline, simulate
 
 from .comm import Comm
@@ -73,8 +74,9 @@ class Engine:
         watchdog: Watchdog | None = None,
         check_batches: bool = True,
     ) -> None:
-        if prefetch < 0:
-            raise ValueError(f"prefetch={prefetch} is not valid; it must be an int >= 0 (jobs of lookahead)")
+        found = [e for e in (value_error("prefetch", prefetch), value_error("weight_cache", weight_cache)) if e]
+        if found:  # the command line's sentences
+            raise StepError(found)
         if isinstance(schedule, Plan):
             if schedule.prefetch != prefetch:
                 raise ValueError(f"the plan was lowered for prefetch={schedule.prefetch} but the engine got "

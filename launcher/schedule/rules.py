@@ -63,6 +63,20 @@ def unknown_key(key: str, value: Any, known: Iterable[str]) -> str:
     return f"{key}={shown(value)} is invalid: {key} is not a known key{hint}"
 
 
+#: what a custom strategy or order is, on the command line and from Python
+_CUSTOM = {
+    "strategy": "a placement callable (strategy=custom with strategy.placement._target_)",
+    "order": "an order callable (order=custom with order.n._target_)",
+}
+
+
+def unknown_option(key: str, value: object, extra: Iterable[str] = ()) -> str:
+    """The sentence for an unknown ``strategy`` or ``order`` name; ``extra``: options a user's own
+    config directory adds to the built-in ones."""
+    names = sorted(set(STRATEGIES if key == "strategy" else ORDERS) | set(extra))
+    return f"{key}={shown(value)} is not a known {key}; choose one of {', '.join(names)}, or {_CUSTOM[key]}."
+
+
 def value_error(key: str, v: Any) -> str | None:
     """The rule one key's value breaks on its own (no other key involved); ``None`` if it is fine
     or the key has no rule of its own."""
@@ -115,16 +129,10 @@ def step_errors(values: Mapping[str, Any]) -> list[str]:
 
     strategy = values.get("strategy")
     if "strategy" in values and not callable(strategy) and strategy not in NAMED:
-        out.append(
-            f"strategy={shown(strategy)} is not a known strategy; choose one of {', '.join(STRATEGIES)}, "
-            f"or a custom placement callable (strategy=custom with strategy.placement._target_)."
-        )
+        out.append(unknown_option("strategy", strategy))
     order = values.get("order")
     if "order" in values and not callable(order) and order not in ORDERS:
-        out.append(
-            f"order={shown(order)} is not a known order; choose one of {', '.join(ORDERS)}, "
-            f"or a custom order callable (order=custom with order.n._target_)."
-        )
+        out.append(unknown_option("order", order))
 
     if sizes_ok:
         if "W" in values and values["W"] != G * R:
