@@ -19,6 +19,18 @@ def _existing_ancestor(p: Path) -> Path:
     return p
 
 
+def _problem(p: Path, target: Path) -> str | None:
+    """Why directory ``p`` cannot be created or written into, as the end of a sentence about
+    ``target`` (``p`` itself, or the file to write in it)."""
+    base = _existing_ancestor(p.absolute())
+    if not base.is_dir():
+        return f"{base} is a file, not a directory"
+    if not _writable(base):
+        what = "it" if base == target.absolute() else f"its existing parent {base}"
+        return f"{what} is not writable, so the run could not save its results"
+    return None
+
+
 def dir_error(key: str, path: str | os.PathLike) -> str | None:
     """The sentence saying why directory ``path`` (given as ``key``) cannot be created or written
     into; ``None`` when it can. Only the part before a ``${...}`` interpolation is checked."""
@@ -27,14 +39,20 @@ def dir_error(key: str, path: str | os.PathLike) -> str | None:
     p = Path(static or ".").expanduser()
     if "${" in text and not static.endswith(("/", os.sep)):
         p = p.parent  # the interpolation completes the last component
-    p = p.absolute()
-    base = _existing_ancestor(p)
-    if not base.is_dir():
-        return f"{key}={text} is invalid: {base} is a file, not a directory."
-    if not _writable(base):
-        what = "it" if base == p else f"its existing parent {base}"
-        return f"{key}={text} is invalid: {what} is not writable, so the run could not save its results."
-    return None
+    why = _problem(p, p)
+    return f"{key}={text} is invalid: {why}." if why else None
+
+
+def file_error(key: str, path: str | os.PathLike) -> str | None:
+    """The sentence saying why file ``path`` (given as ``key``) cannot be written; ``None`` if it can."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return f"{key}={path} is invalid: it is a directory; give a file name."
+    if p.exists():
+        ok = os.access(p, os.W_OK)
+        return None if ok else f"{key}={path} is invalid: the file is not writable, so the run could not save its results."
+    why = _problem(p.parent, p)
+    return f"{key}={path} is invalid: {why}." if why else None
 
 
 def _writable(d: Path) -> bool:
@@ -47,15 +65,3 @@ def _writable(d: Path) -> bool:
     except OSError:
         return False
     return True
-
-
-def file_error(key: str, path: str | os.PathLike) -> str | None:
-    """The sentence saying why file ``path`` (given as ``key``) cannot be written; ``None`` if it can."""
-    p = Path(path).expanduser().absolute()
-    if p.is_dir():
-        return f"{key}={path} is invalid: it is a directory; give a file name."
-    if p.exists():
-        if not os.access(p, os.W_OK):
-            return f"{key}={path} is invalid: the file is not writable, so the results would be lost."
-        return None
-    return dir_error(key, p.parent)
