@@ -206,7 +206,7 @@ def test_a_large_step_shows_progress_and_skips_the_picture_in_bounded_time_and_m
     took = time.monotonic() - t0
     assert p.returncode == 0, p.stderr
     assert "simulating (262,144 jobs) ..." in p.stderr.splitlines()
-    assert "(pipeline.png skipped: 262,144 jobs > 20,000; png=true draws it anyway)" in p.stdout
+    assert "(pipeline.png skipped: 262,144 jobs > 10,000; png=true draws it anyway)" in p.stdout
     assert "(diagram omitted:" in p.stdout and not (tmp_path / "run" / "pipeline.png").exists()
     assert took < 40, took  # 21 s before, 20 of them drawing the PNG; about 5 s now
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far

@@ -54,7 +54,7 @@ def target_error(target: str) -> str | None:
                 return f"{kind} {owner} has no attribute {attr}"
             obj = getattr(obj, attr)
         return None
-    return f"no module named {parts[0]} can be imported (is it on the import path, e.g. in the working directory?)"
+    return None  # not even the first name imports: Python's own "No module named ..." says it
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

@@ -86,6 +86,27 @@ def make_step(
     graph = graph or StageGraph.chain(stages)
     if graph.stages != stages:
         raise StepError([f"stages={stages} is invalid: the stage graph has {graph.stages} stages."])
+    return unchecked_step(strategy, stages, microbatches, G, R, order, warmup, durations, comm, memory_limit,
+                          split_backward, graph)
+
+
+def unchecked_step(
+    strategy: str | Placement,
+    stages: int,
+    microbatches: int,
+    G: int = 1,
+    R: int = 1,
+    order: str | Order = "1f1b",
+    warmup: str | None = None,
+    durations: dict[str, float] | None = None,
+    comm: float = 0.0,
+    memory_limit: int | Sequence[int] | None = None,
+    split_backward: bool = False,
+    graph: StageGraph | None = None,
+) -> Step:
+    """:func:`make_step` without the rules a config must meet: for analyses that study steps the
+    launcher refuses on purpose (seed 000's ``R = 2S/M`` leaves workers without a stage)."""
+    graph = graph or StageGraph.chain(stages)
     placement = named(strategy, G, R) if isinstance(strategy, str) else strategy
     o = order if isinstance(order, Order) else make_order(order, warmup)
     d = dict(DEFAULT_DURATIONS)
