@@ -11,7 +11,6 @@ import json
 import math
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import time

@@ -8,6 +8,12 @@ Two entry points:
   group option (``strategy=foo``) or a value of the wrong type (``G=2.5``) would otherwise stop
   Hydra with a multi-line message, and in a sweep would abort every later point.
 
+The step's own rules (sizes, durations, the scheme's worker count, memory limits, the size bound,
+...) and their sentences live in :mod:`launcher.schedule.rules`, shared with the Python API
+(``make_step``); this module adds the config's rules (mode, a custom ``_target_``, keys outside
+the schema, ``png``) and the command-line pre-check, which also refuses a run or sweep directory
+that cannot be written (:mod:`launcher.config.paths`).
+
 A schedule that cannot finish under its ``memory_limit`` is found by the simulator itself
 (:class:`launcher.schedule.ScheduleError`); the CLI reports it the same way.
 """
