@@ -88,6 +88,13 @@ def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
     return new, found
 
 
+def _import_from_cwd() -> None:
+    """``python -m launcher`` imports from the working directory; the ``launcher`` console script
+    must too, or a ``_target_=mymodule.fn`` that works one way fails the other."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> list[str]:
     """A single training run is checked whole before Hydra starts (composed here with Hydra's
     compose API, then built by :func:`launcher.modes.train.prepare` without starting anything), so
@@ -99,15 +106,28 @@ def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> 
     from .config.validate import errors as config_errors
     from .modes import train
 
-    extra = [f"hydra.searchpath=[file://{os.path.abspath(d)}]" for d in dirs]
+    from hydra import initialize_config_dir
+    from omegaconf import open_dict
+
     try:
-        with initialize_config_module("launcher.conf", version_base="1.3"):
-            cfg = compose(config_name, overrides + extra)
+        if dirs:  # --config-dir: its configs first, then the package's (as Hydra searches them)
+            init = initialize_config_dir(os.path.abspath(dirs[0]), version_base="1.3")
+            extra = ["hydra.searchpath=[pkg://launcher.conf]"]
+        else:
+            init, extra = initialize_config_module("launcher.conf", version_base="1.3"), []
+        with init:
+            cfg = compose(config_name, overrides + extra, return_hydra_config=True)
     except Exception as e:  # noqa: BLE001 - Hydra's composition error, e.g. a key not in the config: one sentence
+        if dirs or config_name != "config":
+            return []  # a config of the user's own: Hydra reports its problems itself
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()][:2]
         return [" ".join(lines).rstrip(".") + "."]
     finally:
         GlobalHydra.instance().clear()
+    if str(cfg.hydra.mode) == "RunMode.MULTIRUN" or cfg.hydra.mode == "MULTIRUN":
+        return []  # a sweep set up in the config file: each point is checked when it runs
+    with open_dict(cfg):
+        del cfg["hydra"]
     if cfg.get("mode") != "train":
         return [s for s in config_errors(cfg) if s.startswith("mode=")]
     try:
@@ -126,9 +146,7 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 def main() -> None:
     from .runtime import Interrupted
 
-    # the console script, like python -m, imports a custom placement or model from the working directory
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    _import_from_cwd()
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         _main()

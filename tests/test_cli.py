@@ -54,31 +54,32 @@ def test_invalid_config_is_one_sentence_and_exit_2(tmp_path):
     p = launcher("strategy=ddp", "G=2", "R=4", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.splitlines() == [
-        "error: strategy=ddp needs W = microbatches, but W=G*R=8 and microbatches=16; leave G and R at the ddp "
-        "defaults (G=microbatches R=1) or set microbatches=8."
+        "error: strategy=ddp needs W = microbatches, but W=G*R=8 and microbatches=16; set G=16 R=1 (the ddp "
+        "layout) or microbatches=8."
     ]
     p = launcher("strategy=foo", cwd=tmp_path)  # rejected before Hydra starts
     assert p.returncode == 2
     assert p.stderr.splitlines() == [
-        "error: strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]
+        "error: strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, single, or a placement callable (strategy=custom with strategy.placement._target_)."]
     # in a sweep, a typo in a plain override, or in every value of a sweep, stops it before any point runs
     for bad in (["strategy=ddp,lpp", "G=2.5"], ["strategy=foo,bar"]):
-        p = launcher("-m", *bad, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+        p = launcher("-m", "mode=simulate", *bad, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
         assert p.returncode == 2 and not (tmp_path / "sweep").exists()
         assert p.stderr.splitlines() == {
             "G=2.5": ["error: G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."],
             "strategy=foo,bar": [
-                f"error: strategy={s} is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."
+                f"error: strategy={s} is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, single, or a placement "
+                f"callable (strategy=custom with strategy.placement._target_)."
                 for s in ("foo", "bar")],
         }[bad[-1]]
 
 
 def test_multirun_skips_an_invalid_sweep_value_and_runs_the_others(tmp_path):
     sweep = tmp_path / "sweep"
-    p = launcher("-m", "strategy=lpp,foo", "stages=8", "microbatches=8", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    p = launcher("-m", "mode=simulate", "strategy=lpp,foo", "stages=8", "microbatches=8", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     assert p.stderr.splitlines() == [
-        "error: strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp.",
+        "error: strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, single, or a placement callable (strategy=custom with strategy.placement._target_).",
         "skipped: strategy=foo (invalid config; the other points still run)",
         "error: 1 invalid sweep value was skipped before the sweep started: strategy=foo",
     ]
@@ -91,11 +92,11 @@ def test_multirun_skips_an_invalid_sweep_value_and_runs_the_others(tmp_path):
 def test_multirun_skips_the_invalid_point_and_runs_the_others(tmp_path):
     sweep = tmp_path / "sweep"
     # ddp needs W = microbatches = 16: with G=2 R=4 that point is invalid; gpipe (W = stages = 8) and lpp run
-    p = launcher("-m", "strategy=ddp,gpipe,lpp", "G=2", "R=4", "stages=8", "microbatches=16",
+    p = launcher("-m", "mode=simulate", "strategy=ddp,gpipe,lpp", "G=2", "R=4", "stages=8", "microbatches=16",
                  f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     assert "error: strategy=ddp needs W = microbatches" in p.stderr
-    assert "skipped: strategy=ddp G=2 R=4 stages=8 microbatches=16" in p.stderr
+    assert "skipped: mode=simulate strategy=ddp G=2 R=4 stages=8 microbatches=16" in p.stderr
     assert "1 of 3 points were invalid and skipped" in p.stderr
     invalid = json.loads((sweep / "0" / "invalid.json").read_text())
     assert invalid["errors"][0].startswith("strategy=ddp needs W = microbatches")

@@ -12,7 +12,10 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launcher.schedule import ScheduleError, make_step, simulate
+import pytest
+
+from launcher.schedule import ScheduleError, StepError, make_step, simulate
+from launcher.schedule.simulate import unchecked_step
 from launcher.schedule import closed_form_report as report
 from launcher.schedule.closed_form import closed_forms, simulated_counterparts
 from launcher.schedule.metrics import summarize
@@ -132,5 +135,7 @@ def test_lpp_half_batch_configuration_reaches_M_over_S_plus_1_where_R_divides_S(
 def test_lpp_half_batch_configuration_fails_for_M_1():
     """M = 1 needs R = 2S > S: each active worker still holds two micro-batches."""
     S, B = 4, 8
-    tl = simulate(make_step("lpp", S, B, G=B // 2, R=2 * S, order="breadth_first"))
+    with pytest.raises(StepError, match=r"^R=8 is invalid: R must not exceed stages=4"):  # refused by the API
+        make_step("lpp", S, B, G=B // 2, R=2 * S, order="breadth_first")
+    tl = simulate(unchecked_step("lpp", S, B, G=B // 2, R=2 * S, order="breadth_first"))
     assert max(tl.peak_activations) == 2

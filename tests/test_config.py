@@ -69,7 +69,7 @@ def test_strategy_defaults_and_command_line_wins(cfg_of, overrides, G, R):
         (["memory_limit=[2,2,2,2,2,2,2,x]"], "memory_limit=[2, 2, 2, 2, 2, 2, 2, 'x'] is invalid"),
         (["warmup=later"], "warmup=later is invalid"),
         (["weight_cache=forever"], "weight_cache=forever is invalid"),
-        (["durations.F=0"], "durations.F=0.0 is invalid: job durations must be positive numbers."),
+        (["durations.F=0"], "durations.F=0.0 is invalid: job durations must be positive finite numbers."),
         (["comm=-1"], "comm=-1.0 is invalid"),
         (["prefetch=-1"], "prefetch=-1 is invalid"),
     ],
@@ -106,20 +106,20 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["strategy=foo"], ["strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]),
+        (["strategy=foo"], ["strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, single, or a placement callable (strategy=custom with strategy.placement._target_)."]),
         (["-m", "strategy=ddp,foo"], None),  # "-m" is not an override: parsed away by the CLI
-        (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, custom, depth_first."]),
+        (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, depth_first, or an order callable (order=custom with order.n._target_)."]),
         (["G=2.5"], ["G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["R=1,x"], ["R=x is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
-        (["comm=abc"], ["comm=abc is invalid: comm must be a number."]),
-        (["split_backward=maybe"], ["split_backward=maybe is invalid: split_backward must be true or false."]),
-        (["colour=red"], ["colour=red is invalid: colour is not a config key."]),
+        (["comm=abc"], ["comm=abc is invalid: the communication delay must be a finite number >= 0."]),
+        (["split_backward=maybe"], ["split_backward=maybe is invalid: it must be true or false."]),
+        (["colour=red"], ["colour=red is invalid: colour is not a known key."]),
     ],
 )
 def test_command_line_precheck(overrides, expected):
     if expected is None:
         assert check_overrides(["strategy=ddp,foo"]) == [
-            "strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]
+            "strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, single, or a placement callable (strategy=custom with strategy.placement._target_)."]
     else:
         assert check_overrides(overrides) == expected
 

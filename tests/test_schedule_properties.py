@@ -42,9 +42,9 @@ def placements(draw, S, B):
         return which, B, 1
     if which == "gpipe":
         return which, 1, S
-    if which in ("lpp", "fslpp"):
-        return which, draw(st.integers(1, 5)), draw(st.integers(1, 5))
-    W = draw(st.integers(1, 6))
+    if which in ("lpp", "fslpp"):  # within the rules every entry point checks: G <= B, R <= S
+        return which, draw(st.integers(1, min(5, B))), draw(st.integers(1, min(5, S)))
+    W = draw(st.integers(1, min(6, B)))
     kinds = ("F", "B", "I", "W")
     table = {
         (s, b, d): (draw(st.integers(0, W - 1)), draw(st.integers(0, W - 1)))
@@ -120,6 +120,7 @@ def test_classic_warmup_never_deadlocks_the_named_schemes(S, B, G, R, scheme, o)
         G, R = B, 1
     elif scheme == "gpipe":
         G, R = 1, S
+    G, R = min(G, B), min(R, S)  # the rules every entry point checks
     tl = simulate(make_step(scheme, S, B, G, R, order=o, warmup="classic"))
     check_timeline(tl)
 

@@ -68,8 +68,9 @@ class LauncherConf:
     warmup: Optional[str] = None  # null = the order's default; classic | none
     split_backward: bool = False
     weight_cache: str = "step"  # step | job
-    prefetch: int = 1  # jobs of lookahead of the runtime's prefetch
+    prefetch: int = 1  # jobs of lookahead of the runtime; mode=simulate reports its resident weights
     seed: int = 0  # mode=train: seed_everything(seed) before the model and data are built
+    png: Any = "auto"  # pipeline.png: true | false | auto (drawn up to report.png.AUTO_MAX_JOBS jobs)
     # mode=train: groups instantiated with hydra.utils.instantiate (conf/model, conf/data, conf/logger)
     # and the keyword arguments of lightning's Trainer (conf/trainer)
     model: Any = None

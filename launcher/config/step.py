@@ -18,6 +18,9 @@ def _instantiate(node: Any, key: str, what: str) -> Callable:
     from hydra.utils import instantiate
 
     target = node.get("_target_")
+    missing = target_error(str(target))
+    if missing:
+        raise ConfigError([f"{key}._target_={target} could not be built: {missing}."])
     try:
         obj = instantiate(node)
     except Exception as e:  # import errors, bad arguments: one sentence, the cause's first line
@@ -25,6 +28,33 @@ def _instantiate(node: Any, key: str, what: str) -> Callable:
     if not callable(obj):
         raise ConfigError([f"{key}._target_={target} is invalid: it built {obj!r}, which is not a callable {what}."])
     return obj
+
+
+def target_error(target: str) -> str | None:
+    """Why the dotted path ``target`` names nothing, said as a user would look for it (``module
+    mymodule has no attribute nope``, not Python's "'mymodule' is not a package"); ``None`` when
+    it resolves, or when importing fails inside the module (Hydra's own error says more then)."""
+    import importlib
+
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            obj: Any = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and name != e.name and not name.startswith(e.name + "."):
+                return None  # the module exists but one of its own imports is missing
+            continue
+        except Exception:
+            return None
+        for j, attr in enumerate(parts[i:], start=i):
+            if not hasattr(obj, attr):
+                owner = ".".join(parts[:j])
+                kind = "module" if j == i else "object"
+                return f"{kind} {owner} has no attribute {attr}"
+            obj = getattr(obj, attr)
+        return None
+    return None  # not even the first name imports: Python's own "No module named ..." says it
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from .validate import _get, _is_size, step_errors
+from ..schedule.rules import is_size as _is_size
+from .validate import _get, step_errors
 
 #: Trainer arguments the launcher sets itself, and from what
 RESERVED = {

@@ -8,6 +8,12 @@ Two entry points:
   group option (``strategy=foo``) or a value of the wrong type (``G=2.5``) would otherwise stop
   Hydra with a multi-line message, and in a sweep would abort every later point.
 
+The step's own rules (sizes, durations, the scheme's worker count, memory limits, the size bound,
+...) and their sentences live in :mod:`launcher.schedule.rules`, shared with the Python API
+(``make_step``); this module adds the config's rules (mode, a custom ``_target_``, keys outside
+the schema, ``png``) and the command-line pre-check, which also refuses a run or sweep directory
+that cannot be written (:mod:`launcher.config.paths`).
+
 A schedule that cannot finish under its ``memory_limit`` is found by the simulator itself
 (:class:`launcher.schedule.ScheduleError`); the CLI reports it the same way.
 """
@@ -23,32 +29,19 @@ from typing import Any, Iterable, Mapping, Sequence
 from omegaconf import BooleanNode, DictConfig, FloatNode, IntegerNode, ListConfig, OmegaConf, StringNode
 from omegaconf.errors import OmegaConfBaseException
 
-from ..schedule.metrics import WEIGHT_CACHES
-from ..schedule.order import BUILTIN as ORDERS
-from ..schedule.order import WARMUPS
-from ..schedule.placement import NAMED
+from ..schedule import rules
+from ..schedule.rules import DURATION_KINDS, StepError
+from .paths import dir_error
 from .schema import LATER_MODES, MODES, SIZES, LauncherConf
 
-STRATEGIES = tuple(sorted(NAMED))
-#: strategies whose worker count is fixed by the step, and what fixes it
-W_EQUALS = {"ddp": "microbatches", "fsdp": "microbatches", "gpipe": "stages"}
 GROUPS = ("strategy", "order", "model", "data", "trainer", "logger")
+#: the directories Hydra creates for a run and a sweep
+OUTPUT_DIRS = ("hydra.run.dir", "hydra.sweep.dir")
+DEFAULT_RUN_DIR = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
 
 
-class ConfigError(ValueError):
+class ConfigError(StepError):
     """An invalid config; ``sentences`` holds one sentence per failed rule."""
-
-    def __init__(self, sentences: Sequence[str]):
-        self.sentences = list(sentences)
-        super().__init__("\n".join(self.sentences))
-
-
-def _is_size(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -87,34 +80,36 @@ def errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
         )
     elif mode not in MODES:
         out.append(f"mode={mode} is not a known mode; use {' or '.join('mode=' + m for m in MODES)}.")
+    png = _get(cfg, "png", "auto")
+    if not (isinstance(png, bool) or png == "auto"):  # not `in (True, False)`: 0 == False
+        out.append(f"png={rules.shown(png)} is invalid: use true, false or auto.")
     return out + step_errors(cfg)
 
 
 def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
-    """One sentence per rule the step ``cfg`` describes breaks (every key but ``mode``)."""
-    out: list[str] = []
-    sizes = {k: _get(cfg, k) for k in SIZES}
-    for k, v in sizes.items():
-        if not _is_size(v):
-            out.append(f"{k}={v} is invalid: the sizes G, R, stages and microbatches must be positive integers.")
-    G, R, S, B = (sizes[k] for k in SIZES)
-    sizes_ok = all(_is_size(v) for v in sizes.values())
+    """One sentence per rule the step ``cfg`` describes breaks (every key but ``mode``): the
+    schedule's own rules (:mod:`launcher.schedule.rules`, shared with the Python API) plus the
+    config's (a custom callable must name its ``_target_``; no key outside the schema)."""
+    out: list[str] = unknown_keys(cfg)
+    values: dict[str, Any] = {k: _get(cfg, k) for k in (*SIZES, "W", "warmup", "comm", "memory_limit")}
+    values["memory_limit"] = _plain(values["memory_limit"])
+    values["split_backward"] = _get(cfg, "split_backward", False)
+    values["weight_cache"] = _get(cfg, "weight_cache", "step")
+    values["prefetch"] = _get(cfg, "prefetch", 1)
+    values["comm"] = _get(cfg, "comm", 0.0)
+    durations = _plain(_get(cfg, "durations"))
+    values["durations"] = durations if isinstance(durations, Mapping) else {k: None for k in DURATION_KINDS}
 
     placement = _get(cfg, "strategy.placement")
-    strategy = _get(cfg, "strategy.name")
     if placement is not None:
         if not _has_target(placement):
             out.append(
                 f"strategy.placement._target_={_target(placement)} is invalid: a custom placement needs "
                 f"it to name a callable (s, b, d) -> (w_weights, w_compute), e.g. mymodule.my_placement."
             )
-    elif strategy not in NAMED:
-        out.append(
-            f"strategy={strategy} is not a known strategy; choose one of {', '.join(STRATEGIES)}, "
-            f"or strategy=custom with strategy.placement._target_."
-        )
-
-    order = _get(cfg, "order.name")
+        values["strategy"] = _custom
+    else:
+        values["strategy"] = _get(cfg, "strategy.name")
     n = _get(cfg, "order.n")
     if n is not None:
         if not _has_target(n):
@@ -122,63 +117,57 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
                 f"order.n._target_={_target(n)} is invalid: a custom order needs it to name a "
                 f"callable n(s, b, d) -> comparable, e.g. mymodule.my_order."
             )
-    elif order not in ORDERS:
-        out.append(
-            f"order={order} is not a known order; choose one of {', '.join(ORDERS)}, "
-            f"or order=custom with order.n._target_."
-        )
+        values["order"] = _custom
+    else:
+        values["order"] = _get(cfg, "order.name")
+    return out + rules.step_errors(values)
 
-    if sizes_ok:
-        W = _get(cfg, "W")
-        if W != G * R:
-            out.append(f"W={W} is invalid: W must equal G*R = {G}*{R} = {G * R}.")
-        if R > S:
-            out.append(f"R={R} is invalid: R must not exceed stages={S}, or some of a group's workers get no stage.")
-        if G > B:
-            out.append(f"G={G} is invalid: G must not exceed microbatches={B}, or some groups get no micro-batch.")
-        if placement is None and strategy in W_EQUALS:
-            key = W_EQUALS[strategy]
-            want = sizes[key]
-            if G * R != want:
-                default = "G=microbatches R=1" if key == "microbatches" else "G=1 R=stages"
-                out.append(
-                    f"strategy={strategy} needs W = {key}, but W=G*R={G * R} and {key}={want}; "
-                    f"leave G and R at the {strategy} defaults ({default}) or set {key}={G * R}."
-                )
 
-    for k in ("F", "B", "I", "W"):
-        v = _get(cfg, f"durations.{k}")
-        if not (_is_number(v) and v > 0):
-            out.append(f"durations.{k}={v} is invalid: job durations must be positive numbers.")
-    comm = _get(cfg, "comm", 0.0)
-    if not (_is_number(comm) and comm >= 0):
-        out.append(f"comm={comm} is invalid: the communication delay must be a number >= 0.")
+def _custom(*args: Any) -> Any:
+    """Stands for a custom callable that only :func:`launcher.config.to_step` builds."""
 
-    ml = _plain(_get(cfg, "memory_limit"))
-    if ml is not None:
-        rule = "memory_limit must be null, a positive integer, or a list of positive integers, one per worker"
-        if isinstance(ml, list):
-            bad = [x for x in ml if not _is_size(x)]
-            if bad:
-                out.append(f"memory_limit={ml} is invalid: {rule}.")
-            elif sizes_ok and len(ml) != G * R:
-                out.append(f"memory_limit={ml} is invalid: it has {len(ml)} entries but there are W={G * R} workers ({rule}).")
-        elif not _is_size(ml):
-            out.append(f"memory_limit={ml} is invalid: {rule}.")
 
-    warmup = _get(cfg, "warmup")
-    if warmup is not None and warmup not in WARMUPS:
-        out.append(f"warmup={warmup} is invalid: use null (the order's default), {' or '.join(WARMUPS)}.")
-    cache = _get(cfg, "weight_cache", "step")
-    if cache not in WEIGHT_CACHES:
-        out.append(f"weight_cache={cache} is invalid: use {' or '.join(WEIGHT_CACHES)}.")
-    prefetch = _get(cfg, "prefetch", 1)
-    if not (isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 0):
-        out.append(f"prefetch={prefetch} is invalid: the prefetch lookahead must be an integer >= 0.")
-    sb = _get(cfg, "split_backward", False)
-    if not isinstance(sb, bool):
-        out.append(f"split_backward={sb} is invalid: it must be true or false.")
+def schema_keys(prefix: str = "", cls: Any = None) -> list[str]:
+    """Every dotted key of the schema (a key under an untyped node, such as a custom placement's
+    arguments, is not listed: anything goes there)."""
+    cls = cls or LauncherConf
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        t = typing.get_type_hints(cls)[f.name]
+        out.append(prefix + f.name)
+        if dataclasses.is_dataclass(t):
+            out += schema_keys(f"{prefix}{f.name}.", t)
     return out
+
+
+def unknown_keys(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """A sentence per key of ``cfg`` that the schema lacks (one added with ``+``, or by a recipe)."""
+    known = schema_keys()
+    out: list[str] = []
+
+    def walk(node: Any, cls: Any, prefix: str) -> None:
+        if not isinstance(node, (Mapping, DictConfig)):
+            return
+        fields = {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+        for k in node.keys():
+            k = str(k)
+            key = prefix + k
+            if k == "hydra" and not prefix:
+                continue
+            if k not in fields:
+                out.append(rules.unknown_key(key, _node_value(node, k), known))
+            elif dataclasses.is_dataclass(fields[k]):
+                walk(node[k] if isinstance(node, Mapping) else node.get(k), fields[k], key + ".")
+
+    walk(cfg, LauncherConf, "")
+    return out
+
+
+def _node_value(node: Any, k: str) -> Any:
+    try:
+        return _plain(node[k]) if isinstance(node, Mapping) else _plain(node.get(k))
+    except Exception:  # an interpolation that cannot resolve: show it as written
+        return OmegaConf.to_container(node, resolve=False).get(k) if isinstance(node, DictConfig) else None
 
 
 def validate(cfg: DictConfig | Mapping[str, Any]) -> None:
@@ -256,19 +245,20 @@ def _values(override: Any) -> list[tuple[Any, str]] | None:
 
 def _value_error(key: str, v: Any, t: Any, optional: bool, options: list[str] | None) -> str | None:
     """The sentence for one value of a command-line override, ``None`` when Hydra can compose it."""
-    if options is not None:  # a config group
+    if options is not None:  # a config group: the schedule's sentence, plus a user's own options
         if isinstance(v, str) and v not in options:
-            return f"{key}={v} is not a known {key}; choose one of {', '.join(options)}."
+            if key in ("strategy", "order"):
+                return rules.unknown_option(key, v, [o for o in options if o != "custom"])
+            return f"{key}={rules.shown(v)} is not a known {key}; choose one of {', '.join(options)}."
         return None
     if t is _ANY or (isinstance(v, str) and v.startswith("${")):
         return None  # an untyped node, or an interpolation: resolved (and checked) later
     try:
         _NODES[t](value=v, is_optional=optional)
     except OmegaConfBaseException:
-        shown = "null" if v is None else v
-        if key in SIZES:
-            return f"{key}={shown} is invalid: the sizes G, R, stages and microbatches must be positive integers."
-        return f"{key}={shown} is invalid: {key} must be {_WHAT[t]}{' or null' if optional else ''}."
+        # the schedule's own sentence when it has a rule for this key, so the API reads the same
+        return rules.value_error(key, v) or (
+            f"{key}={rules.shown(v)} is invalid: {key} must be {_WHAT[t]}{' or null' if optional else ''}.")
     return None
 
 
@@ -302,6 +292,11 @@ def _check_each(overrides: Sequence[str], config_dirs: Iterable[str | Path]) -> 
     out: list[_Checked] = []
     for text, o in zip(overrides, parsed):
         key = o.key_or_group
+        if key in OUTPUT_DIRS and not o.is_sweep_override() and isinstance(o.value(), str):
+            # Hydra creates it before the run starts: an unwritable one is a traceback otherwise
+            e = dir_error(key, o.value())
+            out.append(_Checked(text, o, e) if e else _Checked(text))
+            continue
         if key.startswith("hydra") or o.is_delete() or o.package is not None:
             out.append(_Checked(text))
             continue
@@ -310,10 +305,10 @@ def _check_each(overrides: Sequence[str], config_dirs: Iterable[str | Path]) -> 
         else:
             (t, optional), options = _field_type(key), None
             if t is _UNKNOWN:
-                key_error = None
-                if not o.is_add() and not o.is_force_add():
-                    key_error = f"{key}={o.input_line.partition('=')[2]} is invalid: {key} is not a config key."
-                out.append(_Checked(text, o, key_error))
+                # refused with or without ``+``: an added key would land in the config unchecked
+                # (keys under an untyped node, e.g. a custom placement's arguments, are _ANY)
+                value = o.input_line.partition("=")[2]
+                out.append(_Checked(text, o, rules.unknown_key(key, value, schema_keys())))
                 continue
         try:
             values = _values(o)
@@ -322,6 +317,10 @@ def _check_each(overrides: Sequence[str], config_dirs: Iterable[str | Path]) -> 
         checked = None if values is None else [
             (s, v if isinstance(v, str) else s, _value_error(key, v, t, optional, options)) for v, s in values]
         out.append(_Checked(text, o, None, checked))
+    if not any(o.key_or_group in OUTPUT_DIRS for o in parsed):
+        e = dir_error("hydra.run.dir", DEFAULT_RUN_DIR)  # Hydra's default, under the working directory
+        if e:
+            out.append(_Checked("hydra.run.dir", None, e))
     return out
 
 

@@ -4,8 +4,10 @@ directory, and how an invalid point is reported (one sentence per rule, ``invali
 from __future__ import annotations
 
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -58,3 +60,40 @@ def in_sweep() -> bool:
         return HydraConfig.get().mode.name == "MULTIRUN"
     except ValueError:
         return False
+
+
+#: every file a run leaves as its outcome; a new run in the same directory removes the old ones
+OUTCOMES = ("simulation.json", "invalid.json", "pipeline.png")
+
+
+def clear_outcomes() -> None:
+    try:
+        out = output_dir()
+    except ValueError:  # not inside Hydra
+        return
+    for name in OUTCOMES:
+        (out / name).unlink(missing_ok=True)
+
+
+#: from this many jobs on, each long phase of a run says what it is doing (on stderr)
+PROGRESS_JOBS = 100_000
+
+
+@contextmanager
+def phase(what: str, jobs: int) -> Iterator[None]:
+    """Show that a long phase is under way: a live status line on a terminal, otherwise one line
+    when it starts and one with its time when it ends (stderr, so stdout stays the report)."""
+    if jobs < PROGRESS_JOBS:
+        yield
+        return
+    label = f"{what} ({jobs:,} jobs)"
+    t0 = time.perf_counter()
+    if sys.stderr.isatty():
+        from rich.console import Console
+
+        with Console(stderr=True).status(label + " ..."):
+            yield
+    else:
+        print(f"{label} ...", file=sys.stderr, flush=True)
+        yield
+    print(f"{label}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

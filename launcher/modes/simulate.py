@@ -14,7 +14,8 @@ from ..config.validate import errors as config_errors
 from ..schedule import ScheduleError, Timeline, simulate
 from ..schedule.diagram import ascii_diagram, legend
 from ..schedule.metrics import summarize
-from .common import console, in_sweep, output_dir, point, reject, write_invalid
+from ..report.png import AUTO_MAX_JOBS as PNG_AUTO_MAX_JOBS
+from .common import clear_outcomes, console, in_sweep, output_dir, phase, point, reject, write_invalid
 
 
 def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
@@ -25,7 +26,8 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
         raise ConfigError(found)
     step = to_step(cfg, check=False)
     try:
-        tl = simulate(step)
+        with phase("simulating", step.space.N):
+            tl = simulate(step)
     except ScheduleError as e:
         raise ConfigError([str(e).rstrip(".") + "."]) from e
     except ConfigError:  # a custom callable's failure, already one sentence
@@ -37,7 +39,28 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
         raise ConfigError(
             [f"the custom {' or '.join(custom)} failed while the step was planned: {one_line(e)}."]
         ) from e
-    return tl, summarize(tl, cfg.weight_cache)
+    with phase("summarizing", tl.step.space.N):
+        summary = summarize(tl, cfg.weight_cache)
+    if cfg.weight_cache == "job":
+        with phase(f"predicting the runtime's resident weights for prefetch={cfg.prefetch}", tl.step.space.N):
+            runtime_peaks(tl, summary, cfg.prefetch)
+    return tl, summary
+
+
+def runtime_peaks(tl: Timeline, summary: dict[str, Any], prefetch: int) -> None:
+    """Under ``weight_cache=job`` the runtime holds weights ``prefetch`` jobs ahead, so its peak
+    resident weights depend on ``prefetch``: report the value the runtime's plan predicts (and
+    measures), not the simulator's just-in-time lower bound. A placement the runtime cannot
+    lower (a job apart from its forward's worker) keeps the lower bound."""
+    from ..runtime.plan import PlanError, lower  # pure Python; imported only when needed
+
+    try:
+        plan = lower(tl, "job", prefetch)
+    except PlanError:
+        return
+    peaks = list(plan.predicted["weights_peak_resident"])
+    summary["per_worker"]["weights_peak_resident"] = peaks
+    summary["total"]["weights_peak_resident"] = sum(peaks)
 
 
 def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], out_dir: Path) -> dict[str, Any]:
@@ -48,8 +71,13 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     config = OmegaConf.to_container(cfg, resolve=True)
     scheme = cfg.strategy.name if cfg.strategy.get("placement") is None else "custom"
     rec = record(config, summary, scheme)
-    json_path = write_record(rec, out_dir)
-    png_path = save_png(tl, out_dir / "pipeline.png")
+    jobs = tl.step.space.N
+    with phase("writing simulation.json", jobs):
+        json_path = write_record(rec, out_dir)
+    draw = want_png(cfg.get("png", "auto"), jobs)
+    if draw:
+        with phase("drawing pipeline.png", jobs):
+            png_path = save_png(tl, out_dir / "pipeline.png")
 
     con = console()
     warmup = tl.step.order.warmup
@@ -69,19 +97,32 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     con.print(closed_form_table(rec))
     con.print(f"pipeline ({legend('both')}):", highlight=False)
     print(ascii_diagram(tl, cells="both"), flush=True)
-    con.print(f"wrote {json_path} and {png_path}", highlight=False, soft_wrap=True)
+    if draw:
+        con.print(f"wrote {json_path} and {png_path}", highlight=False, soft_wrap=True)
+    else:
+        why = "png=false" if cfg.get("png", "auto") is False else f"{jobs:,} jobs > {PNG_AUTO_MAX_JOBS:,}; png=true draws it anyway"
+        con.print(f"wrote {json_path} (pipeline.png skipped: {why})", highlight=False, soft_wrap=True)
     return rec
+
+
+def want_png(png: Any, jobs: int) -> bool:
+    """``png``: true, false, or auto (drawn up to :data:`PNG_AUTO_MAX_JOBS` jobs: past that the
+    picture takes most of the run and shows no single job)."""
+    return png is True or (png == "auto" and jobs <= PNG_AUTO_MAX_JOBS)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One run (or one point of a sweep): never raises for an invalid config, records it."""
     where = point()
+    clear_outcomes()  # a reused run directory must not keep the last run's verdict
     try:
         tl, summary = simulate_config(cfg)
     except ConfigError as e:
         result = reject(e.sentences, where, in_sweep())
         write_invalid(cfg, e.sentences)
-    else:
+        return result
+    try:
         report_simulation(cfg, tl, summary, output_dir())
-        result = {"point": where, "ok": True, "summary": summary}
-    return result
+    except OSError as e:  # the directory went away or filled up after the up-front check
+        return reject([f"the run directory {output_dir()} could not be written: {one_line(e)}."], where, in_sweep())
+    return {"point": where, "ok": True, "summary": summary}

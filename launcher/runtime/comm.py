@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .failure import Watchdog, WorkerAborted
+from .failure import Watchdog, WorkerAborted, blocked
 from .plan import Msg, Plan
 
 Spec = tuple[tuple[int, ...], torch.dtype]
@@ -124,7 +124,8 @@ class Comm:
         if work is not None:
             self._check()
             try:
-                work.wait()
+                with blocked(self.watchdog):
+                    work.wait()
             except Exception as e:
                 self._failed(e)
             m = self.msgs[mid]
@@ -149,7 +150,8 @@ class Comm:
         for work, _ in self.sends:
             self._check()
             try:
-                work.wait()
+                with blocked(self.watchdog):
+                    work.wait()
             except Exception as e:
                 self._failed(e)
         self.sends.clear()

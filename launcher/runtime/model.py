@@ -22,6 +22,14 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (input, target) of one micro-batch
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
+class ModelError(ValueError):
+    """A model the runtime cannot train; ``sentences`` holds one sentence per problem."""
+
+    def __init__(self, sentences: Sequence[str]):
+        self.sentences = list(sentences)
+        super().__init__("\n".join(self.sentences))
+
+
 @dataclass
 class StagedModel:
     """The user's model, cut into stages; ``graph`` defaults to the chain ``0 -> ... -> S-1``."""
@@ -31,20 +39,98 @@ class StagedModel:
     graph: StageGraph | None = None
 
     def __post_init__(self) -> None:
-        if self.graph is None:
+        if self.graph is None and isinstance(self.stages, (list, tuple, nn.ModuleList)):
             self.graph = StageGraph.chain(len(self.stages))
-        if self.graph.stages != len(self.stages):
-            raise ValueError(f"the stage graph has {self.graph.stages} stages but the model has {len(self.stages)}")
-        for s, m in enumerate(self.stages):
-            if list(m.buffers()):
-                raise ValueError(f"stage {s} has buffers; the runtime supports stages whose state is parameters only")
-            dtypes = {p.dtype for p in m.parameters()}
-            if len(dtypes) > 1:
-                raise ValueError(f"stage {s} mixes parameter dtypes {sorted(map(str, dtypes))}; use one dtype per stage")
+        found = _own_errors(self)
+        if found:
+            raise ModelError(found)
 
     @property
     def S(self) -> int:
         return len(self.stages)
+
+
+def _what(x: object) -> str:
+    """``a tuple of 2``, ``a NoneType``: what a value is, for a sentence."""
+    n = f" of {len(x)}" if isinstance(x, (tuple, list, dict)) else ""
+    return f"a {type(x).__name__}{n}"
+
+
+def _own_errors(model: StagedModel) -> list[str]:
+    """What :class:`StagedModel` checks at construction (and the engine again, since the stages
+    may have changed since), one sentence per problem, naming the stage."""
+    stages = model.stages
+    if not isinstance(stages, (list, tuple, nn.ModuleList)):
+        return [f"the model's stages are {_what(stages)}; give a list of torch.nn.Module, one per stage."]
+    out: list[str] = []
+    if not callable(model.loss):
+        out.append(f"the model's loss is {_what(model.loss)}, not a callable loss(output, target).")
+    if model.graph is not None and model.graph.stages != len(stages):
+        out.append(f"the stage graph has {model.graph.stages} stages but the model has {len(stages)}.")
+    for s, m in enumerate(stages):
+        if not isinstance(m, nn.Module):
+            out.append(f"stage {s} is {_what(m)}, not a torch.nn.Module.")
+            continue
+        names = [n for n, _ in m.named_buffers()]
+        if names:
+            out.append(f"stage {s} has buffers ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
+                       f"the runtime supports stages whose state is parameters only.")
+        dtypes = {p.dtype for p in m.parameters()}
+        if len(dtypes) > 1:
+            out.append(f"stage {s} mixes parameter dtypes {sorted(map(str, dtypes))}; use one dtype per stage.")
+    return out
+
+
+def returns_error(s: int, out: object, where: str) -> str | None:
+    """The sentence for a stage whose output is not one tensor; ``None`` when it is."""
+    if isinstance(out, torch.Tensor):
+        return None
+    return f"stage {s} returned {_what(out)} {where}; a stage must return one tensor."
+
+
+def model_errors(model: object, stages: int, example: torch.Tensor | None = None) -> list[str]:
+    """Everything that would stop the runtime from training ``model`` as a step of ``stages``
+    stages, one sentence per problem, found before any worker starts.
+
+    With ``example`` (one micro-batch's input) the stages also run on the meta device, which
+    costs no memory or compute, to find a stage that does not return one tensor. A stage that
+    cannot run on meta (an op without a meta kernel) is not reported here: it fails on real
+    data with its own error.
+    """
+    if not isinstance(model, StagedModel):
+        return [f"the model is {_what(model)}, not a StagedModel; build one with StagedModel(stages, loss), "
+                f"stages being a list of torch.nn.Module."]
+    out = _own_errors(model)
+    if out:
+        return out
+    if len(model.stages) != stages:
+        out.append(f"the model has {len(model.stages)} stages but the step has stages={stages}; "
+                   f"cut the model into {stages} stages or set stages={len(model.stages)}.")
+        return out
+    if example is not None:
+        e = meta_errors(model, example)
+        if e:
+            out.append(e)
+    return out
+
+
+def meta_errors(model: StagedModel, example: torch.Tensor) -> str | None:
+    """Run ``model``'s stages on a meta-device copy of ``example``; the sentence for the first
+    stage that does not return one tensor."""
+    outs: list[torch.Tensor] = []
+    x = torch.empty(example.shape, dtype=example.dtype, device="meta")
+    with torch.no_grad():
+        for s, m in enumerate(model.stages):
+            preds = model.graph.preds[s]
+            try:
+                out = skeleton(m)(*([outs[p] for p in preds] if preds else [x]))
+            except Exception:
+                return None  # no meta kernel, or data-dependent: real data will say
+            e = returns_error(s, out, f"on an input of shape {tuple(example.shape)}")
+            if e:
+                return e
+            outs.append(out)
+    return None
 
 
 @dataclass
@@ -80,7 +166,7 @@ def run_stage(module: nn.Module, params: dict[str, torch.Tensor] | None, inputs:
     """Apply a stage with its own parameters (``params=None``) or with the given tensors."""
     out = module(*inputs) if params is None else functional_call(module, params, tuple(inputs))
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"a stage must return one tensor, got {type(out).__name__}")
+        raise TypeError(f"a stage must return one tensor, got {_what(out)}")
     return out
 
 

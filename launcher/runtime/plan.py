@@ -41,6 +41,10 @@ ACT, GRAD, WEIGHTS, WGRAD, REDUCE, BCAST = "act", "grad", "weights", "wgrad", "r
 KINDS = (ACT, GRAD, WEIGHTS, WGRAD, REDUCE, BCAST)
 
 
+#: point-to-point tags are C ints: a message's tag is its id, the engine's own exchanges follow
+TAG_LIMIT = 2**31 - 1
+
+
 class PlanError(ValueError):
     """A timeline the runtime cannot lower."""
 
@@ -121,6 +125,13 @@ class Plan:
     @property
     def workers(self) -> int:
         return len(self.programs)
+
+    @property
+    def tag_base(self) -> int:
+        """The first message tag after the step's own (each message's tag is its id): the
+        engine's exchanges outside the step (replica sync, gather_state) start here, so no step
+        size can make their tags collide with the step's."""
+        return len(self.messages)
 
     def counts(self) -> dict[str, list[int]]:
         """Messages received per worker and kind, straight from the plan."""
@@ -239,6 +250,11 @@ def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
                 red(root, s).bcast_send.append(mid)
                 red(o, s).bcast_recv = mid
 
+    if len(msgs) + 2 * S > TAG_LIMIT:  # the step's tags, then the engine's two per-stage ranges
+        raise PlanError(
+            f"the step has {len(msgs):,} messages and {S} stages, more than the {TAG_LIMIT:,} point-to-point "
+            f"message tags torch.distributed can tell apart; use fewer stages or micro-batches"
+        )
     pair: list[dict[int, list[int]]] = [{} for _ in range(W)]
     for m in sorted(msgs, key=lambda m: m.key):
         pair[m.src].setdefault(m.dst, []).append(m.mid)

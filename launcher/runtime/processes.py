@@ -239,10 +239,13 @@ def launch(
     finally:
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
-        for r in list(alive):  # stragglers past the bound, or an interrupted parent
+        # stragglers past the bound, or an interrupted parent: kill them all before joining any,
+        # so none has time to see a peer's connection drop and print a traceback about it
+        for r in list(alive):
             if procs[r].is_alive():
                 os.kill(procs[r].pid, signal.SIGKILL)
                 killed.add(r)
+        for r in list(alive):
             procs[r].join()
             take(r)
         for c in conns:

@@ -31,12 +31,14 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.simulate import Step, Timeline, simulate
 
 from .comm import Comm
-from .failure import Watchdog, current_watchdog
+from .failure import Watchdog, blocked, current_watchdog
 from .measure import Meter, worker_record
-from .model import Batch, OptimizerFactory, StagedModel, StageLayout, run_stage, skeleton
+from .batches import check_same_batches
+from .model import Batch, ModelError, OptimizerFactory, StagedModel, StageLayout, model_errors, returns_error, run_stage, skeleton
 from .plan import ACT, GRAD, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
 
 
@@ -70,9 +72,11 @@ class Engine:
         rank: int | None = None,
         device: torch.device | str | None = None,
         watchdog: Watchdog | None = None,
+        check_batches: bool = True,
     ) -> None:
-        if prefetch < 0:
-            raise ValueError(f"prefetch={prefetch} is not valid; it must be an int >= 0 (jobs of lookahead)")
+        found = [e for e in (value_error("prefetch", prefetch), value_error("weight_cache", weight_cache)) if e]
+        if found:  # the command line's sentences
+            raise StepError(found)
         if isinstance(schedule, Plan):
             if schedule.prefetch != prefetch:
                 raise ValueError(f"the plan was lowered for prefetch={schedule.prefetch} but the engine got "
@@ -83,6 +87,9 @@ class Engine:
             self.plan = lower(tl, weight_cache, prefetch)
         self.timeline = self.plan.timeline
         space = self.timeline.step.space
+        found = model_errors(model, space.S)  # what StagedModel checked, in case the stages changed since
+        if found:
+            raise ModelError(found)
         if model.graph.preds != space.graph.preds:
             raise ValueError(f"the model has stage graph {model.graph.preds} but the schedule has {space.graph.preds}")
         self.model, self.space, self.prefetch = model, space, prefetch
@@ -99,9 +106,13 @@ class Engine:
         self.skeletons = [skeleton(m) for m in model.stages]
         self.owned = self.plan.programs[self.worker].owned if self.worker is not None else []
         # only owners keep weights: every other stage of the user's model becomes its skeleton
+        # The owned stages are the caller's own module objects (moved to the device in place), so
+        # an optimizer or a Lightning module holding their parameters steps what the engine
+        # computes with; the other stages are the engine's meta skeletons. The caller's list
+        # itself is never changed.
         self.modules = {s: model.stages[s].to(self.device) for s in self.owned}
-        for s in range(space.S):
-            model.stages[s] = self.modules.get(s, self.skeletons[s])
+        self.stages: list[torch.nn.Module] = [self.modules.get(s, self.skeletons[s]) for s in range(space.S)]
+        self.check_batches = check_batches
         self._sync_replicas()
         params = [p for s in self.owned for p in self.modules[s].parameters()]
         self.optimizer = optimizer(params) if optimizer is not None and params else None
@@ -130,7 +141,11 @@ class Engine:
                     for s, m in enumerate(self.skeletons):
                         preds = self.space.stage_preds[s]
                         inputs = [outs[p] for p in preds] if preds else [torch.empty(shape, dtype=dtype, device="meta")]
-                        outs.append(run_stage(m, None, inputs))
+                        out = m(*inputs)
+                        e = returns_error(s, out, f"on an input of shape {shape}")
+                        if e:
+                            raise ModelError([e])
+                        outs.append(out)
                 by_shape[(shape, dtype)] = [(tuple(o.shape), o.dtype) for o in outs]
             self._specs[key] = [by_shape[k] for k in key]
         return self._specs[key]
@@ -150,11 +165,13 @@ class Engine:
         """Every job of one step and the gradient reduction, without the optimizer step: each
         owned stage's total gradient is left in :attr:`last_grads` (see :meth:`install_grads`)."""
         self.steps += 1
-        if self.worker is None:
-            return {}
         B = self.space.B
         if len(microbatches) != B:
             raise ValueError(f"the schedule has B={B} micro-batches but train_step got {len(microbatches)}")
+        if self.check_batches:  # every rank of the group takes part, idle ones too
+            check_same_batches(microbatches, self.group, self.device, self.watchdog, self.steps)
+        if self.worker is None:
+            return {}
         w, plan = self.worker, self.plan
         meter = Meter()
         st = self._run_program(plan, microbatches, meter, train=True)
@@ -252,7 +269,7 @@ class Engine:
         """
         if self.worker is None:
             return
-        w, tag0 = self.worker, 1 << 21  # apart from the step's and gather_state's tags
+        w, tag0 = self.worker, self.plan.tag_base + self.space.S  # after the step's and gather_state's tags
         works, into = [], []
         for s, owners in enumerate(self.plan.owners):
             if len(owners) < 2 or w not in owners:
@@ -265,8 +282,9 @@ class Engine:
                 flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
                 works.append(dist.irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
                 into.append((s, flat))
-        for work in works:
-            work.wait()
+        with blocked(self.watchdog):
+            for work in works:
+                work.wait()
         with torch.no_grad():
             for s, flat in into:
                 for p, v in zip(self.modules[s].parameters(), self.layouts[s].views(flat).values()):
@@ -275,17 +293,19 @@ class Engine:
     def gather_state(self, dst: int = 0) -> list[dict[str, torch.Tensor]] | None:
         """Every stage's parameters at worker ``dst`` (each from its lowest-ranked owner); None elsewhere."""
         out: list[dict[str, torch.Tensor]] = []
-        tag0 = 1 << 20  # apart from the step's message tags
+        tag0 = self.plan.tag_base  # after the step's message tags
         for s in range(self.space.S):
             root = self.plan.owners[s][0]
             L = self.layouts[s]
             if self.worker == root:
                 flat = L.pack([p.detach() for p in self.modules[s].parameters()])
                 if dst != root:
-                    dist.send(flat, self.ranks[dst], group=self.group, tag=tag0 + s)
+                    with blocked(self.watchdog):
+                        dist.send(flat, self.ranks[dst], group=self.group, tag=tag0 + s)
             elif self.worker == dst:
                 flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
-                dist.recv(flat, self.ranks[root], group=self.group, tag=tag0 + s)
+                with blocked(self.watchdog):
+                    dist.recv(flat, self.ranks[root], group=self.group, tag=tag0 + s)
             if self.worker == dst:
                 out.append({k: v.detach().clone().cpu() for k, v in L.views(flat).items()})
         return out if self.worker == dst else None

@@ -3,9 +3,10 @@
 from .graph import Job, JobSpace, StageGraph
 from .order import Order, make_order
 from .placement import Placement, h, named
+from .rules import StepError
 from .simulate import ScheduleError, Step, Timeline, make_step, simulate
 
 __all__ = [
     "Job", "JobSpace", "StageGraph", "Order", "make_order", "Placement", "h", "named",
-    "ScheduleError", "Step", "Timeline", "make_step", "simulate",
+    "ScheduleError", "StepError", "Step", "Timeline", "make_step", "simulate",
 ]

@@ -28,6 +28,17 @@ def slot(tl: Timeline) -> float:
     return min(tl.step.durations[k] for k in tl.step.space.kinds)
 
 
+def _col(t: float, unit: float) -> int:
+    # round to the nearest slot edge: monotone, so jobs that do not overlap in time never share a
+    # cell, and every job (at least one slot long) keeps at least one cell
+    return math.floor(t / unit + 0.5)
+
+
+def columns(tl: Timeline) -> int:
+    """How many time slots the diagram has, without drawing it."""
+    return _col(tl.latency, slot(tl))
+
+
 def grid(tl: Timeline, cells: str = "both") -> list[list[str]]:
     """Rows of cell labels (``""`` = idle); a job spans ``duration / slot`` columns."""
     if cells not in CELLS:
@@ -35,9 +46,7 @@ def grid(tl: Timeline, cells: str = "both") -> list[list[str]]:
     unit = slot(tl)
 
     def col(t: float) -> int:
-        # round to the nearest slot edge: monotone, so jobs that do not overlap in time never
-        # share a cell, and every job (at least one slot long) keeps at least one cell
-        return math.floor(t / unit + 0.5)
+        return _col(t, unit)
 
     ncols = col(tl.latency)
     rows: list[list[str]] = []
@@ -52,12 +61,15 @@ def grid(tl: Timeline, cells: str = "both") -> list[list[str]]:
     return rows
 
 
-def ascii_diagram(tl: Timeline, cells: str = "both", max_columns: int | None = 240) -> str:
-    """The whole diagram as text, or a one-line note when it has more than ``max_columns`` slots."""
-    rows = grid(tl, cells)
-    ncols = len(rows[0]) if rows else 0
+def ascii_diagram(tl: Timeline, cells: str = "both", max_columns: int | None = 240, max_rows: int | None = 256) -> str:
+    """The whole diagram as text, or a one-line note when it has more than ``max_columns`` slots
+    or ``max_rows`` workers (decided before anything is drawn, so a huge step costs nothing)."""
+    ncols = columns(tl)
     if max_columns is not None and ncols > max_columns:
-        return f"(diagram omitted: {ncols} time slots > {max_columns}; see the PNG)"
+        return f"(diagram omitted: {ncols} time slots > {max_columns})"
+    if max_rows is not None and tl.step.workers > max_rows:
+        return f"(diagram omitted: {tl.step.workers} workers > {max_rows})"
+    rows = grid(tl, cells)
     width = max([2] + [len(c) for r in rows for c in r] + [len(str(ncols))])
     name_w = len(f"w{len(rows) - 1}")
     header = " " * name_w + " " + " ".join(str(c + 1).rjust(width) for c in range(ncols))

@@ -48,7 +48,7 @@ PER_WORKER_KEYS = (
     "weights_peak_resident",
 )
 
-WEIGHT_CACHES = ("step", "job")
+from .rules import WEIGHT_CACHES  # noqa: E402  (one definition, shared with the rules)
 
 
 def traffic(tl: Timeline) -> dict[str, list[int]]:

@@ -25,6 +25,7 @@ from typing import Sequence
 from .graph import JobSpace, StageGraph
 from .order import Order, make_order
 from .placement import Placement, named
+from .rules import StepError, check, value_error
 
 DEFAULT_DURATIONS = {"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}
 
@@ -69,7 +70,42 @@ def make_step(
     split_backward: bool = False,
     graph: StageGraph | None = None,
 ) -> Step:
-    """Convenience builder: a named scheme (or a placement callable) on ``W = G * R`` workers."""
+    """Convenience builder: a named scheme (or a placement callable) on ``W = G * R`` workers.
+
+    Checks the same rules, with the same sentences, as the command line
+    (:mod:`launcher.schedule.rules`); raises :class:`~launcher.schedule.rules.StepError`, one
+    sentence per broken rule.
+    """
+    values = dict(strategy=strategy, stages=stages, microbatches=microbatches, G=G, R=R, warmup=warmup,
+                  comm=comm, memory_limit=memory_limit, split_backward=split_backward)
+    if not isinstance(order, Order):
+        values["order"] = order
+    if durations is not None:
+        values["durations"] = durations
+    check(values)
+    graph = graph or StageGraph.chain(stages)
+    if graph.stages != stages:
+        raise StepError([f"stages={stages} is invalid: the stage graph has {graph.stages} stages."])
+    return unchecked_step(strategy, stages, microbatches, G, R, order, warmup, durations, comm, memory_limit,
+                          split_backward, graph)
+
+
+def unchecked_step(
+    strategy: str | Placement,
+    stages: int,
+    microbatches: int,
+    G: int = 1,
+    R: int = 1,
+    order: str | Order = "1f1b",
+    warmup: str | None = None,
+    durations: dict[str, float] | None = None,
+    comm: float = 0.0,
+    memory_limit: int | Sequence[int] | None = None,
+    split_backward: bool = False,
+    graph: StageGraph | None = None,
+) -> Step:
+    """:func:`make_step` without the rules a config must meet: for analyses that study steps the
+    launcher refuses on purpose (seed 000's ``R = 2S/M`` leaves workers without a stage)."""
     graph = graph or StageGraph.chain(stages)
     placement = named(strategy, G, R) if isinstance(strategy, str) else strategy
     o = order if isinstance(order, Order) else make_order(order, warmup)
@@ -174,6 +210,11 @@ def simulate(step: Step) -> Timeline:
     """Run the greedy list scheduler; raise :class:`ScheduleError` if the step cannot finish."""
     space = step.space
     S, B, N, W = space.S, space.B, space.N, step.workers
+    # a Step built by hand skips make_step's checks: a time that is not finite would stall it
+    bad = [e for e in (value_error(f"durations.{k}", step.durations.get(k)) for k in space.kinds) if e]
+    bad += [e for e in [value_error("comm", step.comm)] if e]
+    if bad:
+        raise StepError(bad)
     compute, weights = place_all(step)
     act_limit, mb_limit = worker_limits(step, compute)
     if step.memory_limit is not None:
@@ -362,7 +403,13 @@ def simulate(step: Step) -> Timeline:
                     heappush(events, (t, wk))
 
     if done != N:
+        # With finite times and no limit every job starts eventually, so only memory can stall a step.
         stuck = [w for w in range(W) if any(avail[w]) or pend[w]]
+        if not limited:
+            raise ScheduleError(
+                f"the step cannot finish: after {done} of {N} jobs no job can start on workers {stuck}, "
+                f"though no memory limit applies; the placement or order is inconsistent"
+            )
         raise ScheduleError(
             f"memory_limit={step.memory_limit} (warmup={step.order.warmup}) cannot finish the step: "
             f"after {done} of {N} jobs, workers {stuck} each wait for activation memory held by "

@@ -1,0 +1,190 @@
+"""The rules a step must meet, one sentence per broken rule naming the key, the value and the rule.
+
+Shared by every entry point: the Python API (:func:`launcher.schedule.make_step`) raises
+:class:`StepError` with these sentences, and the command line (:mod:`launcher.config.validate`)
+reports the same ones, so a bad value reads the same wherever it is given. Pure Python: no torch,
+no omegaconf (the config layer depends on the schedule, never the reverse).
+
+:func:`step_errors` takes the step's values by key name (the command line's keys); a key that is
+absent is not checked, so the API checks what it has (it has no ``W``, ``weight_cache`` or
+``prefetch``) and the command line checks everything.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Iterable, Mapping
+
+from .order import BUILTIN as ORDERS
+from .order import WARMUPS
+from .placement import NAMED
+
+#: the sizes of a step; each must be a positive integer
+SIZES = ("G", "R", "stages", "microbatches")
+STRATEGIES = tuple(sorted(NAMED))
+#: strategies whose worker count is fixed by the step, and what fixes it
+W_EQUALS = {"ddp": "microbatches", "fsdp": "microbatches", "gpipe": "stages"}
+DURATION_KINDS = ("F", "B", "I", "W")
+WEIGHT_CACHES = ("step", "job")
+#: the most jobs (stages * microbatches * kinds) a step may have. The simulator holds about
+#: 250 bytes per job and the reports several times that (the 1,048,576-job step of the README
+#: peaks near 1 GB), so beyond this a step would not fit in a workstation's memory.
+MAX_JOBS = 1 << 23  # 8,388,608
+BYTES_PER_JOB = 1000  # peak memory of planning and reporting one job, rounded up (measured)
+
+
+class StepError(ValueError):
+    """A step that breaks a rule; ``sentences`` holds one sentence per broken rule."""
+
+    def __init__(self, sentences: Iterable[str]):
+        self.sentences = list(sentences)
+        super().__init__("\n".join(self.sentences))
+
+
+def is_size(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def shown(v: Any) -> str:
+    """A value as the sentences show it (``null`` as the config writes it)."""
+    return "null" if v is None else str(v)
+
+
+def unknown_key(key: str, value: Any, known: Iterable[str]) -> str:
+    """The sentence for a key that does not exist, with the closest existing one when there is one."""
+    by_lower = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
+    hint = f"; did you mean {by_lower[close[0]]}?" if close else "."
+    return f"{key}={shown(value)} is invalid: {key} is not a known key{hint}"
+
+
+#: what a custom strategy or order is, on the command line and from Python
+_CUSTOM = {
+    "strategy": "a placement callable (strategy=custom with strategy.placement._target_)",
+    "order": "an order callable (order=custom with order.n._target_)",
+}
+
+
+def unknown_option(key: str, value: object, extra: Iterable[str] = ()) -> str:
+    """The sentence for an unknown ``strategy`` or ``order`` name; ``extra``: options a user's own
+    config directory adds to the built-in ones."""
+    names = sorted(set(STRATEGIES if key == "strategy" else ORDERS) | set(extra))
+    return f"{key}={shown(value)} is not a known {key}; choose one of {', '.join(names)}, or {_CUSTOM[key]}."
+
+
+def value_error(key: str, v: Any) -> str | None:
+    """The rule one key's value breaks on its own (no other key involved); ``None`` if it is fine
+    or the key has no rule of its own."""
+    if key in SIZES:
+        if not is_size(v):
+            return f"{key}={shown(v)} is invalid: the sizes G, R, stages and microbatches must be positive integers."
+    elif key.startswith("durations.") and key[len("durations."):] in DURATION_KINDS:
+        # inf or nan would leave the step unfinished (or its times undefined): refuse them here
+        if not (is_number(v) and v > 0 and math.isfinite(v)):
+            return f"{key}={shown(v)} is invalid: job durations must be positive finite numbers."
+    elif key == "comm":
+        if not (is_number(v) and v >= 0 and math.isfinite(v)):
+            return f"comm={shown(v)} is invalid: the communication delay must be a finite number >= 0."
+    elif key == "warmup":
+        if v is not None and v not in WARMUPS:
+            return f"warmup={shown(v)} is invalid: use null (the order's default), {' or '.join(WARMUPS)}."
+    elif key == "weight_cache":
+        if v not in WEIGHT_CACHES:
+            return f"weight_cache={shown(v)} is invalid: use {' or '.join(WEIGHT_CACHES)}."
+    elif key == "prefetch":
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return f"prefetch={shown(v)} is invalid: the prefetch lookahead must be an integer >= 0."
+    elif key == "split_backward":
+        if not isinstance(v, bool):
+            return f"split_backward={shown(v)} is invalid: it must be true or false."
+    elif key == "memory_limit":
+        rule = "memory_limit must be null, a positive integer, or a list of positive integers, one per worker"
+        if isinstance(v, (list, tuple)):
+            if any(not is_size(x) for x in v):
+                return f"memory_limit={list(v)} is invalid: {rule}."
+        elif v is not None and not is_size(v):
+            return f"memory_limit={shown(v)} is invalid: {rule}."
+    return None
+
+
+def step_errors(values: Mapping[str, Any]) -> list[str]:
+    """One sentence per rule the step described by ``values`` breaks; empty when it is valid.
+
+    Keys (each optional): ``G``, ``R``, ``W``, ``stages``, ``microbatches``, ``strategy`` (a name,
+    or a callable placement), ``order`` (a name or a callable), ``warmup``, ``durations`` (a
+    mapping of kind to time), ``comm``, ``memory_limit``, ``split_backward``, ``weight_cache``,
+    ``prefetch``.
+    """
+    out: list[str] = []
+    for k in SIZES:
+        if k in values and (e := value_error(k, values[k])):
+            out.append(e)
+    sizes_ok = all(is_size(values.get(k)) for k in SIZES)
+    G, R, S, B = (values.get(k) for k in SIZES)
+
+    strategy = values.get("strategy")
+    if "strategy" in values and not callable(strategy) and strategy not in NAMED:
+        out.append(unknown_option("strategy", strategy))
+    order = values.get("order")
+    if "order" in values and not callable(order) and order not in ORDERS:
+        out.append(unknown_option("order", order))
+
+    if sizes_ok:
+        if "W" in values and values["W"] != G * R:
+            out.append(f"W={shown(values['W'])} is invalid: W must equal G*R = {G}*{R} = {G * R}.")
+        if R > S:
+            out.append(f"R={R} is invalid: R must not exceed stages={S}, or some of a group's workers get no stage.")
+        if G > B:
+            out.append(f"G={G} is invalid: G must not exceed microbatches={B}, or some groups get no micro-batch.")
+        if isinstance(strategy, str) and strategy in W_EQUALS:
+            key = W_EQUALS[strategy]
+            want = S if key == "stages" else B
+            if G * R != want:
+                fit = f"G={B} R=1" if key == "microbatches" else f"G=1 R={S}"
+                out.append(
+                    f"strategy={strategy} needs W = {key}, but W=G*R={G * R} and {key}={want}; "
+                    f"set {fit} (the {strategy} layout) or {key}={G * R}."
+                )
+        kinds = 3 if values.get("split_backward") is True else 2
+        jobs = S * B * kinds
+        if jobs > MAX_JOBS:
+            out.append(
+                f"stages*microbatches={S}*{B}={S * B} is too large: the step would have {jobs:,} jobs "
+                f"(about {jobs * BYTES_PER_JOB / 1e9:,.0f} GB to plan) and the limit is {MAX_JOBS:,} jobs."
+            )
+
+    durations = values.get("durations")
+    if "durations" in values:
+        if not isinstance(durations, Mapping):
+            out.append(f"durations={shown(durations)} is invalid: give a mapping of job kind (F, B, I, W) to time.")
+        else:
+            known = [f"durations.{k}" for k in DURATION_KINDS]
+            for k, v in durations.items():
+                key = f"durations.{k}"
+                out.append(value_error(key, v) if key in known else unknown_key(key, v, known))
+            out = [e for e in out if e]
+    for k in ("comm", "memory_limit"):
+        if k in values and (e := value_error(k, values[k])):
+            out.append(e)
+    ml = values.get("memory_limit")
+    if isinstance(ml, (list, tuple)) and sizes_ok and not value_error("memory_limit", ml) and len(ml) != G * R:
+        out.append(
+            f"memory_limit={list(ml)} is invalid: it has {len(ml)} entries but there are W={G * R} workers "
+            f"(memory_limit must be null, a positive integer, or a list of positive integers, one per worker)."
+        )
+    for k in ("warmup", "weight_cache", "prefetch", "split_backward"):
+        if k in values and (e := value_error(k, values[k])):
+            out.append(e)
+    return out
+
+
+def check(values: Mapping[str, Any]) -> None:
+    """Raise :class:`StepError` (every broken rule, one sentence each) unless ``values`` is valid."""
+    found = step_errors(values)
+    if found:
+        raise StepError(found)
