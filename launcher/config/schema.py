@@ -28,10 +28,12 @@ LATER_MODES = ("train",)  # accepted by a later issue; rejected with a clear sen
 @dataclass
 class StrategyConf:
     """A named scheme, or ``placement``: a node that ``hydra.utils.instantiate`` turns into a
-    callable ``(s, b, d) -> (w_weights, w_compute)`` (then ``name`` is only a label)."""
+    callable ``(s, b, d) -> (w_weights, w_compute)`` (then ``name`` is only a label).
+    ``ownership`` picks FSLPP's owner: ``seed`` = ``h(s, s)``, ``balanced`` = ``h(s, floor(s/R))``."""
 
     name: str = "lpp"
     placement: Any = None
+    ownership: str = "seed"
 
 
 @dataclass

@@ -63,6 +63,7 @@ def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True) -> Step:
         comm=float(c.comm),
         memory_limit=memory_limit,
         split_backward=bool(c.split_backward),
+        ownership=c.strategy.get("ownership") or "seed",
     )
 
 

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ..schedule.metrics import WEIGHT_CACHES
 from ..schedule.order import BUILTIN as ORDERS
 from ..schedule.order import WARMUPS
-from ..schedule.placement import NAMED
+from ..schedule.placement import NAMED, OWNERSHIPS
 from .schema import LATER_MODES, MODES, SIZES, LauncherConf
 
 STRATEGIES = tuple(sorted(NAMED))
@@ -113,6 +113,12 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
             f"strategy={strategy} is not a known strategy; choose one of {', '.join(STRATEGIES)}, "
             f"or strategy=custom with strategy.placement._target_."
         )
+
+    ownership = _get(cfg, "strategy.ownership", "seed")
+    if ownership not in OWNERSHIPS:
+        out.append(f"strategy.ownership={ownership} is invalid: use {' or '.join(OWNERSHIPS)} (FSLPP's owner h(s, s) or h(s, floor(s/R))).")
+    elif ownership != "seed" and (placement is not None or strategy != "fslpp"):
+        out.append(f"strategy.ownership={ownership} is invalid for strategy={strategy}: only strategy=fslpp has a choice of owner; leave it at seed.")
 
     order = _get(cfg, "order.name")
     n = _get(cfg, "order.n")

@@ -56,7 +56,8 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     con.print(
         f"[bold]simulate[/bold] strategy={cfg.strategy.name} G={cfg.G} R={cfg.R} W={summary['workers']} "
         f"stages={cfg.stages} microbatches={cfg.microbatches} order={cfg.order.name} (warmup {warmup})"
-        f"{' split_backward' if cfg.split_backward else ''}",
+        f"{' split_backward' if cfg.split_backward else ''}"
+        f"{' ownership ' + cfg.strategy.ownership if cfg.strategy.get('ownership', 'seed') != 'seed' else ''}",
         highlight=False,
     )
     con.print(

@@ -68,10 +68,12 @@ def make_step(
     memory_limit: int | Sequence[int] | None = None,
     split_backward: bool = False,
     graph: StageGraph | None = None,
+    ownership: str = "seed",
 ) -> Step:
-    """Convenience builder: a named scheme (or a placement callable) on ``W = G * R`` workers."""
+    """Convenience builder: a named scheme (or a placement callable) on ``W = G * R`` workers;
+    ``ownership`` (``seed`` or ``balanced``) picks FSLPP's owner formula."""
     graph = graph or StageGraph.chain(stages)
-    placement = named(strategy, G, R) if isinstance(strategy, str) else strategy
+    placement = named(strategy, G, R, ownership) if isinstance(strategy, str) else strategy
     o = order if isinstance(order, Order) else make_order(order, warmup)
     d = dict(DEFAULT_DURATIONS)
     d.update(durations or {})
