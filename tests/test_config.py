@@ -109,7 +109,7 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
     [
         (["strategy=foo"], ["strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]),
         (["-m", "strategy=ddp,foo"], None),  # "-m" is not an override: parsed away by the CLI
-        (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, custom, depth_first."]),
+        (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, custom, depth_first, zb_h1."]),
         (["G=2.5"], ["G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["R=1,x"], ["R=x is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["comm=abc"], ["comm=abc is invalid: comm must be a number."]),

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..schedule.metrics import WEIGHT_CACHES
 from ..schedule.order import BUILTIN as ORDERS
+from ..schedule.order import SPLIT_ONLY
 from ..schedule.order import WARMUPS
 from ..schedule.placement import NAMED, OWNERSHIPS
 from .schema import LATER_MODES, MODES, SIZES, LauncherConf
@@ -184,6 +185,9 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     sb = _get(cfg, "split_backward", False)
     if not isinstance(sb, bool):
         out.append(f"split_backward={sb} is invalid: it must be true or false.")
+    elif n is None and order in SPLIT_ONLY and not sb:
+        out.append(f"split_backward=false is invalid with order={order}: it defers the weight-gradient jobs W, "
+                   f"which exist only when the backward is split; leave split_backward at true.")
     return out
 
 
