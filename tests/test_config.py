@@ -107,7 +107,7 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["strategy=foo"], ["strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]),
+        (["strategy=foo"], ["strategy=foo is not a known strategy; choose one of auto, custom, ddp, fsdp, fslpp, gpipe, lpp."]),
         (["-m", "strategy=ddp,foo"], None),  # "-m" is not an override: parsed away by the CLI
         (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, custom, depth_first, zb_h1."]),
         (["G=2.5"], ["G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
@@ -120,7 +120,7 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
 def test_command_line_precheck(overrides, expected):
     if expected is None:
         assert check_overrides(["strategy=ddp,foo"]) == [
-            "strategy=foo is not a known strategy; choose one of custom, ddp, fsdp, fslpp, gpipe, lpp."]
+            "strategy=foo is not a known strategy; choose one of auto, custom, ddp, fsdp, fslpp, gpipe, lpp."]
     else:
         assert check_overrides(overrides) == expected
 

@@ -21,7 +21,7 @@ SCHEMA_NAME = "launcher_schema"
 
 #: the sizes of a step; each must be a positive integer
 SIZES = ("G", "R", "stages", "microbatches")
-MODES = ("simulate",)
+MODES = ("simulate", "plan")
 LATER_MODES = ("train",)  # accepted by a later issue; rejected with a clear sentence for now
 
 
@@ -55,6 +55,22 @@ class DurationsConf:
 
 
 @dataclass
+class PlanConf:
+    """``mode=plan`` and ``strategy=auto`` (see :mod:`launcher.plan.from_config`): workers available
+    (null: ``W``), micro-batch counts to try (null: ``microbatches``; an int or a list), the
+    per-worker budget in live activations and/or bytes (``2GB``; needs a profile with bytes), the
+    profile (a run's ``metrics.json`` or a bare profile JSON; null: ``durations`` and ``comm``),
+    and how many candidates to keep."""
+
+    workers: Optional[int] = None
+    microbatches: Any = None
+    max_activations: Optional[int] = None
+    memory: Any = None
+    profile: Optional[str] = None
+    top: int = 20
+
+
+@dataclass
 class LauncherConf:
     mode: str = "simulate"
     strategy: StrategyConf = field(default_factory=StrategyConf)
@@ -72,6 +88,7 @@ class LauncherConf:
     weight_cache: str = "step"  # step | job
     prefetch: int = 1  # lookahead of the runtime (a later issue)
     seed: int = 0
+    plan: PlanConf = field(default_factory=PlanConf)
 
 
 def _mul(*xs: Any) -> Any:

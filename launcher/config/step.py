@@ -41,6 +41,8 @@ def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True) -> Step:
     if check:
         validate(cfg)
     c = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    if c.strategy.name == "auto" and c.strategy.get("placement") is None:
+        raise ConfigError(["strategy=auto is chosen by the planner: apply launcher.plan.choose(cfg)'s overrides first."])
     placement = c.strategy.get("placement")
     strategy: Any = c.strategy.name
     if placement is not None:

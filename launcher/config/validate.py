@@ -87,8 +87,39 @@ def errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
             f"workers with python -m launcher.runtime."
         )
     elif mode not in MODES:
-        out.append(f"mode={mode} is not a known mode; use mode=simulate.")
+        out.append(f"mode={mode} is not a known mode; use {' or '.join(f'mode={m}' for m in MODES)}.")
+    if mode == "plan" or _get(cfg, "strategy.name") == "auto":
+        out += plan_errors(cfg)
     return out + step_errors(cfg)
+
+
+def plan_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """The ``plan.*`` keys of ``mode=plan`` and ``strategy=auto``."""
+    from ..plan.profile import ProfileError, load, parse_bytes
+
+    out: list[str] = []
+    for k in ("workers", "max_activations", "top"):
+        v = _get(cfg, f"plan.{k}")
+        if not (v is None and k != "top") and not _is_size(v):
+            out.append(f"plan.{k}={v} is invalid: it must be a positive integer{'' if k == 'top' else ' or null'}.")
+    mb = _plain(_get(cfg, "plan.microbatches"))
+    if mb is not None and not (_is_size(mb) or (isinstance(mb, list) and mb and all(_is_size(x) for x in mb))):
+        out.append(f"plan.microbatches={mb} is invalid: use null (microbatches), a positive integer or a list of them.")
+    memory, path = _get(cfg, "plan.memory"), _get(cfg, "plan.profile")
+    if memory is not None:
+        try:
+            parse_bytes(memory)
+        except ValueError:
+            out.append(f"plan.memory={memory} is invalid: give a size such as 2GB, 512MiB or a number of bytes.")
+    prof = None
+    if path is not None:
+        try:
+            prof = load(path)
+        except ProfileError as e:
+            out.append(f"{e}.")
+    if memory is not None and (path is None or (prof is not None and not prof.bytes)):
+        out.append(f"plan.memory={memory} needs plan.profile with bytes (params, grads, optimizer, activation per stage).")
+    return out
 
 
 def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
@@ -109,7 +140,7 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
                 f"strategy.placement._target_={_target(placement)} is invalid: a custom placement needs "
                 f"it to name a callable (s, b, d) -> (w_weights, w_compute), e.g. mymodule.my_placement."
             )
-    elif strategy not in NAMED:
+    elif strategy not in NAMED and strategy != "auto":  # auto: the planner picks (plan_errors)
         out.append(
             f"strategy={strategy} is not a known strategy; choose one of {', '.join(STRATEGIES)}, "
             f"or strategy=custom with strategy.placement._target_."

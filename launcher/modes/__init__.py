@@ -9,6 +9,6 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from . import simulate
+from . import plan, simulate
 
-MODES: dict[str, Callable[[DictConfig], dict[str, Any]]] = {"simulate": simulate.run}
+MODES: dict[str, Callable[[DictConfig], dict[str, Any]]] = {"simulate": simulate.run, "plan": plan.run}

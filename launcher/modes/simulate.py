@@ -75,9 +75,15 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """One run (or one point of a sweep): never raises for an invalid config, records it."""
+    """One run (or one point of a sweep): never raises for an invalid config, records it.
+    ``strategy=auto`` simulates the planner's choice (:func:`launcher.modes.plan.chosen`)."""
     where = point()
     try:
+        if cfg.strategy.name == "auto" and cfg.strategy.get("placement") is None:
+            from .plan import chosen
+
+            cfg, best = chosen(cfg)
+            console().print("auto: chose " + " ".join(best.overrides), highlight=False, soft_wrap=True)
         tl, summary = simulate_config(cfg)
     except ConfigError as e:
         result = reject(e.sentences, where, in_sweep())
