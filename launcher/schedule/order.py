@@ -11,8 +11,8 @@ same time.
   stage (GPipe's fill-drain; looped breadth-first for LPP).
 - ``depth_first``: the job that has waited longest since it became ready (ties as ``1f1b``).
 - ``zb_h1``: ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), on the split
-  backward: 1F1B's ranks and classic warm-up for ``F`` and ``I``, and the weight-gradient jobs ``W``
-  deferred. A worker whose lowest stage is ``s`` keeps up to ``height(0) - height(s)`` (``s`` on a
+  backward: 1F1B's classic warm-up, then each stage alternating ``F`` and ``I`` (ranks from the
+  paper's per-stage sequence, :func:`_zb_h1_keys`), and the weight-gradient jobs ``W`` deferred. A worker whose lowest stage is ``s`` keeps up to ``height(0) - height(s)`` (``s`` on a
   chain) ready ``W`` jobs waiting; one more, and the oldest runs before anything else; once the
   worker has no ``F`` or ``I`` left, the rest are flushed. Every worker then has the same number
   of micro-batches in flight counting deferred ``W`` (the paper's memory argument), and the ``W``
