@@ -21,6 +21,16 @@ then traffic, then peak memory. Pruning only skips what provably cannot enter th
 - **the activation limit** ``memory_limit = M`` (the budget in activations, or per worker the
   activations that fit beside the weights) guarantees peak activations ``<= M``: the simulator
   admits a micro-batch on a worker only when everything it will hold there fits.
+- **a step that reaches its bound** ``max(work, chain)`` under some limit cannot be beaten by
+  another limit of the same step, so the remaining limits are skipped.
+
+Memory limits tried per step: none, the activation budget, each scheme's byte-derived limit, and,
+when the unlimited step does not fit, every uniform limit from the least that can finish upward
+(the greedy scheduler is not monotone in the limit, and the admission control reserves a
+micro-batch's activations ahead, so a limit above the budget can keep the peak inside it). The
+upward scan stops at the first limit above those tried first whose step fits nowhere: a heuristic
+(the peak rarely falls again as the limit grows), the one part of the search that is not exhaustive
+over uniform limits. The brute force of ``tests/test_planner.py`` tries every uniform limit.
 """
 
 from __future__ import annotations
