@@ -106,9 +106,9 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["strategy=foo"], ["strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, single, or a placement callable (strategy=custom with strategy.placement._target_)."]),
+        (["strategy=foo"], ["strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto (the planner chooses) and strategy=single (Lightning's default strategy on one device)."]),
         (["-m", "strategy=ddp,foo"], None),  # "-m" is not an override: parsed away by the CLI
-        (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, depth_first, or an order callable (order=custom with order.n._target_)."]),
+        (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, depth_first, zb_h1, or an order callable (order=custom with order.n._target_)."]),
         (["G=2.5"], ["G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["R=1,x"], ["R=x is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["comm=abc"], ["comm=abc is invalid: the communication delay must be a finite number >= 0."]),
@@ -119,7 +119,7 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
 def test_command_line_precheck(overrides, expected):
     if expected is None:
         assert check_overrides(["strategy=ddp,foo"]) == [
-            "strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, single, or a placement callable (strategy=custom with strategy.placement._target_)."]
+            "strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto (the planner chooses) and strategy=single (Lightning's default strategy on one device)."]
     else:
         assert check_overrides(overrides) == expected
 

@@ -109,8 +109,8 @@ def test_every_bad_value_is_one_sentence_and_the_same_from_every_entry_point(cfg
     else:
         assert said[0].startswith(f"{typed} is invalid: "), said
     take = KEYS[key][1]
-    if take is not None:
-        assert api(**take(v)) == said, typed
+    if take is not None:  # the launcher's own strategies (auto, single) are named after the API's sentence
+        assert api(**take(v)) == [s.split("; the launcher also takes")[0].rstrip(".") + "." for s in said], typed
     elif key in ("prefetch", "weight_cache"):  # the engine's constructor checks these with the same rule
         assert rules.value_error(key, v) == said[0]
 

@@ -11,6 +11,7 @@ import pytest
 
 from launcher.runtime import launch, merge, mismatches
 from launcher.runtime.oracle import Case, run_cases
+from launcher.schedule.placement import FSLPP
 
 ATOL = 1e-10
 SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("lpp", 2, 2, 4, 4), ("fslpp", 2, 2, 4, 4)]
@@ -30,6 +31,11 @@ CASES_W4 = (
        # peak resident copies under cache job depend on the lookahead (and on I keeping its copy for W)
        Case("fsdp", 4, 1, 4, 4, weight_cache="job", prefetch=2), Case("fsdp", 4, 1, 4, 4, weight_cache="job", prefetch=0, split=True),
        Case("fslpp", 2, 2, 8, 4, weight_cache="job", prefetch=3, split=True, order="breadth_first")]
+    # FSLPP's balanced ownership h(s, floor(s/R)): every worker owns a stage (S = G R) or two (S = 2 G R)
+    + [Case("fslpp_balanced", 2, 2, 4, 4, optimizer="adam", placement=FSLPP(2, 2, "balanced"), W=4),
+       Case("fslpp_balanced", 2, 2, 8, 4, weight_cache="job", placement=FSLPP(2, 2, "balanced"), W=4)]
+    # ZB-H1: split backward, weight-gradient jobs deferred by up to the stage index
+    + [Case("gpipe", 1, 4, 4, 8, order="zb_h1", split=True)]
 )
 CASES_W8 = [
     Case("ddp", 8, 1, 3, 8), Case("gpipe", 1, 8, 8, 8, order="breadth_first", optimizer="adam"),

@@ -21,17 +21,19 @@ SCHEMA_NAME = "launcher_schema"
 
 #: the sizes of a step; each must be a positive integer
 SIZES = ("G", "R", "stages", "microbatches")
-MODES = ("train", "simulate")
+MODES = ("train", "simulate", "plan")
 LATER_MODES: tuple[str, ...] = ()  # modes a later issue adds; rejected with a clear sentence until then
 
 
 @dataclass
 class StrategyConf:
     """A named scheme, or ``placement``: a node that ``hydra.utils.instantiate`` turns into a
-    callable ``(s, b, d) -> (w_weights, w_compute)`` (then ``name`` is only a label)."""
+    callable ``(s, b, d) -> (w_weights, w_compute)`` (then ``name`` is only a label).
+    ``ownership`` picks FSLPP's owner: ``seed`` = ``h(s, s)``, ``balanced`` = ``h(s, floor(s/R))``."""
 
     name: str = "lpp"
     placement: Any = None
+    ownership: str = "seed"
 
 
 @dataclass
@@ -50,6 +52,22 @@ class DurationsConf:
     B: float = 1.0
     I: float = 0.5
     W: float = 0.5
+
+
+@dataclass
+class PlanConf:
+    """``mode=plan`` and ``strategy=auto`` (see :mod:`launcher.plan.from_config`): workers available
+    (null: ``W``), micro-batch counts to try (null: ``microbatches``; an int or a list), the
+    per-worker budget in live activations and/or bytes (``2GB``; needs a profile with bytes), the
+    profile (a run's ``metrics.json`` or a bare profile JSON; null: ``durations`` and ``comm``),
+    and how many candidates to keep."""
+
+    workers: Optional[int] = None
+    microbatches: Any = None
+    max_activations: Optional[int] = None
+    memory: Any = None
+    profile: Optional[str] = None
+    top: int = 20
 
 
 @dataclass
@@ -79,6 +97,7 @@ class LauncherConf:
     logger: Any = None
     timeout: float = 30.0  # seconds within which every worker stops after one fails
     ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
+    plan: PlanConf = field(default_factory=PlanConf)  # mode=plan (and strategy=auto)
 
 
 def _mul(*xs: Any) -> Any:

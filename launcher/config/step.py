@@ -71,6 +71,8 @@ def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True) -> Step:
     if check:
         validate(cfg)
     c = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    if c.strategy.name == "auto" and c.strategy.get("placement") is None:
+        raise ConfigError(["strategy=auto is chosen by the planner: apply launcher.plan.choose(cfg)'s overrides first."])
     placement = c.strategy.get("placement")
     strategy: Any = c.strategy.name
     if placement is not None:
@@ -93,6 +95,7 @@ def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True) -> Step:
         comm=float(c.comm),
         memory_limit=memory_limit,
         split_backward=bool(c.split_backward),
+        ownership=c.strategy.get("ownership") or "seed",
     )
 
 

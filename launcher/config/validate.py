@@ -31,10 +31,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..schedule import rules
 from ..schedule.rules import DURATION_KINDS, StepError
+from ..schedule.order import SPLIT_ONLY
+from ..schedule.placement import OWNERSHIPS
 from .paths import dir_error
 from .schema import LATER_MODES, MODES, SIZES, LauncherConf
 
 GROUPS = ("strategy", "order", "model", "data", "trainer", "logger")
+#: strategies only the launcher has (no schedule of their own), and how the sentences name them
+LAUNCHER_STRATEGIES = ("auto", "single")
+LAUNCHER_STRATEGIES_TEXT = "the launcher also takes strategy=auto (the planner chooses) and strategy=single (Lightning's default strategy on one device)"
 #: the directories Hydra creates for a run and a sweep
 OUTPUT_DIRS = ("hydra.run.dir", "hydra.sweep.dir")
 DEFAULT_RUN_DIR = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
@@ -83,7 +88,38 @@ def errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     png = _get(cfg, "png", "auto")
     if not (isinstance(png, bool) or png == "auto"):  # not `in (True, False)`: 0 == False
         out.append(f"png={rules.shown(png)} is invalid: use true, false or auto.")
+    if mode == "plan" or _get(cfg, "strategy.name") == "auto":
+        out += plan_errors(cfg)
     return out + step_errors(cfg)
+
+
+def plan_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """The ``plan.*`` keys of ``mode=plan`` and ``strategy=auto``."""
+    from ..plan.profile import ProfileError, load, parse_bytes
+
+    out: list[str] = []
+    for k in ("workers", "max_activations", "top"):
+        v = _get(cfg, f"plan.{k}")
+        if not (v is None and k != "top") and not rules.is_size(v):
+            out.append(f"plan.{k}={v} is invalid: it must be a positive integer{'' if k == 'top' else ' or null'}.")
+    mb = _plain(_get(cfg, "plan.microbatches"))
+    if mb is not None and not (rules.is_size(mb) or (isinstance(mb, list) and mb and all(rules.is_size(x) for x in mb))):
+        out.append(f"plan.microbatches={mb} is invalid: use null (microbatches), a positive integer or a list of them.")
+    memory, path = _get(cfg, "plan.memory"), _get(cfg, "plan.profile")
+    if memory is not None:
+        try:
+            parse_bytes(memory)
+        except ValueError:
+            out.append(f"plan.memory={memory} is invalid: give a size such as 2GB, 512MiB or a number of bytes.")
+    prof = None
+    if path is not None:
+        try:
+            prof = load(path)
+        except ProfileError as e:
+            out.append(f"{e}.")
+    if memory is not None and (path is None or (prof is not None and not prof.bytes)):
+        out.append(f"plan.memory={memory} needs plan.profile with bytes (params, grads, optimizer, activation per stage).")
+    return out
 
 
 def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
@@ -108,8 +144,18 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
                 f"it to name a callable (s, b, d) -> (w_weights, w_compute), e.g. mymodule.my_placement."
             )
         values["strategy"] = _custom
+    elif _get(cfg, "strategy.name") == "auto":  # the planner picks the scheme (plan_errors)
+        values["strategy"] = _custom
     else:
         values["strategy"] = _get(cfg, "strategy.name")
+    strategy = _get(cfg, "strategy.name")
+    ownership = _get(cfg, "strategy.ownership", "seed")
+    if ownership not in OWNERSHIPS:
+        out.append(f"strategy.ownership={ownership} is invalid: use {' or '.join(OWNERSHIPS)} (FSLPP's owner h(s, s) "
+                   f"or h(s, floor(s/R))).")
+    elif ownership != "seed" and (placement is not None or strategy != "fslpp"):
+        out.append(f"strategy.ownership={ownership} is invalid for strategy={strategy}: only strategy=fslpp has a "
+                   f"choice of owner; leave it at seed.")
     n = _get(cfg, "order.n")
     if n is not None:
         if not _has_target(n):
@@ -120,6 +166,9 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
         values["order"] = _custom
     else:
         values["order"] = _get(cfg, "order.name")
+        if values["order"] in SPLIT_ONLY and values["split_backward"] is False:
+            out.append(f"split_backward=false is invalid with order={values['order']}: it defers the weight-gradient "
+                       f"jobs W, which exist only when the backward is split; leave split_backward at true.")
     return out + rules.step_errors(values)
 
 
@@ -247,7 +296,10 @@ def _value_error(key: str, v: Any, t: Any, optional: bool, options: list[str] | 
     """The sentence for one value of a command-line override, ``None`` when Hydra can compose it."""
     if options is not None:  # a config group: the schedule's sentence, plus a user's own options
         if isinstance(v, str) and v not in options:
-            if key in ("strategy", "order"):
+            if key == "strategy":  # the schedule's options (as the API says them), then the launcher's own
+                said = rules.unknown_option(key, v, [o for o in options if o not in ("custom", *LAUNCHER_STRATEGIES)])
+                return said[:-1] + "; " + LAUNCHER_STRATEGIES_TEXT + "."
+            if key == "order":
                 return rules.unknown_option(key, v, [o for o in options if o != "custom"])
             return f"{key}={rules.shown(v)} is not a known {key}; choose one of {', '.join(options)}."
         return None

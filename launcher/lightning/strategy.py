@@ -78,11 +78,14 @@ def launcher_config(scheme: str, G: int | None, R: int | None, stages: int, micr
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.structured(LauncherConf)
-    unknown = sorted(set(extra) - set(cfg.keys()) - {"mode"})
+    unknown = sorted(set(extra) - set(cfg.keys()) - {"mode", "ownership"})
     if unknown:
         raise ConfigError([f"UnifiedStrategy got {unknown[0]}={extra[unknown[0]]!r}, which is not a launcher config "
                            f"key; use one of {', '.join(k for k in cfg.keys() if k not in ('mode', 'W'))}."])
+    extra = dict(extra)
     cfg.strategy.name = scheme
+    if "ownership" in extra:  # FSLPP's owner formula: a key of the strategy node
+        cfg.strategy.ownership = extra.pop("ownership")
     cfg.stages, cfg.microbatches = stages, microbatches
     dG, dR = DEFAULT_GR.get(scheme, lambda S, B: (1, 1))(stages, microbatches)
     cfg.G = dG if G is None else G

@@ -9,6 +9,6 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from . import simulate, train
+from . import plan, simulate, train
 
-MODES: dict[str, Callable[[DictConfig], dict[str, Any]]] = {"train": train.run, "simulate": simulate.run}
+MODES: dict[str, Callable[[DictConfig], dict[str, Any]]] = {"train": train.run, "simulate": simulate.run, "plan": plan.run}

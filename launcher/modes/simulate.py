@@ -84,7 +84,8 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     con.print(
         f"[bold]simulate[/bold] strategy={cfg.strategy.name} G={cfg.G} R={cfg.R} W={summary['workers']} "
         f"stages={cfg.stages} microbatches={cfg.microbatches} order={cfg.order.name} (warmup {warmup})"
-        f"{' split_backward' if cfg.split_backward else ''}",
+        f"{' split_backward' if cfg.split_backward else ''}"
+        f"{' ownership ' + cfg.strategy.ownership if cfg.strategy.get('ownership', 'seed') != 'seed' else ''}",
         highlight=False,
     )
     con.print(
@@ -112,10 +113,16 @@ def want_png(png: Any, jobs: int) -> bool:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """One run (or one point of a sweep): never raises for an invalid config, records it."""
+    """One run (or one point of a sweep): never raises for an invalid config, records it.
+    ``strategy=auto`` simulates the planner's choice (:func:`launcher.modes.plan.chosen`)."""
     where = point()
     clear_outcomes()  # a reused run directory must not keep the last run's verdict
     try:
+        if cfg.strategy.name == "auto" and cfg.strategy.get("placement") is None:
+            from .plan import chosen
+
+            cfg, best = chosen(cfg)
+            console().print("auto: chose " + " ".join(best.overrides), highlight=False, soft_wrap=True)
         tl, summary = simulate_config(cfg)
     except ConfigError as e:
         result = reject(e.sentences, where, in_sweep())

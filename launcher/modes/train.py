@@ -37,6 +37,7 @@ class Job:
     trainer: Any
     strategy: Any
     run: dict[str, Any]
+    chosen: list[str] | None = None  # strategy=auto: the planner's overrides
 
 
 def _build(node: Any, key: str, want: type, what: str) -> Any:
@@ -134,6 +135,12 @@ def _quiet() -> None:
 def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
     """Validate ``cfg`` and build the model, data, strategy and trainer (and, with ``out_dir``, the
     logger and callbacks writing there); raise :class:`ConfigError` with one sentence per problem."""
+    chosen = None
+    if cfg.strategy.name == "auto" and cfg.strategy.get("placement") is None:
+        from .plan import chosen as plan_choice
+
+        cfg, best = plan_choice(cfg)  # the planner's pick, applied to the config
+        chosen = list(best.overrides)
     found = train_errors(cfg)
     if found:
         raise ConfigError(found)
@@ -164,7 +171,8 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
             scheme, G=cfg.G, R=cfg.R, stages=cfg.stages, microbatches=cfg.microbatches, order=order,
             timeout=float(cfg.timeout), memory_limit=OmegaConf.to_container(ml) if OmegaConf.is_list(ml) else ml,
             warmup=cfg.warmup, split_backward=cfg.split_backward, weight_cache=cfg.weight_cache,
-            prefetch=cfg.prefetch, durations=dict(cfg.durations), comm=cfg.comm)
+            prefetch=cfg.prefetch, durations=dict(cfg.durations), comm=cfg.comm,
+            ownership=cfg.strategy.get("ownership", "seed"))
         devices = _devices(cfg.G * cfg.R)
     run = _run_info(cfg)
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(cfg.trainer, resolve=True) or {})
@@ -179,7 +187,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
         # Lightning's single-device strategy loads a checkpoint before it converts the module to the
         # trainer's precision, which would round a float64 checkpoint through float32: convert first
         trainer.precision_plugin.convert_module(model)
-    return Job(model, data, trainer, strategy, run)
+    return Job(model, data, trainer, strategy, run, chosen)
 
 
 def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, Any]:
@@ -229,6 +237,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     except ConfigError as e:
         write_invalid(cfg, e.sentences)
         return reject(e.sentences, where, in_sweep())
+    if job.chosen:
+        console().print("auto: chose " + " ".join(job.chosen), highlight=False, soft_wrap=True)
     try:
         job.trainer.fit(job.model, datamodule=job.data, ckpt_path=cfg.ckpt_path)
     except WorkerFailed as e:

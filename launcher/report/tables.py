@@ -94,7 +94,7 @@ def sweep_table(points: Sequence[Mapping[str, Any]], title: str = "sweep") -> Ta
                 fmt(tot["weight_fetch_stages"]), fmt(max(pw["weights_owned"])), "ok",
             )
         else:
-            t.add_row(str(i), p["point"], *[""] * (len(cols) - 3), "skipped: invalid")
+            t.add_row(str(i), p["point"], *[""] * (len(cols) - 3), "ok (plan.json)" if p.get("ok") else "skipped: invalid")
     return t
 
 

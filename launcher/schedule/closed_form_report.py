@@ -593,12 +593,52 @@ def _half_batch_regime(status: dict[str, list]) -> str:
     return " ".join(parts)
 
 
+OWNERSHIP_CASES = ((8, 1, 2), (8, 1, 4), (8, 2, 2), (8, 2, 4), (8, 4, 2), (8, 8, 1), (16, 2, 4), (16, 4, 4))
+
+
+def section_ownership() -> list[str]:
+    """FSLPP's two owner formulas side by side: the seeds' ``h(s, s)`` and ``h(s, floor(s/R))``."""
+    lines = [
+        "## 6. FSLPP ownership: the seeds' `h(s, s)` beside `h(s, floor(s / R))`",
+        "",
+        "The seeds give FSLPP's weights to `w_weights = h(s, s) = R (s mod G) + (s mod R)`: group and",
+        "position both follow s, so only the pairs `(s mod G, s mod R)` that occur get an owner. When",
+        "G and R share a factor most workers own no stage (S = 16, G = R = 4: 4 of 16 workers own all",
+        "the weights), and those owners serve every fetch. `strategy.ownership=balanced`",
+        "uses `h(s, floor(s / R))`: the owner is one of stage s's compute workers (group",
+        "`floor(s/R) mod G`), and with S = G R every worker owns exactly one stage. The compute",
+        "placement `h(s, b)` is the same, so latency and activation traffic do not change; what",
+        "moves is who stores the weights and who fetches them. B = 8, order 1f1b, cache step:",
+        "",
+    ]
+    rows = []
+    for S, G, R in OWNERSHIP_CASES:
+        sm = {own: summarize(simulate(make_step("fslpp", S, 8, G, R, ownership=own))) for own in ("seed", "balanced")}
+        pw = {own: sm[own]["per_worker"] for own in sm}
+        rows.append([S, G, R,
+                     " ".join(map(str, pw["seed"]["weights_owned"])), " ".join(map(str, pw["balanced"]["weights_owned"])),
+                     f"{max(pw['seed']['weights_owned'])}; {max(pw['balanced']['weights_owned'])}",
+                     f"{max(pw['seed']['weight_fetch_stages'])}; {max(pw['balanced']['weight_fetch_stages'])}",
+                     f"{max(pw['seed']['weights_peak_resident'])}; {max(pw['balanced']['weights_peak_resident'])}",
+                     f"{fmt(sm['seed']['latency_fb'])}; {fmt(sm['balanced']['latency_fb'])}"])
+    lines += table(["S", "G", "R", "stages owned per worker (seed)", "stages owned per worker (balanced)",
+                    "weight storage (seed; balanced)", "weight transmissions (seed; balanced)",
+                    "peak resident (seed; balanced)", "latency (F+B = 1) (seed; balanced)"], rows)
+    lines += [
+        "",
+        "Weight storage and transmissions are the largest over the workers. The balanced owner never",
+        "holds more stages than the seeds' and, when G R divides S, gives every worker S/(G R) stages.",
+        "",
+    ]
+    return lines
+
+
 def render() -> str:
     points = run_grid()
     check_formula_text(points)
     vs = verdicts(points)
     lines = section_intro(points) + section_verdicts(vs) + section_tables(points) + section_latency(points) \
-        + section_bound() + section_half_batch()
+        + section_bound() + section_half_batch() + section_ownership()
     while lines and lines[-1] == "":
         lines.pop()
     return "\n".join(lines) + "\n"

@@ -13,6 +13,12 @@ The named schemes, with ``W = G * R`` workers and the looped hash ``h``:
     FSLPP  w(s, b, d) = (h(s, s), h(s, b))     weights: the batch id replaced by the stage id
 
 The seeds print FSLPP's tuple the other way round from their own prose; the prose is right.
+
+FSLPP's owner ``h(s, s)`` sits in group ``s mod G``, so when ``S > G`` the owners crowd into few
+workers (with ``G = 1`` every stage is owned inside the only group, and with ``S = G R`` most workers
+own nothing). ``ownership="balanced"`` uses ``h(s, floor(s / R))`` instead: the owner is still one of
+stage ``s``'s compute workers (group ``floor(s / R) mod G``), and with ``S = G R`` every worker owns
+exactly one stage. ``"seed"`` (the seeds' formula) stays the default.
 """
 
 from __future__ import annotations
@@ -70,14 +76,26 @@ class LPP:
         return (w, w)
 
 
+OWNERSHIPS = ("seed", "balanced")
+
+
 @dataclass(frozen=True)
 class FSLPP:
     same_for_every_direction: ClassVar[bool] = True
     G: int
     R: int
+    ownership: str = "seed"  # seed: h(s, s); balanced: h(s, floor(s / R))
+
+    def __post_init__(self) -> None:
+        if self.ownership not in OWNERSHIPS:
+            raise ValueError(f"ownership={self.ownership!r} is not valid; choose one of {list(OWNERSHIPS)}")
+
+    def owner(self, s: int) -> Worker:
+        """``w_weights`` of stage ``s``: ``h(s, s)`` (seed) or ``h(s, floor(s / R))`` (balanced)."""
+        return h(s, s if self.ownership == "seed" else s // self.R, self.G, self.R)
 
     def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
-        return (h(s, s, self.G, self.R), h(s, b, self.G, self.R))
+        return (self.owner(s), h(s, b, self.G, self.R))
 
 
 #: name -> factory(G, R); W = G * R for every scheme (DDP/FSDP use G = B, R = 1; GPipe G = 1, R = S).
@@ -90,8 +108,11 @@ NAMED: dict[str, Callable[[int, int], Placement]] = {
 }
 
 
-def named(name: str, G: int, R: int) -> Placement:
-    """The named placement ``name`` for ``G`` groups of ``R`` workers."""
+def named(name: str, G: int, R: int, ownership: str = "seed") -> Placement:
+    """The named placement ``name`` for ``G`` groups of ``R`` workers; ``ownership`` picks FSLPP's
+    owner formula (only FSLPP has a choice: every other scheme's owner is fixed)."""
+    if name == "fslpp":
+        return FSLPP(G, R, ownership)
     try:
         return NAMED[name](G, R)
     except KeyError:

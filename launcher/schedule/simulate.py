@@ -13,6 +13,12 @@ backward that consumes it (``B``, or ``I`` when split). A per-worker ``memory_li
 worker from starting a forward that would hold more than M live activations; the 1F1B warm-up
 keeps a worker whose lowest stage is ``s`` to at most ``height(s)`` (``S - s`` on a chain)
 micro-batches in flight.
+
+Deferred weight gradients (``order=zb_h1``, split backward only): ready ``W`` jobs wait in their own
+per-worker heap. A worker runs the oldest one first when more than its slack are waiting (slack
+``height(0) - height(lowest stage)``, ``s`` on a chain: the last stage defers most, as in ZB-H1),
+and flushes them once it has no ``F`` or ``I`` left; otherwise a ``W`` never runs (the hand-made
+schedule's fixed order, which the paper's bubble rates are computed from).
 """
 
 from __future__ import annotations
@@ -69,8 +75,10 @@ def make_step(
     memory_limit: int | Sequence[int] | None = None,
     split_backward: bool = False,
     graph: StageGraph | None = None,
+    ownership: str = "seed",
 ) -> Step:
-    """Convenience builder: a named scheme (or a placement callable) on ``W = G * R`` workers.
+    """Convenience builder: a named scheme (or a placement callable) on ``W = G * R`` workers;
+    ``ownership`` (``seed`` or ``balanced``) picks FSLPP's owner formula.
 
     Checks the same rules, with the same sentences, as the command line
     (:mod:`launcher.schedule.rules`); raises :class:`~launcher.schedule.rules.StepError`, one
@@ -87,7 +95,7 @@ def make_step(
     if graph.stages != stages:
         raise StepError([f"stages={stages} is invalid: the stage graph has {graph.stages} stages."])
     return unchecked_step(strategy, stages, microbatches, G, R, order, warmup, durations, comm, memory_limit,
-                          split_backward, graph)
+                          split_backward, graph, ownership)
 
 
 def unchecked_step(
@@ -103,12 +111,15 @@ def unchecked_step(
     memory_limit: int | Sequence[int] | None = None,
     split_backward: bool = False,
     graph: StageGraph | None = None,
+    ownership: str = "seed",
 ) -> Step:
     """:func:`make_step` without the rules a config must meet: for analyses that study steps the
     launcher refuses on purpose (seed 000's ``R = 2S/M`` leaves workers without a stage)."""
     graph = graph or StageGraph.chain(stages)
-    placement = named(strategy, G, R) if isinstance(strategy, str) else strategy
+    placement = named(strategy, G, R, ownership) if isinstance(strategy, str) else strategy
     o = order if isinstance(order, Order) else make_order(order, warmup)
+    if o.defer_w and not split_backward:
+        raise ValueError(f"order={o.name} defers the weight-gradient jobs W, so it needs split_backward=True")
     d = dict(DEFAULT_DURATIONS)
     d.update(durations or {})
     return Step(
@@ -189,6 +200,24 @@ def worker_limits(step: Step, compute: list[int]) -> tuple[list[float], list[flo
     return act, mb
 
 
+def deferral(step: Step, compute: list[int]) -> tuple[list[int], list[int]]:
+    """ZB-H1's per-worker slack (``W`` jobs a worker may keep waiting: ``height(0) - height(s)`` for
+    its lowest stage ``s``) and each worker's count of ``F`` and ``I`` jobs."""
+    space, W = step.space, step.workers
+    SB = space.S * space.B
+    height = space.graph.height()
+    top = max(height)
+    lowest = [space.S] * W
+    fi = [0] * W
+    for j in range(2 * SB):
+        w = compute[j]
+        fi[w] += 1
+        s = (j % SB) // space.B
+        if s < lowest[w]:
+            lowest[w] = s
+    return [top - height[lo] if lo < space.S else 0 for lo in lowest], fi
+
+
 def check_memory_limit(step: Step, compute: list[int], act_limit: list[float]) -> None:
     """Reject a limit below what one micro-batch needs on one worker: that step can never finish."""
     space = step.space
@@ -224,6 +253,12 @@ def simulate(step: Step) -> Timeline:
             )
         check_memory_limit(step, compute, act_limit)
     limited = step.memory_limit is not None or step.order.warmup == "classic"
+    defer = step.order.defer_w
+    if defer:
+        if space.K != 3:
+            raise ScheduleError(f"order={step.order.name} defers the weight-gradient jobs W, so it needs split_backward=true")
+        slack, fi_left = deferral(step, compute)
+        wq: list[list] = [[] for _ in range(W)]  # ready W jobs per worker, by key
 
     keys = step.order.keys(space)
     by_ready = step.order.by_ready_time
@@ -307,12 +342,19 @@ def simulate(step: Step) -> Timeline:
         aw = avail[w]
         while pw and pw[0][0] <= T:
             r, j = heappop(pw)
+            entry = keys[j] if packed else ((r, keys[j], j) if by_ready else (keys[j], j))
+            if defer and j >= 2 * SB:
+                heappush(wq[w], entry)
+                continue
             c = 0 if not limited or j >= SB else 2 - admitted[(j % B) * W + w]
-            heappush(aw[c], keys[j] if packed else ((r, keys[j], j) if by_ready else (keys[j], j)))
+            heappush(aw[c], entry)
 
         best = None
         bc = 0
-        if C == 1:
+        forced = False
+        if defer and wq[w] and (len(wq[w]) > slack[w] or fi_left[w] == 0):
+            best, forced = wq[w][0], True  # too many deferred, or nothing else will come: W now
+        elif C == 1:
             if aw[0]:
                 best = aw[0][0]
         else:
@@ -340,8 +382,10 @@ def simulate(step: Step) -> Timeline:
                 heappush(events, (nxt, w))
             continue
 
-        j = heappop(aw[bc])
+        j = heappop(wq[w] if forced else aw[bc])
         j = j % N if packed else j[-1]
+        if defer and j < 2 * SB:
+            fi_left[w] -= 1
         fin = T + dur_of_kind[j // SB]
         start[j] = T
         finish[j] = fin

@@ -1,0 +1,84 @@
+"""``mode=plan``: search the schedule space for the fastest step that fits ``plan.*``'s budget,
+print the top candidates and write ``plan.json`` (``best``, ``candidates``, each with the Hydra
+overrides that reproduce it under ``mode=simulate``). Also :func:`chosen`, ``strategy=auto``'s
+planning half: the config with the planner's best applied."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..config import ConfigError
+from ..config.validate import errors as config_errors
+from ..plan.from_config import budget_of, microbatches_of, plan, profile_of
+from ..plan.profile import ProfileError
+from ..plan.search import Candidate
+from ..plan.table import candidates_table, describe, plan_record, write_plan
+from .common import console, in_sweep, output_dir, point, reject, write_invalid
+
+
+def apply(cfg: DictConfig, c: Candidate) -> DictConfig:
+    """``cfg`` with candidate ``c``'s settings, as its overrides would set them."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for key, value in c.point.settings().items():
+        key = {"strategy": "strategy.name", "order": "order.name"}.get(key, key)
+        OmegaConf.update(out, key, value, force_add=True)
+    return out
+
+
+def chosen(cfg: DictConfig) -> tuple[DictConfig, Candidate]:
+    """``strategy=auto``: plan with the config's ``plan.*`` keys and apply the best; raise
+    :class:`ConfigError` when the config is invalid or nothing fits."""
+    found = config_errors(cfg)
+    if found:
+        raise ConfigError(found)
+    try:
+        best = plan(cfg).best
+    except ProfileError as e:
+        raise ConfigError([f"{e}."]) from e
+    if best is None:
+        raise ConfigError([f"strategy=auto found no schedule that fits {_budget_text(cfg)}; raise the budget or plan.workers."])
+    return apply(cfg, best), best
+
+
+def _budget_text(cfg: DictConfig) -> str:
+    b = budget_of(cfg)
+    parts = ([f"plan.max_activations={b.activations}"] if b.activations is not None else []) + (
+        [f"plan.memory={cfg.plan.memory}"] if b.bytes is not None else [])
+    return " and ".join(parts) or "no budget"
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """One planning run (or one point of a sweep): never raises for an invalid config."""
+    where = point()
+    found = config_errors(cfg)
+    if found:
+        write_invalid(cfg, found)
+        return reject(found, where, in_sweep())
+    try:
+        prof = profile_of(cfg)
+        result = plan(cfg)
+    except ProfileError as e:
+        write_invalid(cfg, [f"{e}."])
+        return reject([f"{e}."], where, in_sweep())
+    workers = cfg.plan.workers or cfg.G * cfg.R
+    con = console()
+    con.print(
+        f"[bold]plan[/bold] workers={workers} stages={cfg.stages} microbatches={microbatches_of(cfg)} "
+        f"budget {_budget_text(cfg)}; {'profile ' + str(cfg.plan.profile) if cfg.plan.profile else 'unit costs'}",
+        highlight=False)
+    con.print(f"simulated {result.simulated} steps; pruned {result.pruned_time} by the time bound and "
+              f"{result.pruned_memory} by the memory bound; {result.did_not_fit} evaluated candidates did not fit",
+              highlight=False)
+    con.print(candidates_table(result, prof.seconds, rows=min(10, len(result.candidates)), title="top candidates"))
+    if result.best:
+        con.print(f"best: {describe(result.best)}", highlight=False, soft_wrap=True)
+        con.print("reproduce: python -m launcher mode=simulate " + " ".join(result.best.overrides),
+                  highlight=False, soft_wrap=True)
+    else:
+        con.print(f"nothing fits {_budget_text(cfg)} on {workers} workers", highlight=False)
+    path = write_plan(plan_record(result, OmegaConf.to_container(cfg, resolve=True), prof.seconds), output_dir())
+    con.print(f"wrote {path}", highlight=False, soft_wrap=True)
+    best = result.best.to_json() if result.best else None
+    return {"point": where, "ok": True, "summary": None, "plan": best}

@@ -1,0 +1,113 @@
+"""What the planner predicts with: job durations, the message delay, and the model's bytes.
+
+A profile is a JSON object (the lead's training mode writes it into each run's ``metrics.json``
+under ``"profile"``; a bare profile file works too)::
+
+    {"durations_s": {"F": float, "B": float, "I": float | null, "W": float | null},
+     "comm_s": float,                       # seconds added when a dependency crosses workers
+     "bytes": {"params": [per stage], "grads": [per stage], "optimizer": [per stage],
+               "activation": [per stage: bytes of x_s^b for one micro-batch]}}
+
+Without a profile the planner uses the config's unit-cost model (``durations``, ``comm``) and has
+no bytes, so ``plan.memory`` needs a profile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+BYTE_KINDS = ("params", "grads", "optimizer", "activation")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be read or lacks what the planner needs (one sentence)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Durations (seconds, or units without a profile), the message delay, and bytes per stage
+    (``None`` when unknown). ``I``/``W`` are ``None`` when the split backward was not measured."""
+
+    durations: Mapping[str, float | None]
+    comm: float
+    bytes: Mapping[str, tuple[float, ...]] | None = None
+    seconds: bool = True  # False: the config's unit-cost model
+
+    @property
+    def can_split(self) -> bool:
+        return self.durations.get("I") is not None and self.durations.get("W") is not None
+
+    def stage_bytes(self, kind: str, s: int) -> float:
+        """Bytes of ``kind`` for stage ``s``; a list shorter than the stages repeats its max."""
+        xs = self.bytes[kind] if self.bytes else ()
+        return float(xs[s]) if s < len(xs) else float(max(xs, default=0.0))
+
+
+def parse_bytes(text: Any) -> int:
+    """``2GB`` -> 2e9, ``512MiB`` -> 512 * 2**20, a plain number -> bytes; :class:`ValueError`."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text > 0 and math.isfinite(text):
+            return int(text)
+        raise ValueError(f"{text!r} is not a positive number of bytes")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a size such as 2GB, 512MiB or 1e9")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
+    """A :class:`Profile` from the JSON contract above (checked, one sentence per problem)."""
+    if "profile" in d and isinstance(d["profile"], Mapping):
+        d = d["profile"]  # a run's metrics.json
+    dur = d.get("durations_s")
+    if not isinstance(dur, Mapping) or not all(_pos(dur.get(k)) for k in ("F", "B")):
+        raise ProfileError(f"{where} needs durations_s with positive F and B in seconds")
+    for k in ("I", "W"):
+        if dur.get(k) is not None and not _pos(dur.get(k)):
+            raise ProfileError(f"{where} has durations_s.{k}={dur.get(k)!r}; it must be a positive number or null")
+    comm = d.get("comm_s", 0.0)
+    if not (isinstance(comm, (int, float)) and not isinstance(comm, bool) and comm >= 0):
+        raise ProfileError(f"{where} has comm_s={comm!r}; it must be a number >= 0")
+    by = d.get("bytes")
+    table = None
+    if by is not None:
+        if not isinstance(by, Mapping) or not all(_sizes(by.get(k)) for k in BYTE_KINDS):
+            raise ProfileError(f"{where} has bytes without lists of sizes >= 0 for each of {', '.join(BYTE_KINDS)}")
+        table = {k: tuple(float(x) for x in by[k]) for k in BYTE_KINDS}
+    return Profile({k: (float(dur[k]) if dur.get(k) is not None else None) for k in ("F", "B", "I", "W")},
+                   float(comm), table, seconds=True)
+
+
+def load(path: str | Path) -> Profile:
+    """Read a profile from a bare profile JSON or a run's ``metrics.json`` (key ``profile``)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise ProfileError(f"plan.profile={path} cannot be read: {e.strerror or e}") from e
+    except ValueError as e:
+        raise ProfileError(f"plan.profile={path} is not JSON: {e}") from e
+    if not isinstance(data, Mapping):
+        raise ProfileError(f"plan.profile={path} must hold a JSON object")
+    return from_dict(data, f"plan.profile={path}")
+
+
+def unit(durations: Mapping[str, float], comm: float) -> Profile:
+    """The config's unit-cost model: its durations and comm, no bytes."""
+    return Profile({k: float(durations[k]) for k in ("F", "B", "I", "W")}, float(comm), None, seconds=False)
+
+
+def _pos(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 and math.isfinite(x)
+
+
+def _sizes(xs: Any) -> bool:
+    return isinstance(xs, Sequence) and not isinstance(xs, str) and len(xs) > 0 and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in xs)

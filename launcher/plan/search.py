@@ -1,0 +1,308 @@
+"""Search the schedule space for the fastest step that fits a per-worker budget.
+
+The search simulates one step per ``(G, R)``, order, split and memory limit, best lower bound first,
+and evaluates every scheme, FSLPP ownership and weight cache that computes there (see
+:mod:`launcher.plan.space`). Candidates are ranked by predicted step time (per micro-batch, when
+several micro-batch counts are tried: the same profile per micro-batch, more of them per step),
+then traffic, then peak memory. Pruning only skips what provably cannot enter the top ``top``:
+
+- **time bound**: a step lasts at least ``max(work, chain)``, where ``work`` is the busiest
+  worker's total job time (``h(s, b)`` puts ``ceil(S/R) ceil(B/G)`` jobs of each kind on worker 0,
+  the most of any) and ``chain`` is one micro-batch's dependency path
+  (``S F + S B``, or ``S F + S I + W`` split, plus ``2 (S - 1) comm`` when ``R > 1``). A
+  simulation whose bound (per micro-batch) exceeds the ``top``-th best found so far is skipped:
+  its every scheme, ownership and cache has that same time, so none can rank above it. Steps are
+  simulated in increasing order of the bound, so good candidates come early and prune the rest.
+- **memory bound**: a worker holds at least the ``ceil(S/R)`` activations of one micro-batch's
+  stages at once (all its forwards run before any of its backwards), and its owned and fetched
+  weights are known from the placement alone (cache ``step`` exactly; cache ``job`` holds at least
+  one copy when it fetches at all). A scheme whose bound exceeds the budget is never evaluated,
+  and a simulation none of whose schemes can fit is skipped.
+- **the activation limit** ``memory_limit = M`` (the budget in activations, or per worker the
+  activations that fit beside the weights) guarantees peak activations ``<= M``: the simulator
+  admits a micro-batch on a worker only when everything it will hold there fits.
+- **a step that reaches its bound** ``max(work, chain)`` under some limit cannot be beaten by
+  another limit of the same step, so the remaining limits are skipped.
+
+Memory limits tried per step: none, the activation budget, each scheme's byte-derived limit, and,
+when the unlimited step does not fit, every uniform limit from the least that can finish upward
+(the greedy scheduler is not monotone in the limit, and the admission control reserves a
+micro-batch's activations ahead, so a limit above the budget can keep the peak inside it). The
+upward scan stops at the first limit above those tried first whose step fits nowhere: a heuristic
+(the peak rarely falls again as the limit grows), the one part of the search that is not exhaustive
+over uniform limits. The brute force of ``tests/test_planner.py`` tries every uniform limit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..schedule import ScheduleError, make_step, simulate
+from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
+from ..schedule.placement import named
+from ..schedule.simulate import Timeline, place_all
+from . import memory
+from .profile import Profile
+from .space import CACHES, ORDERS, Point, Scheme, placements, schemes_at
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per-worker budget: live activations and/or bytes (``None``: no limit of that kind)."""
+
+    activations: int | None = None
+    bytes: float | None = None
+
+
+@dataclass
+class Candidate:
+    """One evaluated point and what the simulator predicts for it."""
+
+    point: Point
+    step_time: float  # seconds with a profile, duration units without
+    bubble: float
+    peak_activations: list[int]
+    peak_bytes: list[float] | None
+    traffic_messages: int
+    traffic_bytes: float | None
+
+    @property
+    def throughput(self) -> float:
+        """Micro-batches per second (per duration unit without a profile)."""
+        return self.point.microbatches / self.step_time
+
+    @property
+    def overrides(self) -> list[str]:
+        return self.point.overrides()
+
+    def key(self) -> tuple:
+        """Rank: time per micro-batch (the step time when one micro-batch count is tried), then
+        less traffic, less memory, and the plainer setting (no split, no limit, cache step)."""
+        p = self.point
+        return (self.step_time / p.microbatches, self.traffic_bytes or 0.0, self.traffic_messages,
+                max(self.peak_bytes) if self.peak_bytes else 0.0, max(self.peak_activations),
+                p.split, p.memory_limit is not None, p.weight_cache != "step")
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.point
+        return {
+            "scheme": p.scheme.label, "G": p.G, "R": p.R, "W": p.G * p.R, "stages": p.stages,
+            "microbatches": p.microbatches, "order": p.order, "warmup": p.warmup, "split_backward": p.split,
+            "memory_limit": list(p.memory_limit) if isinstance(p.memory_limit, tuple) else p.memory_limit,
+            "weight_cache": p.weight_cache, "step_time": self.step_time, "throughput": self.throughput,
+            "bubble": self.bubble, "peak_activations": self.peak_activations, "peak_bytes": self.peak_bytes,
+            "traffic_messages": self.traffic_messages, "traffic_bytes": self.traffic_bytes,
+            "overrides": self.overrides,
+        }
+
+
+@dataclass
+class Plan:
+    """The ranked candidates that fit (best first) and what the search did."""
+
+    candidates: list[Candidate]
+    simulated: int = 0
+    pruned_time: int = 0
+    pruned_memory: int = 0
+    did_not_fit: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+
+def _neg(key: tuple) -> tuple:
+    return tuple(-x for x in key)
+
+
+def _durations(prof: Profile, split: bool) -> dict[str, float]:
+    d = dict(prof.durations)
+    if d["I"] is None or d["W"] is None:  # not measured: unused unless split (then not searched)
+        d["I"] = d["W"] = d["B"] / 2
+    return {k: float(v) for k, v in d.items()}  # type: ignore[arg-type]
+
+
+def time_bound(S: int, B: int, G: int, R: int, split: bool, d: dict[str, float], comm: float) -> float:
+    """``max(work, chain)`` of the module docstring: no schedule of this step is shorter."""
+    back = d["I"] + d["W"] if split else d["B"]
+    work = math.ceil(S / R) * math.ceil(B / G) * (d["F"] + back)
+    chain = S * d["F"] + S * (d["I"] if split else d["B"]) + (d["W"] if split else 0.0)
+    chain += 2 * (S - 1) * comm if R > 1 else 0.0
+    return max(work, chain)
+
+
+def _traffic_bytes(t: dict[str, list[int]], fetch: list[int], prof: Profile, S: int) -> float | None:
+    """Counts times mean per-stage bytes: activations for act/grad/stash messages, parameters for
+    weight fetches, gradients for sums sent to owners and replica reductions."""
+    if not prof.bytes:
+        return None
+    mean = {k: sum(prof.stage_bytes(k, s) for s in range(S)) / S for k in ("activation", "params", "grads")}
+    return (mean["activation"] * sum(t["act_recv"]) + mean["activation"] * sum(t["grad_recv"])
+            + mean["activation"] * sum(t["stash_recv"]) + mean["params"] * sum(fetch)
+            + mean["grads"] * (sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])))
+
+
+def _limits(budget: Budget, prof: Profile, owned: list[set[int]], fetched: list[set[int]],
+            S: int) -> int | tuple[int, ...] | None:
+    """Per worker, the most activations that fit beside its weights under cache ``step``
+    (``None`` when no byte budget): the largest per-stage activation times the count fits."""
+    if budget.bytes is None or not prof.bytes:
+        return None
+    base = memory.static_bytes(owned, fetched, prof)
+    copies = [sum(prof.stage_bytes("params", s) for s in f) for f in fetched]
+    a = max(prof.stage_bytes("activation", s) for s in range(S)) or 1.0
+    # at least 1: a limit is a positive count (the rules refuse 0); a step whose peak then breaks the
+    # byte budget is not kept (the fit is checked on the simulated peaks)
+    lim = tuple(max(1, int((budget.bytes - b - c) // a)) for b, c in zip(base, copies))
+    return lim if len(set(lim)) > 1 else lim[0]  # one int when every worker gets the same
+
+
+def search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, budget: Budget,
+           top: int = 20) -> Plan:
+    """The fastest fitting points of the space, best first (see the module docstring)."""
+    plan = Plan([])
+    kept: list[tuple] = []  # a max-heap (negated keys) of the top ``top`` candidates
+    serial = itertools.count()
+    jobs = []  # (bound, tiebreak, B, G, R, split, order, warmup)
+    for B in microbatches:
+        for G, R in placements(workers, S, B):
+            for split in (False, True):
+                if split and not prof.can_split:
+                    continue
+                d = _durations(prof, split)
+                lb = time_bound(S, B, G, R, split, d, prof.comm)
+                for order, warmup in ORDERS:
+                    if order == "zb_h1" and not split:
+                        continue  # ZB-H1 exists only on the split backward
+                    jobs.append((lb / B, len(jobs), B, G, R, split, order, warmup))
+    jobs.sort()
+    static: dict[tuple[int, int, int], Any] = {}
+    traffic_of: dict[tuple, dict] = {}
+    for lb, _, B, G, R, split, order, warmup in jobs:
+        if len(kept) >= top and lb > -kept[0][0][0]:
+            plan.pruned_time += 1
+            continue
+        key = (B, G, R)
+        if key not in static:
+            static[key] = _static(S, B, G, R, prof, budget)
+        per_scheme, limits, least = static[key]
+        if not per_scheme:
+            plan.pruned_memory += 1
+            continue
+        d = _durations(prof, split)
+        queue = list(limits)
+        scanning, i = False, 0
+        while i < len(queue):
+            ml = queue[i]
+            i += 1
+            if len(kept) >= top and lb > -kept[0][0][0]:
+                break  # the top filled up meanwhile: no limit of this step can enter it
+            try:
+                tl = simulate(make_step("lpp", S, B, G, R, order=order, warmup=warmup, durations=d,
+                                        comm=prof.comm, memory_limit=ml, split_backward=split))
+            except ScheduleError:
+                continue  # this limit cannot finish the step
+            plan.simulated += 1
+            found = _evaluate(tl, per_scheme, B, G, R, order, warmup, split, ml, d, prof, budget, plan,
+                              traffic_of.setdefault((B, G, R, split), {}))
+            if ml is None and not found and (budget.activations is not None or budget.bytes is not None):
+                # The unlimited step does not fit: scan uniform limits upward from the least that
+                # can finish. The greedy scheduler is not monotone in the limit (a limit above the
+                # budget can leave the peak inside it), so the scan goes on past the budget until
+                # a limit whose step does not fit, or the unlimited peak.
+                scanning = True
+                top_first = max((m if isinstance(m, int) else max(m) for m in queue if m is not None), default=0)
+                queue += [m for m in range(least, max(tl.peak_activations)) if m not in queue]
+            elif scanning and not found and isinstance(ml, int) and ml > top_first:
+                break
+            for cand in found:
+                entry = (_neg(cand.key()), next(serial), cand)
+                if len(kept) < top:
+                    heapq.heappush(kept, entry)
+                elif cand.key() < _neg(kept[0][0]):
+                    heapq.heapreplace(kept, entry)
+            if found and found[0].step_time / B <= lb * (1 + 1e-12):
+                break  # reached the time bound: no other limit of this step is faster
+    plan.candidates = sorted((c for _, _, c in kept), key=Candidate.key)
+    return plan
+
+
+def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget) -> tuple[list, list, int]:
+    """Per scheme at ``(G, R)``: its weights per job, if the memory bound lets it fit; the memory
+    limits to simulate first (none, the activation budget, each scheme's byte-derived limit); and
+    the least limit that can finish the step."""
+    probe = make_step("lpp", S, B, G, R)
+    compute, _ = place_all(probe)
+    # worker w = R g + r holds the stages s = r (mod R) of its micro-batches, all live at once
+    need = [sum(1 for s in range(S) if s % R == w % R) for w in range(G * R)]
+    per_scheme = []
+    limits: list[Any] = [None]
+    if budget.activations is not None:
+        if max(need) > budget.activations:
+            return [], [], 0
+        limits.append(budget.activations)
+    for sch in schemes_at(G, R, S, B):
+        probe.placement = named(sch.name, G, R, sch.ownership)
+        _, weights = place_all(probe)
+        tl = Timeline(probe, compute, weights, [], [], [], [])
+        owned, fetched = memory.owned_and_fetched(tl)
+        if budget.bytes is not None and prof.bytes:
+            base = memory.static_bytes(owned, fetched, prof)
+            a_min = min(prof.stage_bytes("activation", s) for s in range(S))
+            p_min = [min((prof.stage_bytes("params", s) for s in f), default=0.0) for f in fetched]
+            if max(b + p + n * a_min for b, p, n in zip(base, p_min, need)) > budget.bytes:
+                continue  # cannot fit under either cache, whatever the order
+            lim = _limits(budget, prof, owned, fetched, S)
+            if lim is not None and budget.activations is not None:
+                lim = min(lim, budget.activations) if isinstance(lim, int) else tuple(min(x, budget.activations) for x in lim)
+            if lim is not None and lim not in limits:
+                limits.append(lim)
+        per_scheme.append((sch, weights[: S * B], owned, fetched))  # direction-free: one (s, b) each
+    return per_scheme, limits, max(need)
+
+
+def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str, warmup: str, split: bool,
+              ml: Any, d: dict[str, float], prof: Profile, budget: Budget, plan: Plan,
+              moves: dict) -> list[Candidate]:
+    """Every scheme, ownership and cache on one simulated timeline, keeping those that fit.
+    ``moves`` caches each scheme's traffic: it depends on the placement and the split only."""
+    S = tl.step.S
+    latency = tl.latency
+    busy = sum(d[k] for k in tl.step.space.kinds) * S * B
+    bubble = 1.0 - busy / (tl.step.workers * latency)
+    peak_act = list(tl.peak_activations)
+    if budget.activations is not None and max(peak_act) > budget.activations:
+        plan.did_not_fit += len(per_scheme) * len(CACHES)
+        return []
+    act = memory.activation_bytes(tl, prof) if prof.bytes else None
+    out = []
+    mlt = tuple(ml) if isinstance(ml, (list, tuple)) else ml
+    for sch, weights, owned, fetched in per_scheme:
+        view = Timeline(tl.step, tl.compute, weights * tl.step.space.K, tl.start, tl.finish, tl.program,
+                        tl.peak_activations)
+        t = moves.get(sch)
+        if t is None:
+            t = moves[sch] = traffic(view)
+        for cache in CACHES:
+            if cache == "job" and not any(fetched):
+                fetch, resident = [0] * len(owned), t["weights_owned"]
+            elif cache == "job":
+                fetch, _, held = _job_cache(view)
+                resident = [o + h for o, h in zip(t["weights_owned"], held)]
+            else:
+                fetch, resident = t["weight_fetch_stages"], [o + f for o, f in zip(t["weights_owned"], t["weight_fetch_stages"])]
+            peak_bytes = memory.worker_bytes(view, prof, cache, resident, owned, fetched, act) if act is not None else None
+            if budget.bytes is not None and peak_bytes is not None and max(peak_bytes) > budget.bytes:
+                plan.did_not_fit += 1
+                continue
+            msgs = sum(t["act_recv"]) + sum(t["grad_recv"]) + sum(t["stash_recv"]) + sum(fetch) \
+                + sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])
+            point = Point(sch, G, R, S, B, order, warmup, split, mlt, cache, d, prof.comm)
+            out.append(Candidate(point, latency, bubble, peak_act, peak_bytes, msgs,
+                                 _traffic_bytes(t, fetch, prof, S)))
+    return out

@@ -1,0 +1,95 @@
+"""The schedule space the planner searches, and the Hydra overrides that name one point of it.
+
+Every compute placement of the named schemes is the looped hash ``h(s, b)`` for some ``(G, R)``:
+DDP and FSDP compute at ``b`` (= ``h`` with ``G = B, R = 1``), GPipe at ``s`` (``G = 1, R = S``),
+LPP and FSLPP at ``h(s, b)``. Timing in the simulator depends only on where jobs run (a weight
+fetch costs no time there), so one simulation per ``(G, R)``, order, split and memory limit serves
+every scheme that computes there, both FSLPP ownerships and both weight caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+#: (order, warmup) pairs: 1f1b with and without its warm-up, breadth_first, depth_first, zb_h1
+ORDERS: tuple[tuple[str, str], ...] = (
+    ("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"), ("zb_h1", "classic"),
+)
+CACHES = ("step", "job")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A named scheme on a compute placement ``(G, R)``; ``ownership`` only for FSLPP."""
+
+    name: str
+    ownership: str = "seed"
+
+    @property
+    def label(self) -> str:
+        return f"fslpp/{self.ownership}" if self.name == "fslpp" else self.name
+
+
+def schemes_at(G: int, R: int, S: int, B: int) -> list[Scheme]:
+    """The named schemes whose compute placement is ``h(s, b)`` with this ``(G, R)``."""
+    out = [Scheme("lpp"), Scheme("fslpp", "seed"), Scheme("fslpp", "balanced")]
+    if (G, R) == (B, 1):
+        out += [Scheme("ddp"), Scheme("fsdp")]
+    if (G, R) == (1, S):
+        out.append(Scheme("gpipe"))
+    return out
+
+
+def placements(workers: int, S: int, B: int) -> Iterator[tuple[int, int]]:
+    """Every valid ``(G, R)``: ``G <= B``, ``R <= S``, ``G R <= workers``."""
+    for G in range(1, min(B, workers) + 1):
+        for R in range(1, min(S, workers // G) + 1):
+            yield G, R
+
+
+@dataclass(frozen=True)
+class Point:
+    """One point of the space: everything ``mode=simulate`` needs to reproduce it."""
+
+    scheme: Scheme
+    G: int
+    R: int
+    stages: int
+    microbatches: int
+    order: str
+    warmup: str
+    split: bool
+    memory_limit: int | tuple[int, ...] | None
+    weight_cache: str
+    durations: dict[str, float] = field(compare=False, hash=False)
+    comm: float = 0.0
+
+    def settings(self) -> dict[str, Any]:
+        """Dotted config keys and values (what :func:`overrides` spells out)."""
+        ml = list(self.memory_limit) if isinstance(self.memory_limit, tuple) else self.memory_limit
+        out: dict[str, Any] = {
+            "strategy": self.scheme.name, "G": self.G, "R": self.R, "stages": self.stages,
+            "microbatches": self.microbatches, "order": self.order, "warmup": self.warmup,
+            "split_backward": self.split, "memory_limit": ml, "weight_cache": self.weight_cache,
+        }
+        if self.scheme.name == "fslpp":
+            out["strategy.ownership"] = self.scheme.ownership
+        out.update({f"durations.{k}": v for k, v in self.durations.items()})
+        out["comm"] = self.comm
+        return out
+
+    def overrides(self) -> list[str]:
+        """Hydra overrides that reproduce this point exactly (add ``mode=simulate``)."""
+        return [f"{k}={spell(v)}" for k, v in self.settings().items()]
+
+
+def spell(v: Any) -> str:
+    """A value as a Hydra override spells it (floats by ``repr``, so they round-trip exactly)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ",".join(spell(x) for x in v) + "]"
+    return repr(v) if isinstance(v, float) else str(v)

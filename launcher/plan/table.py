@@ -1,0 +1,67 @@
+"""The planner's ranked candidates as a rich table and as ``plan.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from .search import Candidate, Plan
+
+
+def _si(x: float | None, unit: str) -> str:
+    if x is None:
+        return "-"
+    for div, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def candidates_table(plan: Plan, seconds: bool, rows: int = 10, title: str = "plan") -> Table:
+    """Top ``rows`` candidates: predicted step time, throughput, bubble, peak memory, traffic."""
+    t = Table(title=title, title_justify="left")
+    unit = "s" if seconds else "units"
+    for h in ("#", "scheme", "G", "R", "B", "order", "split", "mem limit", "cache", f"step ({unit})",
+              f"mb/{'s' if seconds else 'unit'}", "bubble", "peak act", "peak bytes", "traffic"):
+        t.add_column(h, justify="left" if h in ("scheme", "order", "cache", "mem limit") else "right")
+    for i, c in enumerate(plan.candidates[:rows]):
+        p = c.point
+        ml = p.memory_limit
+        ml_text = "-" if ml is None else str(ml) if isinstance(ml, int) else f"{min(ml)}..{max(ml)}"
+        order = p.order + (" (no warm-up)" if p.order == "1f1b" and p.warmup == "none" else "")
+        traffic = _si(c.traffic_bytes, "B") if c.traffic_bytes is not None else f"{c.traffic_messages} msgs"
+        t.add_row(str(i + 1), p.scheme.label, str(p.G), str(p.R), str(p.microbatches), order,
+                  "yes" if p.split else "no", ml_text, p.weight_cache, f"{c.step_time:.4g}",
+                  f"{c.throughput:.4g}", f"{c.bubble:.3f}", str(max(c.peak_activations)),
+                  _si(max(c.peak_bytes), "B") if c.peak_bytes else "-", traffic)
+    return t
+
+
+def plan_record(plan: Plan, config: dict[str, Any], seconds: bool) -> dict[str, Any]:
+    """``plan.json``: ``best``, ``candidates`` (best first, each with its ``overrides``) and how
+    the search went."""
+    return {
+        "config": config,
+        "units": "seconds" if seconds else "duration units",
+        "best": plan.best.to_json() if plan.best else None,
+        "candidates": [c.to_json() for c in plan.candidates],
+        "search": {"simulated": plan.simulated, "pruned_by_time_bound": plan.pruned_time,
+                   "pruned_by_memory_bound": plan.pruned_memory, "did_not_fit": plan.did_not_fit},
+    }
+
+
+def write_plan(record: dict[str, Any], out_dir: Path) -> Path:
+    path = Path(out_dir) / "plan.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def describe(c: Candidate) -> str:
+    """One line naming a candidate and its prediction."""
+    p = c.point
+    return (f"{p.scheme.label} G={p.G} R={p.R} microbatches={p.microbatches} order={p.order} warmup={p.warmup} "
+            f"split_backward={str(p.split).lower()} memory_limit={p.memory_limit} weight_cache={p.weight_cache}: "
+            f"step {c.step_time:.4g}, bubble {c.bubble:.3f}")

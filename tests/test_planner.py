@@ -1,0 +1,154 @@
+"""``mode=plan`` and ``strategy=auto``: the planner's best, re-simulated from its own Hydra
+overrides, fits the budget and is at least as fast as every named scheme, G, R, order, split,
+memory limit and FSLPP ownership that fits (a brute force over small problems)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+import launcher.config  # noqa: F401  (registers the schema)
+from launcher.config import errors
+from launcher.modes.simulate import simulate_config
+from launcher.plan import Budget, ProfileError, load, parse_bytes, search, unit
+from launcher.plan import memory
+from launcher.plan.profile import from_dict
+from launcher.schedule import ScheduleError, make_step, simulate
+from launcher.schedule.metrics import per_worker
+
+PROFILE = {"durations_s": {"F": 1.0, "B": 2.2, "I": 1.3, "W": 0.9}, "comm_s": 0.1,
+           "bytes": {"params": [10, 20, 20, 10], "grads": [10, 20, 20, 10], "optimizer": [20, 40, 40, 20],
+                     "activation": [5, 8, 8, 3]}}
+ORDERS = [("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"), ("zb_h1", "classic")]
+
+
+def fits(tl, prof, budget: Budget, caches=("step", "job")) -> bool:
+    if budget.activations is not None and max(tl.peak_activations) > budget.activations:
+        return False
+    if budget.bytes is None:
+        return True
+    owned, fetched = memory.owned_and_fetched(tl)
+    act = memory.activation_bytes(tl, prof)
+    return any(max(memory.worker_bytes(tl, prof, c, per_worker(tl, c)["weights_peak_resident"], owned, fetched, act))
+               <= budget.bytes for c in caches)
+
+
+def brute_force(S: int, B: int, workers: int, prof, budget: Budget) -> float:
+    """The fastest fitting step over every named scheme, G, R, order, split, ownership and
+    memory limit (none, or any uniform limit), simulated one by one."""
+    best = float("inf")
+    for scheme in ("ddp", "fsdp", "gpipe", "lpp", "fslpp"):
+        grs = {"ddp": [(B, 1)], "fsdp": [(B, 1)], "gpipe": [(1, S)]}.get(
+            scheme, [(G, R) for G in range(1, B + 1) for R in range(1, S + 1)])
+        owns = ("seed", "balanced") if scheme == "fslpp" else ("seed",)
+        for (G, R), own, (order, warmup), split in itertools.product(grs, owns, ORDERS, (False, True)):
+            if G * R > workers or (order == "zb_h1" and not split):
+                continue
+            for ml in [None, *range(1, S * B + 1)]:
+                try:
+                    tl = simulate(make_step(scheme, S, B, G, R, order=order, warmup=warmup, durations=dict(
+                        prof.durations), comm=prof.comm, memory_limit=ml, split_backward=split, ownership=own))
+                except ScheduleError:
+                    continue
+                if tl.latency < best and fits(tl, prof, budget):
+                    best = tl.latency
+    return best
+
+
+CASES = [  # S, B, workers, profile?, budget
+    (4, 4, 4, False, Budget(activations=2)),
+    (3, 4, 4, False, Budget()),
+    (4, 4, 4, True, Budget(bytes=150)),
+    (4, 4, 4, True, Budget(bytes=110)),
+    (4, 3, 4, True, Budget(bytes=200, activations=3)),
+    (4, 4, 2, True, Budget(bytes=300)),
+]
+
+
+@pytest.fixture(scope="module")
+def compose_cfg():
+    with initialize_config_module("launcher.conf", version_base="1.3"):
+        yield lambda overrides: compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"S{c[0]}B{c[1]}w{c[2]}-{c[4]}")
+def test_best_reproduces_fits_and_beats_the_brute_force(case, compose_cfg, tmp_path):
+    S, B, workers, with_profile, budget = case
+    prof = from_dict(PROFILE) if with_profile else unit({"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}, 0.0)
+    best = search(S, [B], workers, prof, budget, top=5).best
+    assert best is not None
+    # re-simulate from the planner's own overrides, through Hydra
+    cfg = compose_cfg(best.overrides)
+    assert errors(cfg) == []
+    tl, summary = simulate_config(cfg)
+    assert tl.latency == best.step_time
+    assert summary["workers"] <= workers
+    assert fits(tl, prof, budget, caches=(cfg.weight_cache,))
+    if best.peak_bytes is not None:
+        owned, fetched = memory.owned_and_fetched(tl)
+        again = memory.worker_bytes(tl, prof, cfg.weight_cache, summary["per_worker"]["weights_peak_resident"],
+                                    owned, fetched, memory.activation_bytes(tl, prof))
+        assert again == best.peak_bytes
+    assert best.step_time <= brute_force(S, B, workers, prof, budget) * (1 + 1e-9)
+
+
+def test_nothing_fits_gives_no_best():
+    # on 2 workers every placement puts at least 2 stages of a micro-batch on a worker
+    assert search(4, [4], 2, unit({"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}, 0.0), Budget(activations=1)).best is None
+
+
+def test_profiles_from_metrics_json_or_bare(tmp_path):
+    bare = tmp_path / "profile.json"
+    bare.write_text(json.dumps(PROFILE))
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"latency": 1.0, "profile": PROFILE}))
+    assert load(bare) == load(metrics)
+    assert load(bare).can_split and load(bare).stage_bytes("activation", 1) == 8
+    no_split = dict(PROFILE, durations_s={"F": 1.0, "B": 2.0, "I": None, "W": None})
+    assert not from_dict(no_split).can_split
+    with pytest.raises(ProfileError, match="durations_s"):
+        from_dict({"comm_s": 0.0})
+    with pytest.raises(ProfileError, match="cannot be read"):
+        load(tmp_path / "missing.json")
+
+
+def test_sizes_parse():
+    assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("512MiB") == 512 * 2**20 and parse_bytes(1000) == 1000
+    assert parse_bytes("1.5e3") == 1500
+    for bad in ("2 parsecs", "-1GB", "0"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_plan_keys_are_validated(compose_cfg, tmp_path):
+    bad = compose_cfg(["mode=plan", "plan.memory=2GB"])
+    assert errors(bad) == ["plan.memory=2GB needs plan.profile with bytes (params, grads, optimizer, activation per stage)."]
+    assert errors(compose_cfg(["mode=plan", "plan.microbatches=[4,0]"]))[0].startswith("plan.microbatches=[4, 0] is invalid")
+    assert errors(compose_cfg(["mode=plan", "plan.memory=lots", f"plan.profile={tmp_path}/none.json"]))[:1] == [
+        "plan.memory=lots is invalid: give a size such as 2GB, 512MiB or a number of bytes."]
+    assert errors(compose_cfg(["mode=plan", "plan.max_activations=4", "plan.workers=16"])) == []
+
+
+def test_plan_and_auto_on_the_command_line(tmp_path):
+    """``mode=plan`` writes plan.json whose best reproduces under ``mode=simulate``; ``strategy=auto``
+    simulates the same choice."""
+    prof = tmp_path / "metrics.json"
+    prof.write_text(json.dumps({"profile": PROFILE}))
+    common = ["stages=4", "microbatches=4", "plan.workers=4", "plan.memory=150", f"plan.profile={prof}"]
+    run = lambda *args: subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True)
+    out = run("mode=plan", *common, f"hydra.run.dir={tmp_path / 'plan'}")
+    assert out.returncode == 0, out.stderr
+    rec = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert rec["best"] == rec["candidates"][0] and rec["best"]["overrides"]
+    assert "top candidates" in out.stdout and "reproduce: python -m launcher mode=simulate" in out.stdout
+    auto = run("mode=simulate", "strategy=auto", *common, f"hydra.run.dir={tmp_path / 'auto'}")
+    assert auto.returncode == 0, auto.stderr
+    assert "auto: chose " + " ".join(rec["best"]["overrides"]) in auto.stdout
+    sim = json.loads((tmp_path / "auto" / "simulation.json").read_text())
+    assert sim["latency"] == rec["best"]["step_time"]
