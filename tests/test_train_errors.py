@@ -14,12 +14,23 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 from launcher.cli import _preflight
+from launcher.models import GPT
 
 pytestmark = pytest.mark.timeout(240)
 
 SMALL = ["stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000", "model.d_model=16",
          "model.n_head=2", "model.n_layer=2", "logger=none"]
+
+class BufGPT(GPT):
+    """A stage with a buffer: the engine moves parameters only."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.stages[3].register_buffer("mask", torch.zeros(3))
+
 
 INVALID = [
     (["data.batch_size=30"], "data.batch_size=30 is invalid: each batch is cut into microbatches=16"),
@@ -39,6 +50,8 @@ INVALID = [
     (["model=custom", "model._target_=nosuchmodule.Model"], "model._target_=nosuchmodule.Model could not be built"),
     (["model=custom", "model._target_=torch.nn.Linear"], "could not be built"),
     (["stages=9"], "stages=9 is invalid: GPT.stages has only 8 modules"),
+    (["model=custom", "model._target_=test_train_errors.BufGPT"],
+     "cannot be trained by the schedule: stage 3 has buffers (mask)"),
     (["data=nope"], "data=nope is not a known data; choose one of chars, custom"),
     (["data=custom"], "data._target_=??? is invalid"),
     (["logger=nope"], "logger=nope is not a known logger; choose one of none, wandb"),

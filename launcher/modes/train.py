@@ -72,6 +72,13 @@ def _model_errors(model: Any, cfg: DictConfig, single: bool) -> list[str]:
     outside = [n for n, _ in model.named_parameters() if not n.startswith("stages.")]
     if outside:
         return [f"model._target_={target} has parameter {outside[0]} outside self.stages; put every layer in self.stages."]
+    from ..lightning.partition import group_modules
+    from ..runtime.model import ModelError, StagedModel
+
+    try:  # what the engine checks of every stage (buffers, mixed dtypes), here rather than in W workers
+        StagedModel(group_modules(list(stages), cfg.stages)[0], model.loss)
+    except ModelError as e:
+        return [f"model._target_={target} cannot be trained by the schedule: {s}" for s in e.sentences]
     return []
 
 

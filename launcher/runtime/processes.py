@@ -11,8 +11,8 @@ dies, the store's ``abort`` key names it (and the job it was running), every oth
 within ``timeout`` (+ the watchdog's grace), stragglers are killed, and :class:`WorkerFailed` is
 raised. No child outlives :func:`launch`.
 
-torchrun: ``torchrun --nproc-per-node 4 -m launcher.runtime --strategy lpp --G 2 --R 2`` (see
-``launcher/runtime/__main__.py``); :func:`init_from_env` joins the group and starts the watchdog.
+torchrun: ``torchrun --nproc-per-node 4 -m launcher strategy=lpp G=2 R=2`` (the Lightning strategy
+joins the group itself); for plain Python, :func:`init_from_env` joins it and starts the watchdog.
 """
 
 from __future__ import annotations
