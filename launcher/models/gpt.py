@@ -11,8 +11,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from torch import nn
+
+from .base import StagedLM
 
 
 class Embedding(nn.Module):
@@ -61,7 +62,7 @@ class Head(nn.Module):
         return self.out(self.ln(x))
 
 
-class GPT(LightningModule):
+class GPT(StagedLM):
     """Character-level GPT: ``stages = [Embedding, Block x n_layer, Head]``; AdamW with a cosine
     learning-rate schedule over ``max_steps`` (stepped every optimizer step)."""
 
@@ -73,36 +74,6 @@ class GPT(LightningModule):
             [Embedding(vocab_size, seq_len, d_model), *(Block(d_model, n_head) for _ in range(n_layer)),
              Head(d_model, vocab_size)]
         )
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = idx
-        for stage in self.stages:
-            x = stage(x)
-        return x
-
-    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = self.loss(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = self.loss(self(x), y)
-        self.log("val_loss", loss, prog_bar=True)
-        return loss
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = self.loss(self(x), y)
-        self.log("test_loss", loss)
-        return loss
-
-    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self(batch[0])
 
     def configure_optimizers(self):  # noqa: ANN201 - Lightning's union of return types
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

@@ -1,0 +1,81 @@
+"""The planner's pick on real workers: profile the default model, plan under a few budgets, train
+each budget's top candidates and compare predicted with measured step time and peak activations.
+
+    python benchmarks/plan_on_workers.py                      # budgets: 4 and 8 live activations
+    python benchmarks/plan_on_workers.py --budget plan.max_activations=6 --top 3 --steps 12
+
+Each run is ``python -m launcher`` (a subprocess, exactly as a user types it) in a temporary
+directory; the step time measured is the median over the steps after the first. Prints, per
+budget, one row per candidate (rank 1 is the planner's pick) and whether the pick is within 10% of
+the fastest measured and its measured peak within the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+#: a small training run: the default model and data, no logger, no checkpoints, no validation
+RUN = ["logger=none", "trainer.enable_checkpointing=false", "trainer.limit_val_batches=0"]
+
+
+def launcher(args: list[str], cwd: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"python -m launcher {' '.join(args)} failed:\n{p.stderr[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget", action="append", help="a plan.* budget override (repeatable)")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=15)
+    args = ap.parse_args()
+    budgets = args.budget or ["plan.max_activations=4", "plan.max_activations=8"]
+    con = Console(width=200)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        profile = root / "profile"
+        launcher(["strategy=lpp", "G=2", "R=4", f"trainer.max_steps={args.steps}", *RUN, f"hydra.run.dir={profile}"], root)
+        for budget in budgets:
+            out = root / budget.replace("=", "_")
+            launcher(["mode=plan", f"plan.workers={args.workers}", budget, f"plan.top={args.top}",
+                      f"plan.profile={profile / 'metrics.json'}", f"hydra.run.dir={out}"], root)
+            candidates = json.loads((out / "plan.json").read_text())["candidates"][: args.top]
+            rows = []
+            for i, c in enumerate(candidates):
+                run = out / f"c{i}"
+                launcher([*c["overrides"], f"trainer.max_steps={args.steps}", *RUN, f"hydra.run.dir={run}"], root)
+                m = json.loads((run / "metrics.json").read_text())
+                peak = max(m["per_worker"]["peak_activations"]["measured"])
+                rows.append((c, m["latency_s"]["measured"], peak))
+            fastest = min(r[1] for r in rows)
+            limit = int(budget.split("=")[1]) if "max_activations" in budget else None
+            t = Table(title=f"{budget} (plan.workers={args.workers}): the planner's top {len(rows)} trained for "
+                            f"{args.steps} steps", title_justify="left")
+            for col in ("#", "overrides", "predicted (ms)", "measured (ms)", "measured / fastest", "peak act (pred / meas)"):
+                t.add_column(col, justify="left" if col == "overrides" else "right")
+            for i, (c, measured, peak) in enumerate(rows):
+                pred = c.get("peak_activations")
+                pred = max(pred) if isinstance(pred, list) else pred
+                t.add_row(str(i + 1), " ".join(o for o in c["overrides"] if not o.startswith(("durations.", "comm="))),
+                          f"{c['step_time'] * 1e3:.1f}", f"{measured * 1e3:.1f}", f"{measured / fastest:.3f}",
+                          f"{pred} / {peak}")
+            con.print(t)
+            pick = rows[0]
+            within = pick[1] <= 1.10 * fastest
+            fits = limit is None or pick[2] <= limit
+            con.print(f"pick within 10% of the fastest measured: {'yes' if within else 'NO'} "
+                      f"({pick[1] / fastest:.3f}); measured peak {pick[2]} within the budget: {'yes' if fits else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
