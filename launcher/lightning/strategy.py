@@ -107,7 +107,8 @@ class UnifiedStrategy(ParallelStrategy):
     ``scheme``: ddp, fsdp, gpipe, lpp, fslpp, or a placement callable ``(s, b, d) -> (w_weights,
     w_compute)`` (then ``G * R`` is the worker count). ``stages`` defaults to ``len(module.stages)``.
     Any other key of the launcher config (``memory_limit``, ``split_backward``, ``weight_cache``,
-    ``prefetch``, ``warmup``, ``durations``, ``comm``) may be given as a keyword.
+    ``prefetch``, ``warmup``, ``durations``, ``comm``, and ``ownership`` for FSLPP) may be given as a
+    keyword. ``order`` also takes a callable ``n(s, b, d)``.
     ``timeout``: seconds within which every worker stops after one fails.
     """
 
@@ -172,10 +173,13 @@ class UnifiedStrategy(ParallelStrategy):
         c = self.cfg
         if self.placement is None and self.order_fn is None:
             return to_step(c, check=False)
-        place = self.placement or named(c.strategy.name, c.G, c.R)
+        from omegaconf import OmegaConf
+
+        place = self.placement or named(c.strategy.name, c.G, c.R, c.strategy.get("ownership", "seed"))
+        ml = OmegaConf.to_container(c.memory_limit) if OmegaConf.is_list(c.memory_limit) else c.memory_limit
         step = make_step(place, c.stages, c.microbatches, order=self.order_fn or c.order.name, warmup=c.warmup,
                          durations=dict(c.durations), comm=float(c.comm), split_backward=bool(c.split_backward),
-                         memory_limit=c.memory_limit)
+                         memory_limit=ml)
         step.workers = self.W
         return step
 
