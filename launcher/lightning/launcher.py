@@ -10,6 +10,7 @@ re-running ``sys.argv``, works inside a Hydra multirun and inside a Slurm job.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -104,6 +105,8 @@ class ForkLauncher(_Launcher):
             ckpt = self._strategy.checkpoint_io.load_checkpoint(output.weights_path)
             trainer.lightning_module.load_state_dict(ckpt, strict=False)
             self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
+            with contextlib.suppress(OSError):  # the temporary directory it was written into
+                os.rmdir(os.path.dirname(output.weights_path))
         trainer.state = output.trainer_state
         metrics = torch.load(io.BytesIO(output.extra["callback_metrics_bytes"]), weights_only=True)
         trainer.callback_metrics.update(metrics)
