@@ -267,9 +267,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _failed(cfg: DictConfig, out: Path, where: str, error: str) -> dict[str, Any]:
+    """A point whose training failed: the error on stderr, in the run's log and in ``failed.json``
+    (with the log's path); a sweep goes on with its other points."""
+    import logging
     import sys
 
-    print(f"error: {error}", file=sys.stderr)
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    log = out / "launcher.log"
+    with log.open("a") as f:  # Hydra's job log of this point (its console handler would print it twice)
+        f.write(f"[{logging.Formatter().formatTime(logging.makeLogRecord({}))}][launcher][ERROR] - {error}\n")
     config = OmegaConf.to_container(cfg, resolve=False)
-    (out / "failed.json").write_text(json.dumps({"config": config, "error": error}, indent=2, default=str) + "\n")
+    (out / "failed.json").write_text(json.dumps({"config": config, "error": error, "log": str(log)}, indent=2,
+                                                default=str) + "\n")
     return {"point": where, "ok": False, "failed": True, "errors": [error]}

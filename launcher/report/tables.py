@@ -78,7 +78,10 @@ def closed_form_table(rec: Mapping[str, Any], title: str = "simulated vs closed 
 
 def sweep_table(points: Sequence[Mapping[str, Any]], title: str = "sweep") -> Table:
     """One row per point of a multirun: its overrides, then latency, throughput, memory and traffic
-    (totals over workers, maxima where marked), or that it was skipped."""
+    (totals over workers, maxima where marked), or that it was skipped. A sweep that trained gets
+    :func:`train_sweep_table`."""
+    if any("metrics" in p or p.get("failed") for p in points):
+        return train_sweep_table(points, title)
     t = Table(title=title, title_justify="left")
     cols = ("#", "point", "W", "latency", "utilization", "rho", "max peak act", "act+grad recv", "fetch stages",
             "max owned", "status")
@@ -100,6 +103,38 @@ def sweep_table(points: Sequence[Mapping[str, Any]], title: str = "sweep") -> Ta
 
 def _mib(x: Any) -> str:
     return "-" if x is None else f"{x / 2**20:.1f}"
+
+
+def _status(p: Mapping[str, Any]) -> str:
+    if p.get("ok"):
+        return "ok"
+    reason = (p.get("errors") or ["?"])[0]
+    return f"{'failed' if p.get('failed') else 'invalid'}: {reason[:80]}{'...' if len(reason) > 80 else ''}"
+
+
+def train_sweep_table(points: Sequence[Mapping[str, Any]], title: str = "sweep") -> Table:
+    """One row per point of a training sweep: step time and throughput (predicted / measured),
+    bubble, the largest peak activation bytes and process memory over the workers, the last loss,
+    and the status (ok, invalid: why, failed: the error)."""
+    t = Table(title=title, title_justify="left")
+    cols = ("#", "point", "W", "step ms (pred / meas)", "samples/s (pred / meas)", "bubble (pred / meas)",
+            "peak act MiB", "peak mem MiB", "loss", "status")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("point", "status") else "right")
+    for i, p in enumerate(points):
+        m = p.get("metrics")
+        if not m:
+            t.add_row(str(i), p["point"], *[""] * (len(cols) - 3), _status(p))
+            continue
+        lat, thr, bub, pw = m["latency_s"], m["throughput_samples_per_s"], m["bubble_fraction"], m["per_worker"]
+        act = pw.get("peak_activation_bytes", {}).get("measured") or [None]
+        mem = pw["peak_memory_bytes"]["measured"]
+        steps = m.get("steps") or [{}]
+        t.add_row(str(i), p["point"], str(m["run"]["W"]),
+                  f"{fmt(lat['predicted'] and lat['predicted'] * 1e3)} / {fmt(lat['measured'] * 1e3)}",
+                  f"{fmt(thr['predicted'])} / {fmt(thr['measured'])}", f"{fmt(bub['predicted'])} / {fmt(bub['measured'])}",
+                  _mib(max(act) if None not in act else None), _mib(max(mem)), fmt(steps[-1].get("loss")), "ok")
+    return t
 
 
 def metrics_headline(m: Mapping[str, Any]) -> str:
