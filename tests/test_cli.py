@@ -118,3 +118,16 @@ def test_recipe_all_schemes(tmp_path):
              for n in range(5)]
     assert names == ["ddp", "fsdp", "gpipe", "lpp", "fslpp"]
     assert "sweep: 5 points" in p.stdout
+
+
+def test_recipe_seed_lpp_bound_reaches_m_over_s_plus_1(tmp_path):
+    """Seed 000's claim: LPP with G = B/2, R = 2S/M (breadth-first, memory limit M) reaches
+    rho = M/(S+1); the recipe sweeps M = 8, 4, 2."""
+    sweep = tmp_path / "sweep"
+    p = launcher("--config-dir", str(ROOT / "recipes"), "-cn", "seed_lpp_bound", f"hydra.sweep.dir={sweep}",
+                 "png=false", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    for n, R in enumerate((2, 4, 8)):
+        rec = json.loads((sweep / str(n) / "simulation.json").read_text())
+        M, S = 2 * 8 // R, 8
+        assert rec["config"]["memory_limit"] == M and rec["rho"] == pytest.approx(M / (S + 1))

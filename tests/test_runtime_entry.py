@@ -4,7 +4,7 @@ that the strategy then joins (one node here; two nodes in test_multinode)."""
 from __future__ import annotations
 
 import os
-import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,17 +37,33 @@ def test_alias_trains_and_old_flags_get_one_sentence(tmp_path):
         "--help)."]
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
-                    reason="torchrun not installed")
-def test_torchrun_joins_and_trains_like_the_forked_run(tmp_path):
-    forked, joined = tmp_path / "forked", tmp_path / "joined"
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed beside this Python")
+def test_torchrun_one_node_and_two_nodes_train_like_the_forked_run(tmp_path):
+    forked, one, two = tmp_path / "forked", tmp_path / "one", tmp_path / "two"
     p = subprocess.run([sys.executable, "-m", "launcher", *SMALL, f"hydra.run.dir={forked}"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=200)
     assert p.returncode == 0, p.stderr[-3000:]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    p = subprocess.run([torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", "--nproc-per-node", "2",
-                        "-m", "launcher", *SMALL, f"hydra.run.dir={joined}"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=200)
+    p = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "launcher", *SMALL,
+                        f"hydra.run.dir={one}"], cwd=tmp_path, capture_output=True, text=True, timeout=200)
     assert p.returncode == 0, p.stderr[-3000:]
-    a, b = _params(forked), _params(joined)
-    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-12
+    # two torchrun agents, one per "node", meeting on a loopback rendezvous
+    port = _free_port()
+    agents = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
+                                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "launcher", *SMALL,
+                                f"hydra.run.dir={two}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    outs = [a.communicate(timeout=200) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    a = _params(forked)
+    for run in (one, two):
+        b = _params(run)
+        assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-12, run

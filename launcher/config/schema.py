@@ -107,10 +107,20 @@ def _mul(*xs: Any) -> Any:
     return None
 
 
+def _div(a: Any, b: Any) -> Any:
+    """``${div:a,b}``: integer division for recipes (``R = 2S/M``); ``None`` unless both are
+    integers and ``b`` divides ``a`` (validation reports the key that got it)."""
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b)) and b and a % b == 0:
+        return a // b
+    return None
+
+
 def register() -> None:
-    """Register the ``mul`` resolver and the schema; safe to call more than once."""
+    """Register the ``mul`` and ``div`` resolvers and the schema; safe to call more than once."""
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", _mul)
+    if not OmegaConf.has_resolver("div"):
+        OmegaConf.register_new_resolver("div", _div)
     ConfigStore.instance().store(name=SCHEMA_NAME, node=LauncherConf)
 
 
