@@ -11,6 +11,7 @@ go out (posting a receive never blocks).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Callable
 
@@ -56,6 +57,7 @@ class Comm:
         self.works: dict[int, dist.Work] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.waited = 0.0  # seconds spent blocked waiting for incoming data (not compute)
         self.recv_count: dict[str, int] = defaultdict(int)
         self.recv_bytes: dict[str, int] = defaultdict(int)
         self.sent_count: dict[str, int] = defaultdict(int)
@@ -123,11 +125,13 @@ class Comm:
         work = self.works.pop(mid, None)
         if work is not None:
             self._check()
+            t0 = time.perf_counter()
             try:
                 with blocked(self.watchdog):
                     work.wait()
             except Exception as e:
                 self._failed(e)
+            self.waited += time.perf_counter() - t0
             m = self.msgs[mid]
             buf = self.buffers[mid]
             self.recv_count[m.kind] += 1

@@ -31,7 +31,7 @@ class Meter:
     fetched_stages: set = field(default_factory=set)
     fetched_jobs: int = 0
     allreduce: int = 0
-    jobs: list = field(default_factory=list)  # [stage, microbatch, kind, seconds]
+    jobs: list = field(default_factory=list)  # [stage, microbatch, kind, seconds of work: waits for peers excluded]
     loss: float = 0.0
     t0: float = field(default_factory=time.perf_counter)
     step_s: float = 0.0

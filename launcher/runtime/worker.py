@@ -252,9 +252,10 @@ class Engine:
             if self.watchdog is not None:
                 self.watchdog.check()
                 self.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of {what} {self.steps}")
-            t = time.perf_counter()
+            t, waited = time.perf_counter(), comm.waited
             st.run(op)
-            meter.jobs.append([op.stage, op.microbatch, op.kind, time.perf_counter() - t])
+            # the job's own time: what it spent blocked on a peer's data is idle time, not work
+            meter.jobs.append([op.stage, op.microbatch, op.kind, time.perf_counter() - t - (comm.waited - waited)])
         release(len(jobs))
         return st
 
