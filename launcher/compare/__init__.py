@@ -1,0 +1,7 @@
+"""The comparison dashboard: ``python -m launcher.compare <sweep or run dirs>`` writes one
+self-contained HTML page that puts training runs side by side (:mod:`.runs` finds and reads them,
+:mod:`.charts` draws the figures with matplotlib, :mod:`.page` renders the page with Jinja2)."""
+
+from .page import build
+
+__all__ = ["build"]
