@@ -29,6 +29,7 @@ import sys
 from typing import Any, Callable
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from .config import check_overrides
@@ -48,6 +49,35 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result = mode(cfg)
     POINTS.append(result)
     return result
+
+
+class SweepDir(Callback):
+    """Remembers the sweep directory in the launching process, so the end-of-sweep table can read
+    back the points that a remote launcher (Slurm) ran in other processes."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        SWEEP["dir"] = str(config.hydra.sweep.dir)
+
+
+SWEEP: dict[str, str] = {}
+
+
+def _points_on_disk() -> list[dict[str, Any]]:
+    """Each point of the sweep, from its directory (numbered as Hydra numbers them); a point that
+    left nothing (its job died before writing) is recorded as failed with where to look."""
+    from pathlib import Path
+
+    root = Path(SWEEP["dir"])
+    dirs = sorted((d for d in root.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
+    points = []
+    for d in dirs:
+        rec = common.outcome_of(d)
+        logs = sorted(root.glob(f".submitit/*_{d.name}/*_{d.name}_*log.err"))
+        where = logs[-1] if logs else root / ".submitit"
+        points.append(rec if rec is not None else {
+            "point": d.name, "ok": False, "failed": True,
+            "errors": [f"the job of point {d.name} ended without a result; its log: {where}"]})
+    return points
 
 
 @hydra.main(config_path="pkg://launcher.conf", config_name="config", version_base="1.3")
@@ -169,7 +199,16 @@ def _main() -> None:
         print(f"skipped: {point} (invalid config; the other points still run)", file=sys.stderr)
     sys.argv[1:] = argv
     POINTS.clear()
-    _hydra_main()
+    SWEEP.clear()
+    try:
+        _hydra_main()
+    except SystemExit:
+        # Hydra reported its own error and exits 1; when a remote job died without a result
+        # (killed, out of memory) the sweep still ends with the table of what each point left
+        if not SWEEP or POINTS:
+            raise
+    if SWEEP and not POINTS:  # the points ran in other processes (a Slurm job array)
+        POINTS.extend(_points_on_disk())
     if len(POINTS) > 1:
         from .report import sweep_table
 

@@ -97,3 +97,26 @@ def phase(what: str, jobs: int) -> Iterator[None]:
         print(f"{label} ...", file=sys.stderr, flush=True)
         yield
     print(f"{label}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def outcome_of(directory: Path) -> dict[str, Any] | None:
+    """The result record of a point read back from its run directory (what the mode returned in
+    the process that ran it, for sweeps a remote launcher such as Slurm ran elsewhere); ``None``
+    when the point left nothing (it died before writing)."""
+    import json
+
+    overrides = directory / ".hydra" / "overrides.yaml"
+    where = " ".join(OmegaConf.load(overrides)) if overrides.exists() else directory.name
+    if (directory / "metrics.json").exists():
+        return {"point": where, "ok": True, "metrics": json.loads((directory / "metrics.json").read_text())}
+    if (directory / "simulation.json").exists():
+        rec = json.loads((directory / "simulation.json").read_text())
+        summary = {"workers": rec["workers"], "latency": rec["latency"], "utilization": rec["utilization"],
+                   "rho": rec["rho"], "per_worker": rec["per_worker"], "total": rec["totals"]}
+        return {"point": where, "ok": True, "summary": summary}
+    if (directory / "failed.json").exists():
+        err = json.loads((directory / "failed.json").read_text())["error"]
+        return {"point": where, "ok": False, "failed": True, "errors": [err]}
+    if (directory / "invalid.json").exists():
+        return {"point": where, "ok": False, "errors": json.loads((directory / "invalid.json").read_text())["errors"]}
+    return None
