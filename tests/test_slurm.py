@@ -81,3 +81,23 @@ def test_a_job_that_dies_is_a_failed_point_within_a_bounded_time(slurm_env, tmp_
     assert (sweep / "0" / "metrics.json").exists() and not (sweep / "1" / "metrics.json").exists()
     log = next(sweep.glob(".submitit/*_1/*_1_*log.err"))
     assert "exit code 9" in log.read_text()
+
+
+def test_slurm_tasks_join_one_group_and_train_like_the_forked_run(slurm_env, tmp_path):
+    """tasks_per_node=W: srun starts the W workers (Lightning's SLURMEnvironment) instead of the
+    strategy forking them inside one task; the parameters equal a local forked run's (float64)."""
+    import torch
+
+    args = ["strategy=fslpp", "G=2", "R=1", "stages=4", "microbatches=2", "data.batch_size=4", "data.seq_len=8",
+            "data.chars=20000", "model.d_model=16", "model.n_head=2", "model.n_layer=2", "trainer.max_steps=3",
+            "trainer.precision=64-true", "logger=none"]
+    sweep, local = tmp_path / "sweep", tmp_path / "local"
+    p = launcher("hydra.launcher.tasks_per_node=2", *args, f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=slurm_env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "#SBATCH --ntasks-per-node=2" in next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
+    q = subprocess.run([sys.executable, "-m", "launcher", *args, f"hydra.run.dir={local}"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=200)
+    assert q.returncode == 0, q.stderr[-3000:]
+    a = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    b = torch.load(local / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-10
