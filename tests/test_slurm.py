@@ -36,6 +36,29 @@ class DieGPT(GPT):
             os._exit(9)
 '''
 
+SLOW = '''
+import os
+import time
+
+from launcher.models import CharMLP
+
+
+class SlowMLP(CharMLP):
+    """Takes a while per step, and notes in $PROGRESS the step each (re)start begins at."""
+
+    def _note(self, line):
+        if self.trainer.global_rank == 0:
+            with open(os.environ["PROGRESS"], "a") as f:
+                f.write(line + "\\n")
+
+    def on_train_start(self):
+        self._note(f"start {self.trainer.global_step}")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self._note(f"step {self.trainer.global_step}")
+        time.sleep(0.4)
+'''
+
 
 @pytest.fixture(scope="module")
 def slurm_env() -> dict[str, str]:
@@ -98,6 +121,63 @@ def test_slurm_tasks_join_one_group_and_train_like_the_forked_run(slurm_env, tmp
     q = subprocess.run([sys.executable, "-m", "launcher", *args, f"hydra.run.dir={local}"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=200)
     assert q.returncode == 0, q.stderr[-3000:]
+    assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == ["last.ckpt"]
     a = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     b = torch.load(local / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-10
+
+
+@pytest.mark.parametrize("tasks", [1, 2], ids=["forked-workers", "srun-tasks"])
+def test_a_signalled_task_checkpoints_is_requeued_and_ends_like_an_uninterrupted_run(slurm_env, tmp_path, tasks):
+    """Slurm's warning (USR2, as --signal=USR2@60 sends it before the time limit) reaches the job
+    mid-run: the workers checkpoint after the step they are in, the job is requeued, resumes from
+    that checkpoint and ends with the parameters of a run that was never interrupted (float64).
+    Both when the task forks its workers and when srun starts them."""
+    import torch
+
+    (tmp_path / "slow.py").write_text(SLOW)
+    progress = tmp_path / "progress"
+    env = dict(slurm_env, PYTHONPATH=str(tmp_path), PROGRESS=str(progress))
+    args = ["model=custom", "model._target_=slow.SlowMLP", "+model.width=16", "+model.n_layer=2", "strategy=fslpp",
+            "G=2", "R=1", "stages=4", "microbatches=2", "data.batch_size=4", "data.seq_len=8", "data.chars=20000",
+            "trainer.max_steps=12", "trainer.precision=64-true", "logger=none"]
+    sweep, local = tmp_path / "sweep", tmp_path / "local"
+    sweeping = subprocess.Popen([sys.executable, "-m", "launcher", "-m", "hydra/launcher=slurm", *args,
+                                 f"hydra.launcher.tasks_per_node={tasks}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "step 3" not in (progress.read_text() if progress.exists() else ""):
+            assert time.monotonic() < deadline and sweeping.poll() is None, "the job never reached step 3"
+            time.sleep(0.2)
+        job = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()[0]
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        # Slurm holds a requeued job back for a while (its BeginTime); on this idle test cluster, let it start now
+        while sweeping.poll() is None and "start 3" not in progress.read_text() + "start 4":
+            state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%t"], capture_output=True, text=True).stdout
+            if state.strip() == "PD":
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+                break
+            assert time.monotonic() < deadline + 60, "the signalled job was not requeued"
+            time.sleep(0.2)
+        out, err = sweeping.communicate(timeout=240)
+    finally:
+        if sweeping.poll() is None:
+            sweeping.kill()
+    assert sweeping.returncode == 0, err[-3000:]
+    starts = [int(line.split()[1]) for line in progress.read_text().splitlines() if line.startswith("start")]
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 3, progress.read_text()  # resumed, not restarted
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*log.*"))
+    assert "requeueing the job" in logs and "resuming from" in logs
+    assert not list((sweep / "0").glob("hpc_ckpt_*.ckpt"))  # finished: nothing left to resume from
+    steps = json.loads((sweep / "0" / "metrics.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 13))  # the whole run's curve, across the requeue
+    q = subprocess.run([sys.executable, "-m", "launcher", *args, f"hydra.run.dir={local}"], cwd=tmp_path,
+                       env=dict(env, PROGRESS=str(tmp_path / "local-progress")), capture_output=True, text=True,
+                       timeout=200)
+    assert q.returncode == 0, q.stderr[-3000:]
+    assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == ["last.ckpt"]
+    a = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", weights_only=False)
+    b = torch.load(local / "checkpoints" / "last.ckpt", weights_only=False)
+    assert a["global_step"] == b["global_step"] == 12
+    assert max((a["state_dict"][k] - b["state_dict"][k]).abs().max().item() for k in b["state_dict"]) < 1e-10

@@ -48,6 +48,15 @@ class RunMetrics(Callback):
         self.samples.append(n)
         pl_module.log_dict({"step_s": wall, "samples_per_s": n / wall}, on_step=True, on_epoch=False)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The curve so far, so that a run resumed from a checkpoint (a requeued Slurm job) reports
+        every step, not only those after the resume."""
+        return {"walls": self.walls, "losses": self.losses, "samples": self.samples, "val": self.val}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key in ("walls", "losses", "samples", "val"):
+            setattr(self, key, list(state_dict.get(key, [])))
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if "val_loss" in trainer.callback_metrics and not trainer.sanity_checking:
             self.val.append({"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val_loss"])})

@@ -109,7 +109,7 @@ def _plannable(step: Any, cfg: DictConfig) -> None:
 def _devices(W: int) -> dict[str, Any]:
     """Trainer(devices=..., num_nodes=...) for how the processes are started: torchrun or Slurm
     with one task per worker join those processes; otherwise the strategy forks W workers."""
-    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_WORLD_SIZE" in env:  # torchrun
@@ -117,7 +117,10 @@ def _devices(W: int) -> dict[str, Any]:
         return {"devices": local, "num_nodes": int(env["WORLD_SIZE"]) // local}
     if int(env.get("SLURM_NTASKS", "1")) > 1:
         nodes = int(env.get("SLURM_NNODES", "1"))
-        return {"devices": int(env["SLURM_NTASKS"]) // nodes, "num_nodes": nodes}
+        # Slurm's warning signal is handled between steps (lightning/requeue.py), not by
+        # Lightning's handler, which checkpoints in the middle of a step
+        return {"devices": int(env["SLURM_NTASKS"]) // nodes, "num_nodes": nodes,
+                "plugins": [SLURMEnvironment(auto_requeue=False)]}
     extra: dict[str, Any] = {"devices": W, "num_nodes": 1}
     if "SLURM_NTASKS" in env:  # one Slurm task: fork the workers inside it
         extra["plugins"] = [LightningEnvironment()]
@@ -202,12 +205,15 @@ def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, A
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from ..lightning import requeue
     from ..lightning.metrics import RunMetrics
 
     config = OmegaConf.to_container(cfg, resolve=True)
     callbacks: list[Any] = [RunMetrics(out_dir, config, run)]
     if cfg.trainer.get("enable_checkpointing", True):
         callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True))
+    if requeue.in_slurm_job():  # last: its checkpoint is not part of the step's measured time
+        callbacks.append(requeue.RequeueOnSignal())
     out: dict[str, Any] = {"callbacks": callbacks, "default_root_dir": str(out_dir),
                            "enable_checkpointing": bool(cfg.trainer.get("enable_checkpointing", True))}
     if cfg.logger:
@@ -233,6 +239,7 @@ def _group(out_dir: Path) -> str:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One training run (one point of a sweep)."""
+    from ..lightning import requeue
     from ..runtime import WorkerFailed
 
     where = point()
@@ -246,12 +253,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return reject(e.sentences, where, in_sweep())
     if job.chosen:
         console().print("auto: chose " + " ".join(job.chosen), highlight=False, soft_wrap=True)
+    ckpt_path = cfg.ckpt_path
+    resumed = requeue.resume_path(out)
+    if resumed is not None:  # a requeued Slurm job: go on from where the warning stopped it
+        ckpt_path = str(resumed)
+        console().print(f"slurm: requeued; resuming from {resumed}", highlight=False, soft_wrap=True)
+    saved = set(requeue.hpc_checkpoints(out))
     try:
-        job.trainer.fit(job.model, datamodule=job.data, ckpt_path=cfg.ckpt_path)
+        with requeue.Watch() as watch:
+            job.trainer.fit(job.model, datamodule=job.data, ckpt_path=ckpt_path)
     except WorkerFailed as e:
         return _failed(cfg, out, where, str(e))
     except Exception as e:  # noqa: BLE001 - a crash in this process (single-device runs): record it
         return _failed(cfg, out, where, one_line(e))
+    new = [p for p in requeue.hpc_checkpoints(out) if p not in saved]
+    if new:
+        requeue.requeue(watch, new[-1])
+    for p in requeue.hpc_checkpoints(out):  # finished: a later run in this directory starts afresh
+        p.unlink(missing_ok=True)
     path = out / "metrics.json"
     if not path.exists():
         return _failed(cfg, out, where, "training ended without writing metrics.json")
