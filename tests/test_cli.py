@@ -131,3 +131,12 @@ def test_recipe_seed_lpp_bound_reaches_m_over_s_plus_1(tmp_path):
         rec = json.loads((sweep / str(n) / "simulation.json").read_text())
         M, S = 2 * 8 // R, 8
         assert rec["config"]["memory_limit"] == M and rec["rho"] == pytest.approx(M / (S + 1))
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")))
+def test_every_recipe_composes(recipe, tmp_path):
+    """Each recipe the README lists is a valid config (the Slurm one included: composing it submits nothing)."""
+    p = launcher("--config-dir", str(ROOT / "recipes"), "-cn", recipe, "--cfg", "all", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "mode:" in p.stdout and "sweeper:" in p.stdout
+    assert recipe in (ROOT / "README.md").read_text()
