@@ -83,7 +83,8 @@ class RunMetrics(Callback):
             from ..report.png import save_png
 
             save_png(tl, self.out_dir / "pipeline.png",
-                     title=f"{self.run.get('scheme')} G={self.run.get('G')} R={self.run.get('R')} (profiled durations, seconds)")
+                     title=f"{self.run.get('scheme')} G={self.run.get('G')} R={self.run.get('R')} (profiled durations)",
+                     unit="seconds")
         else:
             if trainer.global_rank != 0:
                 return

@@ -18,8 +18,9 @@ MAX_LABELS = 2000
 AUTO_MAX_JOBS = 10_000
 
 
-def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int = 100) -> Path:
-    """Draw ``tl`` into ``path`` (PNG) and return the path."""
+def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int = 100,
+             unit: str = "duration units") -> Path:
+    """Draw ``tl`` into ``path`` (PNG) and return the path; ``unit`` labels the time axis."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -54,7 +55,7 @@ def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int 
     ax.set_yticks(range(W))
     ax.set_yticklabels([f"w{w}" for w in range(W)])
     ax.set_xlim(0, latency)
-    ax.set_xlabel("time (duration units)")
+    ax.set_xlabel(f"time ({unit})")
     ax.set_title(title or f"{tl.step.name}: S={space.S} B={B} W={W}, latency {tl.latency:g}")
     if B <= 20:
         handles = [Patch(facecolor=colour(b), edgecolor="black", label=f"mb {b}") for b in range(B)]
