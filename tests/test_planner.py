@@ -98,6 +98,24 @@ def test_best_reproduces_fits_and_beats_the_brute_force(case, compose_cfg, tmp_p
     assert best.step_time <= brute_force(S, B, workers, prof, budget) * (1 + 1e-9)
 
 
+def test_candidates_are_distinct_schedules():
+    """Orders, limits or caches that give the same timeline (and the same weight traffic) are one
+    candidate: re-simulated from its settings, no two listed candidates run the same schedule."""
+    prof = unit({"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}, 0.0)
+    plan = search(4, [8], 8, prof, Budget(activations=4), top=30)
+    assert plan.equivalent > 0 and len(plan.candidates) > 5
+    seen = set()
+    for c in plan.candidates:
+        p = c.point
+        tl = simulate(make_step(p.scheme.name, 4, 8, p.G, p.R, order=p.order, warmup=p.warmup, durations=dict(
+            prof.durations), comm=0.0, memory_limit=p.memory_limit, split_backward=p.split,
+            ownership=p.scheme.ownership))
+        fetches = any(per_worker(tl, "step")["weight_fetch_stages"])
+        runs = (p.scheme, p.weight_cache if fetches else "step", p.split, p.G, p.R, tuple(tl.start))
+        assert runs not in seen, c.overrides
+        seen.add(runs)
+
+
 def test_nothing_fits_gives_no_best():
     # on 2 workers every placement puts at least 2 stages of a micro-batch on a worker
     assert search(4, [4], 2, unit({"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}, 0.0), Budget(activations=1)).best is None

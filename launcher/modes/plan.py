@@ -69,7 +69,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         f"budget {_budget_text(cfg)}; {'profile ' + str(cfg.plan.profile) if cfg.plan.profile else 'unit costs'}",
         highlight=False)
     con.print(f"simulated {result.simulated} steps; pruned {result.pruned_time} by the time bound and "
-              f"{result.pruned_memory} by the memory bound; {result.did_not_fit} evaluated candidates did not fit",
+              f"{result.pruned_memory} by the memory bound; {result.did_not_fit} evaluated candidates did not fit; "
+              f"{result.equivalent} were a listed schedule under other settings",
               highlight=False)
     con.print(candidates_table(result, prof.seconds, rows=min(10, len(result.candidates)), title="top candidates"))
     if result.best:

@@ -4,7 +4,10 @@ The search simulates one step per ``(G, R)``, order, split and memory limit, bes
 and evaluates every scheme, FSLPP ownership and weight cache that computes there (see
 :mod:`launcher.plan.space`). Candidates are ranked by predicted step time (per micro-batch, when
 several micro-batch counts are tried: the same profile per micro-batch, more of them per step),
-then traffic, then peak memory. Pruning only skips what provably cannot enter the top ``top``:
+then traffic, then peak memory. Settings that lead to the same schedule (orders or memory limits
+that give the same timeline, a weight cache on a scheme that fetches no weights) are one
+candidate, listed once under its plainest settings. Pruning only skips what provably cannot enter
+the top ``top``:
 
 - **time bound**: a step lasts at least ``max(work, chain)``, where ``work`` is the busiest
   worker's total job time (``h(s, b)`` puts ``ceil(S/R) ceil(B/G)`` jobs of each kind on worker 0,
@@ -69,6 +72,9 @@ class Candidate:
     peak_bytes: list[float] | None
     traffic_messages: int
     traffic_bytes: float | None
+    #: what runs: the scheme, the effective weight cache, and every job's worker and start time;
+    #: candidates that share it are one schedule reached by different settings
+    same_as: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def throughput(self) -> float:
@@ -109,6 +115,7 @@ class Plan:
     pruned_time: int = 0
     pruned_memory: int = 0
     did_not_fit: int = 0
+    equivalent: int = 0  # candidates that were the same schedule as one listed
     stats: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -166,7 +173,8 @@ def search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bud
            top: int = 20) -> Plan:
     """The fastest fitting points of the space, best first (see the module docstring)."""
     plan = Plan([])
-    kept: list[tuple] = []  # a max-heap (negated keys) of the top ``top`` candidates
+    kept: list[list] = []  # a max-heap of [negated key, serial, candidate]: the top ``top`` candidates
+    listed: dict[tuple, list] = {}  # schedule -> its entry in ``kept``
     serial = itertools.count()
     jobs = []  # (bound, tiebreak, B, G, R, split, order, warmup)
     for B in microbatches:
@@ -221,15 +229,31 @@ def search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bud
             elif scanning and not found and isinstance(ml, int) and ml > top_first:
                 break
             for cand in found:
-                entry = (_neg(cand.key()), next(serial), cand)
-                if len(kept) < top:
-                    heapq.heappush(kept, entry)
-                elif cand.key() < _neg(kept[0][0]):
-                    heapq.heapreplace(kept, entry)
+                _keep(kept, listed, cand, top, next(serial), plan)
             if found and found[0].step_time / B <= lb * (1 + 1e-12):
                 break  # reached the time bound: no other limit of this step is faster
     plan.candidates = sorted((c for _, _, c in kept), key=Candidate.key)
     return plan
+
+
+def _keep(kept: list[list], listed: dict[tuple, list], cand: Candidate, top: int, serial: int, plan: Plan) -> None:
+    """Enter ``cand`` into the top ``top`` unless a plainer setting of the same schedule is there."""
+    old = listed.get(cand.same_as)
+    if old is not None and old in kept:
+        plan.equivalent += 1
+        if cand.key() < old[2].key():  # the same schedule under plainer settings: list those
+            old[0], old[2] = _neg(cand.key()), cand
+            heapq.heapify(kept)
+        return
+    entry = [_neg(cand.key()), serial, cand]
+    if len(kept) < top:
+        heapq.heappush(kept, entry)
+    elif cand.key() < _neg(kept[0][0]):
+        dropped = heapq.heapreplace(kept, entry)
+        listed.pop(dropped[2].same_as, None)
+    else:
+        return
+    listed[cand.same_as] = entry
 
 
 def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget) -> tuple[list, list, int]:
@@ -281,6 +305,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
         return []
     act = memory.activation_bytes(tl, prof) if prof.bytes else None
     out = []
+    starts = tuple(tl.start)
     mlt = tuple(ml) if isinstance(ml, (list, tuple)) else ml
     for sch, weights, owned, fetched in per_scheme:
         view = Timeline(tl.step, tl.compute, weights * tl.step.space.K, tl.start, tl.finish, tl.program,
@@ -303,6 +328,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             msgs = sum(t["act_recv"]) + sum(t["grad_recv"]) + sum(t["stash_recv"]) + sum(fetch) \
                 + sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])
             point = Point(sch, G, R, S, B, order, warmup, split, mlt, cache, d, prof.comm)
+            runs = (sch, cache if any(fetched) else "step", split, B, G, R, starts)
             out.append(Candidate(point, latency, bubble, peak_act, peak_bytes, msgs,
-                                 _traffic_bytes(t, fetch, prof, S)))
+                                 _traffic_bytes(t, fetch, prof, S), runs))
     return out

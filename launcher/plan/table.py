@@ -49,7 +49,8 @@ def plan_record(plan: Plan, config: dict[str, Any], seconds: bool) -> dict[str, 
         "best": plan.best.to_json() if plan.best else None,
         "candidates": [c.to_json() for c in plan.candidates],
         "search": {"simulated": plan.simulated, "pruned_by_time_bound": plan.pruned_time,
-                   "pruned_by_memory_bound": plan.pruned_memory, "did_not_fit": plan.did_not_fit},
+                   "pruned_by_memory_bound": plan.pruned_memory, "did_not_fit": plan.did_not_fit,
+                   "same_schedule_as_listed": plan.equivalent},
     }
 
 
