@@ -5,7 +5,8 @@ each budget's top candidates and compare predicted with measured step time and p
     python benchmarks/plan_on_workers.py --budget plan.max_activations=6 --top 3 --steps 12
 
 Each run is ``python -m launcher`` (a subprocess, exactly as a user types it) in a temporary
-directory; the step time measured is the median over the steps after the first. Prints, per
+directory; a candidate's measured step time is the median over ``--rounds`` runs (candidates
+alternate within each round) of each run's median step after the first. Prints, per
 budget, one row per candidate (rank 1 is the planner's pick) and whether the pick is within 10% of
 the fastest measured and its measured peak within the budget.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each candidate, alternated")
     args = ap.parse_args()
     budgets = args.budget or ["plan.max_activations=4", "plan.max_activations=8"]
     con = Console(width=200)
@@ -50,17 +53,20 @@ def main() -> None:
             launcher(["mode=plan", f"plan.workers={args.workers}", budget, f"plan.top={args.top}",
                       f"plan.profile={profile / 'metrics.json'}", f"hydra.run.dir={out}"], root)
             candidates = json.loads((out / "plan.json").read_text())["candidates"][: args.top]
-            rows = []
-            for i, c in enumerate(candidates):
-                run = out / f"c{i}"
-                launcher([*c["overrides"], f"trainer.max_steps={args.steps}", *RUN, f"hydra.run.dir={run}"], root)
-                m = json.loads((run / "metrics.json").read_text())
-                peak = max(m["per_worker"]["peak_activations"]["measured"])
-                rows.append((c, m["latency_s"]["measured"], peak))
+            times: list[list[float]] = [[] for _ in candidates]
+            peaks: list[int] = [0] * len(candidates)
+            for k in range(args.rounds):  # candidates alternate within each round: drift hits them alike
+                for i, c in enumerate(candidates):
+                    run = out / f"c{i}-{k}"
+                    launcher([*c["overrides"], f"trainer.max_steps={args.steps}", *RUN, f"hydra.run.dir={run}"], root)
+                    m = json.loads((run / "metrics.json").read_text())
+                    times[i].append(m["latency_s"]["measured"])
+                    peaks[i] = max(peaks[i], max(m["per_worker"]["peak_activations"]["measured"]))
+            rows = [(c, statistics.median(t), peak) for c, t, peak in zip(candidates, times, peaks)]
             fastest = min(r[1] for r in rows)
             limit = int(budget.split("=")[1]) if "max_activations" in budget else None
             t = Table(title=f"{budget} (plan.workers={args.workers}): the planner's top {len(rows)} trained for "
-                            f"{args.steps} steps", title_justify="left")
+                            f"{args.steps} steps x {args.rounds} rounds", title_justify="left")
             for col in ("#", "overrides", "predicted (ms)", "measured (ms)", "measured / fastest", "peak act (pred / meas)"):
                 t.add_column(col, justify="left" if col == "overrides" else "right")
             for i, (c, measured, peak) in enumerate(rows):
