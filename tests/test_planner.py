@@ -20,6 +20,7 @@ from launcher.plan import Budget, ProfileError, load, parse_bytes, search, unit
 from launcher.plan import memory
 from launcher.plan.profile import from_dict
 from launcher.schedule import ScheduleError, make_step, simulate
+from launcher.schedule.link import step_time as link_step_time
 from launcher.schedule.metrics import per_worker
 
 PROFILE = {"durations_s": {"F": 1.0, "B": 2.2, "I": 1.3, "W": 0.9}, "comm_s": 0.1,
@@ -56,18 +57,31 @@ def brute_force(S: int, B: int, workers: int, prof, budget: Budget) -> float:
                         prof.durations), comm=prof.comm, memory_limit=ml, split_backward=split, ownership=own))
                 except ScheduleError:
                     continue
-                if tl.latency < best and fits(tl, prof, budget):
-                    best = tl.latency
+                t = step_time(tl, prof)
+                if t < best and fits(tl, prof, budget):
+                    best = t
     return best
 
 
-CASES = [  # S, B, workers, profile?, budget
-    (4, 4, 4, False, Budget(activations=2)),
-    (3, 4, 4, False, Budget()),
-    (4, 4, 4, True, Budget(bytes=150)),
-    (4, 4, 4, True, Budget(bytes=110)),
-    (4, 3, 4, True, Budget(bytes=200, activations=3)),
-    (4, 4, 2, True, Budget(bytes=300)),
+def step_time(tl, prof) -> float:
+    """The simulated step, and with a link the gradient exchange after it."""
+    if prof.link is None:
+        return tl.latency
+    return link_step_time(tl, [prof.stage_bytes("grads", s) for s in range(tl.step.S)], prof.link)
+
+
+LINKED = PROFILE | {"link": {"latency_s": 0.05, "bytes_per_s": 20.0}}
+
+CASES = [  # S, B, workers, profile (None: unit costs), budget
+    (4, 4, 4, None, Budget(activations=2)),
+    (3, 4, 4, None, Budget()),
+    (4, 4, 4, PROFILE, Budget(bytes=150)),
+    (4, 4, 4, PROFILE, Budget(bytes=110)),
+    (4, 3, 4, PROFILE, Budget(bytes=200, activations=3)),
+    (4, 4, 2, PROFILE, Budget(bytes=300)),
+    # a measured link: the gradient exchange after the compute ranks the schemes too
+    (4, 4, 4, LINKED, Budget(bytes=150)),
+    (4, 4, 4, LINKED, Budget()),
 ]
 
 
@@ -77,17 +91,17 @@ def compose_cfg():
         yield lambda overrides: compose("config", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"S{c[0]}B{c[1]}w{c[2]}-{c[4]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"S{c[0]}B{c[1]}w{c[2]}-{'link' if c[3] is LINKED else ''}{c[4]}")
 def test_best_reproduces_fits_and_beats_the_brute_force(case, compose_cfg, tmp_path):
-    S, B, workers, with_profile, budget = case
-    prof = from_dict(PROFILE) if with_profile else unit({"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}, 0.0)
+    S, B, workers, profile, budget = case
+    prof = from_dict(profile) if profile else unit({"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}, 0.0)
     best = search(S, [B], workers, prof, budget, top=5).best
     assert best is not None
     # re-simulate from the planner's own overrides, through Hydra
     cfg = compose_cfg(best.overrides)
     assert errors(cfg) == []
     tl, summary = simulate_config(cfg)
-    assert tl.latency == best.step_time
+    assert step_time(tl, prof) == best.step_time
     assert summary["workers"] <= workers
     assert fits(tl, prof, budget, caches=(cfg.weight_cache,))
     if best.peak_bytes is not None:

@@ -65,6 +65,9 @@ def test_metrics_json(fslpp_run):
     assert pw["peak_activation_bytes"]["predicted"] == pw["peak_activation_bytes"]["measured"]
     assert len(pw["peak_memory_bytes"]["measured"]) == 4 and min(pw["peak_memory_bytes"]["measured"]) > 2**20
     assert m["profile"]["durations_s"]["F"] > 0 and len(m["profile"]["bytes"]["params"]) == 4
+    # the link workers 0 and 1 measured prices every message of the prediction
+    link = m["profile"]["link"]
+    assert link["latency_s"] > 0 and link["bytes_per_s"] > 0 and m["profile"]["comm_s"] > link["latency_s"]
     assert (run / "pipeline.png").stat().st_size > 1000
     assert (run / "checkpoints" / "last.ckpt").exists()
 

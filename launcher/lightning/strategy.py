@@ -40,6 +40,7 @@ from torch import nn
 from ..config import ConfigError, LauncherConf, step_errors, to_step
 from ..runtime import DEFAULT_TIMEOUT, Engine, StagedModel
 from ..runtime.failure import Watchdog, set_current_watchdog
+from ..runtime.link import measure as measure_link
 from ..runtime.processes import auto_backend
 from ..schedule import Step, make_step
 from ..schedule.placement import named
@@ -412,9 +413,11 @@ class UnifiedStrategy(ParallelStrategy):
         opt_bytes = {s: sum(v.numel() * v.element_size() for p in self.engine.modules[s].parameters()
                             for v in state.get(p, {}).values() if torch.is_tensor(v))
                      for s in self.layout.writers}
+        # the message cost the prediction and the planner use: workers 0 and 1 ping-pong (no step runs now)
+        link = measure_link(self.engine.group, self.engine.device) if self.engine.plan.workers > 1 else None
         mine = {"rank": self.global_rank, "records": self.records, "walls": list(walls), "peak_memory_bytes": peak,
                 "memory_kind": "cuda_max_allocated" if self.root_device.type == "cuda" else "rss",
-                "optimizer_bytes": opt_bytes}
+                "optimizer_bytes": opt_bytes, "link": link.to_json() if link else None}
         out: list[Any] | None = [None] * dist.get_world_size() if self.global_rank == 0 else None
         dist.gather_object(mine, out, dst=0)
         return out

@@ -5,11 +5,13 @@ under ``"profile"``; a bare profile file works too)::
 
     {"durations_s": {"F": float, "B": float, "I": float | null, "W": float | null},
      "comm_s": float,                       # seconds added when a dependency crosses workers
+     "link": {"latency_s": float, "bytes_per_s": float} | null,   # optional: message costs
      "bytes": {"params": [per stage], "grads": [per stage], "optimizer": [per stage],
                "activation": [per stage: bytes of x_s^b for one micro-batch]}}
 
 Without a profile the planner uses the config's unit-cost model (``durations``, ``comm``) and has
-no bytes, so ``plan.memory`` needs a profile.
+no bytes, so ``plan.memory`` needs a profile. With a ``link`` and bytes, a candidate's step time
+also counts the gradient exchange after the compute (:mod:`launcher.schedule.link`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from ..schedule.link import Link
 
 BYTE_KINDS = ("params", "grads", "optimizer", "activation")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -39,6 +43,7 @@ class Profile:
     comm: float
     bytes: Mapping[str, tuple[float, ...]] | None = None
     seconds: bool = True  # False: the config's unit-cost model
+    link: Link | None = None  # message costs between workers, when measured
 
     @property
     def can_split(self) -> bool:
@@ -81,8 +86,13 @@ def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
         if not isinstance(by, Mapping) or not all(_sizes(by.get(k)) for k in BYTE_KINDS):
             raise ProfileError(f"{where} has bytes without lists of sizes >= 0 for each of {', '.join(BYTE_KINDS)}")
         table = {k: tuple(float(x) for x in by[k]) for k in BYTE_KINDS}
+    link = d.get("link")
+    if link is not None:
+        if not (isinstance(link, Mapping) and _pos(link.get("latency_s")) and _pos(link.get("bytes_per_s"))):
+            raise ProfileError(f"{where} has link={link!r}; it must be null or hold positive latency_s and bytes_per_s")
+        link = Link(float(link["latency_s"]), float(link["bytes_per_s"]))
     return Profile({k: (float(dur[k]) if dur.get(k) is not None else None) for k in ("F", "B", "I", "W")},
-                   float(comm), table, seconds=True)
+                   float(comm), table, seconds=True, link=link)
 
 
 def load(path: str | Path) -> Profile:

@@ -14,7 +14,8 @@ the top ``top``:
   the most of any) and ``chain`` is one micro-batch's dependency path
   (``S F + S B``, or ``S F + S I + W`` split, plus ``2 (S - 1) comm`` when ``R > 1``). A
   simulation whose bound (per micro-batch) exceeds the ``top``-th best found so far is skipped:
-  its every scheme, ownership and cache has that same time, so none can rank above it. Steps are
+  its every scheme, ownership and cache lasts at least that long (the gradient exchange a
+  profile's link adds comes after the compute), so none can rank above it. Steps are
   simulated in increasing order of the bound, so good candidates come early and prune the rest.
 - **memory bound**: a worker holds at least the ``ceil(S/R)`` activations of one micro-batch's
   stages at once (all its forwards run before any of its backwards), and its owned and fetched
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..schedule import ScheduleError, make_step, simulate
+from ..schedule.link import step_time as link_step_time
 from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
 from ..schedule.placement import named
 from ..schedule.simulate import Timeline, place_all
@@ -305,6 +307,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
         return []
     act = memory.activation_bytes(tl, prof) if prof.bytes else None
     out = []
+    step_time: dict = {}
+    grads = [prof.stage_bytes("grads", s) for s in range(S)] if prof.link and prof.bytes else None
     starts = tuple(tl.start)
     mlt = tuple(ml) if isinstance(ml, (list, tuple)) else ml
     for sch, weights, owned, fetched in per_scheme:
@@ -313,6 +317,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
         t = moves.get(sch)
         if t is None:
             t = moves[sch] = traffic(view)
+        # the gradient exchange after the compute depends on who owns what: per scheme
+        step_time[sch] = link_step_time(view, grads, prof.link) if grads else latency
         for cache in CACHES:
             if cache == "job" and not any(fetched):
                 fetch, resident = [0] * len(owned), t["weights_owned"]
@@ -328,7 +334,9 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             msgs = sum(t["act_recv"]) + sum(t["grad_recv"]) + sum(t["stash_recv"]) + sum(fetch) \
                 + sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])
             point = Point(sch, G, R, S, B, order, warmup, split, mlt, cache, d, prof.comm)
-            runs = (sch, cache if any(fetched) else "step", split, B, G, R, starts)
-            out.append(Candidate(point, latency, bubble, peak_act, peak_bytes, msgs,
+            # what runs: the compute (starts) and who owns which weights; FSLPP's two ownerships
+            # coincide when R = 1, and DDP is LPP at G = B
+            runs = (tuple(weights), cache if any(fetched) else "step", split, B, G, R, starts)
+            out.append(Candidate(point, step_time[sch], bubble, peak_act, peak_bytes, msgs,
                                  _traffic_bytes(t, fetch, prof, S), runs))
     return out

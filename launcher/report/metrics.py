@@ -2,7 +2,9 @@
 
 Pure Python (no torch): the Lightning layer gathers what every worker measured and hands it here
 with the plan. The prediction is the simulator's, fed with durations profiled on this run's own
-workers (the mean wall time of each job kind over the steps after the first), so it is in seconds.
+workers (the mean wall time of each job kind over the steps after the first) and the link they
+measured (message costs, and the gradient exchange after the compute: :mod:`launcher.schedule.link`),
+so it is in seconds.
 
 Keys (the comparison dashboard reads them):
 
@@ -12,8 +14,9 @@ Keys (the comparison dashboard reads them):
   validation ``step`` and ``val_loss``;
 - ``latency_s``, ``throughput_samples_per_s``, ``bubble_fraction``: ``{"predicted", "measured"}``
   (measured = the median over the steps after the first);
-- ``profile``: ``durations_s`` per job kind, ``comm_s`` (0: the prediction adds no message cost),
-  ``bytes`` per stage (``params``, ``grads``, ``optimizer``, ``activation``: x_s^b of one
+- ``profile``: ``durations_s`` per job kind, ``link`` (``latency_s``, ``bytes_per_s`` of a
+  ping-pong between workers 0 and 1; null with one worker), ``comm_s`` (what a dependency across
+  workers waits: one mean activation over the link; 0 without a link), ``bytes`` per stage (``params``, ``grads``, ``optimizer``, ``activation``: x_s^b of one
   micro-batch), the input the planner reads;
 - ``per_worker``: lists indexed by worker, each ``{"predicted", "measured"}``: ``bubble_fraction``,
   ``peak_activations`` (count) and ``peak_activation_bytes``, ``weights_owned``,
@@ -32,6 +35,7 @@ from typing import Any, Mapping, Sequence
 
 from ..runtime.plan import KINDS, Plan
 from ..schedule import Timeline, simulate
+from ..schedule.link import Link, step_time as link_step_time
 from ..schedule.simulate import Step
 
 
@@ -106,11 +110,15 @@ def build(
     step: Step = plan.timeline.step
     kinds = step.space.kinds
     durations = profiled_durations(ranks, kinds)
+    link = next((Link(**r["link"]) for r in ranks if r.get("link")), None)
+    # a dependency across workers waits for one activation-sized message
+    act_mean = sum(map(sum, act_bytes)) / max(1, sum(map(len, act_bytes)))
+    comm_s = link.seconds(act_mean) if link else 0.0
     tuned = Step(step.space, step.placement, step.workers, step.order,
                  {k: max(v, 1e-9) for k, v in durations.items()} | {k: 1.0 for k in "FBIW" if k not in kinds},
-                 0.0, step.memory_limit, step.name)
+                 comm_s, step.memory_limit, step.name)
     tl = simulate(tuned)
-    predicted_s = tl.latency
+    predicted_s = link_step_time(tl, stage_bytes["grads"], link) if link else tl.latency
     measured_s = _median_after_first([s["step_s"] for s in steps])
 
     busy_pred = [0.0] * W
@@ -151,7 +159,8 @@ def build(
                                      "measured": samples_per_step / measured_s if measured_s else None},
         "bubble_fraction": {"predicted": max(0.0, bubble_pred_total),
                             "measured": sum(meas_bubbles) / len(meas_bubbles) if meas_bubbles else None},
-        "profile": {"durations_s": {k: durations.get(k) for k in ("F", "B", "I", "W")}, "comm_s": 0.0,
+        "profile": {"durations_s": {k: durations.get(k) for k in ("F", "B", "I", "W")}, "comm_s": comm_s,
+                    "link": link.to_json() if link else None,
                     "bytes": {k: list(v) for k, v in stage_bytes.items()}},
         "per_worker": {
             "bubble_fraction": {"predicted": [max(0.0, 1.0 - b / predicted_s) if predicted_s else 0.0 for b in busy_pred],

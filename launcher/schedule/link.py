@@ -1,0 +1,81 @@
+"""What a step's gradient exchange adds to the simulated compute: a latency-bandwidth link model.
+
+The simulator's timeline ends with each worker's last job; the runtime then finishes the step
+(DESIGN.md section 4, and the lowering in :mod:`launcher.runtime.plan`):
+
+- every worker sends its weight-gradient sum of stage ``s`` to each other owner it computed for,
+  and each owner receives them: one message of ``grad_bytes[s]`` per ``(s, sender, owner)``;
+- the ``n`` owners of a replicated stage (DDP, LPP with G > 1) all-reduce it on their subgroup,
+  ring-style: each sends and receives ``2 (n - 1) / n`` of the gradient in ``2 (n - 1)`` rounds.
+
+A message of ``n`` bytes costs ``latency_s + n / bytes_per_s`` (a :class:`Link`, measured on the
+real workers by a ping-pong, :mod:`launcher.runtime.link`). A worker's end phase lasts its
+message rounds' latency plus its busier direction's bytes over the bandwidth (links are full
+duplex), and the step ends when the last worker's end phase does:
+
+    T = max_w (finish_w + rounds_w * latency + max(sent_w, received_w) / bandwidth)
+
+Weight fetches (FSDP, FSLPP) are not in ``T``: the runtime prefetches them during the compute;
+they are in the traffic. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .simulate import Timeline
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link between two workers: seconds per message and bytes per second."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        """What one message of ``nbytes`` costs."""
+        return self.latency_s + nbytes / self.bytes_per_s
+
+    def to_json(self) -> dict[str, float]:
+        return {"latency_s": self.latency_s, "bytes_per_s": self.bytes_per_s}
+
+
+def end_of_step(tl: Timeline, grad_bytes: Sequence[float], link: Link) -> list[float]:
+    """Per worker, the seconds of its gradient exchange after its last job (formula above)."""
+    space, W = tl.step.space, tl.step.workers
+    S, B = space.S, space.B
+    grad_kind = space.K - 1  # B, or W when split: the job that makes stage s's weight gradient
+    pairs: set[tuple[int, int, int]] = set()
+    owners: list[set[int]] = [set() for _ in range(S)]
+    for j in range(space.N):
+        k, s = divmod(j // B, S)
+        o = tl.weights[j]
+        owners[s].add(o)
+        if k == grad_kind and tl.compute[j] != o:
+            pairs.add((s, tl.compute[j], o))
+    sent, received = [0.0] * W, [0.0] * W
+    sends, receives, rounds = [0] * W, [0] * W, [0] * W
+    for s, w, o in pairs:
+        sent[w] += grad_bytes[s]
+        received[o] += grad_bytes[s]
+        sends[w] += 1
+        receives[o] += 1
+    for s, group in enumerate(owners):
+        n = len(group)
+        if n > 1:
+            share = 2 * (n - 1) / n * grad_bytes[s]
+            for o in group:
+                sent[o] += share
+                received[o] += share
+                rounds[o] += 2 * (n - 1)
+    return [(max(sends[w], receives[w]) + rounds[w]) * link.latency_s + max(sent[w], received[w]) / link.bytes_per_s
+            for w in range(W)]
+
+
+def step_time(tl: Timeline, grad_bytes: Sequence[float], link: Link) -> float:
+    """``T``: the simulated compute of every worker followed by its gradient exchange."""
+    tails = end_of_step(tl, grad_bytes, link)
+    finish = [max((tl.finish[j] for j in prog), default=0.0) for prog in tl.program]
+    return max(f + t for f, t in zip(finish, tails))
