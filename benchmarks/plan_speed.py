@@ -5,7 +5,8 @@ benchmark, not a test). Target on the project's 2-core machine: under 10 s for e
 
 Prints, per budget: seconds, steps simulated, steps pruned by the time and memory bounds, and the
 best candidate. The profile is synthetic (10 ms forward, 20 ms backward split 11 + 9, 1 ms per
-message; 50 MB parameters and gradients, 100 MB optimizer state, 20 MB activations per stage).
+message; 50 MB parameters and gradients, 100 MB optimizer state, 20 MB activations per stage; a
+link of 20 us and 10 GB/s, so the gradient exchange after the compute is priced per scheme).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ S, B, WORKERS = 16, 32, 16
 PROFILE = from_dict({
     "durations_s": {"F": 0.010, "B": 0.020, "I": 0.011, "W": 0.009}, "comm_s": 0.001,
     "bytes": {"params": [50e6] * S, "grads": [50e6] * S, "optimizer": [100e6] * S, "activation": [20e6] * S},
+    "link": {"latency_s": 20e-6, "bytes_per_s": 10e9},
 })
 UNIT = unit({"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}, 0.0)
 BUDGETS = [

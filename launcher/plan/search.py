@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..schedule import ScheduleError, make_step, simulate
-from ..schedule.link import step_time as link_step_time
+from ..schedule.link import end_of_step, step_time as link_step_time
 from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
 from ..schedule.placement import named
 from ..schedule.simulate import Timeline, place_all
@@ -317,8 +317,9 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
         t = moves.get(sch)
         if t is None:
             t = moves[sch] = traffic(view)
-        # the gradient exchange after the compute depends on who owns what: per scheme
-        step_time[sch] = link_step_time(view, grads, prof.link) if grads else latency
+            if grads:  # the gradient exchange after the compute depends on who owns what
+                t["end_of_step"] = end_of_step(view, grads, prof.link)
+        step_time[sch] = link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency
         for cache in CACHES:
             if cache == "job" and not any(fetched):
                 fetch, resident = [0] * len(owned), t["weights_owned"]

@@ -74,8 +74,12 @@ def end_of_step(tl: Timeline, grad_bytes: Sequence[float], link: Link) -> list[f
             for w in range(W)]
 
 
-def step_time(tl: Timeline, grad_bytes: Sequence[float], link: Link) -> float:
-    """``T``: the simulated compute of every worker followed by its gradient exchange."""
-    tails = end_of_step(tl, grad_bytes, link)
-    finish = [max((tl.finish[j] for j in prog), default=0.0) for prog in tl.program]
-    return max(f + t for f, t in zip(finish, tails))
+def step_time(tl: Timeline, grad_bytes: Sequence[float], link: Link, tails: Sequence[float] | None = None) -> float:
+    """``T``: the simulated compute of every worker followed by its gradient exchange.
+
+    ``tails``: :func:`end_of_step` of this placement, when the caller already has it (it depends
+    on who computes and who owns each job, not on when jobs run)."""
+    if tails is None:
+        tails = end_of_step(tl, grad_bytes, link)
+    # a worker runs its program one job at a time: its last job finishes last
+    return max((tl.finish[prog[-1]] if prog else 0.0) + t for prog, t in zip(tl.program, tails))
