@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from launcher.schedule import make_step, simulate
 from launcher.schedule.metrics import per_worker
-from launcher.runtime.plan import (ACT, BCAST, GRAD, REDUCE, WEIGHTS, WGRAD, Plan, PlanError, lower, predicted_receives,
+from launcher.runtime.plan import (ACT, GRAD, WEIGHTS, WGRAD, Plan, PlanError, lower, predicted_receives,
                                    resident_peaks)
 
 SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("lpp", 2, 2, 4, 4),
@@ -17,16 +17,14 @@ ORDERS = ["1f1b", "breadth_first", "depth_first"]
 
 
 def _end_phase(plan: Plan, w: int) -> list[tuple[str, int]]:
-    """The engine's end-of-step operations on worker ``w``, in its order."""
+    """The engine's end-of-step operations on worker ``w``, in its order: the partial sums sent
+    to its stages, then one all-reduce phase if it owns a replicated stage (``("allreduce", -1)``)."""
     out = []
-    for red in plan.programs[w].reduces:
-        out += [("send", m) for m in red.send_to_owner.values()]
-        if red.stage in plan.programs[w].owned:
-            out += [("wait", m) for m in red.recv_from]
-            if red.reduce_send is not None:
-                out += [("send", red.reduce_send), ("wait", red.bcast_recv)]
-            else:
-                out += [("wait", m) for m in red.reduce_recv] + [("send", m) for m in red.bcast_send]
+    reduces = [red for red in plan.programs[w].reduces if red.stage in plan.programs[w].owned]
+    for red in reduces:
+        out += [("wait", m) for m in red.recv_from]
+    if any(red.replicas for red in reduces):
+        out.append(("allreduce", -1))
     return out
 
 
@@ -36,6 +34,8 @@ def execute_abstract(plan: Plan) -> None:
     NCCL: a pair's operations (both directions) complete strictly in issue order, and the k-th
     operation completes only once both ends issued it. Workers issue with the engine's rule (per
     peer in plan order, stop at an unready send, post earlier receives when something later goes).
+    The replicas' all-reduce completes once every member of each of the worker's owner sets has
+    reached its own all-reduce phase.
     """
     W, msgs = plan.workers, plan.messages
     flat: list[list[tuple[str, int]]] = []
@@ -47,6 +47,7 @@ def execute_abstract(plan: Plan) -> None:
             if op.weights is not None:
                 ops.append(("wait", op.weights))
             ops += [("send", m) for m in op.send]
+            ops += [("send", m) for m in op.wgrad_send]
         ops += [("send", m) for m in prog.weight_release.get(len(prog.jobs), ())]
         flat.append(ops + _end_phase(plan, w))
     ready: list[set[int]] = [set() for _ in range(W)]
@@ -73,12 +74,21 @@ def execute_abstract(plan: Plan) -> None:
                 for mid in q[:n]:
                     done.add(mid)
 
+    arrived: set[int] = set()  # workers at their all-reduce phase
+    sets = [{o for owners in plan.owners if w in owners and len(owners) > 1 for o in owners} for w in range(W)]
     progress = True
     while progress:
         progress = False
         for w in range(W):
             while pc[w] < len(flat[w]):
                 kind, mid = flat[w][pc[w]]
+                if kind == "allreduce":
+                    arrived.add(w)
+                    if not sets[w] <= arrived:
+                        break
+                    pc[w] += 1
+                    progress = True
+                    continue
                 m = msgs[mid]
                 peer = m.dst if m.src == w else m.src
                 if kind == "send":
@@ -145,7 +155,7 @@ def test_plan_matches_simulator(name, G, R, S, B, order, split, cache):
     p = plan.predicted
     sent_wgrad = [sum(len(r.send_to_owner) for r in prog.reduces) for prog in plan.programs]
     assert sent_wgrad == p["weight_grad_send"]
-    replicated = [sum(1 for r in prog.reduces if r.reduce_send is not None or r.reduce_recv) for prog in plan.programs]
+    replicated = [sum(1 for r in prog.reduces if r.replicas) for prog in plan.programs]
     assert replicated == p["weight_allreduce"]
     assert [len(prog.owned) for prog in plan.programs] == p["weights_owned"]
     _check_weights(plan)
@@ -168,11 +178,27 @@ def test_identities_lower_alike():
     assert sig(lower(simulate(make_step("lpp", 3, 4, G=4, R=1)))) == sig(lower(simulate(make_step("ddp", 3, 4, G=4, R=1))))
 
 
-def test_ddp_reduces_through_the_root():
+def test_ddp_all_reduces_every_stage_among_all_workers():
+    """DDP sends no message at all: every stage is all-reduced by its four replicas."""
     plan = lower(simulate(make_step("ddp", 3, 4, G=4, R=1)))
-    kinds = {(m.kind, m.src, m.dst) for m in plan.messages}
-    assert kinds == {(REDUCE, o, 0) for o in (1, 2, 3)} | {(BCAST, 0, o) for o in (1, 2, 3)}
-    assert not any(m.kind == WGRAD for m in plan.messages)
+    assert plan.messages == []
+    for prog in plan.programs:
+        assert [(r.stage, r.replicas) for r in prog.reduces] == [(s, (0, 1, 2, 3)) for s in range(3)]
+
+
+def test_partial_sums_go_out_after_the_last_job_that_adds_to_them():
+    """FSDP: a worker's weight-gradient sum for another owner is sent by its last backward of
+    that stage, keyed at that job's finish, not at the end of the step."""
+    tl = simulate(make_step("fsdp", 4, 4, G=4, R=1))
+    plan = lower(tl)
+    wgrads = [m for m in plan.messages if m.kind == WGRAD]
+    assert wgrads
+    for m in wgrads:
+        (op,) = [op for op in plan.programs[m.src].jobs if m.mid in op.wgrad_send]
+        assert op.stage == m.stage and op.owner == m.dst and op.kind == "B"
+        later = [o for o in plan.programs[m.src].jobs if o.start > op.start]
+        assert not any(o.stage == m.stage and o.owner == m.dst and o.kind == "B" for o in later)
+        assert m.key[0] == tl.finish[op.job] < tl.latency or m.key[0] == tl.latency
 
 
 def test_rejects_forward_and_backward_apart():

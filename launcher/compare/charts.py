@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 from .runs import Run
 
-KINDS = ("act", "grad", "weights", "wgrad", "reduce", "bcast")
+KINDS = ("act", "grad", "weights", "wgrad", "reduce", "bcast")  # the last two: runs from before replicas all-reduced
 #: (title, unit, value(metrics, side) -> number or None)
 PANELS: list[tuple[str, str, Callable[[dict, str], Any]]] = [
     ("step time", "ms", lambda m, s: m["latency_s"][s] and m["latency_s"][s] * 1e3),

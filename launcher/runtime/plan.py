@@ -13,17 +13,18 @@ What the placement implies (DESIGN.md section 2), as messages:
   fetches its own copy and frees it when it finishes, except that a backward whose forward ran on
   this worker's own weights backpropagates through that forward's graph (no copy), and a ``W``
   takes its gradient from its ``I``'s graph, on the copy ``I`` kept until then (no copy either);
-- ``wgrad``: after the compute, each worker sends its per-stage weight-gradient sum to every
-  other owner it computed for (one message per ``(stage, owner)``);
-- ``reduce`` / ``bcast``: owners of a replicated stage (DDP, LPP with G > 1) sum their partial
-  gradients at the lowest-ranked owner (the root), which sends the total back; then each owner
-  steps its optimizer for the stages it owns.
+- ``wgrad``: each worker sends its weight-gradient sum of a stage to every other owner it
+  computed for (one message per ``(stage, owner)``) as soon as its last backward of that stage
+  for that owner ends, so the transfer overlaps the rest of its backward;
+- replicas: the owners of a replicated stage (DDP, LPP with G > 1) all-reduce its gradient on
+  their own subgroup (a collective, not a message: :mod:`launcher.runtime.groups`) once their
+  partial sums are in; then each owner steps its optimizer for the stages it owns.
 
 Message order, for NCCL: NCCL ignores tags, matches point-to-point operations between a pair of
 ranks in issue order, and runs a pair's operations (both directions) one after another. So every
 message gets a sort ``key``: the simulated time at which its data is ready at the sender
-(``act``/``grad``: the producing job's finish; ``weights``: the consuming job's start, since owners
-hold weights all step), then the end-of-step phases. An owner hands a weights message over just
+(``act``/``grad``: the producing job's finish; ``wgrad``: the finish of the last job whose
+gradient it sums; ``weights``: the consuming job's start, since owners hold weights all step). An owner hands a weights message over just
 before its first job that starts at or after that key (``Program.weight_release``). Both ends issue a pair's operations in key
 order. A worker only ever waits for data whose key is earlier than the simulated start of the job
 that waits, so issuing in key order cannot deadlock (the simulated timeline is a witness).
@@ -37,8 +38,8 @@ from dataclasses import dataclass, field
 from launcher.schedule.metrics import WEIGHT_CACHES, per_worker
 from launcher.schedule.simulate import Timeline
 
-ACT, GRAD, WEIGHTS, WGRAD, REDUCE, BCAST = "act", "grad", "weights", "wgrad", "reduce", "bcast"
-KINDS = (ACT, GRAD, WEIGHTS, WGRAD, REDUCE, BCAST)
+ACT, GRAD, WEIGHTS, WGRAD = "act", "grad", "weights", "wgrad"
+KINDS = (ACT, GRAD, WEIGHTS, WGRAD)
 
 
 #: point-to-point tags are C ints: a message's tag is its id, the engine's own exchanges follow
@@ -78,6 +79,7 @@ class JobOp:
     owner: int  # w_weights of this job
     recv: dict[int, int] = field(default_factory=dict)  # pred stage (F) or succ stage (B/I) -> mid
     send: list[int] = field(default_factory=list)  # mids this job's output feeds
+    wgrad_send: list[int] = field(default_factory=list)  # weight-gradient sums complete after this job
     weights: int | None = None  # weights message this job runs on (None: owned stage)
     free_weights: bool = False  # drop the fetched copy when the job ends (cache "job")
     start: float = 0.0  # simulated start, for reports
@@ -85,15 +87,12 @@ class JobOp:
 
 @dataclass
 class StageReduce:
-    """End-of-step gradient traffic of one stage on one worker."""
+    """The gradient traffic of one stage on one worker."""
 
     stage: int
-    send_to_owner: dict[int, int] = field(default_factory=dict)  # owner -> wgrad mid
+    send_to_owner: dict[int, int] = field(default_factory=dict)  # owner -> wgrad mid (sent after a job)
     recv_from: list[int] = field(default_factory=list)  # wgrad mids into this owner
-    reduce_send: int | None = None  # non-root owner: partial -> root
-    reduce_recv: list[int] = field(default_factory=list)  # root: partials in
-    bcast_send: list[int] = field(default_factory=list)  # root: total out
-    bcast_recv: int | None = None  # non-root owner: total in
+    replicas: tuple[int, ...] = ()  # the owners that all-reduce this stage (empty: one owner)
 
 
 @dataclass
@@ -170,7 +169,6 @@ def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
     space, W = tl.step.space, tl.step.workers
     S, B, SB = space.S, space.B, space.S * space.B
     comp, wts = tl.compute, tl.weights
-    end = tl.latency + 1.0  # keys of the end-of-step phases sort after every compute message
     msgs: list[Msg] = []
 
     def new(kind: str, src: int, dst: int, stage: int, mb: int, peer: int, key: tuple) -> int:
@@ -216,39 +214,30 @@ def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
                     cached[op.stage] = new(WEIGHTS, op.owner, w, op.stage, -1, op.stage, (tl.start[j], -1, j, j))
                 op.weights = cached[op.stage]
 
-    # end of step: gradient sums to owners, then replica reduction per stage, in stage order
+    # gradient sums to owners: each goes out after the last job of the worker that adds to it
     owners: list[set[int]] = [set() for _ in range(S)]
     for j in range(space.N):
         owners[(j // B) % S].add(wts[j])
     grad_kind = space.K - 1  # B, or W when split: the job that yields stage s's weight gradient
-    contrib: list[set[tuple[int, int]]] = [set() for _ in range(S)]  # stage -> (worker, owner)
-    for j in range(space.N):
-        if j // SB == grad_kind:
-            contrib[(j // B) % S].add((comp[j], wts[j]))
+    last: dict[tuple[int, int, int], int] = {}  # (stage, worker, owner) -> its last gradient job
+    for w in range(W):
+        for j in tl.program[w]:
+            if j // SB == grad_kind and wts[j] != w:
+                last[((j // B) % S, w, wts[j])] = j
     reduces: list[dict[int, StageReduce]] = [{} for _ in range(W)]
 
     def red(w: int, s: int) -> StageReduce:
         return reduces[w].setdefault(s, StageReduce(s))
 
+    for (s, w, o), j in sorted(last.items()):
+        mid = new(WGRAD, w, o, s, -1, s, (tl.finish[j], 1, j, o))  # after the job's act/grad sends
+        ops[j].wgrad_send.append(mid)
+        red(w, s).send_to_owner[o] = mid
+        red(o, s).recv_from.append(mid)
     for s in range(S):
-        for w, o in sorted(contrib[s]):
-            if w != o:
-                mid = new(WGRAD, w, o, s, -1, s, (end, s, 0, w, o))
-                red(w, s).send_to_owner[o] = mid
-                red(o, s).recv_from.append(mid)
-        os_ = sorted(owners[s])
+        os_ = tuple(sorted(owners[s]))
         for o in os_:
-            red(o, s)
-        if len(os_) > 1:
-            root = os_[0]
-            for o in os_[1:]:
-                mid = new(REDUCE, o, root, s, -1, s, (end, s, 1, o, root))
-                red(o, s).reduce_send = mid
-                red(root, s).reduce_recv.append(mid)
-            for o in os_[1:]:
-                mid = new(BCAST, root, o, s, -1, s, (end, s, 2, root, o))
-                red(root, s).bcast_send.append(mid)
-                red(o, s).bcast_recv = mid
+            red(o, s).replicas = os_ if len(os_) > 1 else ()
 
     if len(msgs) + 2 * S > TAG_LIMIT:  # the step's tags, then the engine's two per-stage ranges
         raise PlanError(
@@ -290,7 +279,8 @@ def resident_peaks(plan: Plan, prefetch: int) -> list[int]:
     end of the step (cache ``step``). When a receive is posted depends only on the worker's own
     program, so this replays, without torch, the engine's order of calls (``Engine.train_step``:
     release owned weights ``prefetch`` jobs ahead, want the inputs and weights of the next
-    ``prefetch + 1`` jobs, run the job: its sends, then its frees) through comm.py's issue rule
+    ``prefetch + 1`` jobs, run the job: its sends, its frees, then its partial sums for owners)
+    through comm.py's issue rule
     (per peer in plan order, stopping at a send whose data is not ready; a receive is posted once
     wanted or once a later operation of the pair goes out).
     """
@@ -347,6 +337,8 @@ def resident_peaks(plan: Plan, prefetch: int) -> list[int]:
             if op.kind == "W" and (op.stage, op.microbatch) in kept:
                 kept.discard((op.stage, op.microbatch))
                 held -= 1
+            for mid in op.wgrad_send:  # after the job, as the engine sends them
+                send(mid)
         out.append(peak)
     return out
 

@@ -35,6 +35,7 @@ from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.simulate import Step, Timeline, simulate
 
 from .comm import Comm
+from .groups import Replicas, warm_pairs
 from .failure import Watchdog, blocked, current_watchdog
 from .measure import Meter, worker_record
 from .batches import check_same_batches
@@ -113,6 +114,9 @@ class Engine:
         self.modules = {s: model.stages[s].to(self.device) for s in self.owned}
         self.stages: list[torch.nn.Module] = [self.modules.get(s, self.skeletons[s]) for s in range(space.S)]
         self.check_batches = check_batches
+        self.replicas = Replicas(self.plan, self.worker, self.ranks, group)
+        if dist.get_backend(group) == "nccl":
+            warm_pairs(self.plan, self.worker, self.ranks, group, self.device)
         self._sync_replicas()
         params = [p for s in self.owned for p in self.modules[s].parameters()]
         self.optimizer = optimizer(params) if optimizer is not None and params else None
@@ -254,6 +258,8 @@ class Engine:
                 self.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of {what} {self.steps}")
             t, waited = time.perf_counter(), comm.waited
             st.run(op)
+            for mid in op.wgrad_send:  # this worker's sum for that owner is complete: send it now
+                comm.send(mid, st.acc[(op.stage, msgs[mid].dst)])
             # the job's own time: what it spent blocked on a peer's data is idle time, not work
             meter.jobs.append([op.stage, op.microbatch, op.kind, time.perf_counter() - t - (comm.waited - waited)])
         release(len(jobs))
@@ -507,41 +513,35 @@ class _StepState:
         key = (op.stage, op.owner)
         if key in self.acc:
             self.acc[key] += flat
-        else:
-            self.acc[key] = flat.detach().clone()
+        else:  # pack made a new tensor; a lone gradient is autograd's, copied to own it
+            self.acc[key] = flat.detach() if len(gs) > 1 else flat.detach().clone()
 
     # ---- end of step -------------------------------------------------------------------------
     def reduce(self, prog) -> dict[int, torch.Tensor]:
-        """Gradient sums to owners, replica reduction; returns each owned stage's total gradient."""
+        """Each owned stage's total gradient: this worker's own sum plus the sums other workers
+        sent (they went out during the backward), all-reduced across the stage's replicas."""
         e, comm, w = self.e, self.comm, self.e.worker
         totals: dict[int, torch.Tensor] = {}
+        replicas: dict[int, tuple[int, ...]] = {}
         for red in prog.reduces:
             s = red.stage
+            if s not in e.owned:
+                continue
             if e.watchdog is not None:
                 e.watchdog.check()
                 e.watchdog.set_job(f"gradient reduction of stage {s} in step {e.steps}")
-            for o, mid in red.send_to_owner.items():
-                comm.send(mid, self.acc[(s, o)])
-            if s not in e.owned:
-                continue
-            L = e.layouts[s]
             total = self.acc.get((s, w))
             if total is None:
-                total = torch.zeros(L.numel, dtype=L.dtype, device=e.device)
+                total = torch.zeros(e.layouts[s].numel, dtype=e.layouts[s].dtype, device=e.device)
             for mid in red.recv_from:
-                total = total + comm.wait(mid)
+                total += comm.wait(mid)
                 comm.drop(mid)
-            if red.reduce_send is not None:  # replica: partial to the root, total back
-                comm.send(red.reduce_send, total)
-                total = comm.wait(red.bcast_recv)
-                comm.drop(red.bcast_recv)
-                self.meter.allreduce += 1
-            elif red.reduce_recv:  # the root of a replicated stage
-                for mid in red.reduce_recv:
-                    total = total + comm.wait(mid)
-                    comm.drop(mid)
-                for mid in red.bcast_send:
-                    comm.send(mid, total)
-                self.meter.allreduce += 1
             totals[s] = total
+            if red.replicas:
+                replicas[s] = red.replicas
+                self.meter.allreduce += 1
+        if replicas:
+            if e.watchdog is not None:
+                e.watchdog.set_job(f"all-reduce of replicated stages {sorted(replicas)} in step {e.steps}")
+            e.replicas.all_reduce(totals, replicas, e.watchdog)
         return totals
