@@ -131,11 +131,12 @@ class Ours:
         self.records: list[dict] = []
         self.optimizer_s: list[float] = []
 
-    def step(self) -> tuple[float, float]:
-        """One step; returns (loss, sum |grad| of stage 0) of this step, over every rank."""
+    def step(self, fingerprint: bool = False) -> tuple[float, float]:
+        """One step; with ``fingerprint``, returns (loss, sum |grad| of stage 0) of this worker
+        (not timed steps: the sum is not part of training)."""
         e = self.engine
         rec = e.compute_step(self.mbs)
-        g0 = _sum_abs([e.last_grads.get(0)]) if 0 in e.owned else 0.0
+        g0 = _sum_abs([e.last_grads.get(0)]) if fingerprint and 0 in e.owned else 0.0
         t = time.perf_counter()
         if e.optimizer is not None:
             e.install_grads()
@@ -204,18 +205,22 @@ class Native:
         self.sched = kind(self.stages[0] if single else self.stages, n_microbatches=n_mb, loss_fn=mse)
         self.n_mb = n_mb
 
-    def step(self) -> tuple[float, float]:
+    def step(self, fingerprint: bool = False) -> tuple[float, float]:
         p = self.p
+        value = g0 = 0.0
         if self.sched is None:
             loss = mse(self.model(self.x), self.t)
             loss.backward()
-            value = float(loss.detach()) / p.B  # this rank's micro-batch's share of the mean
+            if fingerprint:
+                value = float(loss.detach()) / p.B  # this rank's micro-batch's share of the mean
         else:
             losses: list[torch.Tensor] = []
             args = (self.x,) if self.first else ()
             self.sched.step(*args, target=self.t if self.last else None, losses=losses if self.last else None)
-            value = sum(float(v.detach()) for v in losses) / p.B
-        g0 = _sum_abs(q.grad for q in self.stage0)
+            if fingerprint:
+                value = sum(float(v.detach()) for v in losses) / p.B
+        if fingerprint:
+            g0 = _sum_abs(q.grad for q in self.stage0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return value, g0
@@ -227,13 +232,13 @@ class Native:
 
 
 # ---- one pair on its workers -----------------------------------------------------------------
-def _timed(side, device: torch.device) -> tuple[float, tuple[float, float]]:
+def _timed(side, device: torch.device, fingerprint: bool = False) -> tuple[float, tuple[float, float]]:
     dist.barrier()
     t = time.perf_counter()
-    out = side.step()
-    dist.barrier()
+    out = side.step(fingerprint)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    dist.barrier()
     return _all(time.perf_counter() - t, dist.ReduceOp.MAX, device), out
 
 
@@ -251,7 +256,7 @@ def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> di
     times: dict[str, list[float]] = {k: [] for k in sides}
     prints: dict[str, tuple[float, float]] = {}
     for name, side in sides.items():  # the first step: fingerprints (and warm-up)
-        prints[name] = side.fingerprint(*_timed(side, device)[1])
+        prints[name] = side.fingerprint(*_timed(side, device, fingerprint=True)[1])
         for _ in range(warmup - 1):
             _timed(side, device)
     for _ in range(reps):

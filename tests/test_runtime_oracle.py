@@ -36,6 +36,10 @@ CASES_W4 = (
        Case("fslpp_balanced", 2, 2, 8, 4, weight_cache="job", placement=FSLPP(2, 2, "balanced"), W=4)]
     # ZB-H1: split backward, weight-gradient jobs deferred by up to the stage index
     + [Case("gpipe", 1, 4, 4, 8, order="zb_h1", split=True)]
+    # replicas' all-reduce: a bucket per stage, launched mid-step (gloo's collective) rather than
+    # at the end (halving-doubling); three replicas (not a power of two) on a subgroup of the four
+    + [Case("ddp", 4, 1, 3, 4, bucket_bytes=1), Case("lpp", 2, 2, 8, 8, order="breadth_first", bucket_bytes=1),
+       Case("ddp", 3, 1, 3, 3), Case("ddp", 3, 1, 3, 3, bucket_bytes=1, optimizer="adam")]
 )
 CASES_W8 = [
     Case("ddp", 8, 1, 3, 8), Case("gpipe", 1, 8, 8, 8, order="breadth_first", optimizer="adam"),
@@ -60,7 +64,7 @@ def results_w8():
 
 
 def _check(case: Case, ranks: list[dict]) -> None:
-    W = case.G * case.R
+    W = case.W or case.G * case.R
     ranks = ranks[:W]
     owned = sorted({s for r in ranks for s in r["owned"]})
     assert owned == list(range(case.S)), f"{case.name}: stages {owned} have owners, expected all {case.S}"

@@ -1,14 +1,28 @@
 """Collectives of the step: the replicas' gradient all-reduce, and NCCL's pair communicators.
 
-Replicas: the owners of a replicated stage (DDP, LPP with G > 1) sum its gradient with one
-``all_reduce`` on a process group of exactly those workers (the backend's ring: each sends and
-receives ``2 (n - 1) / n`` of the gradient, instead of ``n - 1`` copies through one root). The
-groups are made at construction, one per distinct owner set of the plan, in sorted order, by every
-process of the default group (``new_group`` is collective over it, members or not; making only the
-members' groups locally can hang gloo when one worker is in two sets), so every process of the
-world builds its engine, ranks with no worker too. The stages of one owner set are packed into buckets of about ``BUCKET_BYTES``
-and reduced asynchronously, so the buckets' transfers overlap; every member packs the same stages
-in the same order, so the collectives match.
+Replicas: the owners of a replicated stage (DDP, LPP with G > 1) sum its gradient across
+themselves. Stages of one owner set are merged, in the plan's
+:attr:`~launcher.runtime.plan.Plan.reduce_order`, into buckets (DistributedDataParallel's sizes:
+the first closes at 1 MiB so it starts early, the others at 25 MiB so they are few); the gradient
+is accumulated straight into its bucket's buffer (allocated once, as DDP's), so a bucket costs no
+copy. Every owner launches a bucket's all-reduce as soon as its own share is complete
+(``Program.reduce_ready``), so the transfer of the last stages overlaps the backward of the first
+ones. The order, the buckets, their members and their algorithm follow from the plan and the
+stages' sizes, so they are the same on every worker and the collectives match.
+
+Algorithm, per bucket:
+
+- under NCCL, ``all_reduce`` on a process group of exactly the owners (NCCL's ring or tree),
+  asynchronous on NCCL's stream;
+- under gloo, a bucket that some owner completes before its last job (so it can overlap compute)
+  goes to gloo's own asynchronous ``all_reduce`` (its ring runs on gloo's threads); a bucket that
+  every owner completes only with its last job is reduced at the end of the step over
+  point-to-point messages (:mod:`launcher.runtime.collectives`): by recursive halving and doubling
+  (bandwidth-optimal, in ``2 log2 n`` rounds instead of the ring's ``2 (n - 1)``), or, when it is
+  small (``ROOT_BYTES``), through one root in two rounds. On workers that share cores a round
+  costs a peer's turn on a core, so few rounds win: DDP on 8 workers, 264 KB of gradient, 36 ms
+  a step with gloo's ring and 20 ms through a root; 4 MB, 88 ms with the ring and 81 ms with
+  halving-doubling (``benchmarks/vs_torch_native.py``).
 
 NCCL pairs: point-to-point communicators are created lazily on a pair's first message, which
 blocks both ends; two pairs whose first messages form a cycle deadlock. :func:`warm_pairs`
@@ -17,15 +31,24 @@ creates every pair a plan uses up front, in one global order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from .collectives import halving_doubling, through_root
 from .failure import Watchdog, blocked
 from .plan import Plan
 
-BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default bucket
+#: buckets close once they hold this many bytes, the first one sooner: DistributedDataParallel's
+#: sizes (``bucket_cap_mb`` and its first bucket), so the first stages' transfer starts early and
+#: the rest go in few collectives
+BUCKET_BYTES = 25 * 2**20
+FIRST_BUCKET_BYTES = 2**20
+#: at the end of a step under gloo, a bucket whose root would move at most this many bytes each
+#: way (``(n - 1) x size``) goes through one root in two rounds; a larger one by halving-doubling
+ROOT_BYTES = 2 * 2**20
 
 # engines built one after another in a process (every process builds the same ones, so every
 # process makes the same calls) share their groups instead of making new ones each time
@@ -39,51 +62,139 @@ def _group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     return _made[key]
 
 
-class Replicas:
-    """This worker's replica groups: owner set -> process group."""
+@dataclass
+class Bucket:
+    """Replicated stages of one owner set, all-reduced as one flat buffer."""
 
-    def __init__(self, plan: Plan, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None) -> None:
-        self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        sets = sorted({tuple(o) for o in plan.owners if len(o) > 1})
+    index: int  # place among all buckets of the step, the same on every worker (message tags)
+    owners: tuple[int, ...]
+    stages: list[int]
+    numels: list[int]
+    ready: int = -1  # this worker's job index after which its share of every stage is complete
+    at_end: bool = False  # every owner completes it with its last job: nothing left to overlap
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+
+def plan_buckets(plan: Plan, nbytes: Sequence[int], numels: Sequence[int], bucket_bytes: int) -> list[Bucket]:
+    """Every bucket of the step, in the launch order common to all workers."""
+    order = {s: k for k, s in enumerate(plan.reduce_order)}
+    open_: dict[tuple[int, ...], tuple[Bucket, int]] = {}
+    every: list[Bucket] = []
+    for s in plan.reduce_order:
+        owners = tuple(plan.owners[s])
+        b, size = open_.pop(owners, (Bucket(-1, owners, [], []), 0))
+        b.stages.append(s)
+        b.numels.append(numels[s])
+        size += nbytes[s]
+        if size >= (min(FIRST_BUCKET_BYTES, bucket_bytes) if not every else bucket_bytes):
+            every.append(b)
+        else:
+            open_[owners] = (b, size)
+    every += [b for b, _ in open_.values()]
+    every.sort(key=lambda b: order[b.stages[-1]])  # launch order: when its last stage is ready
+    for i, b in enumerate(every):
+        b.index = i
+        b.at_end = all(max(plan.programs[o].reduce_ready[s] for s in b.stages) >= len(plan.programs[o].jobs) - 1
+                       for o in b.owners)
+    return every
+
+
+class Replicas:
+    """This worker's all-reduces of replicated stages: buckets, launch, and the wait at the end."""
+
+    def __init__(self, plan: Plan, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,
+                 layouts: Sequence, device: torch.device, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.plan, self.worker, self.ranks, self.group = plan, worker, list(ranks), group
+        self.nccl = dist.get_backend(group) == "nccl"
+        nbytes = [L.numel * torch.empty(0, dtype=L.dtype).element_size() for L in layouts]
+        every = plan_buckets(plan, nbytes, [L.numel for L in layouts], bucket_bytes)
+        self.buckets = [b for b in every if worker in b.owners]
+        for b in self.buckets:
+            b.ready = max(plan.programs[worker].reduce_ready[s] for s in b.stages)
+        self.flats = [torch.empty(b.numel, dtype=layouts[b.stages[0]].dtype, device=device) for b in self.buckets]
+        self.slices: dict[int, torch.Tensor] = {}  # stage -> its slice of its bucket's buffer
+        for b, flat in zip(self.buckets, self.flats):
+            for s, part in zip(b.stages, flat.split(b.numels)):
+                self.slices[s] = part
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._make_groups(every, worker, group)
+        self.reset()
+
+    def _make_groups(self, every: list[Bucket], worker: int | None, group: dist.ProcessGroup | None) -> None:
+        """A process group per owner set that some bucket all-reduces with a collective.
+
+        ``new_group`` is collective over the default group, members or not (making only the
+        members' groups locally can hang when one worker is in two sets), so every process of
+        the world builds its engine, ranks with no worker too, and makes every such group; the
+        decision is the plan's, the same on every process. A set of every rank of the engine's
+        group uses that group."""
+        sets = sorted({b.owners for b in every if self.nccl or not b.at_end})
         if not sets:
             return
         if group is not None and dist.get_world_size(group) != dist.get_world_size():
             raise ValueError("the schedule has replicated stages, whose owners all-reduce on groups made over "
                              "the whole default process group; build the engine on it (group=None)")
-        globals_ = [dist.get_global_rank(group, r) if group is not None else r for r in ranks]
+        globals_ = [dist.get_global_rank(group, r) if group is not None else r for r in self.ranks]
         for owners in sets:
-            pg = _group(tuple(sorted(globals_[o] for o in owners)))
+            members = tuple(sorted(globals_[o] for o in owners))
+            pg = None if len(members) == dist.get_world_size() else _group(members)
             if worker in owners:
                 self.groups[owners] = pg
 
-    def all_reduce(self, totals: dict[int, torch.Tensor], replicas: dict[int, tuple[int, ...]],
-                   watchdog: Watchdog | None) -> None:
-        """Sum ``totals[s]`` in place across ``replicas[s]`` for every replicated stage ``s``."""
-        buckets: list[tuple[dist.ProcessGroup, list[int]]] = []
-        for owners, pg in self.groups.items():
-            stages = sorted(s for s, o in replicas.items() if o == owners)
-            bucket: list[int] = []
-            size = 0
-            for s in stages:
-                nbytes = totals[s].numel() * totals[s].element_size()
-                if bucket and size + nbytes > BUCKET_BYTES:
-                    buckets.append((pg, bucket))
-                    bucket, size = [], 0
-                bucket.append(s)
-                size += nbytes
-            if bucket:
-                buckets.append((pg, bucket))
-        pending = []
-        for pg, stages in buckets:
-            # one stage: reduce its buffer itself; several: one flat copy, viewed back after
-            flat = totals[stages[0]] if len(stages) == 1 else torch.cat([totals[s] for s in stages])
-            pending.append((dist.all_reduce(flat, group=pg, async_op=True), flat, stages))
+    # ---- per step ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a step: nothing written, nothing launched. The buffers are reused, so a step's
+        totals are valid until the next step starts."""
+        self.filled: set[int] = set()
+        self.next = 0
+        self.pending: list = []
+
+    def buffer(self, s: int) -> torch.Tensor | None:
+        """Where stage ``s``'s gradient total accumulates on this worker (a slice of its bucket's
+        buffer, whose first write must overwrite), or ``None`` if ``s`` is not replicated here."""
+        return self.slices.get(s)
+
+    def fill(self, s: int) -> bool:
+        """Mark ``s``'s slice as written; True the first time (the caller overwrites, not adds)."""
+        first = s not in self.filled
+        self.filled.add(s)
+        return first
+
+    def launch_ready(self, done: int) -> None:
+        """Launch, in order, every bucket whose shares are complete once job ``done`` has ended;
+        the buckets reduced at the end wait for :meth:`finish`."""
+        while self.next < len(self.buckets):
+            b = self.buckets[self.next]
+            if b.ready > done or (b.at_end and not self.nccl):
+                return
+            self._zero_unwritten(b)
+            self.pending.append(dist.all_reduce(self.flats[self.next], group=self.groups[b.owners], async_op=True))
+            self.next += 1
+
+    def _zero_unwritten(self, b: Bucket) -> None:
+        for s in b.stages:  # a stage this worker adds nothing to (nor receives for) counts zero
+            if self.fill(s):
+                self.slices[s].zero_()
+
+    def finish(self, watchdog: Watchdog | None) -> None:
+        """Reduce what is left and wait for every all-reduce of the step."""
+        if self.worker is None:
+            return
+        self.launch_ready(len(self.plan.programs[self.worker].jobs))
         with blocked(watchdog):
-            for work, flat, stages in pending:
+            for i in range(self.next, len(self.buckets)):  # gloo, at the end: by point-to-point
+                b, flat = self.buckets[i], self.flats[i]
+                self._zero_unwritten(b)
+                n = len(b.owners)
+                algorithm = through_root if (n - 1) * flat.numel() * flat.element_size() <= ROOT_BYTES else halving_doubling
+                algorithm(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
+                          lambda r, k=b.index: self.plan.reduce_tag(k, r), self.group)
+            self.next = len(self.buckets)
+            for work in self.pending:
                 work.wait()
-                if len(stages) > 1:
-                    for s, part in zip(stages, flat.split([totals[s].numel() for s in stages])):
-                        totals[s] = part
 
 
 def warm_pairs(plan: Plan, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,

@@ -162,6 +162,30 @@ class StageLayout:
         return torch.cat([t.reshape(-1) for t in tensors], out=out) if out is not None else torch.cat([t.reshape(-1) for t in tensors])
 
 
+try:  # what torch.autograd.grad calls after its argument checks (about 40 us a call on this CPU)
+    from torch.autograd import Variable as _Variable
+
+    _run_backward = _Variable._execution_engine.run_backward
+except AttributeError:  # pragma: no cover - a torch without the engine handle: the public call
+    _run_backward = None
+
+
+def stage_grads(root: torch.Tensor, wrt: Sequence[torch.Tensor], grad: torch.Tensor | None,
+                retain_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(root, wrt, grad, retain_graph=..., allow_unused=True)``.
+
+    Called once per backward job, so it goes straight to the autograd engine: the public call's
+    argument checks cost as much as a small stage's whole backward. ``grad=None`` means ``root`` is
+    a scalar loss (gradient 1)."""
+    if not wrt:
+        return ()
+    if _run_backward is None:
+        return torch.autograd.grad(root, wrt, grad, retain_graph=retain_graph, allow_unused=True)
+    if grad is None:
+        grad = torch.ones_like(root)
+    return _run_backward((root,), (grad,), retain_graph, False, tuple(wrt), True, False)
+
+
 def run_stage(module: nn.Module, params: dict[str, torch.Tensor] | None, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Apply a stage with its own parameters (``params=None``) or with the given tensors."""
     out = module(*inputs) if params is None else functional_call(module, params, tuple(inputs))

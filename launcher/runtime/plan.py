@@ -46,6 +46,13 @@ KINDS = (ACT, GRAD, WEIGHTS, WGRAD)
 TAG_LIMIT = 2**31 - 1
 
 
+def reduce_rounds(n: int) -> int:
+    """Message rounds of one all-reduce among at most ``n`` workers by recursive halving and
+    doubling (:mod:`launcher.runtime.collectives`): ``2 log2(p)`` for the largest power of two
+    ``p <= n``, plus 2 to fold in the rest."""
+    return 2 * max(n.bit_length() - 1, 0) + 2
+
+
 class PlanError(ValueError):
     """A timeline the runtime cannot lower."""
 
@@ -107,6 +114,9 @@ class Program:
     # job index -> weights this owner hands over before that job (index len(jobs): at the end);
     # just in time, so a consumer is never made to post a receive for weights it needs much later
     weight_release: dict[int, list[int]] = field(default_factory=dict)
+    # replicated stage this worker owns -> index of the job after which its own share of the
+    # stage's gradient is complete (len(jobs): at the end, when partial sums come in from others)
+    reduce_ready: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +130,9 @@ class Plan:
     owners: list[list[int]]  # stage -> sorted owner workers
     predicted: dict[str, list]
     prefetch: int = 1  # the engine's lookahead (jobs) that ``predicted["weights_peak_resident"]`` is for
+    # replicated stages in the one order every owner launches their all-reduces in: by when the
+    # last owner's share is complete on the simulated timeline (then owner set, stage)
+    reduce_order: list[int] = field(default_factory=list)
 
     @property
     def workers(self) -> int:
@@ -131,6 +144,11 @@ class Plan:
         engine's exchanges outside the step (replica sync, gather_state) start here, so no step
         size can make their tags collide with the step's."""
         return len(self.messages)
+
+    def reduce_tag(self, bucket: int, round_: int) -> int:
+        """The tag of round ``round_`` of the ``bucket``-th all-reduce of the step (its place in
+        :attr:`reduce_order`'s buckets), after the step's messages and the two per-stage ranges."""
+        return self.tag_base + 2 * self.timeline.step.space.S + bucket * reduce_rounds(self.workers) + round_
 
     def counts(self) -> dict[str, list[int]]:
         """Messages received per worker and kind, straight from the plan."""
@@ -238,8 +256,28 @@ def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
         os_ = tuple(sorted(owners[s]))
         for o in os_:
             red(o, s).replicas = os_ if len(os_) > 1 else ()
+    # when each owner's share of a replicated stage is complete: after its last gradient job of
+    # the stage that it owns itself, or at the end of its program if others send it partial sums
+    ready: list[dict[int, int]] = [{} for _ in range(W)]
+    ready_time: dict[int, float] = {}
+    for w in range(W):
+        prog = tl.program[w]
+        for i, j in enumerate(prog):
+            s = (j // B) % S
+            if j // SB == grad_kind and wts[j] == w and len(owners[s]) > 1:
+                ready[w][s] = i
+        for s, r in list(ready[w].items()):
+            if reduces[w][s].recv_from:
+                ready[w][s] = len(prog)
+            t = tl.finish[prog[ready[w][s]]] if ready[w][s] < len(prog) else tl.latency
+            ready_time[s] = max(ready_time.get(s, 0.0), t)
+        for s in range(S):  # an owner that computes nothing of its stage is ready at once
+            if len(owners[s]) > 1 and w in owners[s] and s not in ready[w]:
+                ready[w][s] = len(prog) if reduces[w][s].recv_from else -1
+                ready_time.setdefault(s, 0.0)
+    reduce_order = sorted(ready_time, key=lambda s: (ready_time[s], tuple(sorted(owners[s])), s))
 
-    if len(msgs) + 2 * S > TAG_LIMIT:  # the step's tags, then the engine's two per-stage ranges
+    if len(msgs) + 2 * S + S * reduce_rounds(W) > TAG_LIMIT:  # the step's tags, then the engine's ranges
         raise PlanError(
             f"the step has {len(msgs):,} messages and {S} stages, more than the {TAG_LIMIT:,} point-to-point "
             f"message tags torch.distributed can tell apart; use fewer stages or micro-batches"
@@ -261,10 +299,12 @@ def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
             sorted(s for s in range(S) if w in owners[s]),
             pair[w],
             {i: sorted(v, key=lambda mid: msgs[mid].key) for i, v in sorted(release[w].items())},
+            ready[w],
         )
         for w in range(W)
     ]
-    plan = Plan(tl, weight_cache, msgs, programs, [sorted(o) for o in owners], per_worker(tl, weight_cache), prefetch)
+    plan = Plan(tl, weight_cache, msgs, programs, [sorted(o) for o in owners], per_worker(tl, weight_cache), prefetch,
+                reduce_order)
     if weight_cache == "job":
         owned = plan.predicted["weights_owned"]
         plan.predicted["weights_peak_resident"] = [o + r for o, r in zip(owned, resident_peaks(plan, prefetch))]

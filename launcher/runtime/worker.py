@@ -35,11 +35,12 @@ from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.simulate import Step, Timeline, simulate
 
 from .comm import Comm
-from .groups import Replicas, warm_pairs
+from .groups import BUCKET_BYTES, Replicas, warm_pairs
 from .failure import Watchdog, blocked, current_watchdog
 from .measure import Meter, worker_record
 from .batches import check_same_batches
-from .model import Batch, ModelError, OptimizerFactory, StagedModel, StageLayout, model_errors, returns_error, run_stage, skeleton
+from .model import (Batch, ModelError, OptimizerFactory, StagedModel, StageLayout, model_errors, returns_error,
+                    run_stage, skeleton, stage_grads)
 from .plan import ACT, GRAD, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
 
 
@@ -74,6 +75,7 @@ class Engine:
         device: torch.device | str | None = None,
         watchdog: Watchdog | None = None,
         check_batches: bool = True,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         found = [e for e in (value_error("prefetch", prefetch), value_error("weight_cache", weight_cache)) if e]
         if found:  # the command line's sentences
@@ -114,7 +116,7 @@ class Engine:
         self.modules = {s: model.stages[s].to(self.device) for s in self.owned}
         self.stages: list[torch.nn.Module] = [self.modules.get(s, self.skeletons[s]) for s in range(space.S)]
         self.check_batches = check_batches
-        self.replicas = Replicas(self.plan, self.worker, self.ranks, group)
+        self.replicas = Replicas(self.plan, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes)
         if dist.get_backend(group) == "nccl":
             warm_pairs(self.plan, self.worker, self.ranks, group, self.device)
         self._sync_replicas()
@@ -178,6 +180,7 @@ class Engine:
             return {}
         w, plan = self.worker, self.plan
         meter = Meter()
+        self.replicas.reset()
         st = self._run_program(plan, microbatches, meter, train=True)
         totals = st.reduce(plan.programs[w])
         st.comm.finish()
@@ -260,6 +263,8 @@ class Engine:
             st.run(op)
             for mid in op.wgrad_send:  # this worker's sum for that owner is complete: send it now
                 comm.send(mid, st.acc[(op.stage, msgs[mid].dst)])
+            if train:  # buckets of replicated stages whose share is complete start their all-reduce
+                self.replicas.launch_ready(i)
             # the job's own time: what it spent blocked on a peer's data is idle time, not work
             meter.jobs.append([op.stage, op.microbatch, op.kind, time.perf_counter() - t - (comm.waited - waited)])
         release(len(jobs))
@@ -339,6 +344,8 @@ class _StepState:
         self.wstash: dict[tuple[int, int], tuple] = {}  # split backward: I's graph kept for W
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (stage, owner) -> summed weight gradient
         self.weights: dict[int, torch.Tensor] = {}  # weights message -> fetched flat copy (a leaf)
+        self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
+        self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # acc key -> per-parameter views of the total
 
     def request(self, op: JobOp) -> None:
         for mid in op.recv.values():
@@ -352,7 +359,10 @@ class _StepState:
         s = op.stage
         if op.weights is None:
             mod = self.e.modules[s]
-            return mod, None, list(mod.parameters())
+            params = self.params.get(s)
+            if params is None:
+                params = self.params[s] = list(mod.parameters())
+            return mod, None, params
         mid = op.weights
         if mid not in self.weights:
             flat = self.comm.wait(mid)
@@ -469,7 +479,7 @@ class _StepState:
             self.grads.pop((s, b), None)
         leaves = [t for t in st.inputs if t.requires_grad]
         want = leaves + ([] if split else targets)
-        res = torch.autograd.grad(root, want, g, retain_graph=split, allow_unused=True) if want else ()
+        res = stage_grads(root, want, g, retain_graph=split)
         self._route_input_grads(op, res[: len(leaves)])
         if not split:
             self._accumulate(op, targets, res[len(leaves) :])
@@ -488,7 +498,7 @@ class _StepState:
             # cache "step" only: W on the step's copy, counted as a job on fetched weights; the
             # gradient itself comes from I's graph (under "job" the plan sends W no copy at all)
             self.fetch(op)
-        self._accumulate(op, targets, torch.autograd.grad(root, targets, g, allow_unused=True))
+        self._accumulate(op, targets, stage_grads(root, targets, g))
         if hold is not None:
             self.meter.free_weights()
 
@@ -509,12 +519,27 @@ class _StepState:
 
     def _accumulate(self, op: JobOp, targets: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
         gs = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
-        flat = gs[0].reshape(-1) if len(gs) == 1 else self.e.layouts[op.stage].pack(gs)
         key = (op.stage, op.owner)
-        if key in self.acc:
-            self.acc[key] += flat
-        else:  # pack made a new tensor; a lone gradient is autograd's, copied to own it
-            self.acc[key] = flat.detach() if len(gs) > 1 else flat.detach().clone()
+        layout = self.e.layouts[op.stage]
+        total = self.acc.get(key)
+        if total is not None:  # add each gradient into its view of the total: no packed copy
+            if len(gs) == 1:
+                total += gs[0].reshape(-1)
+            else:
+                views = self.views.get(key)
+                if views is None:
+                    views = self.views[key] = list(layout.views(total).values())
+                torch._foreach_add_(views, gs)
+            return
+        bucket = self.e.replicas.buffer(op.stage) if op.owner == self.e.worker else None
+        if bucket is not None:  # a replicated stage: the total lives in its bucket's buffer
+            self.e.replicas.fill(op.stage)
+            layout.pack(gs, out=bucket)
+            self.acc[key] = bucket
+        elif len(gs) > 1:  # pack makes a new tensor
+            self.acc[key] = layout.pack(gs)
+        else:  # a lone gradient is autograd's: copied to own it
+            self.acc[key] = gs[0].detach().reshape(-1).clone()
 
     # ---- end of step -------------------------------------------------------------------------
     def reduce(self, prog) -> dict[int, torch.Tensor]:
@@ -522,7 +547,6 @@ class _StepState:
         sent (they went out during the backward), all-reduced across the stage's replicas."""
         e, comm, w = self.e, self.comm, self.e.worker
         totals: dict[int, torch.Tensor] = {}
-        replicas: dict[int, tuple[int, ...]] = {}
         for red in prog.reduces:
             s = red.stage
             if s not in e.owned:
@@ -532,16 +556,19 @@ class _StepState:
                 e.watchdog.set_job(f"gradient reduction of stage {s} in step {e.steps}")
             total = self.acc.get((s, w))
             if total is None:
-                total = torch.zeros(e.layouts[s].numel, dtype=e.layouts[s].dtype, device=e.device)
+                total = e.replicas.buffer(s)
+                if total is None:
+                    total = torch.zeros(e.layouts[s].numel, dtype=e.layouts[s].dtype, device=e.device)
+                elif red.recv_from and e.replicas.fill(s):  # not launched yet: it waits for these sums
+                    total.zero_()
             for mid in red.recv_from:
                 total += comm.wait(mid)
                 comm.drop(mid)
             totals[s] = total
             if red.replicas:
-                replicas[s] = red.replicas
                 self.meter.allreduce += 1
-        if replicas:
+        if e.replicas.buckets:
             if e.watchdog is not None:
-                e.watchdog.set_job(f"all-reduce of replicated stages {sorted(replicas)} in step {e.steps}")
-            e.replicas.all_reduce(totals, replicas, e.watchdog)
+                e.watchdog.set_job(f"all-reduce of replicated stages in step {e.steps}")
+            e.replicas.finish(e.watchdog)
         return totals
