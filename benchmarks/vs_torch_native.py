@@ -39,11 +39,12 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from launcher.report.metrics import profiled_durations
+from launcher.report.profile import end_seconds, job_seconds, message_seconds, on_cpu, shared_cores
 from launcher.runtime import Engine, StagedModel, launch
 from launcher.runtime.link import measure as measure_link
 from launcher.schedule import make_step, simulate
-from launcher.schedule.link import step_time as link_step_time
+from launcher.schedule.cores import replay
+from launcher.schedule.link import Link, exchanges, partners
 
 TOLERANCE = 1e-6
 
@@ -130,6 +131,7 @@ class Ours:
         self.mbs = list(zip(x.chunk(p.B), t.chunk(p.B)))
         self.records: list[dict] = []
         self.optimizer_s: list[float] = []
+        self.optimizer_cpu_s: list[float] = []
 
     def step(self, fingerprint: bool = False) -> tuple[float, float]:
         """One step; with ``fingerprint``, returns (loss, sum |grad| of stage 0) of this worker
@@ -137,12 +139,13 @@ class Ours:
         e = self.engine
         rec = e.compute_step(self.mbs)
         g0 = _sum_abs([e.last_grads.get(0)]) if fingerprint and 0 in e.owned else 0.0
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         if e.optimizer is not None:
             e.install_grads()
             e.optimizer.step()
             e.optimizer.zero_grad(set_to_none=True)
         self.optimizer_s.append(time.perf_counter() - t)
+        self.optimizer_cpu_s.append(time.process_time() - cpu)
         self.records.append(rec)
         loss = rec.get("measured_only", {}).get("loss", 0.0) if rec else 0.0
         return loss, g0
@@ -232,6 +235,11 @@ class Native:
 
 
 # ---- one pair on its workers -----------------------------------------------------------------
+class _Nothing:
+    def step(self, fingerprint: bool = False) -> tuple[float, float]:
+        return 0.0, 0.0
+
+
 def _timed(side, device: torch.device, fingerprint: bool = False) -> tuple[float, tuple[float, float]]:
     dist.barrier()
     t = time.perf_counter()
@@ -259,35 +267,40 @@ def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> di
         prints[name] = side.fingerprint(*_timed(side, device, fingerprint=True)[1])
         for _ in range(warmup - 1):
             _timed(side, device)
+    barriers: list[float] = []  # what the timing itself costs: its two barriers, nothing between
     for _ in range(reps):
         for name, side in sides.items():
             for _ in range(steps):
                 times[name].append(_timed(side, device)[0])
+        barriers.append(_timed(_Nothing(), device)[0])
     ours: Ours = sides["ours"]  # type: ignore[assignment]
     gathered: list[Any] = [None] * dist.get_world_size()
-    mine = {"records": [r for r in ours.records[warmup:] if r], "optimizer_s": ours.optimizer_s[warmup:]}
+    mine = {"records": [r for r in ours.records[warmup:] if r], "optimizer_s": ours.optimizer_s[warmup:],
+            "optimizer_cpu_s": ours.optimizer_cpu_s[warmup:]}
     dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
         return None
     return {"pair": asdict(p), "H": H, "mb": mb, "times": times, "fingerprints": prints, "link": link[0],
-            "per_rank": gathered}
+            "per_rank": gathered, "barrier_s": statistics.median(barriers)}
 
 
 def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:
-    """The simulator with our workers' measured durations and link, plus the optimizer step."""
-    ranks = [r for r in result["per_rank"][: p.W] if r["records"]]
-    step = make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split)
-    d = profiled_durations(ranks, step.space.kinds)
-    optimizer = max(statistics.median(r["optimizer_s"]) for r in result["per_rank"][: p.W] if r["optimizer_s"])
-    act_bytes, grad_bytes = mb * H * 4, (H * H + H) * 4  # float32: x_s^b, and one stage's gradient
-    if result["link"] is None:
-        return simulate(make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split,
-                                  durations=d | {k: 1.0 for k in "FBIW" if k not in d})).latency + optimizer
-    from launcher.schedule.link import Link
-    link = Link(**result["link"])
+    """Our step as the simulator predicts it from what our workers measured (the profile): job
+    seconds per kind (CPU seconds on CPU workers), what a message took, each worker's end of step
+    (its CPU, and its all-reduce's rounds of messages) and optimizer step, on the cores the
+    workers shared (:func:`launcher.schedule.cores.replay`), plus the timing's own two barriers
+    (measured with nothing between them)."""
+    ranks = result["per_rank"][: p.W]
+    kinds = ("F", "I", "W") if p.split else ("F", "B")
+    comm = message_seconds(ranks)
+    if comm is None:  # no late message, or workers on several hosts: the ping-pong's link
+        comm = Link(**result["link"]).seconds(mb * H * 4) if result["link"] else 0.0
     tl = simulate(make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split,
-                            durations=d | {k: 1.0 for k in "FBIW" if k not in d}, comm=link.seconds(act_bytes)))
-    return link_step_time(tl, [grad_bytes] * p.S, link) + optimizer
+                            durations=job_seconds(ranks, kinds), comm=comm))
+    which = "optimizer_cpu_s" if on_cpu(ranks) else "optimizer_s"
+    tails = [end + statistics.median(r[which]) for end, r in zip(end_seconds(ranks), ranks)]
+    rounds = [e.rounds * comm for e in exchanges(tl, [(H * H + H) * 4] * p.S)]
+    return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds) + result["barrier_s"]
 
 
 def _rel(a: float, b: float) -> float:

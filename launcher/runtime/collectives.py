@@ -19,10 +19,34 @@ same bits (each sum is computed once and copied, or adds the same terms in a com
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+class _Messages:
+    """Point-to-point messages of one all-reduce, timed for :class:`~launcher.runtime.comm.Clock`
+    (a message is keyed by its tag and sender, the same at both ends)."""
+
+    def __init__(self, ranks: Sequence[int], me: int, group: dist.ProcessGroup | None, clock: Any) -> None:
+        self.ranks, self.me, self.group, self.clock = ranks, me, group, clock
+
+    def send(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        if self.clock is not None:
+            self.clock.sent((tag, self.ranks[self.me]))
+        return dist.isend(t, self.ranks[peer], group=self.group, tag=tag)
+
+    def recv(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        return dist.irecv(t, self.ranks[peer], group=self.group, tag=tag)
+
+    def wait(self, work: dist.Work, peer: int, tag: int) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        if self.clock is not None:
+            t1 = time.perf_counter()
+            self.clock.arrived((tag, self.ranks[peer]), t1, t1 - t0)
 
 
 def halving_doubling(
@@ -31,43 +55,46 @@ def halving_doubling(
     me: int,
     tag: Callable[[int], int],
     group: dist.ProcessGroup | None = None,
+    clock: Any = None,
 ) -> None:
     """Sum ``flat`` (1-D, contiguous) in place across ``ranks`` (ranks of ``group``; ``ranks[me]``
     is this process). Round ``k``'s messages carry tag ``tag(k)``, so concurrent reductions and
-    other messages between the same ranks never match each other's."""
+    other messages between the same ranks never match each other's. ``clock`` (a
+    :class:`~launcher.runtime.comm.Clock`) times the messages."""
     n = len(ranks)
     if n < 2:
         return
+    io = _Messages(ranks, me, group, clock)
     p = 1 << (n.bit_length() - 1)
     r = n - p
-    round_ = 0
+    round_ = 2
 
     def exchange(peer: int, send: torch.Tensor, recv: torch.Tensor) -> None:
         nonlocal round_
         t = tag(round_)
         round_ += 1
         # the receive first: the peer's data never waits for a buffer to land in
-        works = [dist.irecv(recv, ranks[peer], group=group, tag=t), dist.isend(send, ranks[peer], group=group, tag=t)]
-        for w in works:
-            w.wait()
+        incoming = io.recv(recv, peer, t)
+        outgoing = io.send(send, peer, t)
+        io.wait(incoming, peer, t)
+        outgoing.wait()
 
     # fold: of the first 2r workers the odd ones hand their buffer to their even neighbour
     if me < 2 * r:
         if me % 2:
-            dist.send(flat, ranks[me - 1], group=group, tag=tag(0))
-            dist.recv(flat, ranks[me - 1], group=group, tag=tag(1))
+            io.send(flat, me - 1, tag(0)).wait()
+            io.wait(io.recv(flat, me - 1, tag(1)), me - 1, tag(1))
             return
         buf = torch.empty_like(flat)
-        dist.recv(buf, ranks[me + 1], group=group, tag=tag(0))
+        io.wait(io.recv(buf, me + 1, tag(0)), me + 1, tag(0))
         flat += buf
-    round_ = 2
     v = me // 2 if me < 2 * r else me - r  # this worker's place among the p that remain
 
     def real(u: int) -> int:
         return 2 * u if u < r else u + r
 
     lo, hi = 0, flat.numel()
-    steps: list[tuple[int, int, int, int]] = []  # (peer, kept lo, kept hi, given lo, given hi)
+    steps: list[tuple[int, int, int, int, int]] = []  # (peer, kept lo, kept hi, given lo, given hi)
     d = p // 2
     while d >= 1:
         peer = v ^ d
@@ -82,8 +109,7 @@ def halving_doubling(
     for peer, klo, khi, glo, ghi in reversed(steps):
         exchange(peer, flat[klo:khi], flat[glo:ghi])
     if me < 2 * r:  # hand the result back to the odd neighbour
-        dist.send(flat, ranks[me + 1], group=group, tag=tag(1))
-
+        io.send(flat, me + 1, tag(1)).wait()
 
 
 def through_root(
@@ -92,6 +118,7 @@ def through_root(
     me: int,
     tag: Callable[[int], int],
     group: dist.ProcessGroup | None = None,
+    clock: Any = None,
 ) -> None:
     """Sum ``flat`` in place across ``ranks`` in two rounds: every worker sends it to ``ranks[0]``,
     which adds them and sends the total back. The root moves ``(n - 1)`` buffers each way, so this
@@ -99,14 +126,15 @@ def through_root(
     n = len(ranks)
     if n < 2:
         return
+    io = _Messages(ranks, me, group, clock)
     if me:
-        dist.send(flat, ranks[0], group=group, tag=tag(0))
-        dist.recv(flat, ranks[0], group=group, tag=tag(1))
+        io.send(flat, 0, tag(0)).wait()
+        io.wait(io.recv(flat, 0, tag(1)), 0, tag(1))
         return
     bufs = [torch.empty_like(flat) for _ in range(n - 1)]
-    works = [dist.irecv(b, ranks[k + 1], group=group, tag=tag(0)) for k, b in enumerate(bufs)]
-    for work, b in zip(works, bufs):  # in rank order, so every run adds in the same order
-        work.wait()
+    works = [io.recv(b, k + 1, tag(0)) for k, b in enumerate(bufs)]
+    for k, (work, b) in enumerate(zip(works, bufs)):  # in rank order, so every run adds in the same order
+        io.wait(work, k + 1, tag(0))
         flat += b
-    for work in [dist.isend(flat, ranks[k + 1], group=group, tag=tag(1)) for k in range(n - 1)]:
+    for work in [io.send(flat, k + 1, tag(1)) for k in range(n - 1)]:
         work.wait()

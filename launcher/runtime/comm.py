@@ -13,15 +13,36 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .failure import Watchdog, WorkerAborted, blocked
-from .plan import Msg, Plan
+from .plan import ACT, GRAD, Msg, Plan
 
 Spec = tuple[tuple[int, ...], torch.dtype]
+
+#: a wait shorter than this found its data already there (the call's own cost), not a late message
+BLOCKED_S = 20e-6
+TIMED = (ACT, GRAD)
+
+
+class Clock:
+    """When each outgoing message was handed over, and when each incoming message that had to be
+    waited for arrived (on this host's monotonic clock): a sender's and a receiver's entries for
+    one message, from the same host, give what the message took while the receiver waited."""
+
+    def __init__(self) -> None:
+        self.sent_at: dict[Any, float] = {}
+        self.arrivals: list[tuple[Any, float]] = []
+
+    def sent(self, key: Any) -> None:
+        self.sent_at[key] = time.perf_counter()
+
+    def arrived(self, key: Any, at: float, blocked_s: float) -> None:
+        if blocked_s > BLOCKED_S:
+            self.arrivals.append((key, at))
 
 
 class Comm:
@@ -58,6 +79,9 @@ class Comm:
         self.buffers: dict[int, torch.Tensor] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.waited = 0.0  # seconds spent blocked waiting for incoming data (not compute)
+        # what a message between workers really takes here (:class:`Clock`), for the activations
+        # and gradients (the dependencies the simulator charges) and the all-reduces' rounds
+        self.clock = Clock()
         self.recv_count: dict[str, int] = defaultdict(int)
         self.recv_bytes: dict[str, int] = defaultdict(int)
         self.sent_count: dict[str, int] = defaultdict(int)
@@ -111,6 +135,8 @@ class Comm:
     def send(self, mid: int, tensor: torch.Tensor) -> None:
         """Hand over the data of an outgoing message; it goes out as soon as the pair order allows."""
         self.ready[mid] = tensor.detach()
+        if self.msgs[mid].kind in TIMED:
+            self.clock.sent(mid)
         self._pump(self._reach(mid))
 
     def want(self, mid: int) -> None:
@@ -131,8 +157,11 @@ class Comm:
                     work.wait()
             except Exception as e:
                 self._failed(e)
-            self.waited += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.waited += t1 - t0
             m = self.msgs[mid]
+            if m.kind in TIMED:
+                self.clock.arrived(mid, t1, t1 - t0)
             buf = self.buffers[mid]
             self.recv_count[m.kind] += 1
             self.recv_bytes[m.kind] += buf.numel() * buf.element_size()

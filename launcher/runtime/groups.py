@@ -179,8 +179,9 @@ class Replicas:
             if self.fill(s):
                 self.slices[s].zero_()
 
-    def finish(self, watchdog: Watchdog | None) -> None:
-        """Reduce what is left and wait for every all-reduce of the step."""
+    def finish(self, watchdog: Watchdog | None, clock=None) -> None:
+        """Reduce what is left and wait for every all-reduce of the step (``clock``: a
+        :class:`~launcher.runtime.comm.Clock` that times the point-to-point rounds)."""
         if self.worker is None:
             return
         self.launch_ready(len(self.plan.programs[self.worker].jobs))
@@ -191,7 +192,7 @@ class Replicas:
                 n = len(b.owners)
                 algorithm = through_root if (n - 1) * flat.numel() * flat.element_size() <= ROOT_BYTES else halving_doubling
                 algorithm(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
-                          lambda r, k=b.index: self.plan.reduce_tag(k, r), self.group)
+                          lambda r, k=b.index: self.plan.reduce_tag(k, r), self.group, clock)
             self.next = len(self.buckets)
             for work in self.pending:
                 work.wait()

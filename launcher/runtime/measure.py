@@ -10,12 +10,18 @@ activation bytes, weight messages received, wall time of each job and of the ste
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.schedule.metrics import PER_WORKER_KEYS
+
+HOST = socket.gethostname()
+#: the CPU cores this process may run on (workers of one host that share them slow each other down)
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 @dataclass
@@ -31,10 +37,15 @@ class Meter:
     fetched_stages: set = field(default_factory=set)
     fetched_jobs: int = 0
     allreduce: int = 0
-    jobs: list = field(default_factory=list)  # [stage, microbatch, kind, seconds of work: waits for peers excluded]
+    # [stage, microbatch, kind, seconds of work (waits for peers excluded), process CPU seconds]
+    jobs: list = field(default_factory=list)
     loss: float = 0.0
     t0: float = field(default_factory=time.perf_counter)
+    cpu0: float = field(default_factory=time.process_time)
     step_s: float = 0.0
+    cpu_s: float = 0.0  # process CPU of the whole step
+    end_s: float = 0.0  # wall and CPU of the end of the step: gradient sums, all-reduces, last sends
+    end_cpu_s: float = 0.0
 
     def take(self, nbytes: int) -> None:
         self.live += 1
@@ -54,7 +65,8 @@ class Meter:
         self.resident -= 1
 
 
-def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, owned: int, step: int) -> dict[str, Any]:
+def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, owned: int, step: int,
+                  device: str = "cpu") -> dict[str, Any]:
     """One worker's record for one step."""
     measured = {
         "busy": sum(j[3] for j in meter.jobs),
@@ -84,8 +96,18 @@ def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, o
             "weight_fetches": comm.recv_count["weights"],
             "peak_activation_bytes": meter.peak_live_bytes,
             "step_s": meter.step_s,
+            "cpu_s": meter.cpu_s,
+            "end_s": meter.end_s,
+            "end_cpu_s": meter.end_cpu_s,
             "jobs": meter.jobs,
             "loss": meter.loss,
+            # what messages took: sender's hand-over times and receiver's late arrivals, on this
+            # host's monotonic clock (comparable between workers of one host only)
+            "host": HOST,
+            "cores": CORES,
+            "device": device,
+            "sent_at": comm.clock.sent_at,
+            "arrivals": comm.clock.arrivals,
         },
     }
 

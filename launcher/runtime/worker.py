@@ -182,6 +182,7 @@ class Engine:
         meter = Meter()
         self.replicas.reset()
         st = self._run_program(plan, microbatches, meter, train=True)
+        t, cpu = time.perf_counter(), time.process_time()
         totals = st.reduce(plan.programs[w])
         st.comm.finish()
         for mid in list(st.weights):
@@ -189,8 +190,9 @@ class Engine:
         self.last_grads = totals
         if self.watchdog is not None:
             self.watchdog.set_job("")
-        meter.step_s = time.perf_counter() - meter.t0
-        return worker_record(w, plan.predicted, meter, st.comm, len(self.owned), self.steps)
+        meter.end_s, meter.end_cpu_s = time.perf_counter() - t, time.process_time() - cpu
+        meter.step_s, meter.cpu_s = time.perf_counter() - meter.t0, time.process_time() - meter.cpu0
+        return worker_record(w, plan.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type)
 
     def install_grads(self) -> None:
         """Point every owned parameter's ``.grad`` at its slice of the step's reduced gradient."""
@@ -252,21 +254,24 @@ class Engine:
         st = _StepState(self, comm, meter, microbatches, train)
         jobs = prog.jobs
         what = "step" if train else "evaluation step"
+        clock, cpu_clock = time.perf_counter, time.process_time
         for i, op in enumerate(jobs):
+            # a job's time runs from here (the engine's own work for it included) to its end
+            t, cpu, waited = clock(), cpu_clock(), comm.waited
             release(i + self.prefetch)
             for k in range(i, min(len(jobs), i + 1 + self.prefetch)):
                 st.request(jobs[k])
             if self.watchdog is not None:
                 self.watchdog.check()
                 self.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of {what} {self.steps}")
-            t, waited = time.perf_counter(), comm.waited
             st.run(op)
             for mid in op.wgrad_send:  # this worker's sum for that owner is complete: send it now
                 comm.send(mid, st.acc[(op.stage, msgs[mid].dst)])
             if train:  # buckets of replicated stages whose share is complete start their all-reduce
                 self.replicas.launch_ready(i)
-            # the job's own time: what it spent blocked on a peer's data is idle time, not work
-            meter.jobs.append([op.stage, op.microbatch, op.kind, time.perf_counter() - t - (comm.waited - waited)])
+            # work: what it spent blocked on a peer's data is idle time, not work; cpu: the
+            # process's CPU meanwhile (its communication threads' too), what it asks of a core
+            meter.jobs.append([op.stage, op.microbatch, op.kind, clock() - t - (comm.waited - waited), cpu_clock() - cpu])
         release(len(jobs))
         return st
 
@@ -570,5 +575,5 @@ class _StepState:
         if e.replicas.buckets:
             if e.watchdog is not None:
                 e.watchdog.set_job(f"all-reduce of replicated stages in step {e.steps}")
-            e.replicas.finish(e.watchdog)
+            e.replicas.finish(e.watchdog, comm.clock)
         return totals

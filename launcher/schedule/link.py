@@ -42,8 +42,31 @@ class Link:
         return {"latency_s": self.latency_s, "bytes_per_s": self.bytes_per_s}
 
 
-def end_of_step(tl: Timeline, grad_bytes: Sequence[float], link: Link) -> list[float]:
-    """Per worker, the seconds of its gradient exchange after its last job (formula above)."""
+#: a replicated stage set whose root would move at most this many bytes each way ((n - 1) x size)
+#: is all-reduced through one root in two rounds, a larger one by halving-doubling (the runtime's
+#: choice, :mod:`launcher.runtime.groups`)
+ROOT_BYTES = 2 * 2**20
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One worker's gradient exchange after its last job: message rounds and bytes each way."""
+
+    rounds: int
+    sent: float
+    received: float
+
+    def seconds(self, link: Link) -> float:
+        """Rounds times the latency, plus the busier direction's bytes over the bandwidth."""
+        return self.rounds * link.latency_s + max(self.sent, self.received) / link.bytes_per_s
+
+
+def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
+    """Per worker: its partial sums to owners (one message each, all at once: one round) and the
+    all-reduce of the replicated stages it owns, per owner set, as the runtime does it: through
+    one root (2 rounds; the root moves ``(n - 1)`` times the bytes each way) when small, else by
+    halving-doubling (``2 log2 p`` rounds, plus 2 when ``n`` is not a power of two ``p``;
+    ``2 (n - 1) / n`` of the bytes each way)."""
     space, W = tl.step.space, tl.step.workers
     S, B = space.S, space.B
     grad_kind = space.K - 1  # B, or W when split: the job that makes stage s's weight gradient
@@ -60,18 +83,54 @@ def end_of_step(tl: Timeline, grad_bytes: Sequence[float], link: Link) -> list[f
     for s, w, o in pairs:
         sent[w] += grad_bytes[s]
         received[o] += grad_bytes[s]
-        sends[w] += 1
-        receives[o] += 1
+        sends[w] = 1
+        receives[o] = 1
+    sets: dict[tuple[int, ...], float] = {}
     for s, group in enumerate(owners):
+        if len(group) > 1:
+            key = tuple(sorted(group))
+            sets[key] = sets.get(key, 0.0) + grad_bytes[s]
+    for group, nbytes in sets.items():
         n = len(group)
-        if n > 1:
-            share = 2 * (n - 1) / n * grad_bytes[s]
+        if (n - 1) * nbytes <= ROOT_BYTES:
+            root = group[0]
             for o in group:
-                sent[o] += share
-                received[o] += share
-                rounds[o] += 2 * (n - 1)
-    return [(max(sends[w], receives[w]) + rounds[w]) * link.latency_s + max(sent[w], received[w]) / link.bytes_per_s
-            for w in range(W)]
+                moved = (n - 1) * nbytes if o == root else nbytes
+                sent[o] += moved
+                received[o] += moved
+                rounds[o] += 2
+        else:
+            p = 1 << (n.bit_length() - 1)
+            for o in group:
+                sent[o] += 2 * (n - 1) / n * nbytes
+                received[o] += 2 * (n - 1) / n * nbytes
+                rounds[o] += 2 * (p.bit_length() - 1) + (2 if p != n else 0)
+    return [Exchange(max(sends[w], receives[w]) + rounds[w], sent[w], received[w]) for w in range(W)]
+
+
+def end_of_step(tl: Timeline, grad_bytes: Sequence[float], link: Link) -> list[float]:
+    """Per worker, the seconds of its gradient exchange after its last job (formula above)."""
+    return [e.seconds(link) for e in exchanges(tl, grad_bytes)]
+
+
+def partners(tl: Timeline) -> list[list[int]]:
+    """Per worker, the workers its end of the step waits for: the other owners of the replicated
+    stages it owns (they all-reduce together) and the workers that send it partial sums."""
+    space, W = tl.step.space, tl.step.workers
+    S, B = space.S, space.B
+    grad_kind = space.K - 1
+    owners: list[set[int]] = [set() for _ in range(S)]
+    out: list[set[int]] = [set() for _ in range(W)]
+    for j in range(space.N):
+        k, s = divmod(j // B, S)
+        owners[s].add(tl.weights[j])
+        if k == grad_kind and tl.compute[j] != tl.weights[j]:
+            out[tl.weights[j]].add(tl.compute[j])
+    for group in owners:
+        if len(group) > 1:
+            for o in group:
+                out[o] |= group - {o}
+    return [sorted(x) for x in out]
 
 
 def step_time(tl: Timeline, grad_bytes: Sequence[float], link: Link, tails: Sequence[float] | None = None) -> float:

@@ -1,0 +1,85 @@
+"""What a step costs on the real workers, from their step records: the simulator's inputs.
+
+Pure Python (no torch). Every worker's record of a step (:func:`launcher.runtime.measure.worker_record`)
+holds each job's work (its wall time less its waits for peers) and its process CPU time, the CPU
+and wall time of the end of the step (gradient sums and all-reduces), the time each outgoing
+message was handed over and when each late incoming message arrived, and where the worker ran
+(host, device, the cores it may use). From them:
+
+- :func:`job_seconds`: seconds per job kind, the simulator's ``durations``. On CPU workers a job's
+  *CPU* time: workers that share cores run their jobs slower when more of them are busy than there
+  are cores, and the replay of :mod:`launcher.schedule.cores` charges that from the CPU each job
+  asks for; on GPUs its wall time less its waits;
+- :func:`message_seconds`: what a message between workers really takes, the simulator's ``comm``:
+  the median time from its hand-over at the sender to its arrival at a receiver that was waiting for
+  it (activations, gradients, and the rounds of the all-reduces; one host's clock, so only when
+  all workers share a host; ``None`` otherwise);
+- :func:`end_seconds`: per worker, the end of the step (CPU on CPU workers, wall on GPUs);
+- :func:`shared_cores`: how many cores the workers share, when they all run on one host's CPUs.
+
+Steps after the first count (the first one pays for warm-up).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any, Mapping, Sequence
+
+Records = Sequence[Mapping[str, Any]]  # per worker: {"records": [record of each step, or {}]}
+
+
+def _steps(r: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    recs = [x["measured_only"] for x in r["records"] if x]
+    return recs[1:] if len(recs) > 1 else recs
+
+
+def on_cpu(per_rank: Records) -> bool:
+    """True when the workers computed on CPUs (their job times are CPU times)."""
+    return all(m.get("device", "cpu") == "cpu" for r in per_rank for m in _steps(r))
+
+
+def job_seconds(per_rank: Records, kinds: Sequence[str]) -> dict[str, float]:
+    """Mean seconds of each job kind over every worker and step after the first (see above)."""
+    cpu = on_cpu(per_rank)
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for r in per_rank:
+        for m in _steps(r):
+            for job in m["jobs"]:
+                kind, work = job[2], job[3]
+                total[kind] += job[4] if cpu and len(job) > 4 else work
+                count[kind] += 1
+    return {k: (total[k] / count[k] if count[k] else 0.0) for k in kinds}
+
+
+def message_seconds(per_rank: Records) -> float | None:
+    """Median seconds from a message's hand-over to its arrival where the receiver waited for it."""
+    if len({m.get("host") for r in per_rank for m in _steps(r)}) != 1:
+        return None
+    by_step: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in per_rank:
+        for k, m in enumerate(_steps(r)):
+            by_step[k].append(m)
+    samples = []
+    for ms in by_step.values():
+        sent = {mid: t for m in ms for mid, t in m.get("sent_at", {}).items()}
+        samples += [t - sent[key] for m in ms for key, t in m.get("arrivals", ()) if key in sent and t >= sent[key]]
+    # the median: a few messages that wait for a descheduled peer take ten times the rest
+    return statistics.median(samples) if samples else None
+
+
+def end_seconds(per_rank: Records) -> list[float]:
+    """Per worker, the median seconds of the end of its steps (CPU on CPU workers, wall on GPUs)."""
+    key = "end_cpu_s" if on_cpu(per_rank) else "end_s"
+    return [statistics.median(m.get(key, 0.0) for m in _steps(r)) if _steps(r) else 0.0 for r in per_rank]
+
+
+def shared_cores(per_rank: Records) -> int | None:
+    """The cores the workers share when they all compute on the CPUs of one host, else ``None``
+    (a processor each: GPUs, or workers spread over hosts)."""
+    ms = [m for r in per_rank for m in _steps(r)[:1]]
+    if not ms or not on_cpu(per_rank) or len({m.get("host") for m in ms}) != 1:
+        return None
+    cores = {c for m in ms for c in m.get("cores", ())}
+    return len(cores) or None

@@ -1,0 +1,100 @@
+"""Workers that share cores: how long a simulated step takes when its W workers run on C < W cores.
+
+The simulator assumes every worker has a processor of its own (a GPU each, or a core each). When
+W worker processes share C cores (a CPU machine with fewer cores than workers), a job runs slower
+while more than C workers are busy at once. The runtime runs each worker's jobs in the order the
+simulator chose (:attr:`Timeline.program`), so this replays those programs, job by job, with
+*processor sharing*: at any moment the ``n`` workers that have a job they can run each progress
+at ``min(1, C / n)`` of a core. A job can run once the worker's previous job is done and its
+inputs have arrived (``comm`` after the producing job when it ran elsewhere). After its last job a
+worker has ``tails[w]`` more seconds of work (the gradient exchange and the optimizer step), which
+starts once the workers it exchanges with (``sync[w]``) have finished their jobs too and
+``delays[w]`` seconds more have passed (the exchange's message rounds, which wait without
+computing).
+
+With ``cores >= W`` and no tails this is the simulated timeline itself (the same order, durations
+and message delays), so ``replay(tl, W) == tl.latency``. Pure Python; ``O(jobs x W)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .simulate import Timeline
+
+
+def replay(
+    tl: Timeline,
+    cores: int,
+    tails: Sequence[float] | None = None,
+    sync: Sequence[Sequence[int]] | None = None,
+    delays: Sequence[float] | None = None,
+) -> float:
+    """The step's makespan when its workers share ``cores`` cores (see the module docstring)."""
+    step, space = tl.step, tl.step.space
+    W, SB = step.workers, space.S * space.B
+    programs, compute = tl.program, tl.compute
+    work = [float(step.durations[k]) for k in space.kinds]
+    comm = float(step.comm)
+    tails = list(tails) if tails is not None else [0.0] * W
+    sync = [list(s) for s in sync] if sync is not None else [[] for _ in range(W)]
+    delays = list(delays) if delays is not None else [0.0] * W
+    finish = [math.nan] * space.N
+    pos = [0] * W  # next job of each worker (len(program): its tail)
+    left: list[float | None] = [None] * W  # work left of what the worker runs now
+    jobs_done = [0.0] * W  # when the worker's last job ended
+    ended = [False] * W
+    end = [0.0] * W
+    t = 0.0
+
+    def ready_at(w: int) -> float:
+        """When the worker's next piece of work can start (inf: it waits on something unfinished)."""
+        prog = programs[w]
+        if pos[w] < len(prog):
+            j = prog[pos[w]]
+            r = 0.0
+            for p in space.pred(j):
+                if math.isnan(finish[p]):
+                    return math.inf
+                r = max(r, finish[p] + (comm if compute[p] != w else 0.0))
+            return r
+        r = jobs_done[w]
+        for o in sync[w]:
+            if pos[o] < len(programs[o]):
+                return math.inf
+            r = max(r, jobs_done[o])
+        return r + delays[w]
+
+    while not all(ended):
+        running, wake = [], math.inf
+        for w in range(W):
+            if ended[w]:
+                continue
+            if left[w] is None:
+                r = ready_at(w)
+                if r > t:
+                    wake = min(wake, r)
+                    continue
+                left[w] = work[programs[w][pos[w]] // SB] if pos[w] < len(programs[w]) else tails[w]
+            running.append(w)
+        if not running:
+            if wake == math.inf:  # cannot happen for a timeline the simulator produced
+                raise ValueError("the programs wait on one another: not a simulated timeline")
+            t = wake
+            continue
+        rate = min(1.0, cores / len(running))
+        dt = min(min(left[w] for w in running) / rate, wake - t)  # type: ignore[type-var]
+        t += dt
+        for w in running:
+            left[w] -= dt * rate  # type: ignore[operator]
+            if left[w] <= 1e-12 * max(1.0, t):  # type: ignore[operator]
+                left[w] = None
+                if pos[w] < len(programs[w]):
+                    finish[programs[w][pos[w]]] = t
+                    pos[w] += 1
+                    if pos[w] == len(programs[w]):
+                        jobs_done[w] = t
+                else:
+                    ended[w], end[w] = True, t
+    return max(end, default=0.0)
