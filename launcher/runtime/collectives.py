@@ -56,11 +56,13 @@ def halving_doubling(
     tag: Callable[[int], int],
     group: dist.ProcessGroup | None = None,
     clock: Any = None,
+    scratch: torch.Tensor | None = None,
 ) -> None:
     """Sum ``flat`` (1-D, contiguous) in place across ``ranks`` (ranks of ``group``; ``ranks[me]``
     is this process). Round ``k``'s messages carry tag ``tag(k)``, so concurrent reductions and
     other messages between the same ranks never match each other's. ``clock`` (a
-    :class:`~launcher.runtime.comm.Clock`) times the messages."""
+    :class:`~launcher.runtime.comm.Clock`) times the messages; ``scratch`` (at least ``flat``'s
+    size, reused from step to step) receives the peers' halves, so a step allocates nothing."""
     n = len(ranks)
     if n < 2:
         return
@@ -68,6 +70,8 @@ def halving_doubling(
     p = 1 << (n.bit_length() - 1)
     r = n - p
     round_ = 2
+    if scratch is None:
+        scratch = torch.empty_like(flat)
 
     def exchange(peer: int, send: torch.Tensor, recv: torch.Tensor) -> None:
         nonlocal round_
@@ -85,7 +89,7 @@ def halving_doubling(
             io.send(flat, me - 1, tag(0)).wait()
             io.wait(io.recv(flat, me - 1, tag(1)), me - 1, tag(1))
             return
-        buf = torch.empty_like(flat)
+        buf = scratch[: flat.numel()]
         io.wait(io.recv(buf, me + 1, tag(0)), me + 1, tag(0))
         flat += buf
     v = me // 2 if me < 2 * r else me - r  # this worker's place among the p that remain
@@ -100,7 +104,7 @@ def halving_doubling(
         peer = v ^ d
         mid = (lo + hi) // 2
         (klo, khi), (glo, ghi) = ((mid, hi), (lo, mid)) if v & d else ((lo, mid), (mid, hi))
-        buf = torch.empty(khi - klo, dtype=flat.dtype, device=flat.device)
+        buf = scratch[: khi - klo]
         exchange(real(peer), flat[glo:ghi], buf)
         flat[klo:khi] += buf
         steps.append((real(peer), klo, khi, glo, ghi))
@@ -119,10 +123,12 @@ def through_root(
     tag: Callable[[int], int],
     group: dist.ProcessGroup | None = None,
     clock: Any = None,
+    scratch: torch.Tensor | None = None,
 ) -> None:
     """Sum ``flat`` in place across ``ranks`` in two rounds: every worker sends it to ``ranks[0]``,
     which adds them and sends the total back. The root moves ``(n - 1)`` buffers each way, so this
-    is for small buffers, where a round's latency costs more than that volume."""
+    is for small buffers, where a round's latency costs more than that volume. ``scratch``: at
+    least ``(n - 1)`` times ``flat``'s size, for the root's receives."""
     n = len(ranks)
     if n < 2:
         return
@@ -131,7 +137,9 @@ def through_root(
         io.send(flat, 0, tag(0)).wait()
         io.wait(io.recv(flat, 0, tag(1)), 0, tag(1))
         return
-    bufs = [torch.empty_like(flat) for _ in range(n - 1)]
+    if scratch is None:
+        scratch = torch.empty((n - 1) * flat.numel(), dtype=flat.dtype, device=flat.device)
+    bufs = scratch[: (n - 1) * flat.numel()].view(n - 1, -1).unbind(0) if flat.numel() else [flat] * (n - 1)
     works = [io.recv(b, k + 1, tag(0)) for k, b in enumerate(bufs)]
     for k, (work, b) in enumerate(zip(works, bufs)):  # in rank order, so every run adds in the same order
         io.wait(work, k + 1, tag(0))

@@ -37,6 +37,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from launcher.schedule.link import ROOT_BYTES
+
 from .collectives import halving_doubling, through_root
 from .failure import Watchdog, blocked
 from .plan import Plan
@@ -46,9 +48,6 @@ from .plan import Plan
 #: the rest go in few collectives
 BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 2**20
-#: at the end of a step under gloo, a bucket whose root would move at most this many bytes each
-#: way (``(n - 1) x size``) goes through one root in two rounds; a larger one by halving-doubling
-ROOT_BYTES = 2 * 2**20
 
 # engines built one after another in a process (every process builds the same ones, so every
 # process makes the same calls) share their groups instead of making new ones each time
@@ -121,7 +120,18 @@ class Replicas:
                 self.slices[s] = part
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._make_groups(every, worker, group)
+        # what the point-to-point all-reduces receive into, allocated once (a fresh megabyte
+        # buffer each step costs a page fault per 4 KiB on first touch)
+        sizes = [(len(b.owners) - 1 if self._small(b, f) else 1) * f.numel()
+                 for b, f in zip(self.buckets, self.flats) if self.nccl is False and b.at_end]
+        dtype = self.flats[0].dtype if self.flats else torch.float32
+        self.scratch = torch.empty(max(sizes, default=0), dtype=dtype, device=device)
         self.reset()
+
+    @staticmethod
+    def _small(b: Bucket, flat: torch.Tensor) -> bool:
+        """Whether a bucket goes through one root: that root moves at most ``ROOT_BYTES`` each way."""
+        return (len(b.owners) - 1) * flat.numel() * flat.element_size() <= ROOT_BYTES
 
     def _make_groups(self, every: list[Bucket], worker: int | None, group: dist.ProcessGroup | None) -> None:
         """A process group per owner set that some bucket all-reduces with a collective.
@@ -189,10 +199,10 @@ class Replicas:
             for i in range(self.next, len(self.buckets)):  # gloo, at the end: by point-to-point
                 b, flat = self.buckets[i], self.flats[i]
                 self._zero_unwritten(b)
-                n = len(b.owners)
-                algorithm = through_root if (n - 1) * flat.numel() * flat.element_size() <= ROOT_BYTES else halving_doubling
+                algorithm = through_root if self._small(b, flat) else halving_doubling
                 algorithm(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
-                          lambda r, k=b.index: self.plan.reduce_tag(k, r), self.group, clock)
+                          lambda r, k=b.index: self.plan.reduce_tag(k, r), self.group, clock,
+                          self.scratch if self.scratch.dtype == flat.dtype else None)
             self.next = len(self.buckets)
             for work in self.pending:
                 work.wait()

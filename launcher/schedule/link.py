@@ -4,9 +4,11 @@ The simulator's timeline ends with each worker's last job; the runtime then fini
 (DESIGN.md section 4, and the lowering in :mod:`launcher.runtime.plan`):
 
 - every worker sends its weight-gradient sum of stage ``s`` to each other owner it computed for,
-  and each owner receives them: one message of ``grad_bytes[s]`` per ``(s, sender, owner)``;
-- the ``n`` owners of a replicated stage (DDP, LPP with G > 1) all-reduce it on their subgroup,
-  ring-style: each sends and receives ``2 (n - 1) / n`` of the gradient in ``2 (n - 1)`` rounds.
+  and each owner receives them: one message of ``grad_bytes[s]`` per ``(s, sender, owner)``, all
+  at once (one round);
+- the ``n`` owners of replicated stages (DDP, LPP with G > 1) all-reduce them, as the runtime
+  does (:mod:`launcher.runtime.groups`): through one root in 2 rounds when small, else by
+  halving-doubling (:func:`exchanges`).
 
 A message of ``n`` bytes costs ``latency_s + n / bytes_per_s`` (a :class:`Link`, measured on the
 real workers by a ping-pong, :mod:`launcher.runtime.link`). A worker's end phase lasts its

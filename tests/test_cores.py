@@ -1,0 +1,54 @@
+"""Workers sharing cores (launcher.schedule.cores): the replay of the simulated programs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from launcher.schedule import make_step, simulate
+from launcher.schedule.cores import replay
+
+
+@st.composite
+def steps(draw):
+    S, B = draw(st.integers(1, 5)), draw(st.integers(1, 6))
+    scheme = draw(st.sampled_from(["ddp", "fsdp", "gpipe", "lpp", "fslpp"]))
+    G, R = {"ddp": (B, 1), "fsdp": (B, 1), "gpipe": (1, S)}.get(
+        scheme, (draw(st.integers(1, B)), draw(st.integers(1, S))))
+    split = draw(st.booleans())
+    durations = {k: draw(st.floats(0.1, 3.0)) for k in "FBIW"} | {"I": 0.6}
+    return make_step(scheme, S, B, G=G, R=R, order=draw(st.sampled_from(["1f1b", "breadth_first", "depth_first"])),
+                     warmup="none", split_backward=split, comm=draw(st.sampled_from([0.0, 0.25])), durations=durations)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps())
+def test_a_core_each_reproduces_the_simulated_timeline(step):
+    tl = simulate(step)
+    assert replay(tl, step.workers) == pytest.approx(tl.latency)
+    assert replay(tl, 10 * step.workers) == pytest.approx(tl.latency)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps(), st.integers(1, 4))
+def test_fewer_cores_take_longer_and_never_beat_the_work(step, cores):
+    tl = simulate(step)
+    work = sum(tl.finish[j] - tl.start[j] for j in range(step.space.N))
+    t = replay(tl, cores)
+    assert t >= tl.latency - 1e-9  # sharing never helps
+    assert t >= work / min(cores, step.workers) - 1e-9  # the cores cannot do more than their share
+
+
+def test_two_independent_workers_on_one_core_share_it():
+    tl = simulate(make_step("ddp", 1, 2, G=2, R=1, durations={"F": 1.0, "B": 2.0}))
+    assert tl.latency == pytest.approx(3.0)
+    assert replay(tl, 1) == pytest.approx(6.0)  # both run at half speed throughout
+    # a tail after the jobs, which waits for the partner, then a delay before it
+    assert replay(tl, 2, tails=[1.0, 0.5], sync=[[1], [0]], delays=[0.5, 0.5]) == pytest.approx(4.5)
+
+
+def test_a_memory_limit_is_the_order_it_leaves():
+    # the runtime runs each worker's program in order without waiting for memory: the replay does too
+    tl = simulate(make_step("gpipe", 4, 8, G=1, R=4, order="1f1b"))
+    assert replay(tl, 4) <= tl.latency + 1e-9
