@@ -300,7 +300,7 @@ def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:
     which = "optimizer_cpu_s" if on_cpu(ranks) else "optimizer_s"
     tails = [end + statistics.median(r[which]) for end, r in zip(end_seconds(ranks), ranks)]
     rounds = [e.rounds * comm for e in exchanges(tl, [(H * H + H) * 4] * p.S)]
-    return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds) + result["barrier_s"]
+    return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds).seconds + result["barrier_s"]
 
 
 def _rel(a: float, b: float) -> float:

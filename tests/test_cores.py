@@ -26,8 +26,8 @@ def steps(draw):
 @given(steps())
 def test_a_core_each_reproduces_the_simulated_timeline(step):
     tl = simulate(step)
-    assert replay(tl, step.workers) == pytest.approx(tl.latency)
-    assert replay(tl, 10 * step.workers) == pytest.approx(tl.latency)
+    assert replay(tl, step.workers).seconds == pytest.approx(tl.latency)
+    assert replay(tl, 10 * step.workers).seconds == pytest.approx(tl.latency)
 
 
 @settings(max_examples=150, deadline=None)
@@ -35,20 +35,22 @@ def test_a_core_each_reproduces_the_simulated_timeline(step):
 def test_fewer_cores_take_longer_and_never_beat_the_work(step, cores):
     tl = simulate(step)
     work = sum(tl.finish[j] - tl.start[j] for j in range(step.space.N))
-    t = replay(tl, cores)
+    t, busy = replay(tl, cores)
     assert t >= tl.latency - 1e-9  # sharing never helps
     assert t >= work / min(cores, step.workers) - 1e-9  # the cores cannot do more than their share
+    assert sum(busy) >= work - 1e-9  # a worker's jobs take at least their work, longer when it shares
 
 
 def test_two_independent_workers_on_one_core_share_it():
     tl = simulate(make_step("ddp", 1, 2, G=2, R=1, durations={"F": 1.0, "B": 2.0}))
     assert tl.latency == pytest.approx(3.0)
-    assert replay(tl, 1) == pytest.approx(6.0)  # both run at half speed throughout
+    seconds, busy = replay(tl, 1)
+    assert seconds == pytest.approx(6.0) and busy == pytest.approx([6.0, 6.0])  # both at half speed throughout
     # a tail after the jobs, which waits for the partner, then a delay before it
-    assert replay(tl, 2, tails=[1.0, 0.5], sync=[[1], [0]], delays=[0.5, 0.5]) == pytest.approx(4.5)
+    assert replay(tl, 2, tails=[1.0, 0.5], sync=[[1], [0]], delays=[0.5, 0.5]).seconds == pytest.approx(4.5)
 
 
 def test_a_memory_limit_is_the_order_it_leaves():
     # the runtime runs each worker's program in order without waiting for memory: the replay does too
     tl = simulate(make_step("gpipe", 4, 8, G=1, R=4, order="1f1b"))
-    assert replay(tl, 4) <= tl.latency + 1e-9
+    assert replay(tl, 4).seconds <= tl.latency + 1e-9

@@ -17,6 +17,7 @@ import launcher.config  # noqa: F401  (registers the schema)
 from launcher.config import errors
 from launcher.modes.simulate import simulate_config
 from launcher.plan import Budget, ProfileError, load, parse_bytes, search, unit
+from launcher.plan.search import shared_cores_time
 from launcher.plan import memory
 from launcher.plan.profile import from_dict
 from launcher.schedule import ScheduleError, make_step, simulate
@@ -64,13 +65,17 @@ def brute_force(S: int, B: int, workers: int, prof, budget: Budget) -> float:
 
 
 def step_time(tl, prof) -> float:
-    """The simulated step, and with a link the gradient exchange after it."""
-    if prof.link is None:
-        return tl.latency
-    return link_step_time(tl, [prof.stage_bytes("grads", s) for s in range(tl.step.S)], prof.link)
+    """The simulated step, and with a link the gradient exchange after it; on fewer cores than
+    workers, the replay of the workers sharing them; plus the time outside the engine."""
+    grads = [prof.stage_bytes("grads", s) for s in range(tl.step.S)] if prof.link and prof.bytes else None
+    if prof.cores is not None and prof.cores < tl.step.workers:
+        return shared_cores_time(tl, prof, grads) + prof.outside
+    return (link_step_time(tl, grads, prof.link) if grads else tl.latency) + prof.outside
 
 
 LINKED = PROFILE | {"link": {"latency_s": 0.05, "bytes_per_s": 20.0}}
+# workers that share 2 cores, with time outside the engine: more workers are not always faster
+SHARED = LINKED | {"cores": 2, "outside_s": 0.3}
 
 CASES = [  # S, B, workers, profile (None: unit costs), budget
     (4, 4, 4, None, Budget(activations=2)),
@@ -82,6 +87,8 @@ CASES = [  # S, B, workers, profile (None: unit costs), budget
     # a measured link: the gradient exchange after the compute ranks the schemes too
     (4, 4, 4, LINKED, Budget(bytes=150)),
     (4, 4, 4, LINKED, Budget()),
+    (4, 4, 4, SHARED, Budget()),
+    (4, 4, 4, SHARED, Budget(activations=2)),
 ]
 
 
@@ -91,7 +98,7 @@ def compose_cfg():
         yield lambda overrides: compose("config", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"S{c[0]}B{c[1]}w{c[2]}-{'link' if c[3] is LINKED else ''}{c[4]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"S{c[0]}B{c[1]}w{c[2]}-{'link' if c[3] is LINKED else 'cores' if c[3] is SHARED else ''}{c[4]}")
 def test_best_reproduces_fits_and_beats_the_brute_force(case, compose_cfg, tmp_path):
     S, B, workers, profile, budget = case
     prof = from_dict(profile) if profile else unit({"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}, 0.0)

@@ -66,7 +66,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     con = console()
     con.print(
         f"[bold]plan[/bold] workers={workers} stages={cfg.stages} microbatches={microbatches_of(cfg)} "
-        f"budget {_budget_text(cfg)}; {'profile ' + str(cfg.plan.profile) if cfg.plan.profile else 'unit costs'}",
+        f"budget {_budget_text(cfg)}; {'profile ' + str(cfg.plan.profile) if cfg.plan.profile else 'unit costs'}"
+        + (f" (workers share {prof.cores} cores)" if prof.cores else ""),
         highlight=False)
     con.print(f"simulated {result.simulated} steps; pruned {result.pruned_time} by the time bound and "
               f"{result.pruned_memory} by the memory bound; {result.did_not_fit} evaluated candidates did not fit; "

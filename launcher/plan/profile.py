@@ -6,12 +6,17 @@ under ``"profile"``; a bare profile file works too)::
     {"durations_s": {"F": float, "B": float, "I": float | null, "W": float | null},
      "comm_s": float,                       # seconds added when a dependency crosses workers
      "link": {"latency_s": float, "bytes_per_s": float} | null,   # optional: message costs
+     "cores": int | null,                   # optional: cores the workers share (null: one each)
+     "outside_s": float,                    # optional: a step's seconds outside the engine
      "bytes": {"params": [per stage], "grads": [per stage], "optimizer": [per stage],
                "activation": [per stage: bytes of x_s^b for one micro-batch]}}
 
 Without a profile the planner uses the config's unit-cost model (``durations``, ``comm``) and has
 no bytes, so ``plan.memory`` needs a profile. With a ``link`` and bytes, a candidate's step time
-also counts the gradient exchange after the compute (:mod:`launcher.schedule.link`).
+also counts the gradient exchange after the compute (:mod:`launcher.schedule.link`). With
+``cores``, a candidate of more workers than that shares them (:mod:`launcher.schedule.cores`):
+on a CPU machine, more workers are not faster once the cores are busy. ``outside_s`` is added to
+every candidate, so its step time compares with a measured training step.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class Profile:
     bytes: Mapping[str, tuple[float, ...]] | None = None
     seconds: bool = True  # False: the config's unit-cost model
     link: Link | None = None  # message costs between workers, when measured
+    cores: int | None = None  # cores the workers share (None: a processor each)
+    outside: float = 0.0  # seconds of a step outside the engine
 
     @property
     def can_split(self) -> bool:
@@ -91,8 +98,14 @@ def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
         if not (isinstance(link, Mapping) and _pos(link.get("latency_s")) and _pos(link.get("bytes_per_s"))):
             raise ProfileError(f"{where} has link={link!r}; it must be null or hold positive latency_s and bytes_per_s")
         link = Link(float(link["latency_s"]), float(link["bytes_per_s"]))
+    cores = d.get("cores")
+    if cores is not None and not (isinstance(cores, int) and not isinstance(cores, bool) and cores > 0):
+        raise ProfileError(f"{where} has cores={cores!r}; it must be null or a positive int")
+    outside = d.get("outside_s", 0.0)
+    if not (isinstance(outside, (int, float)) and not isinstance(outside, bool) and outside >= 0 and math.isfinite(outside)):
+        raise ProfileError(f"{where} has outside_s={outside!r}; it must be a number >= 0")
     return Profile({k: (float(dur[k]) if dur.get(k) is not None else None) for k in ("F", "B", "I", "W")},
-                   float(comm), table, seconds=True, link=link)
+                   float(comm), table, seconds=True, link=link, cores=cores, outside=float(outside))
 
 
 def load(path: str | Path) -> Profile:

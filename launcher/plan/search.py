@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..schedule import ScheduleError, make_step, simulate
-from ..schedule.link import end_of_step, step_time as link_step_time
+from ..schedule.cores import replay
+from ..schedule.link import end_of_step, exchanges, partners, step_time as link_step_time
 from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
 from ..schedule.placement import named
 from ..schedule.simulate import Timeline, place_all
@@ -185,7 +186,7 @@ def search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bud
                 if split and not prof.can_split:
                     continue
                 d = _durations(prof, split)
-                lb = time_bound(S, B, G, R, split, d, prof.comm)
+                lb = time_bound(S, B, G, R, split, d, prof.comm) + prof.outside
                 for order, warmup in ORDERS:
                     if order == "zb_h1" and not split:
                         continue  # ZB-H1 exists only on the split backward
@@ -218,8 +219,9 @@ def search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bud
             except ScheduleError:
                 continue  # this limit cannot finish the step
             plan.simulated += 1
+            worst = -kept[0][0][0] if len(kept) >= top else math.inf  # per micro-batch, to enter the top
             found = _evaluate(tl, per_scheme, B, G, R, order, warmup, split, ml, d, prof, budget, plan,
-                              traffic_of.setdefault((B, G, R, split), {}))
+                              traffic_of.setdefault((B, G, R, split), {}), worst * B)
             if ml is None and not found and (budget.activations is not None or budget.bytes is not None):
                 # The unlimited step does not fit: scan uniform limits upward from the least that
                 # can finish. The greedy scheduler is not monotone in the limit (a limit above the
@@ -294,9 +296,11 @@ def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget) -> tu
 
 def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str, warmup: str, split: bool,
               ml: Any, d: dict[str, float], prof: Profile, budget: Budget, plan: Plan,
-              moves: dict) -> list[Candidate]:
+              moves: dict, worst: float = math.inf) -> list[Candidate]:
     """Every scheme, ownership and cache on one simulated timeline, keeping those that fit.
-    ``moves`` caches each scheme's traffic: it depends on the placement and the split only."""
+    ``moves`` caches each scheme's traffic: it depends on the placement and the split only.
+    ``worst``: the step time a candidate must beat to enter the top (workers that share cores are
+    replayed only when their time without sharing, a lower bound, beats it)."""
     S = tl.step.S
     latency = tl.latency
     busy = sum(d[k] for k in tl.step.space.kinds) * S * B
@@ -319,7 +323,9 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             t = moves[sch] = traffic(view)
             if grads:  # the gradient exchange after the compute depends on who owns what
                 t["end_of_step"] = end_of_step(view, grads, prof.link)
-        step_time[sch] = link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency
+        step_time[sch] = (link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency) + prof.outside
+        if prof.cores is not None and prof.cores < tl.step.workers and step_time[sch] <= worst:
+            step_time[sch] = shared_cores_time(view, prof, grads) + prof.outside
         for cache in CACHES:
             if cache == "job" and not any(fetched):
                 fetch, resident = [0] * len(owned), t["weights_owned"]
@@ -341,3 +347,13 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             out.append(Candidate(point, step_time[sch], bubble, peak_act, peak_bytes, msgs,
                                  _traffic_bytes(t, fetch, prof, S), runs))
     return out
+
+
+def shared_cores_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None) -> float:
+    """The step when its workers share ``prof.cores`` cores: the simulated programs replayed with
+    the gradient exchange after them (its bytes over the link as work, its message rounds as
+    waits of ``prof.comm`` each, the message time measured on the workers)."""
+    ex = exchanges(tl, grads) if grads else None
+    tails = [max(e.sent, e.received) / prof.link.bytes_per_s for e in ex] if ex and prof.link else None
+    delays = [e.rounds * prof.comm for e in ex] if ex else None
+    return replay(tl, prof.cores or tl.step.workers, tails, partners(tl), delays).seconds

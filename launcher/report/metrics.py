@@ -1,10 +1,11 @@
 """``metrics.json`` of a training run: predicted beside measured, per step, per worker, per kind.
 
 Pure Python (no torch): the Lightning layer gathers what every worker measured and hands it here
-with the plan. The prediction is the simulator's, fed with durations profiled on this run's own
-workers (the mean wall time of each job kind over the steps after the first) and the link they
-measured (message costs, and the gradient exchange after the compute: :mod:`launcher.schedule.link`),
-so it is in seconds.
+with the plan. The prediction is the simulator's, fed with what this run's own workers measured
+(:mod:`launcher.report.profile`): seconds per job kind (CPU seconds on CPU workers), what a
+message took, each worker's end of step and its time outside the engine; the simulated programs
+are replayed on the cores the workers shared (:mod:`launcher.schedule.cores`), so the prediction
+is in seconds.
 
 Keys (the comparison dashboard reads them):
 
@@ -14,10 +15,12 @@ Keys (the comparison dashboard reads them):
   validation ``step`` and ``val_loss``;
 - ``latency_s``, ``throughput_samples_per_s``, ``bubble_fraction``: ``{"predicted", "measured"}``
   (measured = the median over the steps after the first);
-- ``profile``: ``durations_s`` per job kind, ``link`` (``latency_s``, ``bytes_per_s`` of a
-  ping-pong between workers 0 and 1; null with one worker), ``comm_s`` (what a dependency across
-  workers waits: one mean activation over the link; 0 without a link), ``bytes`` per stage (``params``, ``grads``, ``optimizer``, ``activation``: x_s^b of one
-  micro-batch), the input the planner reads;
+- ``profile``: ``durations_s`` per job kind (CPU seconds on CPU workers), ``comm_s`` (what a
+  message between workers took while its receiver waited, the median; else one mean activation
+  over the link), ``link`` (``latency_s``, ``bytes_per_s`` of a ping-pong between workers 0 and 1;
+  null with one worker), ``cores`` (the cores the workers shared, null with a processor each),
+  ``outside_s`` (a step's seconds outside the engine), ``bytes`` per stage (``params``,
+  ``grads``, ``optimizer``, ``activation``: x_s^b of one micro-batch), the input the planner reads;
 - ``per_worker``: lists indexed by worker, each ``{"predicted", "measured"}``: ``bubble_fraction``,
   ``peak_activations`` (count) and ``peak_activation_bytes``, ``weights_owned``,
   ``weights_peak_resident``, ``traffic_count`` and ``traffic_bytes`` (per message kind, received),
@@ -35,25 +38,14 @@ from typing import Any, Mapping, Sequence
 
 from ..runtime.plan import KINDS, Plan
 from ..schedule import Timeline, simulate
-from ..schedule.link import Link, step_time as link_step_time
+from ..schedule.cores import replay
+from ..schedule.link import Link, exchanges, partners
 from ..schedule.simulate import Step
+from .profile import end_seconds, job_seconds, message_seconds, outside_seconds, shared_cores
 
 
 def _median_after_first(xs: Sequence[float]) -> float:
     return statistics.median(xs[1:] if len(xs) > 1 else xs) if xs else 0.0
-
-
-def profiled_durations(per_rank: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> dict[str, float]:
-    """Mean seconds of each job kind over every worker and every step after the first."""
-    total: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    for r in per_rank:
-        recs = [x for x in r["records"] if x]
-        for rec in recs[1:] if len(recs) > 1 else recs:
-            for _, _, kind, sec in rec["measured_only"]["jobs"]:
-                total[kind] += sec
-                count[kind] += 1
-    return {k: (total[k] / count[k] if count[k] else 0.0) for k in kinds}
 
 
 def activation_peaks(tl: Timeline, act_bytes: Sequence[Sequence[int]]) -> list[int]:
@@ -109,21 +101,26 @@ def build(
     ranks = [r for r in per_rank if r["rank"] < W]
     step: Step = plan.timeline.step
     kinds = step.space.kinds
-    durations = profiled_durations(ranks, kinds)
+    durations = job_seconds(ranks, kinds)
     link = next((Link(**r["link"]) for r in ranks if r.get("link")), None)
-    # a dependency across workers waits for one activation-sized message
+    # a dependency across workers waits for a message: what one took here while its receiver
+    # waited, or else one mean activation over the link
     act_mean = sum(map(sum, act_bytes)) / max(1, sum(map(len, act_bytes)))
-    comm_s = link.seconds(act_mean) if link else 0.0
+    comm_s = message_seconds(ranks)
+    if comm_s is None:
+        comm_s = link.seconds(act_mean) if link else 0.0
     tuned = Step(step.space, step.placement, step.workers, step.order,
                  {k: max(v, 1e-9) for k, v in durations.items()} | {k: 1.0 for k in "FBIW" if k not in kinds},
                  comm_s, step.memory_limit, step.name)
     tl = simulate(tuned)
-    predicted_s = link_step_time(tl, stage_bytes["grads"], link) if link else tl.latency
+    cores = shared_cores(ranks)
+    outside_s = outside_seconds(ranks)
+    delays = [e.rounds * comm_s for e in exchanges(tl, stage_bytes["grads"])]
+    replayed = replay(tl, cores or W, end_seconds(ranks), partners(tl), delays)
+    predicted_s = replayed.seconds + max(outside_s, default=0.0)
     measured_s = _median_after_first([s["step_s"] for s in steps])
 
-    busy_pred = [0.0] * W
-    for w in range(W):
-        busy_pred[w] = sum(tl.finish[j] - tl.start[j] for j in tl.program[w])
+    busy_pred = replayed.busy  # wall seconds running jobs, slowed where workers share cores
     # measured busy time per worker and step: the sum of its jobs' wall times
     busy_meas = []
     for r in ranks:
@@ -160,7 +157,8 @@ def build(
         "bubble_fraction": {"predicted": max(0.0, bubble_pred_total),
                             "measured": sum(meas_bubbles) / len(meas_bubbles) if meas_bubbles else None},
         "profile": {"durations_s": {k: durations.get(k) for k in ("F", "B", "I", "W")}, "comm_s": comm_s,
-                    "link": link.to_json() if link else None,
+                    "link": link.to_json() if link else None, "cores": cores,
+                    "outside_s": max(outside_s, default=0.0),
                     "bytes": {k: list(v) for k, v in stage_bytes.items()}},
         "per_worker": {
             "bubble_fraction": {"predicted": [max(0.0, 1.0 - b / predicted_s) if predicted_s else 0.0 for b in busy_pred],

@@ -15,7 +15,8 @@ message was handed over and when each late incoming message arrived, and where t
   it (activations, gradients, and the rounds of the all-reduces; one host's clock, so only when
   all workers share a host; ``None`` otherwise);
 - :func:`end_seconds`: per worker, the end of the step (CPU on CPU workers, wall on GPUs);
-- :func:`shared_cores`: how many cores the workers share, when they all run on one host's CPUs.
+- :func:`shared_cores`: how many cores the workers share, when they all run on one host's CPUs;
+- :func:`outside_seconds`: per worker, a training step's time outside the engine.
 
 Steps after the first count (the first one pays for warm-up).
 """
@@ -83,3 +84,15 @@ def shared_cores(per_rank: Records) -> int | None:
         return None
     cores = {c for m in ms for c in m.get("cores", ())}
     return len(cores) or None
+
+
+def outside_seconds(per_rank: Records) -> list[float]:
+    """Per worker, the median seconds of a training step spent outside the engine (the framework's
+    own work around it, the optimizer step): the step's wall time (``walls``) less the engine's."""
+    out = []
+    for r in per_rank:
+        recs = [x["measured_only"]["step_s"] if x else None for x in r["records"]]
+        gaps = [w - e for w, e in zip(r.get("walls", ()), recs) if e is not None]
+        gaps = gaps[1:] if len(gaps) > 1 else gaps
+        out.append(max(0.0, statistics.median(gaps)) if gaps else 0.0)
+    return out

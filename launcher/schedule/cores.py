@@ -13,15 +13,23 @@ starts once the workers it exchanges with (``sync[w]``) have finished their jobs
 computing).
 
 With ``cores >= W`` and no tails this is the simulated timeline itself (the same order, durations
-and message delays), so ``replay(tl, W) == tl.latency``. Pure Python; ``O(jobs x W)``.
+and message delays), so ``replay(tl, W).seconds == tl.latency``. Pure Python; ``O(jobs x W)``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from .simulate import Timeline
+
+
+class Replayed(NamedTuple):
+    """The replayed step: its seconds, and per worker the wall seconds it spent running jobs (at
+    whatever share of a core it had), the counterpart of a measured worker's busy time."""
+
+    seconds: float
+    busy: list[float]
 
 
 def replay(
@@ -30,7 +38,7 @@ def replay(
     tails: Sequence[float] | None = None,
     sync: Sequence[Sequence[int]] | None = None,
     delays: Sequence[float] | None = None,
-) -> float:
+) -> Replayed:
     """The step's makespan when its workers share ``cores`` cores (see the module docstring)."""
     step, space = tl.step, tl.step.space
     W, SB = step.workers, space.S * space.B
@@ -46,6 +54,7 @@ def replay(
     jobs_done = [0.0] * W  # when the worker's last job ended
     ended = [False] * W
     end = [0.0] * W
+    busy = [0.0] * W
     t = 0.0
 
     def ready_at(w: int) -> float:
@@ -87,6 +96,8 @@ def replay(
         dt = min(min(left[w] for w in running) / rate, wake - t)  # type: ignore[type-var]
         t += dt
         for w in running:
+            if pos[w] < len(programs[w]):
+                busy[w] += dt
             left[w] -= dt * rate  # type: ignore[operator]
             if left[w] <= 1e-12 * max(1.0, t):  # type: ignore[operator]
                 left[w] = None
@@ -97,4 +108,4 @@ def replay(
                         jobs_done[w] = t
                 else:
                     ended[w], end[w] = True, t
-    return max(end, default=0.0)
+    return Replayed(max(end, default=0.0), busy)
