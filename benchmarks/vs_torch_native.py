@@ -285,22 +285,22 @@ def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> di
 
 
 def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:
-    """Our step as the simulator predicts it from what our workers measured (the profile): job
-    seconds per kind (CPU seconds on CPU workers), what a message took, each worker's end of step
-    (its CPU, and its all-reduce's rounds of messages) and optimizer step, on the cores the
-    workers shared (:func:`launcher.schedule.cores.replay`), plus the timing's own two barriers
-    (measured with nothing between them)."""
+    """Our step as the simulator predicts it from what our workers measured (the profile): the
+    programs the workers ran, timed by the job seconds per kind they measured (CPU seconds on CPU
+    workers) and what a message took, each worker's end of step (its CPU, and its all-reduce's
+    rounds of messages) and optimizer step, on the cores the workers shared
+    (:func:`launcher.schedule.cores.replay`), plus the timing's own two barriers (measured with
+    nothing between them)."""
     ranks = result["per_rank"][: p.W]
-    kinds = ("F", "I", "W") if p.split else ("F", "B")
+    tl = simulate(make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split))  # what ran
     comm = message_seconds(ranks)
     if comm is None:  # no late message, or workers on several hosts: the ping-pong's link
         comm = Link(**result["link"]).seconds(mb * H * 4) if result["link"] else 0.0
-    tl = simulate(make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split,
-                            durations=job_seconds(ranks, kinds), comm=comm))
     which = "optimizer_cpu_s" if on_cpu(ranks) else "optimizer_s"
     tails = [end + statistics.median(r[which]) for end, r in zip(end_seconds(ranks), ranks)]
     rounds = [e.rounds * comm for e in exchanges(tl, [(H * H + H) * 4] * p.S)]
-    return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds).seconds + result["barrier_s"]
+    return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds, durations=job_seconds(ranks, tl.step.space.kinds),
+                  comm=comm).seconds + result["barrier_s"]
 
 
 def _rel(a: float, b: float) -> float:

@@ -35,16 +35,21 @@ def test_a_core_each_reproduces_the_simulated_timeline(step):
 def test_fewer_cores_take_longer_and_never_beat_the_work(step, cores):
     tl = simulate(step)
     work = sum(tl.finish[j] - tl.start[j] for j in range(step.space.N))
-    t, busy = replay(tl, cores)
+    t, busy, start, finish = replay(tl, cores)
     assert t >= tl.latency - 1e-9  # sharing never helps
     assert t >= work / min(cores, step.workers) - 1e-9  # the cores cannot do more than their share
     assert sum(busy) >= work - 1e-9  # a worker's jobs take at least their work, longer when it shares
+    for w, prog in enumerate(tl.program):  # each worker runs its program in order, one job at a time
+        for a, b in zip(prog, prog[1:]):
+            assert start[a] < finish[a] <= start[b] + 1e-12
+        for j in prog:
+            assert all(finish[p] <= start[j] + 1e-12 for p in step.space.pred(j))
 
 
 def test_two_independent_workers_on_one_core_share_it():
     tl = simulate(make_step("ddp", 1, 2, G=2, R=1, durations={"F": 1.0, "B": 2.0}))
     assert tl.latency == pytest.approx(3.0)
-    seconds, busy = replay(tl, 1)
+    seconds, busy, _, _ = replay(tl, 1)
     assert seconds == pytest.approx(6.0) and busy == pytest.approx([6.0, 6.0])  # both at half speed throughout
     # a tail after the jobs, which waits for the partner, then a delay before it
     assert replay(tl, 2, tails=[1.0, 0.5], sync=[[1], [0]], delays=[0.5, 0.5]).seconds == pytest.approx(4.5)

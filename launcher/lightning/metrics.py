@@ -83,7 +83,7 @@ class RunMetrics(Callback):
             from ..report.png import save_png
 
             save_png(tl, self.out_dir / "pipeline.png",
-                     title=f"{self.run.get('scheme')} G={self.run.get('G')} R={self.run.get('R')} (profiled durations)",
+                     title=f"{self.run.get('scheme')} G={self.run.get('G')} R={self.run.get('R')} (predicted from the profiled step)",
                      unit="seconds")
         else:
             if trainer.global_rank != 0:

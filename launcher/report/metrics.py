@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..runtime.plan import KINDS, Plan
-from ..schedule import Timeline, simulate
+from ..schedule import Timeline
 from ..schedule.cores import replay
 from ..schedule.link import Link, exchanges, partners
 from ..schedule.simulate import Step
@@ -109,15 +109,15 @@ def build(
     comm_s = message_seconds(ranks)
     if comm_s is None:
         comm_s = link.seconds(act_mean) if link else 0.0
-    tuned = Step(step.space, step.placement, step.workers, step.order,
-                 {k: max(v, 1e-9) for k, v in durations.items()} | {k: 1.0 for k in "FBIW" if k not in kinds},
-                 comm_s, step.memory_limit, step.name)
-    tl = simulate(tuned)
+    # the programs the workers ran, timed by what they measured
+    tl = plan.timeline
+    timed = {k: max(v, 1e-9) for k, v in durations.items()} | {k: 1.0 for k in "FBIW" if k not in kinds}
     cores = shared_cores(ranks)
     outside_s = outside_seconds(ranks)
     delays = [e.rounds * comm_s for e in exchanges(tl, stage_bytes["grads"])]
-    replayed = replay(tl, cores or W, end_seconds(ranks), partners(tl), delays)
+    replayed = replay(tl, cores or W, end_seconds(ranks), partners(tl), delays, durations=timed, comm=comm_s)
     predicted_s = replayed.seconds + max(outside_s, default=0.0)
+    tl = replayed.timeline(tl)  # drawn and reported: what ran, as predicted
     measured_s = _median_after_first([s["step_s"] for s in steps])
 
     busy_pred = replayed.busy  # wall seconds running jobs, slowed where workers share cores

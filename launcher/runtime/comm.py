@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 
 from .failure import Watchdog, WorkerAborted, blocked
-from .plan import ACT, GRAD, Msg, Plan
+from .plan import ACT, GRAD, WGRAD, Msg, Plan
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
 #: a wait shorter than this found its data already there (the call's own cost), not a late message
 BLOCKED_S = 20e-6
-TIMED = (ACT, GRAD)
+TIMED = (ACT, GRAD, WGRAD)  # the step's dependencies, and partial sums (an exchange's rounds)
 
 
 class Clock:
@@ -80,7 +80,8 @@ class Comm:
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.waited = 0.0  # seconds spent blocked waiting for incoming data (not compute)
         # what a message between workers really takes here (:class:`Clock`), for the activations
-        # and gradients (the dependencies the simulator charges) and the all-reduces' rounds
+        # and gradients (the dependencies the simulator charges), the partial sums and the
+        # all-reduces' rounds (the end of the step)
         self.clock = Clock()
         self.recv_count: dict[str, int] = defaultdict(int)
         self.recv_bytes: dict[str, int] = defaultdict(int)

@@ -423,3 +423,4 @@ def forward_only(plan: Plan) -> Plan:
             if kept:
                 prog.weight_release.setdefault(new_index[i], []).extend(kept)
     return Plan(plan.timeline, plan.weight_cache, plan.messages, programs, plan.owners, plan.predicted, plan.prefetch)
+

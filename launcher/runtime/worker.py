@@ -123,6 +123,10 @@ class Engine:
         params = [p for s in self.owned for p in self.modules[s].parameters()]
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self.last_grads: dict[int, torch.Tensor] = {}  # owned stage -> reduced flat gradient of the last step
+        # (stage, owner) -> this worker's gradient sum, a buffer reused every step (replicated
+        # stages sum into their all-reduce bucket instead): the last step's totals are valid until
+        # the next step starts, as DistributedDataParallel's gradient buckets are
+        self.totals: dict[tuple[int, int], torch.Tensor] = {}
         self.steps = 0
         self._specs: dict[Any, list[list[tuple]]] = {}
         comp, B, SB = self.timeline.compute, space.B, space.S * space.B
@@ -536,15 +540,17 @@ class _StepState:
                     views = self.views[key] = list(layout.views(total).values())
                 torch._foreach_add_(views, gs)
             return
-        bucket = self.e.replicas.buffer(op.stage) if op.owner == self.e.worker else None
-        if bucket is not None:  # a replicated stage: the total lives in its bucket's buffer
+        total = self.e.replicas.buffer(op.stage) if op.owner == self.e.worker else None
+        if total is not None:  # a replicated stage: the total lives in its bucket's buffer
             self.e.replicas.fill(op.stage)
-            layout.pack(gs, out=bucket)
-            self.acc[key] = bucket
-        elif len(gs) > 1:  # pack makes a new tensor
-            self.acc[key] = layout.pack(gs)
-        else:  # a lone gradient is autograd's: copied to own it
-            self.acc[key] = gs[0].detach().reshape(-1).clone()
+        else:
+            total = self.e.totals.get(key)
+            if total is None:
+                total = self.e.totals[key] = torch.empty(layout.numel, dtype=layout.dtype, device=self.e.device)
+        # written in place into a buffer kept from step to step (a fresh megabyte a step costs a
+        # page fault per 4 KiB); the engine's sends of it are done before the next step starts
+        layout.pack(gs, out=total)
+        self.acc[key] = total
 
     # ---- end of step -------------------------------------------------------------------------
     def reduce(self, prog) -> dict[int, torch.Tensor]:

@@ -19,17 +19,24 @@ and message delays), so ``replay(tl, W).seconds == tl.latency``. Pure Python; ``
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from .simulate import Timeline
 
 
 class Replayed(NamedTuple):
-    """The replayed step: its seconds, and per worker the wall seconds it spent running jobs (at
-    whatever share of a core it had), the counterpart of a measured worker's busy time."""
+    """The replayed step: its seconds; per worker the wall seconds it spent running jobs (at
+    whatever share of a core it had), the counterpart of a measured worker's busy time; and when
+    each job started and finished."""
 
     seconds: float
     busy: list[float]
+    start: list[float]
+    finish: list[float]
+
+    def timeline(self, tl: Timeline) -> Timeline:
+        """``tl`` with the replayed times (the same programs)."""
+        return Timeline(tl.step, tl.compute, tl.weights, self.start, self.finish, tl.program, tl.peak_activations)
 
 
 def replay(
@@ -38,17 +45,27 @@ def replay(
     tails: Sequence[float] | None = None,
     sync: Sequence[Sequence[int]] | None = None,
     delays: Sequence[float] | None = None,
+    *,
+    durations: Mapping[str, float] | None = None,
+    comm: float | None = None,
 ) -> Replayed:
-    """The step's makespan when its workers share ``cores`` cores (see the module docstring)."""
+    """The step's makespan when its workers share ``cores`` cores (see the module docstring).
+
+    ``durations`` and ``comm`` (default: the step's) time the programs: the runtime runs the
+    programs of the timeline it was given, whatever durations chose that order, so a measured
+    run is replayed as it ran. Weight fetches wait for nothing: owners hand copies over ahead
+    of the job that needs them (:mod:`launcher.runtime.plan`)."""
     step, space = tl.step, tl.step.space
     W, SB = step.workers, space.S * space.B
     programs, compute = tl.program, tl.compute
-    work = [float(step.durations[k]) for k in space.kinds]
-    comm = float(step.comm)
+    d = step.durations if durations is None else durations
+    work = [float(d[k]) for k in space.kinds]
+    comm = float(step.comm if comm is None else comm)
     tails = list(tails) if tails is not None else [0.0] * W
     sync = [list(s) for s in sync] if sync is not None else [[] for _ in range(W)]
     delays = list(delays) if delays is not None else [0.0] * W
     finish = [math.nan] * space.N
+    start = [math.nan] * space.N
     pos = [0] * W  # next job of each worker (len(program): its tail)
     left: list[float | None] = [None] * W  # work left of what the worker runs now
     jobs_done = [0.0] * W  # when the worker's last job ended
@@ -86,6 +103,8 @@ def replay(
                     wake = min(wake, r)
                     continue
                 left[w] = work[programs[w][pos[w]] // SB] if pos[w] < len(programs[w]) else tails[w]
+                if pos[w] < len(programs[w]):
+                    start[programs[w][pos[w]]] = t
             running.append(w)
         if not running:
             if wake == math.inf:  # cannot happen for a timeline the simulator produced
@@ -108,4 +127,4 @@ def replay(
                         jobs_done[w] = t
                 else:
                     ended[w], end[w] = True, t
-    return Replayed(max(end, default=0.0), busy)
+    return Replayed(max(end, default=0.0), busy, start, finish)
