@@ -29,18 +29,20 @@ class RunMetrics(Callback):
     def __init__(self, out_dir: str | Path, config: Mapping[str, Any], run: Mapping[str, Any]) -> None:
         self.out_dir, self.config, self.run = Path(out_dir), dict(config), dict(run)
         self.walls: list[float] = []
+        self.cpus: list[float] = []  # this worker's process CPU seconds of each step
         self.losses: list[float] = []
         self.samples: list[int] = []
         self.val: list[dict[str, float]] = []
         self.metrics: dict[str, Any] | None = None
-        self._t0 = 0.0
+        self._t0 = self._cpu0 = 0.0
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._t0 = time.perf_counter()
+        self._t0, self._cpu0 = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         wall = time.perf_counter() - self._t0
+        self.cpus.append(time.process_time() - self._cpu0)
         loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
         n = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
         self.walls.append(wall)
@@ -64,7 +66,7 @@ class RunMetrics(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
         if isinstance(strategy, UnifiedStrategy):
-            gathered = strategy.gather_run(self.walls)  # collective
+            gathered = strategy.gather_run(self.walls, self.cpus)  # collective
             sizes = strategy.sizes() if gathered is not None else None
             if gathered is None:
                 return

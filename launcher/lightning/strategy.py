@@ -403,8 +403,8 @@ class UnifiedStrategy(ParallelStrategy):
             optimizer.load_state_dict(scatter_optimizer_state(optimizer, self.lightning_module, self.layout, full))
 
     # ---- metrics ---------------------------------------------------------------------------
-    def gather_run(self, walls: list[float]) -> list[dict[str, Any]] | None:
-        """Every worker's step records, step wall times (``walls``), peak memory and optimizer-state
+    def gather_run(self, walls: list[float], cpus: list[float] | None = None) -> list[dict[str, Any]] | None:
+        """Every worker's step records, step wall and CPU times (``walls``, ``cpus``), peak memory and optimizer-state
         bytes per stage at rank 0 (collective: every rank calls it)."""
         assert self.engine is not None and self.layout is not None
         peak = (torch.cuda.max_memory_allocated(self.root_device) if self.root_device.type == "cuda"
@@ -415,7 +415,8 @@ class UnifiedStrategy(ParallelStrategy):
                      for s in self.layout.writers}
         # the message cost the prediction and the planner use: workers 0 and 1 ping-pong (no step runs now)
         link = measure_link(self.engine.group, self.engine.device) if self.engine.plan.workers > 1 else None
-        mine = {"rank": self.global_rank, "records": self.records, "walls": list(walls), "peak_memory_bytes": peak,
+        mine = {"rank": self.global_rank, "records": self.records, "walls": list(walls), "cpus": list(cpus or []),
+                "peak_memory_bytes": peak,
                 "memory_kind": "cuda_max_allocated" if self.root_device.type == "cuda" else "rss",
                 "optimizer_bytes": opt_bytes, "link": link.to_json() if link else None}
         out: list[Any] | None = [None] * dist.get_world_size() if self.global_rank == 0 else None

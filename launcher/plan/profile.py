@@ -7,7 +7,7 @@ under ``"profile"``; a bare profile file works too)::
      "comm_s": float,                       # seconds added when a dependency crosses workers
      "link": {"latency_s": float, "bytes_per_s": float} | null,   # optional: message costs
      "cores": int | null,                   # optional: cores the workers share (null: one each)
-     "outside_s": float,                    # optional: a step's seconds outside the engine
+     "outside_s": float,                    # optional: per worker, a step's seconds outside the engine
      "bytes": {"params": [per stage], "grads": [per stage], "optimizer": [per stage],
                "activation": [per stage: bytes of x_s^b for one micro-batch]}}
 

@@ -47,13 +47,13 @@ from typing import Any, Sequence
 
 from ..schedule import ScheduleError, make_step, simulate
 from ..schedule.cores import replay
-from ..schedule.link import end_of_step, exchanges, partners, step_time as link_step_time
+from ..schedule.link import end_of_step, exchanges, step_time as link_step_time
 from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
 from ..schedule.placement import named
 from ..schedule.simulate import Timeline, place_all
 from . import memory
 from .profile import Profile
-from .space import CACHES, ORDERS, Point, Scheme, placements, schemes_at
+from .space import CACHES, ORDERS, Point, placements, schemes_at
 
 
 @dataclass(frozen=True)
@@ -325,7 +325,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
                 t["end_of_step"] = end_of_step(view, grads, prof.link)
         step_time[sch] = (link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency) + prof.outside
         if prof.cores is not None and prof.cores < tl.step.workers and step_time[sch] <= worst:
-            step_time[sch] = shared_cores_time(view, prof, grads) + prof.outside
+            step_time[sch] = shared_cores_time(view, prof, grads)
         for cache in CACHES:
             if cache == "job" and not any(fetched):
                 fetch, resident = [0] * len(owned), t["weights_owned"]
@@ -350,10 +350,13 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
 
 
 def shared_cores_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None) -> float:
-    """The step when its workers share ``prof.cores`` cores: the simulated programs replayed with
-    the gradient exchange after them (its bytes over the link as work, its message rounds as
-    waits of ``prof.comm`` each, the message time measured on the workers)."""
+    """The step when its workers share ``prof.cores`` cores: the simulated programs replayed, then
+    on every worker the gradient exchange (its bytes over the link as work, its message rounds as
+    waits of ``prof.comm`` each, the message time measured on the workers) and the work outside
+    the engine (a training step sums its loss over every worker there, so each waits for all)."""
+    W = tl.step.workers
     ex = exchanges(tl, grads) if grads else None
-    tails = [max(e.sent, e.received) / prof.link.bytes_per_s for e in ex] if ex and prof.link else None
+    tails = [(max(e.sent, e.received) / prof.link.bytes_per_s if prof.link else 0.0) + prof.outside for e in ex] \
+        if ex else [prof.outside] * W
     delays = [e.rounds * prof.comm for e in ex] if ex else None
-    return replay(tl, prof.cores or tl.step.workers, tails, partners(tl), delays).seconds
+    return replay(tl, prof.cores or W, tails, [list(range(W))] * W, delays).seconds

@@ -19,7 +19,8 @@ Keys (the comparison dashboard reads them):
   message between workers took while its receiver waited, the median; else one mean activation
   over the link), ``link`` (``latency_s``, ``bytes_per_s`` of a ping-pong between workers 0 and 1;
   null with one worker), ``cores`` (the cores the workers shared, null with a processor each),
-  ``outside_s`` (a step's seconds outside the engine), ``bytes`` per stage (``params``,
+  ``outside_s`` (a step's seconds outside the engine per worker, the mean: CPU seconds on CPU
+  workers), ``bytes`` per stage (``params``,
   ``grads``, ``optimizer``, ``activation``: x_s^b of one micro-batch), the input the planner reads;
 - ``per_worker``: lists indexed by worker, each ``{"predicted", "measured"}``: ``bubble_fraction``,
   ``peak_activations`` (count) and ``peak_activation_bytes``, ``weights_owned``,
@@ -32,14 +33,13 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..runtime.plan import KINDS, Plan
 from ..schedule import Timeline
 from ..schedule.cores import replay
-from ..schedule.link import Link, exchanges, partners
+from ..schedule.link import Link, exchanges
 from ..schedule.simulate import Step
 from .profile import end_seconds, job_seconds, message_seconds, outside_seconds, shared_cores
 
@@ -115,8 +115,11 @@ def build(
     cores = shared_cores(ranks)
     outside_s = outside_seconds(ranks)
     delays = [e.rounds * comm_s for e in exchanges(tl, stage_bytes["grads"])]
-    replayed = replay(tl, cores or W, end_seconds(ranks), partners(tl), delays, durations=timed, comm=comm_s)
-    predicted_s = replayed.seconds + max(outside_s, default=0.0)
+    # after its jobs a worker finishes the step's exchange, then the framework's work around the
+    # step (the loss is summed over every worker there, so each waits for all)
+    tails = [e + o for e, o in zip(end_seconds(ranks), outside_s)]
+    replayed = replay(tl, cores or W, tails, [list(range(W))] * W, delays, durations=timed, comm=comm_s)
+    predicted_s = replayed.seconds
     tl = replayed.timeline(tl)  # drawn and reported: what ran, as predicted
     measured_s = _median_after_first([s["step_s"] for s in steps])
 
@@ -158,7 +161,7 @@ def build(
                             "measured": sum(meas_bubbles) / len(meas_bubbles) if meas_bubbles else None},
         "profile": {"durations_s": {k: durations.get(k) for k in ("F", "B", "I", "W")}, "comm_s": comm_s,
                     "link": link.to_json() if link else None, "cores": cores,
-                    "outside_s": max(outside_s, default=0.0),
+                    "outside_s": sum(outside_s) / len(outside_s) if outside_s else 0.0,
                     "bytes": {k: list(v) for k, v in stage_bytes.items()}},
         "per_worker": {
             "bubble_fraction": {"predicted": [max(0.0, 1.0 - b / predicted_s) if predicted_s else 0.0 for b in busy_pred],

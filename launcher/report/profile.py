@@ -16,7 +16,8 @@ message was handed over and when each late incoming message arrived, and where t
   all workers share a host; ``None`` otherwise);
 - :func:`end_seconds`: per worker, the end of the step (CPU on CPU workers, wall on GPUs);
 - :func:`shared_cores`: how many cores the workers share, when they all run on one host's CPUs;
-- :func:`outside_seconds`: per worker, a training step's time outside the engine.
+- :func:`outside_seconds`: per worker, a training step's time outside the engine (CPU on CPU
+  workers, wall on GPUs).
 
 Steps after the first count (the first one pays for warm-up).
 """
@@ -88,11 +89,15 @@ def shared_cores(per_rank: Records) -> int | None:
 
 def outside_seconds(per_rank: Records) -> list[float]:
     """Per worker, the median seconds of a training step spent outside the engine (the framework's
-    own work around it, the optimizer step): the step's wall time (``walls``) less the engine's."""
+    own work around it, the optimizer step): the step's CPU (``cpus``) less the engine's on CPU
+    workers, its wall time (``walls``) less the engine's on GPUs. The last records go with the
+    last steps (a resumed run's records start at the resume)."""
+    cpu = on_cpu(per_rank)
     out = []
     for r in per_rank:
-        recs = [x["measured_only"]["step_s"] if x else None for x in r["records"]]
-        gaps = [w - e for w, e in zip(r.get("walls", ()), recs) if e is not None]
+        engine = [x["measured_only"]["cpu_s" if cpu else "step_s"] if x else None for x in r["records"]]
+        around = r.get("cpus" if cpu else "walls") or []
+        gaps = [a - e for a, e in zip(reversed(around), reversed(engine)) if e is not None][::-1]
         gaps = gaps[1:] if len(gaps) > 1 else gaps
         out.append(max(0.0, statistics.median(gaps)) if gaps else 0.0)
     return out

@@ -14,7 +14,6 @@ Torch-free.
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
