@@ -37,7 +37,8 @@ class Meter:
     fetched_stages: set = field(default_factory=set)
     fetched_jobs: int = 0
     allreduce: int = 0
-    # [stage, microbatch, kind, seconds of work (waits for peers excluded), process CPU seconds]
+    # [stage, microbatch, kind, seconds of work (waits for peers excluded), process CPU seconds,
+    #  the compute thread's CPU seconds]
     jobs: list = field(default_factory=list)
     loss: float = 0.0
     t0: float = field(default_factory=time.perf_counter)

@@ -258,10 +258,10 @@ class Engine:
         st = _StepState(self, comm, meter, microbatches, train)
         jobs = prog.jobs
         what = "step" if train else "evaluation step"
-        clock, cpu_clock = time.perf_counter, time.process_time
+        clock, cpu_clock, thread_clock = time.perf_counter, time.process_time, time.thread_time
         for i, op in enumerate(jobs):
             # a job's time runs from here (the engine's own work for it included) to its end
-            t, cpu, waited = clock(), cpu_clock(), comm.waited
+            t, cpu, mine, waited = clock(), cpu_clock(), thread_clock(), comm.waited
             release(i + self.prefetch)
             for k in range(i, min(len(jobs), i + 1 + self.prefetch)):
                 st.request(jobs[k])
@@ -274,8 +274,10 @@ class Engine:
             if train:  # buckets of replicated stages whose share is complete start their all-reduce
                 self.replicas.launch_ready(i)
             # work: what it spent blocked on a peer's data is idle time, not work; cpu: the
-            # process's CPU meanwhile (its communication threads' too), what it asks of a core
-            meter.jobs.append([op.stage, op.microbatch, op.kind, clock() - t - (comm.waited - waited), cpu_clock() - cpu])
+            # process's CPU meanwhile (its communication threads' too), what it asks of a core;
+            # and the compute thread's own share of it
+            meter.jobs.append([op.stage, op.microbatch, op.kind, clock() - t - (comm.waited - waited), cpu_clock() - cpu,
+                               thread_clock() - mine])
         release(len(jobs))
         return st
 
