@@ -240,14 +240,18 @@ class _Nothing:
         return 0.0, 0.0
 
 
-def _timed(side, device: torch.device, fingerprint: bool = False) -> tuple[float, tuple[float, float]]:
+def _timed(side, device: torch.device, fingerprint: bool = False) -> tuple[float, float, tuple[float, float]]:
+    """One step between two barriers: its wall time (the slowest rank's), the CPU seconds every
+    process spent on it together (its threads' too), and the step's fingerprint if asked."""
     dist.barrier()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     out = side.step(fingerprint)
+    cpu = time.process_time() - cpu
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     dist.barrier()
-    return _all(time.perf_counter() - t, dist.ReduceOp.MAX, device), out
+    wall = time.perf_counter() - t
+    return _all(wall, dist.ReduceOp.MAX, device), _all(cpu, dist.ReduceOp.SUM, device), out
 
 
 def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> dict[str, Any] | None:
@@ -262,16 +266,19 @@ def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> di
     dist.broadcast_object_list(link, src=0)
     sides = {"ours": Ours(p, H, mb, device), "native": Native(p, H, mb, device)}
     times: dict[str, list[float]] = {k: [] for k in sides}
+    cpus: dict[str, list[float]] = {k: [] for k in sides}
     prints: dict[str, tuple[float, float]] = {}
     for name, side in sides.items():  # the first step: fingerprints (and warm-up)
-        prints[name] = side.fingerprint(*_timed(side, device, fingerprint=True)[1])
+        prints[name] = side.fingerprint(*_timed(side, device, fingerprint=True)[2])
         for _ in range(warmup - 1):
             _timed(side, device)
     barriers: list[float] = []  # what the timing itself costs: its two barriers, nothing between
     for _ in range(reps):
         for name, side in sides.items():
             for _ in range(steps):
-                times[name].append(_timed(side, device)[0])
+                wall, cpu, _ = _timed(side, device)
+                times[name].append(wall)
+                cpus[name].append(cpu)
         barriers.append(_timed(_Nothing(), device)[0])
     ours: Ours = sides["ours"]  # type: ignore[assignment]
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -280,7 +287,7 @@ def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> di
     dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
         return None
-    return {"pair": asdict(p), "H": H, "mb": mb, "times": times, "fingerprints": prints, "link": link[0],
+    return {"pair": asdict(p), "H": H, "mb": mb, "times": times, "cpus": cpus, "fingerprints": prints, "link": link[0],
             "per_rank": gathered, "barrier_s": statistics.median(barriers)}
 
 
@@ -323,11 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         pairs = [p for p in pairs if p.W <= 4]
         sizes, args.reps, args.steps, args.warmup = [(64, 4)], 2, 1, 1
-    console = Console(width=200)
+    console = Console(width=260)
     table = Table(title=f"ours vs PyTorch native ({args.backend}, {os.cpu_count()} cores, one thread per process; "
                         f"median of {args.reps} x {args.steps} steps)")
     for col in ("pair", "native", "H", "W", "ours ms (med / min)", "native ms (med / min)", "ours/native",
-                "predicted ms", "pred/meas", "loss ours / native", "|g0| ours / native", "agree"):
+                "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native", "|g0| ours / native", "agree"):
         table.add_column(col, justify="left" if col in ("pair", "native") else "right")
     rows, failed = [], False
     for H, mb in sizes:
@@ -343,13 +350,16 @@ def main(argv: list[str] | None = None) -> int:
                    "ours_median_s": statistics.median(ours), "ours_min_s": min(ours),
                    "native_median_s": statistics.median(native), "native_min_s": min(native),
                    "ratio": statistics.median(ours) / statistics.median(native), "predicted_s": pred,
+                   "ours_cpu_s": statistics.median(result["cpus"]["ours"]),
+                   "native_cpu_s": statistics.median(result["cpus"]["native"]),
                    "predicted_over_measured": pred / statistics.median(ours), "loss": [lo, ln], "g0": [go, gn],
                    "loss_rel_diff": _rel(lo, ln), "g0_rel_diff": _rel(go, gn), "agree": agree, "link": result["link"]}
             rows.append(row)
             table.add_row(p.name, NATIVE[p.native], str(H), str(p.W),
                           f"{row['ours_median_s'] * 1e3:.2f} / {row['ours_min_s'] * 1e3:.2f}",
                           f"{row['native_median_s'] * 1e3:.2f} / {row['native_min_s'] * 1e3:.2f}",
-                          f"{row['ratio']:.2f}", f"{pred * 1e3:.2f}", f"{row['predicted_over_measured']:.2f}",
+                          f"{row['ratio']:.2f}", f"{row['ours_cpu_s'] * 1e3:.1f} / {row['native_cpu_s'] * 1e3:.1f}",
+                          f"{pred * 1e3:.2f}", f"{row['predicted_over_measured']:.2f}",
                           f"{lo:.6f} / {ln:.6f}", f"{go:.6g} / {gn:.6g}",
                           "yes" if agree else f"NO ({max(row['loss_rel_diff'], row['g0_rel_diff']):.1e})")
     console.print(table)
