@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--rounds", type=int, default=3, help="runs of each candidate, alternated")
+    ap.add_argument("--rounds", type=int, default=5, help="runs of each candidate, alternated")
     args = ap.parse_args()
     budgets = args.budget or ["plan.max_activations=4", "plan.max_activations=8"]
     con = Console(width=200)

@@ -39,11 +39,11 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from launcher.report.profile import end_seconds, job_seconds, message_seconds, on_cpu, shared_cores
+from launcher.report.profile import end_seconds, job_seconds, message_cpu_seconds, message_seconds, on_cpu, shared_cores
 from launcher.runtime import Engine, StagedModel, launch
 from launcher.runtime.link import measure as measure_link
 from launcher.schedule import make_step, simulate
-from launcher.schedule.cores import replay
+from launcher.schedule.cores import job_work, replay
 from launcher.schedule.link import Link, exchanges, partners
 
 TOLERANCE = 1e-6
@@ -294,7 +294,7 @@ def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> di
 def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:
     """Our step as the simulator predicts it from what our workers measured (the profile): the
     programs the workers ran, timed by the job seconds per kind they measured (CPU seconds on CPU
-    workers) and what a message took, each worker's end of step (its CPU, and its all-reduce's
+    workers, plus the communication threads' CPU per message the job moves) and what a message took, each worker's end of step (its CPU, and its all-reduce's
     rounds of messages) and optimizer step, on the cores the workers shared
     (:func:`launcher.schedule.cores.replay`), plus the timing's own two barriers (measured with
     nothing between them)."""
@@ -306,7 +306,8 @@ def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:
     which = "optimizer_cpu_s" if on_cpu(ranks) else "optimizer_s"
     tails = [end + statistics.median(r[which]) for end, r in zip(end_seconds(ranks), ranks)]
     rounds = [e.rounds * comm for e in exchanges(tl, [(H * H + H) * 4] * p.S)]
-    return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds, durations=job_seconds(ranks, tl.step.space.kinds),
+    work = job_work(tl, job_seconds(ranks, tl.step.space.kinds), message_cpu_seconds(ranks))
+    return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds, durations=work,
                   comm=comm).seconds + result["barrier_s"]
 
 

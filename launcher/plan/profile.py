@@ -5,6 +5,7 @@ under ``"profile"``; a bare profile file works too)::
 
     {"durations_s": {"F": float, "B": float, "I": float | null, "W": float | null},
      "comm_s": float,                       # seconds added when a dependency crosses workers
+     "message_cpu_s": float | null,         # optional: CPU a message costs its two workers (CPU workers)
      "link": {"latency_s": float, "bytes_per_s": float} | null,   # optional: message costs
      "cores": int | null,                   # optional: cores the workers share (null: one each)
      "outside_s": float,                    # optional: per worker, a step's seconds outside the engine
@@ -15,7 +16,8 @@ Without a profile the planner uses the config's unit-cost model (``durations``, 
 no bytes, so ``plan.memory`` needs a profile. With a ``link`` and bytes, a candidate's step time
 also counts the gradient exchange after the compute (:mod:`launcher.schedule.link`). With
 ``cores``, a candidate of more workers than that shares them (:mod:`launcher.schedule.cores`):
-on a CPU machine, more workers are not faster once the cores are busy. ``outside_s`` is added to
+on a CPU machine, more workers are not faster once the cores are busy, and each message a
+placement moves costs its two workers ``message_cpu_s`` of a core. ``outside_s`` is added to
 every candidate, so its step time compares with a measured training step.
 """
 
@@ -51,6 +53,7 @@ class Profile:
     link: Link | None = None  # message costs between workers, when measured
     cores: int | None = None  # cores the workers share (None: a processor each)
     outside: float = 0.0  # seconds of a step outside the engine
+    message_cpu: float | None = None  # CPU seconds per message sent or received (CPU workers)
 
     @property
     def can_split(self) -> bool:
@@ -104,8 +107,12 @@ def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
     outside = d.get("outside_s", 0.0)
     if not (isinstance(outside, (int, float)) and not isinstance(outside, bool) and outside >= 0 and math.isfinite(outside)):
         raise ProfileError(f"{where} has outside_s={outside!r}; it must be a number >= 0")
+    msg = d.get("message_cpu_s")
+    if msg is not None and not (isinstance(msg, (int, float)) and not isinstance(msg, bool) and msg >= 0 and math.isfinite(msg)):
+        raise ProfileError(f"{where} has message_cpu_s={msg!r}; it must be null or a number >= 0")
     return Profile({k: (float(dur[k]) if dur.get(k) is not None else None) for k in ("F", "B", "I", "W")},
-                   float(comm), table, seconds=True, link=link, cores=cores, outside=float(outside))
+                   float(comm), table, seconds=True, link=link, cores=cores, outside=float(outside),
+                   message_cpu=float(msg) if msg is not None else None)
 
 
 def load(path: str | Path) -> Profile:

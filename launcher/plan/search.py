@@ -5,8 +5,9 @@ and evaluates every scheme, FSLPP ownership and weight cache that computes there
 :mod:`launcher.plan.space`). Candidates are ranked by predicted step time (per micro-batch, when
 several micro-batch counts are tried: the same profile per micro-batch, more of them per step),
 then traffic, then peak memory. Settings that lead to the same schedule (orders or memory limits
-that give the same timeline, a weight cache on a scheme that fetches no weights) are one
-candidate, listed once under its plainest settings. Pruning only skips what provably cannot enter
+that give every worker the same jobs in the same order, which is all the runtime follows; a
+weight cache on a scheme that fetches no weights) are one candidate, listed once under its
+plainest settings. Pruning only skips what provably cannot enter
 the top ``top``:
 
 - **time bound**: a step lasts at least ``max(work, chain)``, where ``work`` is the busiest
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..schedule import ScheduleError, make_step, simulate
-from ..schedule.cores import replay
+from ..schedule.cores import job_work, replay
 from ..schedule.link import end_of_step, exchanges, step_time as link_step_time
 from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
 from ..schedule.placement import named
@@ -313,7 +314,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     out = []
     step_time: dict = {}
     grads = [prof.stage_bytes("grads", s) for s in range(S)] if prof.link and prof.bytes else None
-    starts = tuple(tl.start)
+    programs = tuple(map(tuple, tl.program))
     mlt = tuple(ml) if isinstance(ml, (list, tuple)) else ml
     for sch, weights, owned, fetched in per_scheme:
         view = Timeline(tl.step, tl.compute, weights * tl.step.space.K, tl.start, tl.finish, tl.program,
@@ -324,9 +325,13 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             if grads:  # the gradient exchange after the compute depends on who owns what
                 t["end_of_step"] = end_of_step(view, grads, prof.link)
         step_time[sch] = (link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency) + prof.outside
-        if prof.cores is not None and prof.cores < tl.step.workers and step_time[sch] <= worst:
+        if prof.cores is not None and step_time[sch] <= worst:  # CPU workers: they share the cores
             step_time[sch] = shared_cores_time(view, prof, grads)
+        recompute = step_time[sch]
+        if any(fetched) and step_time[sch] <= worst:  # cache "job": backwards on fetched weights recompute F
+            recompute = job_cache_time(view, prof, grads, d, t.get("end_of_step"))
         for cache in CACHES:
+            seconds = recompute if cache == "job" else step_time[sch]
             if cache == "job" and not any(fetched):
                 fetch, resident = [0] * len(owned), t["weights_owned"]
             elif cache == "job":
@@ -341,22 +346,49 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             msgs = sum(t["act_recv"]) + sum(t["grad_recv"]) + sum(t["stash_recv"]) + sum(fetch) \
                 + sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])
             point = Point(sch, G, R, S, B, order, warmup, split, mlt, cache, d, prof.comm)
-            # what runs: the compute (starts) and who owns which weights; FSLPP's two ownerships
+            # what runs: each worker's jobs in order (the runtime runs them as soon as they can
+            # start, whatever waits chose that order) and who owns which weights; FSLPP's two ownerships
             # coincide when R = 1, and DDP is LPP at G = B
-            runs = (tuple(weights), cache if any(fetched) else "step", split, B, G, R, starts)
-            out.append(Candidate(point, step_time[sch], bubble, peak_act, peak_bytes, msgs,
+            runs = (tuple(weights), cache if any(fetched) else "step", split, B, G, R, programs)
+            out.append(Candidate(point, seconds, bubble, peak_act, peak_bytes, msgs,
                                  _traffic_bytes(t, fetch, prof, S), runs))
     return out
 
 
-def shared_cores_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None) -> float:
-    """The step when its workers share ``prof.cores`` cores: the simulated programs replayed, then
+def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = None) -> list[float]:
+    """Per job, its work (:func:`~launcher.schedule.cores.job_work`) under weight cache ``job``: a
+    backward (``B``, or ``I`` when split) on fetched weights fetches them again and recomputes its
+    forward first (:mod:`launcher.runtime.plan`), so it also lasts an ``F``."""
+    SB = tl.step.space.S * tl.step.space.B
+    return [w + (d["F"] if j // SB == 1 and tl.weights[j] != tl.compute[j] else 0.0)
+            for j, w in enumerate(job_work(tl, d, message_s))]
+
+
+def job_cache_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None, d: dict[str, float],
+                   tails: Sequence[float] | None = None) -> float:
+    """The step under weight cache ``job`` (:func:`with_recompute`): replayed on shared cores like
+    any candidate, or with a core each and the link's exchange after each worker's jobs."""
+    work = with_recompute(tl, d, prof.message_cpu if prof.cores is not None else None)
+    if prof.cores is not None:
+        return shared_cores_time(tl, prof, grads, work)
+    if tails is None and grads and prof.link:
+        tails = end_of_step(tl, grads, prof.link)
+    return replay(tl, tl.step.workers, tails, durations=work).seconds + prof.outside
+
+
+def shared_cores_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None,
+                      work: Sequence[float] | None = None) -> float:
+    """The step when its workers share ``prof.cores`` cores (``work``: per job, instead of the
+    step's durations): the programs replayed, then
     on every worker the gradient exchange (its bytes over the link as work, its message rounds as
-    waits of ``prof.comm`` each, the message time measured on the workers) and the work outside
+    waits of ``prof.comm`` each, the message time measured on the workers), each message's CPU
+    (``prof.message_cpu``) on the jobs that move it, and the work outside
     the engine (a training step sums its loss over every worker there, so each waits for all)."""
     W = tl.step.workers
     ex = exchanges(tl, grads) if grads else None
     tails = [(max(e.sent, e.received) / prof.link.bytes_per_s if prof.link else 0.0) + prof.outside for e in ex] \
         if ex else [prof.outside] * W
     delays = [e.rounds * prof.comm for e in ex] if ex else None
-    return replay(tl, prof.cores or W, tails, [list(range(W))] * W, delays).seconds
+    if work is None:
+        work = job_work(tl, tl.step.durations, prof.message_cpu)
+    return replay(tl, prof.cores or W, tails, [list(range(W))] * W, delays, durations=work).seconds

@@ -15,7 +15,9 @@ Keys (the comparison dashboard reads them):
   validation ``step`` and ``val_loss``;
 - ``latency_s``, ``throughput_samples_per_s``, ``bubble_fraction``: ``{"predicted", "measured"}``
   (measured = the median over the steps after the first);
-- ``profile``: ``durations_s`` per job kind (CPU seconds on CPU workers), ``comm_s`` (what a
+- ``profile``: ``durations_s`` per job kind (the compute thread's CPU seconds on CPU workers),
+  ``message_cpu_s`` (on CPU workers, the communication threads' CPU per activation or gradient
+  message, null without one), ``comm_s`` (what a
   message between workers took while its receiver waited, the median; else one mean activation
   over the link), ``link`` (``latency_s``, ``bytes_per_s`` of a ping-pong between workers 0 and 1;
   null with one worker), ``cores`` (the cores the workers shared, null with a processor each),
@@ -38,10 +40,10 @@ from typing import Any, Mapping, Sequence
 
 from ..runtime.plan import KINDS, Plan
 from ..schedule import Timeline
-from ..schedule.cores import replay
+from ..schedule.cores import job_work, replay
 from ..schedule.link import Link, exchanges
 from ..schedule.simulate import Step
-from .profile import end_seconds, job_seconds, message_seconds, outside_seconds, shared_cores
+from .profile import end_seconds, job_seconds, message_cpu_seconds, message_seconds, outside_seconds, shared_cores
 
 
 def _median_after_first(xs: Sequence[float]) -> float:
@@ -118,7 +120,9 @@ def build(
     # after its jobs a worker finishes the step's exchange, then the framework's work around the
     # step (the loss is summed over every worker there, so each waits for all)
     tails = [e + o for e, o in zip(end_seconds(ranks), outside_s)]
-    replayed = replay(tl, cores or W, tails, [list(range(W))] * W, delays, durations=timed, comm=comm_s)
+    message_cpu = message_cpu_seconds(ranks)
+    replayed = replay(tl, cores or W, tails, [list(range(W))] * W, delays, durations=job_work(tl, timed, message_cpu),
+                      comm=comm_s)
     predicted_s = replayed.seconds
     tl = replayed.timeline(tl)  # drawn and reported: what ran, as predicted
     measured_s = _median_after_first([s["step_s"] for s in steps])
@@ -160,7 +164,7 @@ def build(
         "bubble_fraction": {"predicted": max(0.0, bubble_pred_total),
                             "measured": sum(meas_bubbles) / len(meas_bubbles) if meas_bubbles else None},
         "profile": {"durations_s": {k: durations.get(k) for k in ("F", "B", "I", "W")}, "comm_s": comm_s,
-                    "link": link.to_json() if link else None, "cores": cores,
+                    "message_cpu_s": message_cpu, "link": link.to_json() if link else None, "cores": cores,
                     "outside_s": sum(outside_s) / len(outside_s) if outside_s else 0.0,
                     "bytes": {k: list(v) for k, v in stage_bytes.items()}},
         "per_worker": {

@@ -10,6 +10,8 @@ message was handed over and when each late incoming message arrived, and where t
   *CPU* time: workers that share cores run their jobs slower when more of them are busy than there
   are cores, and the replay of :mod:`launcher.schedule.cores` charges that from the CPU each job
   asks for; on GPUs its wall time less its waits;
+- :func:`message_cpu_seconds`: on CPU workers, what moving one activation or gradient costs the
+  worker's communication threads (so a placement that moves more messages asks more of the cores);
 - :func:`message_seconds`: what a message between workers really takes, the simulator's ``comm``:
   the median time from its hand-over at the sender to its arrival at a receiver that was waiting for
   it (activations, gradients, and the rounds of the all-reduces; one host's clock, so only when
@@ -42,17 +44,37 @@ def on_cpu(per_rank: Records) -> bool:
 
 
 def job_seconds(per_rank: Records, kinds: Sequence[str]) -> dict[str, float]:
-    """Mean seconds of each job kind over every worker and step after the first (see above)."""
+    """Mean seconds of each job kind over every worker and step after the first (see above): on
+    CPU workers the compute thread's CPU (its communication threads' go per message,
+    :func:`message_cpu_seconds`, or into the jobs when no activation or gradient moved); on GPUs
+    the wall time less the waits."""
     cpu = on_cpu(per_rank)
+    extra = message_cpu_seconds(per_rank) is None  # nothing to charge them to but the jobs
     total: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     for r in per_rank:
         for m in _steps(r):
             for job in m["jobs"]:
                 kind, work = job[2], job[3]
-                total[kind] += job[4] if cpu and len(job) > 4 else work
+                if cpu and len(job) > 5:
+                    work = job[4] if extra else job[5]
+                total[kind] += work
                 count[kind] += 1
     return {k: (total[k] / count[k] if count[k] else 0.0) for k in kinds}
+
+
+def message_cpu_seconds(per_rank: Records) -> float | None:
+    """On CPU workers, the CPU seconds a worker's communication threads spent per activation or
+    gradient message it sent or received during its jobs (what moving a message costs a core);
+    ``None`` on GPUs or when no such message moved."""
+    if not on_cpu(per_rank):
+        return None
+    other = messages = 0.0
+    for r in per_rank:
+        for m in _steps(r):
+            other += sum(job[4] - job[5] for job in m["jobs"] if len(job) > 5)
+            messages += sum(m["recv_count"].get(k, 0) + m["sent_count"].get(k, 0) for k in ("act", "grad"))
+    return max(0.0, other) / messages if messages else None
 
 
 def message_seconds(per_rank: Records) -> float | None:

@@ -46,20 +46,24 @@ def replay(
     sync: Sequence[Sequence[int]] | None = None,
     delays: Sequence[float] | None = None,
     *,
-    durations: Mapping[str, float] | None = None,
+    durations: Mapping[str, float] | Sequence[float] | None = None,
     comm: float | None = None,
 ) -> Replayed:
     """The step's makespan when its workers share ``cores`` cores (see the module docstring).
 
-    ``durations`` and ``comm`` (default: the step's) time the programs: the runtime runs the
-    programs of the timeline it was given, whatever durations chose that order, so a measured
-    run is replayed as it ran. Weight fetches wait for nothing: owners hand copies over ahead
+    ``durations`` (per job kind, or per job id) and ``comm`` (default: the step's) time the
+    programs: the runtime runs the programs of the timeline it was given, whatever durations
+    chose that order, so a measured run is replayed as it ran. Weight fetches wait for nothing: owners hand copies over ahead
     of the job that needs them (:mod:`launcher.runtime.plan`)."""
     step, space = tl.step, tl.step.space
     W, SB = step.workers, space.S * space.B
     programs, compute = tl.program, tl.compute
     d = step.durations if durations is None else durations
-    work = [float(d[k]) for k in space.kinds]
+    if isinstance(d, Mapping):
+        per_kind = [float(d[k]) for k in space.kinds]
+        work = [per_kind[j // SB] for j in range(space.N)]
+    else:
+        work = [float(x) for x in d]
     comm = float(step.comm if comm is None else comm)
     tails = list(tails) if tails is not None else [0.0] * W
     sync = [list(s) for s in sync] if sync is not None else [[] for _ in range(W)]
@@ -102,7 +106,7 @@ def replay(
                 if r > t:
                     wake = min(wake, r)
                     continue
-                left[w] = work[programs[w][pos[w]] // SB] if pos[w] < len(programs[w]) else tails[w]
+                left[w] = work[programs[w][pos[w]]] if pos[w] < len(programs[w]) else tails[w]
                 if pos[w] < len(programs[w]):
                     start[programs[w][pos[w]]] = t
             running.append(w)
@@ -128,3 +132,25 @@ def replay(
                 else:
                     ended[w], end[w] = True, t
     return Replayed(max(end, default=0.0), busy, start, finish)
+
+
+def crossings(tl: Timeline) -> list[int]:
+    """Per job, the messages it receives and sends: its dependencies on and for jobs of other
+    workers (activations and gradients)."""
+    space, compute = tl.step.space, tl.compute
+    out = [0] * space.N
+    for j in range(space.N):
+        for p in space.pred(j):
+            if compute[p] != compute[j]:
+                out[j] += 1
+                out[p] += 1
+    return out
+
+
+def job_work(tl: Timeline, durations: Mapping[str, float], message_s: float | None = None) -> list[float]:
+    """Per job, its duration by kind plus ``message_s`` for each message it receives or sends
+    (on CPU workers the communication threads' share of a core, :func:`crossings`)."""
+    SB = tl.step.space.S * tl.step.space.B
+    per_kind = [float(durations[k]) for k in tl.step.space.kinds]
+    moved = crossings(tl) if message_s else None
+    return [per_kind[j // SB] + (message_s * moved[j] if moved else 0.0) for j in range(tl.step.space.N)]
