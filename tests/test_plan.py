@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from launcher.schedule import make_step, simulate
+from launcher.schedule import ScheduleError, make_step, simulate
 from launcher.schedule.metrics import per_worker
 from launcher.runtime.plan import (ACT, GRAD, WEIGHTS, WGRAD, Plan, PlanError, lower, predicted_receives,
                                    resident_peaks)
@@ -240,7 +240,11 @@ def custom(draw):
 @given(custom())
 def test_any_colocated_placement_lowers_and_cannot_deadlock(sc):
     step, cache, prefetch = sc
-    plan = lower(simulate(step), cache, prefetch)
+    try:
+        tl = simulate(step)
+    except ScheduleError:  # 1F1B's warm-up limit can strand an arbitrary placement: refused, not run
+        assume(False)
+    plan = lower(tl, cache, prefetch)
     counts, pred = plan.counts(), predicted_receives(plan)
     assert counts[ACT] == pred[ACT] and counts[GRAD] == pred[GRAD] and counts[WEIGHTS] == pred[WEIGHTS]
     _check_weights(plan)

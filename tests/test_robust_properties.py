@@ -23,7 +23,10 @@ SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[Healt
                                                                              HealthCheck.function_scoped_fixture])
 #: every bad input tried, ``key=value`` as typed (``COUNT_BAD_INPUTS=file`` writes them there)
 TRIED: set[str] = set()
-RESERVED = {"true", "false", "null", "inf", "nan", "none", "classic", "auto", "step", "job", "simulate", "train"}
+# words a config takes as values: YAML's null, inf and nan, the boolean spellings OmegaConf accepts
+# (split_backward=n is False), and option names
+RESERVED = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "inf", "nan", "none", "classic", "auto",
+            "step", "job", "simulate", "train"}
 API_BASE = dict(strategy="lpp", stages=8, microbatches=16, G=2, R=4, order="1f1b", warmup=None,
                 durations={"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}, comm=0.0, memory_limit=None, split_backward=False)
 
