@@ -127,6 +127,7 @@ class Engine:
         # stages sum into their all-reduce bucket instead): the last step's totals are valid until
         # the next step starts, as DistributedDataParallel's gradient buckets are
         self.totals: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_views: dict[int, tuple] = {}  # owned stage -> (its total, its parameters, their views of it)
         self.steps = 0
         self._specs: dict[Any, list[list[tuple]]] = {}
         comp, B, SB = self.timeline.compute, space.B, space.S * space.B
@@ -201,7 +202,12 @@ class Engine:
     def install_grads(self) -> None:
         """Point every owned parameter's ``.grad`` at its slice of the step's reduced gradient."""
         for s in self.owned:
-            for p, g in zip(self.modules[s].parameters(), self.layouts[s].views(self.last_grads[s]).values()):
+            total = self.last_grads[s]
+            cached = self._grad_views.get(s)
+            if cached is None or cached[0] is not total:  # the totals' buffers are kept: so are their views
+                cached = self._grad_views[s] = (total, list(self.modules[s].parameters()),
+                                                list(self.layouts[s].views(total).values()))
+            for p, g in zip(cached[1], cached[2]):
                 p.grad = g
 
     def evaluate(self, microbatches: Sequence[Batch]) -> tuple[float, dict[int, torch.Tensor]]:
