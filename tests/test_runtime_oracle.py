@@ -14,6 +14,13 @@ from launcher.runtime.oracle import Case, run_cases
 from launcher.schedule.placement import FSLPP
 
 ATOL = 1e-10
+
+
+def overlapping_owners(s: int, b: int, d: str) -> tuple[int, int]:
+    """Worker b runs micro-batch b on every stage; stage 0 is owned by workers 0 and 1, stage 1
+    by 0 and 2 (worker 1 sends its partial sum to 0), stage 2 by all three."""
+    owners = {0: (0, 1), 1: (0, 2), 2: (0, 1, 2)}[s]
+    return (b if b in owners else 0), b
 SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("lpp", 2, 2, 4, 4), ("fslpp", 2, 2, 4, 4)]
 ORDERS = ["1f1b", "breadth_first", "depth_first"]
 
@@ -40,6 +47,10 @@ CASES_W4 = (
     # at the end (halving-doubling); three replicas (not a power of two) on a subgroup of the four
     + [Case("ddp", 4, 1, 3, 4, bucket_bytes=1), Case("lpp", 2, 2, 8, 8, order="breadth_first", bucket_bytes=1),
        Case("ddp", 3, 1, 3, 3), Case("ddp", 3, 1, 3, 3, bucket_bytes=1, optimizer="adam")]
+    # a worker in several owner sets whose buckets end the step in both ways: worker 0 reduces
+    # stage 0 (with 1) point to point at the end, and stage 1 (with 2, after 1's partial sum
+    # arrives) by gloo's collective, which worker 2 launches during its backward
+    + [Case("overlapping_owners", 3, 1, 3, 3, placement=overlapping_owners, W=3, bucket_bytes=1)]
 )
 CASES_W8 = [
     Case("ddp", 8, 1, 3, 8), Case("gpipe", 1, 8, 8, 8, order="breadth_first", optimizer="adam"),

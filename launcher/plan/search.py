@@ -76,7 +76,7 @@ class Candidate:
     peak_bytes: list[float] | None
     traffic_messages: int
     traffic_bytes: float | None
-    #: what runs: the scheme, the effective weight cache, and every job's worker and start time;
+    #: what runs: the scheme, the effective weight cache, and every worker's jobs in order;
     #: candidates that share it are one schedule reached by different settings
     same_as: tuple = field(default=(), compare=False, repr=False)
 
@@ -300,8 +300,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
               moves: dict, worst: float = math.inf) -> list[Candidate]:
     """Every scheme, ownership and cache on one simulated timeline, keeping those that fit.
     ``moves`` caches each scheme's traffic: it depends on the placement and the split only.
-    ``worst``: the step time a candidate must beat to enter the top (workers that share cores are
-    replayed only when their time without sharing, a lower bound, beats it)."""
+    ``worst``: the step time a candidate must beat to enter the top (cache ``job``, never faster than
+    cache ``step``, is timed only when that beats it)."""
     S = tl.step.S
     latency = tl.latency
     busy = sum(d[k] for k in tl.step.space.kinds) * S * B
@@ -324,12 +324,14 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             t = moves[sch] = traffic(view)
             if grads:  # the gradient exchange after the compute depends on who owns what
                 t["end_of_step"] = end_of_step(view, grads, prof.link)
-        step_time[sch] = (link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency) + prof.outside
-        if prof.cores is not None and step_time[sch] <= worst:  # CPU workers: they share the cores
+        if prof.cores is not None:  # CPU workers: they share the cores
             step_time[sch] = shared_cores_time(view, prof, grads)
+        else:
+            step_time[sch] = (link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency) + prof.outside
         recompute = step_time[sch]
-        if any(fetched) and step_time[sch] <= worst:  # cache "job": backwards on fetched weights recompute F
-            recompute = job_cache_time(view, prof, grads, d, t.get("end_of_step"))
+        # cache "job" (backwards on fetched weights recompute their forward) lasts at least as long
+        if any(fetched) and step_time[sch] <= worst:
+            recompute = job_cache_time(view, prof, grads, d, step_time[sch], t.get("end_of_step"))
         for cache in CACHES:
             seconds = recompute if cache == "job" else step_time[sch]
             if cache == "job" and not any(fetched):
@@ -365,15 +367,18 @@ def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = 
 
 
 def job_cache_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None, d: dict[str, float],
-                   tails: Sequence[float] | None = None) -> float:
-    """The step under weight cache ``job`` (:func:`with_recompute`): replayed on shared cores like
-    any candidate, or with a core each and the link's exchange after each worker's jobs."""
+                   base: float, tails: Sequence[float] | None = None) -> float:
+    """The step under weight cache ``job`` (:func:`with_recompute`), given ``base``, its time
+    under cache ``step``: replayed on shared cores like any candidate of a CPU profile; with a
+    processor each, ``base`` plus what the recomputation adds to the replay of the programs
+    (adding work to fixed programs delays no job, so it is never below ``base``)."""
     work = with_recompute(tl, d, prof.message_cpu if prof.cores is not None else None)
     if prof.cores is not None:
         return shared_cores_time(tl, prof, grads, work)
     if tails is None and grads and prof.link:
         tails = end_of_step(tl, grads, prof.link)
-    return replay(tl, tl.step.workers, tails, durations=work).seconds + prof.outside
+    W = tl.step.workers
+    return base + replay(tl, W, tails, durations=work).seconds - replay(tl, W, tails).seconds
 
 
 def shared_cores_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None,

@@ -33,15 +33,17 @@ class Clock:
     waited for arrived (on this host's monotonic clock): a sender's and a receiver's entries for
     one message, from the same host, give what the message took while the receiver waited."""
 
-    def __init__(self) -> None:
+    def __init__(self, on: bool = True) -> None:
+        self.on = on  # off: records nothing (a long run keeps its first steps' timings only)
         self.sent_at: dict[Any, float] = {}
         self.arrivals: list[tuple[Any, float]] = []
 
     def sent(self, key: Any) -> None:
-        self.sent_at[key] = time.perf_counter()
+        if self.on:
+            self.sent_at[key] = time.perf_counter()
 
     def arrived(self, key: Any, at: float, blocked_s: float) -> None:
-        if blocked_s > BLOCKED_S:
+        if self.on and blocked_s > BLOCKED_S:
             self.arrivals.append((key, at))
 
 
@@ -58,6 +60,7 @@ class Comm:
         group: dist.ProcessGroup | None = None,
         ranks: list[int] | None = None,
         on_alloc: Callable[[Msg], None] | None = None,
+        timed: bool = True,
     ) -> None:
         self.msgs = plan.messages
         self.me = worker
@@ -82,7 +85,7 @@ class Comm:
         # what a message between workers really takes here (:class:`Clock`), for the activations
         # and gradients (the dependencies the simulator charges), the partial sums and the
         # all-reduces' rounds (the end of the step)
-        self.clock = Clock()
+        self.clock = Clock(timed)
         self.recv_count: dict[str, int] = defaultdict(int)
         self.recv_bytes: dict[str, int] = defaultdict(int)
         self.sent_count: dict[str, int] = defaultdict(int)

@@ -13,16 +13,20 @@ stages' sizes, so they are the same on every worker and the collectives match.
 Algorithm, per bucket:
 
 - under NCCL, ``all_reduce`` on a process group of exactly the owners (NCCL's ring or tree),
-  asynchronous on NCCL's stream;
+  asynchronous on NCCL's stream, launched at the end of the step once every point-to-point
+  message of the step is issued (kernels of two communicators that wait on each other across
+  ranks are not promised to progress);
 - under gloo, a bucket that some owner completes before its last job (so it can overlap compute)
-  goes to gloo's own asynchronous ``all_reduce`` (its ring runs on gloo's threads); a bucket that
-  every owner completes only with its last job is reduced at the end of the step over
-  point-to-point messages (:mod:`launcher.runtime.collectives`): by recursive halving and doubling
-  (bandwidth-optimal, in ``2 log2 n`` rounds instead of the ring's ``2 (n - 1)``), or, when it is
-  small (``ROOT_BYTES``), through one root in two rounds. On workers that share cores a round
-  costs a peer's turn on a core, so few rounds win: DDP on 8 workers, 264 KB of gradient, 36 ms
-  a step with gloo's ring and 20 ms through a root; 4 MB, 88 ms with the ring and 81 ms with
-  halving-doubling (``benchmarks/vs_torch_native.py``).
+  goes to gloo's own asynchronous ``all_reduce`` (its ring runs on gloo's threads) as soon as this
+  worker's share is complete; a bucket that every owner completes only with its last job is
+  reduced at the end of the step over point-to-point messages
+  (:mod:`launcher.runtime.collectives`): by recursive halving and doubling (bandwidth-optimal,
+  in ``2 log2 n`` rounds instead of the ring's ``2 (n - 1)``), or, when it is small
+  (``ROOT_BYTES``), through one root in two rounds. On workers that share cores a round costs a
+  peer's turn on a core, so few rounds win: DDP on 8 workers, 264 KB of gradient, 36 ms a step
+  with gloo's ring and 20 ms through a root; 4 MB, 88 ms with the ring and 81 ms with
+  halving-doubling (``benchmarks/vs_torch_native.py``). Which is which follows from the plan, so
+  every owner of a bucket reduces it the same way.
 
 NCCL pairs: point-to-point communicators are created lazily on a pair's first message, which
 blocks both ends; two pairs whose first messages form a cycle deadlock. :func:`warm_pairs`
@@ -63,7 +67,7 @@ def _group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
 
 @dataclass
 class Bucket:
-    """Replicated stages of one owner set, all-reduced as one flat buffer."""
+    """Replicated stages of one owner set and dtype, all-reduced as one flat buffer."""
 
     index: int  # place among all buckets of the step, the same on every worker (message tags)
     owners: tuple[int, ...]
@@ -77,21 +81,24 @@ class Bucket:
         return sum(self.numels)
 
 
-def plan_buckets(plan: Plan, nbytes: Sequence[int], numels: Sequence[int], bucket_bytes: int) -> list[Bucket]:
-    """Every bucket of the step, in the launch order common to all workers."""
+def plan_buckets(plan: Plan, nbytes: Sequence[int], numels: Sequence[int], dtypes: Sequence[torch.dtype],
+                 bucket_bytes: int) -> list[Bucket]:
+    """Every bucket of the step, in the launch order common to all workers. Stages share a
+    bucket only with stages of the same owners and dtype (one flat buffer each, as DDP's)."""
     order = {s: k for k, s in enumerate(plan.reduce_order)}
-    open_: dict[tuple[int, ...], tuple[Bucket, int]] = {}
+    open_: dict[tuple, tuple[Bucket, int]] = {}
     every: list[Bucket] = []
     for s in plan.reduce_order:
         owners = tuple(plan.owners[s])
-        b, size = open_.pop(owners, (Bucket(-1, owners, [], []), 0))
+        key = (owners, dtypes[s])
+        b, size = open_.pop(key, (Bucket(-1, owners, [], []), 0))
         b.stages.append(s)
         b.numels.append(numels[s])
         size += nbytes[s]
         if size >= (min(FIRST_BUCKET_BYTES, bucket_bytes) if not every else bucket_bytes):
             every.append(b)
         else:
-            open_[owners] = (b, size)
+            open_[key] = (b, size)
     every += [b for b, _ in open_.values()]
     every.sort(key=lambda b: order[b.stages[-1]])  # launch order: when its last stage is ready
     for i, b in enumerate(every):
@@ -109,7 +116,7 @@ class Replicas:
         self.plan, self.worker, self.ranks, self.group = plan, worker, list(ranks), group
         self.nccl = dist.get_backend(group) == "nccl"
         nbytes = [L.numel * torch.empty(0, dtype=L.dtype).element_size() for L in layouts]
-        every = plan_buckets(plan, nbytes, [L.numel for L in layouts], bucket_bytes)
+        every = plan_buckets(plan, nbytes, [L.numel for L in layouts], [L.dtype for L in layouts], bucket_bytes)
         self.buckets = [b for b in every if worker in b.owners]
         for b in self.buckets:
             b.ready = max(plan.programs[worker].reduce_ready[s] for s in b.stages)
@@ -123,7 +130,7 @@ class Replicas:
         # what the point-to-point all-reduces receive into, allocated once (a fresh megabyte
         # buffer each step costs a page fault per 4 KiB on first touch)
         sizes = [(len(b.owners) - 1 if self._small(b, f) else 1) * f.numel()
-                 for b, f in zip(self.buckets, self.flats) if self.nccl is False and b.at_end]
+                 for b, f in zip(self.buckets, self.flats) if not self.nccl and b.at_end]
         dtype = self.flats[0].dtype if self.flats else torch.float32
         self.scratch = torch.empty(max(sizes, default=0), dtype=dtype, device=device)
         self.reset()
@@ -141,7 +148,7 @@ class Replicas:
         the world builds its engine, ranks with no worker too, and makes every such group; the
         decision is the plan's, the same on every process. A set of every rank of the engine's
         group uses that group."""
-        sets = sorted({b.owners for b in every if self.nccl or not b.at_end})
+        sets = sorted({b.owners for b in every if self.nccl or not b.at_end})  # those with a collective
         if not sets:
             return
         if group is not None and dist.get_world_size(group) != dist.get_world_size():
@@ -173,15 +180,24 @@ class Replicas:
         self.filled.add(s)
         return first
 
+    def _overlaps(self, b: Bucket) -> bool:
+        """Whether ``b`` is all-reduced during the step: under gloo a bucket some owner completes
+        before its last job (gloo's own all-reduce, on its threads). Under NCCL every bucket waits
+        for the end of the step: an all-reduce kernel on its group's communicator while the step's
+        point-to-point kernels still run on the pairs' could wait on each other across ranks."""
+        return not self.nccl and not b.at_end
+
     def launch_ready(self, done: int) -> None:
-        """Launch, in order, every bucket whose shares are complete once job ``done`` has ended;
-        the buckets reduced at the end wait for :meth:`finish`."""
+        """Launch, in order, every bucket reduced during the step whose shares are complete once
+        job ``done`` has ended (those reduced at the end are :meth:`finish`'s, whatever their
+        place: the two kinds never wait on each other)."""
         while self.next < len(self.buckets):
             b = self.buckets[self.next]
-            if b.ready > done or (b.at_end and not self.nccl):
-                return
-            self._zero_unwritten(b)
-            self.pending.append(dist.all_reduce(self.flats[self.next], group=self.groups[b.owners], async_op=True))
+            if self._overlaps(b):
+                if b.ready > done:
+                    return
+                self._zero_unwritten(b)
+                self.pending.append(dist.all_reduce(self.flats[self.next], group=self.groups[b.owners], async_op=True))
             self.next += 1
 
     def _zero_unwritten(self, b: Bucket) -> None:
@@ -196,14 +212,18 @@ class Replicas:
             return
         self.launch_ready(len(self.plan.programs[self.worker].jobs))
         with blocked(watchdog):
-            for i in range(self.next, len(self.buckets)):  # gloo, at the end: by point-to-point
-                b, flat = self.buckets[i], self.flats[i]
+            for i, b in enumerate(self.buckets):  # the end of the step's, in the common order
+                if self._overlaps(b):
+                    continue
+                flat = self.flats[i]
                 self._zero_unwritten(b)
+                if self.nccl:
+                    self.pending.append(dist.all_reduce(flat, group=self.groups[b.owners], async_op=True))
+                    continue
                 algorithm = through_root if self._small(b, flat) else halving_doubling
                 algorithm(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
                           lambda r, k=b.index: self.plan.reduce_tag(k, r), self.group, clock,
                           self.scratch if self.scratch.dtype == flat.dtype else None)
-            self.next = len(self.buckets)
             for work in self.pending:
                 work.wait()
 

@@ -182,6 +182,8 @@ def stage_grads(root: torch.Tensor, wrt: Sequence[torch.Tensor], grad: torch.Ten
     if _run_backward is None:
         return torch.autograd.grad(root, wrt, grad, retain_graph=retain_graph, allow_unused=True)
     if grad is None:
+        if root.numel() != 1:
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
         grad = torch.ones_like(root)
     return _run_backward((root,), (grad,), retain_graph, False, tuple(wrt), True, False)
 

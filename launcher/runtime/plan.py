@@ -115,7 +115,8 @@ class Program:
     # just in time, so a consumer is never made to post a receive for weights it needs much later
     weight_release: dict[int, list[int]] = field(default_factory=dict)
     # replicated stage this worker owns -> index of the job after which its own share of the
-    # stage's gradient is complete (len(jobs): at the end, when partial sums come in from others)
+    # stage's gradient is complete (len(jobs): at the end, when partial sums come in from others;
+    # -1: at once, when it computes nothing of the stage)
     reduce_ready: dict[int, int] = field(default_factory=dict)
 
 
@@ -266,15 +267,15 @@ def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
             s = (j // B) % S
             if j // SB == grad_kind and wts[j] == w and len(owners[s]) > 1:
                 ready[w][s] = i
-        for s, r in list(ready[w].items()):
-            if reduces[w][s].recv_from:
-                ready[w][s] = len(prog)
-            t = tl.finish[prog[ready[w][s]]] if ready[w][s] < len(prog) else tl.latency
-            ready_time[s] = max(ready_time.get(s, 0.0), t)
         for s in range(S):  # an owner that computes nothing of its stage is ready at once
             if len(owners[s]) > 1 and w in owners[s] and s not in ready[w]:
-                ready[w][s] = len(prog) if reduces[w][s].recv_from else -1
-                ready_time.setdefault(s, 0.0)
+                ready[w][s] = -1
+        for s in ready[w]:
+            if reduces[w][s].recv_from:  # it waits for the partial sums: at the end
+                ready[w][s] = len(prog)
+            i = ready[w][s]
+            t = tl.finish[prog[i]] if 0 <= i < len(prog) else (0.0 if i < 0 else tl.latency)
+            ready_time[s] = max(ready_time.get(s, 0.0), t)
     reduce_order = sorted(ready_time, key=lambda s: (ready_time[s], tuple(sorted(owners[s])), s))
 
     if len(msgs) + 2 * S + S * reduce_rounds(W) > TAG_LIMIT:  # the step's tags, then the engine's ranges
@@ -423,4 +424,3 @@ def forward_only(plan: Plan) -> Plan:
             if kept:
                 prog.weight_release.setdefault(new_index[i], []).extend(kept)
     return Plan(plan.timeline, plan.weight_cache, plan.messages, programs, plan.owners, plan.predicted, plan.prefetch)
-

@@ -44,6 +44,11 @@ from .model import (Batch, ModelError, OptimizerFactory, StagedModel, StageLayou
 from .plan import ACT, GRAD, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
 
 
+#: steps whose messages are timed (what a message takes, :class:`~launcher.runtime.comm.Clock`):
+#: enough for a profile, and a long run's records do not grow with every message of every step
+TIMED_STEPS = 64
+
+
 @dataclass
 class _Stash:
     inputs: list[torch.Tensor]
@@ -246,7 +251,8 @@ class Engine:
             return (L.numel,), L.dtype
 
         comm = Comm(plan, w, spec, self.device, self.watchdog, self.group, self.ranks,
-                    on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None)
+                    on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
+                    timed=train and self.steps <= TIMED_STEPS)
         # owners hand weights over just in time (the plan's release points, ``prefetch`` jobs early)
         packed: dict[int, torch.Tensor] = {}
         released = -1

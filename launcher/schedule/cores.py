@@ -13,7 +13,9 @@ starts once the workers it exchanges with (``sync[w]``) have finished their jobs
 computing).
 
 With ``cores >= W`` and no tails this is the simulated timeline itself (the same order, durations
-and message delays), so ``replay(tl, W).seconds == tl.latency``. Pure Python; ``O(jobs x W)``.
+and message delays), so ``replay(tl, W).seconds == tl.latency``, unless the simulator kept a worker
+waiting for activation memory (a memory limit, 1F1B's warm-up): the runtime follows the order and
+waits for nothing else, so the replay is then shorter. Pure Python; ``O(jobs x W)``.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ The simulator's timeline ends with each worker's last job; the runtime then fini
 - every worker sends its weight-gradient sum of stage ``s`` to each other owner it computed for,
   and each owner receives them: one message of ``grad_bytes[s]`` per ``(s, sender, owner)``, all
   at once (one round);
-- the ``n`` owners of replicated stages (DDP, LPP with G > 1) all-reduce them, as the runtime
-  does (:mod:`launcher.runtime.groups`): through one root in 2 rounds when small, else by
-  halving-doubling (:func:`exchanges`).
+- the ``n`` owners of replicated stages (DDP, LPP with G > 1) all-reduce them with the runtime's
+  point-to-point algorithms (:mod:`launcher.runtime.groups`): through one root in 2 rounds when
+  small, else by halving-doubling (:func:`exchanges`). A model of the runtime, not a copy: one
+  exchange per owner set after the compute, where the runtime cuts large sets into buckets and
+  reduces those a worker completes early during its backward (gloo's ring), or all with NCCL's.
 
 A message of ``n`` bytes costs ``latency_s + n / bytes_per_s`` (a :class:`Link`, measured on the
 real workers by a ping-pong, :mod:`launcher.runtime.link`). A worker's end phase lasts its
@@ -65,8 +67,8 @@ class Exchange:
 
 def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
     """Per worker: its partial sums to owners (one message each, all at once: one round) and the
-    all-reduce of the replicated stages it owns, per owner set, as the runtime does it: through
-    one root (2 rounds; the root moves ``(n - 1)`` times the bytes each way) when small, else by
+    all-reduce of the replicated stages it owns, per owner set, with the runtime's end-of-step
+    algorithms: through one root (2 rounds; the root moves ``(n - 1)`` times the bytes each way) when small, else by
     halving-doubling (``2 log2 p`` rounds, plus 2 when ``n`` is not a power of two ``p``;
     ``2 (n - 1) / n`` of the bytes each way)."""
     space, W = tl.step.space, tl.step.workers
