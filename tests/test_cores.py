@@ -59,3 +59,19 @@ def test_a_memory_limit_is_the_order_it_leaves():
     # the runtime runs each worker's program in order without waiting for memory: the replay does too
     tl = simulate(make_step("gpipe", 4, 8, G=1, R=4, order="1f1b"))
     assert replay(tl, 4).seconds <= tl.latency + 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps(), st.lists(st.floats(0.0, 2.0), min_size=8, max_size=8), st.booleans())
+def test_a_core_each_is_the_sharing_loop_at_full_rate(step, extra, synced):
+    # ``cores >= W`` takes a one-pass longest-path route; just under W cores the sharing loop runs,
+    # at a rate that differs from 1 by 1e-12: both must give the same times
+    tl = simulate(step)
+    W = step.workers
+    tails, delays = extra[:W] if W <= 8 else None, extra[::-1][:W] if W <= 8 else None
+    sync = [list(range(W))] * W if synced else None
+    fast = replay(tl, W, tails, sync, delays)
+    loop = replay(tl, W * (1 - 1e-12), tails, sync, delays)
+    assert fast.seconds == pytest.approx(loop.seconds, rel=1e-9, abs=1e-9)
+    assert fast.finish == pytest.approx(loop.finish, rel=1e-9, abs=1e-9)
+    assert fast.busy == pytest.approx(loop.busy, rel=1e-9, abs=1e-9)

@@ -28,6 +28,9 @@ the top ``top``:
   admits a micro-batch on a worker only when everything it will hold there fits.
 - **a step that reaches its bound** ``max(work, chain)`` under some limit cannot be beaten by
   another limit of the same step, so the remaining limits are skipped.
+- **cache job after cache step**: cache ``job`` adds a forward to backwards on fetched weights of
+  the same programs, which delays no job, so it is never faster than cache ``step``; it is timed
+  only when cache ``step`` would enter the top, and its memory is known only when it could.
 
 Memory limits tried per step: none, the activation budget, each scheme's byte-derived limit, and,
 when the unlimited step does not fit, every uniform limit from the least that can finish upward
@@ -332,8 +335,11 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
         # cache "job" (backwards on fetched weights recompute their forward) lasts at least as long
         if any(fetched) and step_time[sch] <= worst:
             recompute = job_cache_time(view, prof, grads, d, step_time[sch], t.get("end_of_step"))
+        step_fits = False
         for cache in CACHES:
             seconds = recompute if cache == "job" else step_time[sch]
+            if cache == "job" and step_fits and seconds > worst:
+                continue  # slower than the whole top, and cache step fits: the scan learns nothing more
             if cache == "job" and not any(fetched):
                 fetch, resident = [0] * len(owned), t["weights_owned"]
             elif cache == "job":
@@ -354,6 +360,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             runs = (tuple(weights), cache if any(fetched) else "step", split, B, G, R, programs)
             out.append(Candidate(point, seconds, bubble, peak_act, peak_bytes, msgs,
                                  _traffic_bytes(t, fetch, prof, S), runs))
+            step_fits = cache == "step"
     return out
 
 
