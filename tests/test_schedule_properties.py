@@ -93,8 +93,9 @@ def test_every_timeline_is_valid(step):
     try:
         tl = simulate(step)
     except ScheduleError:
-        # only a memory limit (checked up front, or a dead end found while running) may refuse
-        assert step.memory_limit is not None
+        # only a limit may refuse: a memory limit (checked up front, or a dead end found while
+        # running), or 1F1B's warm-up, whose in-flight limit can strand an arbitrary placement
+        assert step.memory_limit is not None or step.order.warmup == "classic"
         return
     check_timeline(tl)
 

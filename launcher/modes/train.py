@@ -140,6 +140,9 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     # val_loss is summed over the workers before it is logged: nothing left to synchronise
     warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
+    # on a machine with Slurm installed, Lightning suggests `srun` to a run started outside a job;
+    # this command forks its workers itself, and inside a job it is started by srun already
+    warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
 
 
 def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:

@@ -454,6 +454,12 @@ def simulate(step: Step) -> Timeline:
                 f"the step cannot finish: after {done} of {N} jobs no job can start on workers {stuck}, "
                 f"though no memory limit applies; the placement or order is inconsistent"
             )
+        if step.memory_limit is None:  # 1F1B's warm-up alone: its in-flight limit stranded the placement
+            raise ScheduleError(
+                f"order=1f1b with warmup=classic cannot finish the step: after {done} of {N} jobs, "
+                f"workers {stuck} each wait for the warm-up's in-flight limit, held by micro-batches that "
+                f"wait on one another across workers; use warmup=none or another order"
+            )
         raise ScheduleError(
             f"memory_limit={step.memory_limit} (warmup={step.order.warmup}) cannot finish the step: "
             f"after {done} of {N} jobs, workers {stuck} each wait for activation memory held by "
