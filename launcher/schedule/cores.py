@@ -71,6 +71,8 @@ def replay(
     tails = list(tails) if tails is not None else [0.0] * W
     sync = [list(s) for s in sync] if sync is not None else [[] for _ in range(W)]
     delays = list(delays) if delays is not None else [0.0] * W
+    if cores >= W:  # nobody shares a core: each job starts when its worker and its inputs are ready
+        return _longest_paths(tl, work, comm, tails, sync, delays)
     finish = [math.nan] * space.N
     start = [math.nan] * space.N
     pos = [0] * W  # next job of each worker (len(program): its tail)
@@ -79,8 +81,6 @@ def replay(
     ended = [False] * W
     end = [0.0] * W
     busy = [0.0] * W
-    if cores >= W:  # nobody shares a core: each job starts when its worker and its inputs are ready
-        return _longest_paths(tl, work, comm, tails, sync, delays)
     t = 0.0
 
     def ready_at(w: int) -> float:
