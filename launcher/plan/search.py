@@ -28,9 +28,11 @@ the top ``top``:
   admits a micro-batch on a worker only when everything it will hold there fits.
 - **a step that reaches its bound** ``max(work, chain)`` under some limit cannot be beaten by
   another limit of the same step, so the remaining limits are skipped.
-- **cache job after cache step**: cache ``job`` adds a forward to backwards on fetched weights of
-  the same programs, which delays no job, so it is never faster than cache ``step``; it is timed
-  only when cache ``step`` would enter the top, and its memory is known only when it could.
+- **cache job after cache step**: with a core per worker, cache ``job`` adds a forward to
+  backwards on fetched weights of the same programs, which delays no job, so it is never faster
+  than cache ``step``; it is then timed only when cache ``step`` would enter the top, and its
+  memory is known only when it could. (Workers sharing fewer cores get no such shortcut: there
+  more work can shorten the replay, so cache ``job`` is always timed.)
 
 Memory limits tried per step: none, the activation budget, each scheme's byte-derived limit, and,
 when the unlimited step does not fit, every uniform limit from the least that can finish upward
@@ -304,7 +306,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     """Every scheme, ownership and cache on one simulated timeline, keeping those that fit.
     ``moves`` caches each scheme's traffic: it depends on the placement and the split only.
     ``worst``: the step time a candidate must beat to enter the top (cache ``job``, never faster than
-    cache ``step``, is timed only when that beats it)."""
+    cache ``step`` when every worker has a core, is then timed only when that beats it)."""
     S = tl.step.S
     latency = tl.latency
     busy = sum(d[k] for k in tl.step.space.kinds) * S * B
@@ -318,6 +320,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     step_time: dict = {}
     grads = [prof.stage_bytes("grads", s) for s in range(S)] if prof.link and prof.bytes else None
     programs = tuple(map(tuple, tl.program))
+    monotone = prof.cores is None or prof.cores >= tl.step.workers  # see job_cache_time
     mlt = tuple(ml) if isinstance(ml, (list, tuple)) else ml
     for sch, weights, owned, fetched in per_scheme:
         view = Timeline(tl.step, tl.compute, weights * tl.step.space.K, tl.start, tl.finish, tl.program,
@@ -333,12 +336,13 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             step_time[sch] = (link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency) + prof.outside
         recompute = step_time[sch]
         # cache "job" (backwards on fetched weights recompute their forward) lasts at least as long
-        if any(fetched) and step_time[sch] <= worst:
+        # where every worker has a core; on shared cores more work can reorder who waits for whom
+        if any(fetched) and (not monotone or step_time[sch] <= worst):
             recompute = job_cache_time(view, prof, grads, d, step_time[sch], t.get("end_of_step"))
         step_fits = False
         for cache in CACHES:
             seconds = recompute if cache == "job" else step_time[sch]
-            if cache == "job" and step_fits and seconds > worst:
+            if cache == "job" and monotone and step_fits and seconds > worst:
                 continue  # slower than the whole top, and cache step fits: the scan learns nothing more
             if cache == "job" and not any(fetched):
                 fetch, resident = [0] * len(owned), t["weights_owned"]
@@ -378,7 +382,9 @@ def job_cache_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None, d
     """The step under weight cache ``job`` (:func:`with_recompute`), given ``base``, its time
     under cache ``step``: replayed on shared cores like any candidate of a CPU profile; with a
     processor each, ``base`` plus what the recomputation adds to the replay of the programs
-    (adding work to fixed programs delays no job, so it is never below ``base``)."""
+    (adding work to fixed programs delays no job, so it is never below ``base``). On shared cores
+    it can be below: a job delayed by the recomputation may stop competing for a core when another
+    worker's critical job needs it."""
     work = with_recompute(tl, d, prof.message_cpu if prof.cores is not None else None)
     if prof.cores is not None:
         return shared_cores_time(tl, prof, grads, work)

@@ -15,8 +15,8 @@ computing).
 With ``cores >= W`` and no tails this is the simulated timeline itself (the same order, durations
 and message delays), so ``replay(tl, W).seconds == tl.latency``, unless the simulator kept a worker
 waiting for activation memory (a memory limit, 1F1B's warm-up): the runtime follows the order and
-waits for nothing else, so the replay is then shorter. Pure Python; ``O(jobs x W)``, and one pass
-over the jobs when every worker has a core.
+waits for nothing else, so the replay is then shorter. Pure Python; ``O(jobs x W)``, and without events
+when every worker has a core.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def replay(
 
 def _longest_paths(tl: Timeline, work: list[float], comm: float, tails: list[float],
                    sync: list[list[int]], delays: list[float]) -> Replayed:
-    """:func:`replay` with a core per worker, in one pass over the jobs: each job starts at
+    """:func:`replay` with a core per worker, without events: each job starts at
     ``max(its worker's previous finish, its inputs' finish + comm)``; the same times as the
     processor-sharing loop at a rate of 1, without its events."""
     space, programs, compute = tl.step.space, tl.program, tl.compute

@@ -456,7 +456,7 @@ def simulate(step: Step) -> Timeline:
             )
         if step.memory_limit is None:  # 1F1B's warm-up alone: its in-flight limit stranded the placement
             raise ScheduleError(
-                f"order=1f1b with warmup=classic cannot finish the step: after {done} of {N} jobs, "
+                f"order={step.order.name} with warmup=classic cannot finish the step: after {done} of {N} jobs, "
                 f"workers {stuck} each wait for the warm-up's in-flight limit, held by micro-batches that "
                 f"wait on one another across workers; use warmup=none or another order"
             )
