@@ -105,10 +105,10 @@ def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
     if cores is not None and not (isinstance(cores, int) and not isinstance(cores, bool) and cores > 0):
         raise ProfileError(f"{where} has cores={cores!r}; it must be null or a positive int")
     outside = d.get("outside_s", 0.0)
-    if not (isinstance(outside, (int, float)) and not isinstance(outside, bool) and outside >= 0 and math.isfinite(outside)):
+    if not _nonneg(outside):
         raise ProfileError(f"{where} has outside_s={outside!r}; it must be a number >= 0")
     msg = d.get("message_cpu_s")
-    if msg is not None and not (isinstance(msg, (int, float)) and not isinstance(msg, bool) and msg >= 0 and math.isfinite(msg)):
+    if msg is not None and not _nonneg(msg):
         raise ProfileError(f"{where} has message_cpu_s={msg!r}; it must be null or a number >= 0")
     return Profile({k: (float(dur[k]) if dur.get(k) is not None else None) for k in ("F", "B", "I", "W")},
                    float(comm), table, seconds=True, link=link, cores=cores, outside=float(outside),
@@ -135,7 +135,11 @@ def unit(durations: Mapping[str, float], comm: float) -> Profile:
 
 
 def _pos(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 and math.isfinite(x)
+    return _nonneg(x) and x > 0
+
+
+def _nonneg(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 and math.isfinite(x)
 
 
 def _sizes(xs: Any) -> bool:

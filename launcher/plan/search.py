@@ -321,6 +321,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     grads = [prof.stage_bytes("grads", s) for s in range(S)] if prof.link and prof.bytes else None
     programs = tuple(map(tuple, tl.program))
     monotone = prof.cores is None or prof.cores >= tl.step.workers  # see job_cache_time
+    # per job work on CPU workers: it depends on where jobs run only, the same for every scheme here
+    work = job_work(tl, d, prof.message_cpu) if prof.cores is not None else None
     mlt = tuple(ml) if isinstance(ml, (list, tuple)) else ml
     for sch, weights, owned, fetched in per_scheme:
         view = Timeline(tl.step, tl.compute, weights * tl.step.space.K, tl.start, tl.finish, tl.program,
@@ -331,14 +333,14 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             if grads:  # the gradient exchange after the compute depends on who owns what
                 t["end_of_step"] = end_of_step(view, grads, prof.link)
         if prof.cores is not None:  # CPU workers: they share the cores
-            step_time[sch] = shared_cores_time(view, prof, grads)
+            step_time[sch] = shared_cores_time(view, prof, grads, work)
         else:
             step_time[sch] = (link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency) + prof.outside
         recompute = step_time[sch]
         # cache "job" (backwards on fetched weights recompute their forward) lasts at least as long
         # where every worker has a core; on shared cores more work can reorder who waits for whom
         if any(fetched) and (not monotone or step_time[sch] <= worst):
-            recompute = job_cache_time(view, prof, grads, d, step_time[sch], t.get("end_of_step"))
+            recompute = job_cache_time(view, prof, grads, d, step_time[sch], t.get("end_of_step"), work)
         step_fits = False
         for cache in CACHES:
             seconds = recompute if cache == "job" else step_time[sch]
@@ -368,24 +370,28 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     return out
 
 
-def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = None) -> list[float]:
-    """Per job, its work (:func:`~launcher.schedule.cores.job_work`) under weight cache ``job``: a
-    backward (``B``, or ``I`` when split) on fetched weights fetches them again and recomputes its
-    forward first (:mod:`launcher.runtime.plan`), so it also lasts an ``F``."""
+def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = None,
+                   work: Sequence[float] | None = None) -> list[float]:
+    """Per job, its work (:func:`~launcher.schedule.cores.job_work`, or ``work`` when already
+    known) under weight cache ``job``: a backward (``B``, or ``I`` when split) on fetched weights
+    fetches them again and recomputes its forward first (:mod:`launcher.runtime.plan`), so it also
+    lasts an ``F``."""
     SB = tl.step.space.S * tl.step.space.B
+    base = job_work(tl, d, message_s) if work is None else work
     return [w + (d["F"] if j // SB == 1 and tl.weights[j] != tl.compute[j] else 0.0)
-            for j, w in enumerate(job_work(tl, d, message_s))]
+            for j, w in enumerate(base)]
 
 
 def job_cache_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None, d: dict[str, float],
-                   base: float, tails: Sequence[float] | None = None) -> float:
+                   base: float, tails: Sequence[float] | None = None,
+                   work: Sequence[float] | None = None) -> float:
     """The step under weight cache ``job`` (:func:`with_recompute`), given ``base``, its time
     under cache ``step``: replayed on shared cores like any candidate of a CPU profile; with a
     processor each, ``base`` plus what the recomputation adds to the replay of the programs
     (adding work to fixed programs delays no job, so it is never below ``base``). On shared cores
     it can be below: a job delayed by the recomputation may stop competing for a core when another
-    worker's critical job needs it."""
-    work = with_recompute(tl, d, prof.message_cpu if prof.cores is not None else None)
+    worker's critical job needs it. ``work``: the jobs' work under cache ``step``, when known."""
+    work = with_recompute(tl, d, prof.message_cpu if prof.cores is not None else None, work)
     if prof.cores is not None:
         return shared_cores_time(tl, prof, grads, work)
     if tails is None and grads and prof.link:

@@ -59,14 +59,10 @@ def replay(
     chose that order, so a measured run is replayed as it ran. Weight fetches wait for nothing: owners hand copies over ahead
     of the job that needs them (:mod:`launcher.runtime.plan`)."""
     step, space = tl.step, tl.step.space
-    W, SB = step.workers, space.S * space.B
+    W = step.workers
     programs, compute = tl.program, tl.compute
     d = step.durations if durations is None else durations
-    if isinstance(d, Mapping):
-        per_kind = [float(d[k]) for k in space.kinds]
-        work = [per_kind[j // SB] for j in range(space.N)]
-    else:
-        work = [float(x) for x in d]
+    work = job_work(tl, d) if isinstance(d, Mapping) else [float(x) for x in d]
     comm = float(step.comm if comm is None else comm)
     tails = list(tails) if tails is not None else [0.0] * W
     sync = [list(s) for s in sync] if sync is not None else [[] for _ in range(W)]
