@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from torch import nn
+
+from ..runtime.model import run_stage
 
 
 def balanced_groups(sizes: Sequence[int], S: int) -> list[list[int]]:
@@ -36,9 +38,26 @@ def balanced_groups(sizes: Sequence[int], S: int) -> list[list[int]]:
     return groups[::-1]
 
 
+class Chain(nn.Sequential):
+    """Modules applied in turn, each called with what the one before returned as stages are (a
+    tuple is unpacked into positional arguments, a dict into keyword arguments)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out: Any = None
+        for i, m in enumerate(self):
+            out = m(*args, **kwargs) if i == 0 else run_stage(m, None, [out])
+        return out
+
+
 def group_modules(modules: Sequence[nn.Module], S: int) -> tuple[list[nn.Module], list[list[int]]]:
     """``S`` stage modules from ``modules`` (each module itself when there are exactly ``S``, else
-    an ``nn.Sequential`` of a balanced consecutive group) and the module indices of each stage."""
-    groups = balanced_groups([sum(p.numel() for p in m.parameters()) for m in modules], S)
-    stages = [modules[g[0]] if len(g) == 1 else nn.Sequential(*(modules[i] for i in g)) for g in groups]
+    a :class:`Chain` of a balanced consecutive group) and the module indices of each stage. A
+    parameter shared by several modules counts once, where it is first used."""
+    seen: set[int] = set()
+    sizes = []
+    for m in modules:
+        sizes.append(sum(p.numel() for p in m.parameters() if id(p) not in seen))
+        seen.update(id(p) for p in m.parameters())
+    groups = balanced_groups(sizes, S)
+    stages = [modules[g[0]] if len(g) == 1 else Chain(*(modules[i] for i in g)) for g in groups]
     return stages, groups

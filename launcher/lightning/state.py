@@ -10,7 +10,7 @@ strategy, and resumes under any other scheme (each worker takes back its own sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,20 +20,51 @@ from torch import nn
 
 @dataclass
 class Layout:
-    """Where every parameter of the full module lives.
+    """Where every parameter and buffer of the full module lives.
 
-    ``names``: the full module's parameter names, in ``named_parameters()`` order;
-    ``stage_names[s]``: the names of stage ``s``'s parameters, in the stage module's order;
+    ``names``: the full module's parameter names, in ``named_parameters()`` order (a parameter
+    shared by several modules, tied embeddings, under its first name);
+    ``stage_names[s]``: those names for stage ``s``'s parameters, in the stage module's order;
+    ``stage_buffers[s]``: the full names of stage ``s``'s buffers that the module's state dict
+    holds (``None`` for one it does not keep, a non-persistent buffer), in the stage's order;
+    ``aliases``: every other name of a shared parameter -> its first name;
     ``writers``: the stages this worker writes into a checkpoint (those it is the first owner of).
     """
 
     names: list[str]
     stage_names: list[list[str]]
     writers: list[int]
+    stage_buffers: list[list[str | None]] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, module: nn.Module, stages: list[nn.Module], writers: list[int]) -> "Layout":
+        """The layout of ``module`` cut into the stage modules ``stages`` (made of its own
+        submodules or holding its own tensors), read off the objects, not their names."""
+        first: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        for n, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                aliases[n] = first[id(p)]
+            else:
+                first[id(p)] = n
+        kept = set(module.state_dict(keep_vars=True))
+        buffer_name = {id(b): n for n, b in module.named_buffers(remove_duplicate=False) if n in kept}
+        return cls(list(first.values()), [[first[id(p)] for p in m.parameters()] for m in stages], writers,
+                   [[buffer_name.get(id(b)) for b in m.buffers()] for m in stages], aliases)
 
     @property
     def index(self) -> dict[str, int]:
         return {n: i for i, n in enumerate(self.names)}
+
+    @property
+    def staged_names(self) -> set[str]:
+        """Every state-dict key that belongs to a stage (parameters, their aliases, buffers)."""
+        out = {n for names in self.stage_names for n in names} | set(self.aliases)
+        return out | {n for names in self.stage_buffers for n in names if n is not None}
+
+    def canonical(self, name: str) -> str:
+        return self.aliases.get(name, name)
 
 
 def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
@@ -44,8 +75,10 @@ def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
 
 
 def gather_module_state(module: nn.Module, layout: Layout, modules: dict[int, nn.Module],
-                        group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """The full module's state dict at rank 0 (empty elsewhere). ``modules``: owned stage -> module."""
+                        stages: list[nn.Module], group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """The full module's state dict at rank 0 (empty elsewhere). ``modules``: owned stage -> module;
+    ``stages``: the module each stage computes with here (every worker holds every stage's
+    buffers, the same everywhere, so rank 0 writes them all)."""
     mine = {}
     for s in layout.writers:
         for name, p in zip(layout.stage_names[s], modules[s].parameters()):
@@ -56,20 +89,43 @@ def gather_module_state(module: nn.Module, layout: Layout, modules: dict[int, nn
     every = {k: v for part in parts for k, v in part.items()}
     # entries outside the stages (buffers or parameters of the module itself) come from rank 0
     out: dict[str, torch.Tensor] = {}
+    staged = layout.staged_names
     for k, v in module.state_dict().items():
-        if not k.startswith("stages.") and not k.startswith("_launcher"):
+        if k not in staged and not k.startswith("_launcher"):
             out[k] = v.detach().cpu()
+    for names, m in zip(layout.stage_buffers, stages):
+        for name, b in zip(names, m.buffers()):
+            if name is not None:
+                out[name] = b.detach().cpu()
     missing = [n for n in layout.names if n not in every and not n.startswith("_launcher")]
     if missing:
         raise RuntimeError(f"no worker wrote {missing[:3]} into the checkpoint; every stage must have an owner")
     out.update(every)
+    for alias, name in layout.aliases.items():  # a shared parameter under each of its names, as one process saves it
+        out[alias] = every[name]
     return out
+
+
+def load_stage_state(state: dict[str, Any], layout: Layout, modules: dict[int, nn.Module],
+                     holders: list[nn.Module]) -> None:
+    """Copy a single-device state dict into the owned stages' parameters and into the buffers of
+    every module that computes a stage here (``holders``: per stage, in stage order, repeated)."""
+    with torch.no_grad():
+        for s, m in modules.items():
+            for name, p in zip(layout.stage_names[s], m.parameters()):
+                if name in state:
+                    p.copy_(state[name])
+        S = len(layout.stage_buffers)
+        for i, m in enumerate(holders):
+            for name, b in zip(layout.stage_buffers[i % S], m.buffers()):
+                if name is not None and name in state:
+                    b.copy_(state[name])
 
 
 def gather_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, layout: Layout,
                            group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """The optimizer's state in the single-device layout at rank 0 (empty elsewhere)."""
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = {id(p): layout.canonical(n) for n, p in module.named_parameters()}
     writes = {n for s in layout.writers for n in layout.stage_names[s]}
     local = optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -100,7 +156,7 @@ def scatter_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module,
                             full: dict[str, Any]) -> dict[str, Any]:
     """This worker's share of a single-device-layout optimizer state, ready for
     ``optimizer.load_state_dict``."""
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = {id(p): layout.canonical(n) for n, p in module.named_parameters()}
     index = layout.index
     state: dict[int, dict] = {}
     groups = []

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..config import ConfigError, LauncherConf, step_errors, to_step
 from ..runtime import DEFAULT_TIMEOUT, Engine, StagedModel
+from ..runtime.values import as_tree, chunk, joined, to_device
 from ..runtime.failure import Watchdog, set_current_watchdog
 from ..runtime.link import measure as measure_link
 from ..runtime.processes import auto_backend
@@ -46,7 +47,7 @@ from ..schedule import Step, make_step
 from ..schedule.placement import named
 from .launcher import ForkLauncher
 from .partition import group_modules
-from .state import Layout, gather_module_state, gather_optimizer_state, scatter_optimizer_state
+from .state import Layout, gather_module_state, gather_optimizer_state, load_stage_state, scatter_optimizer_state
 
 #: the G and R each named scheme implies when they are not given
 DEFAULT_GR: dict[str, Callable[[int, int], tuple[int, int]]] = {
@@ -55,6 +56,36 @@ DEFAULT_GR: dict[str, Callable[[int, int], tuple[int, int]]] = {
     "gpipe": lambda S, B: (1, S),
 }
 PLACEHOLDER = "_launcher_nothing_owned"
+
+
+#: the keys of a dict batch that hold the targets, in the order looked for (Hugging Face's first)
+TARGET_KEYS = ("labels", "label", "targets", "target", "y")
+
+
+def split_batch(module: Any, batch: Any) -> tuple[Any, Any]:
+    """``(input, target)`` of a batch: the module's own ``split_batch(batch)`` when it has one;
+    else a tensor is an input with no target, a pair is ``(input, target)``, and a dict (or a
+    ``transformers.BatchEncoding``) has its targets under ``labels`` (or ``label``, ``targets``,
+    ``target``, ``y``) and its input in the other keys, passed to the first stage as keywords."""
+    own = getattr(module, "split_batch", None)
+    if callable(own):
+        return own(batch)
+    batch = as_tree(batch)
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, (tuple, list)) and len(batch) in (1, 2):
+        return batch[0], batch[1] if len(batch) == 2 else None
+    if isinstance(batch, dict):
+        key = next((k for k in TARGET_KEYS if k in batch), None)
+        return {k: v for k, v in batch.items() if k != key}, batch.get(key) if key is not None else None
+    raise TypeError(f"UnifiedStrategy cannot tell input from target in a batch that is {_what_batch(batch)}; give "
+                    f"batches as (input, target), or a dict with a 'labels' key, or define "
+                    f"{type(module).__name__}.split_batch(batch) -> (input, target).")
+
+
+def _what_batch(batch: Any) -> str:
+    n = f" of {len(batch)}" if isinstance(batch, (tuple, list, dict)) else ""
+    return f"a {type(batch).__name__}{n}"
 
 
 class _Elsewhere(nn.Module):
@@ -284,14 +315,12 @@ class UnifiedStrategy(ParallelStrategy):
             raise ValueError(f"parameter {outside[0]} of {type(module).__name__} is outside self.stages; "
                              f"UnifiedStrategy trains the parameters of self.stages only")
         self.precision_plugin.convert_module(module)
-        names = [n for n, _ in module.named_parameters()]
         groups, index = group_modules(list(stages), S)
-        stage_names = [[f"stages.{i}.{n}" for i in g for n, _ in stages[i].named_parameters()] for g in index]
         self.engine = Engine(StagedModel(groups, module.loss), self.make_step(), None, prefetch=int(self.cfg.prefetch),
                              weight_cache=str(self.cfg.weight_cache), device=self.root_device)
         owners = self.engine.plan.owners
         me = self.engine.worker
-        self.layout = Layout(names, stage_names, [s for s in self.engine.owned if owners[s][0] == me])
+        self.layout = Layout.of(module, groups, [s for s in self.engine.owned if owners[s][0] == me])
         for s, g in enumerate(index):  # keep only owned stages on the module
             if s not in self.engine.owned:
                 for i in g:
@@ -309,23 +338,14 @@ class UnifiedStrategy(ParallelStrategy):
         return True  # each worker takes its own stages back, so the partition must exist first
 
     # ---- the step --------------------------------------------------------------------------
-    def _microbatches(self, batch: Any, equal: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """The batch cut into ``microbatches`` pieces: equal ones (the loss is the mean of the
-        micro-batches' means, so they must be), or for prediction as equal as they can be (Lightning
-        keeps the last, partial batch when predicting)."""
+    def _microbatches(self, batch: Any, equal: bool = True) -> list[tuple[Any, Any]]:
+        """The batch cut into ``microbatches`` (input, target) pieces (:func:`split_batch`): equal
+        ones (the loss is the mean of the micro-batches' means, so they must be), or for prediction
+        as equal as they can be (Lightning keeps the last, partial batch when predicting)."""
         batch = self.precision_plugin.convert_input(batch)
-        if isinstance(batch, torch.Tensor):
-            x, y = batch, None
-        elif isinstance(batch, (tuple, list)) and len(batch) in (1, 2) and all(torch.is_tensor(t) for t in batch):
-            x, y = batch[0], batch[1] if len(batch) == 2 else None
-        else:
-            raise TypeError(f"UnifiedStrategy needs batches of (input, target) tensors, got {type(batch).__name__}")
-        n, B = x.shape[0], self.B
-        if n % B if equal else n < B:
-            raise ValueError(f"a batch of {n} samples cannot be cut into microbatches={B} equal micro-batches; "
-                             f"use a batch size divisible by {B}.")
-        xs = x.tensor_split(B)
-        ys = y.tensor_split(B) if y is not None else [None] * B
+        x, y = split_batch(self.lightning_module, batch)
+        xs = chunk(x, self.B, equal)
+        ys = chunk(y, self.B, equal) if y is not None else [None] * self.B
         return list(zip(xs, ys))
 
     def _sum_over_workers(self, value: float) -> torch.Tensor:
@@ -373,14 +393,14 @@ class UnifiedStrategy(ParallelStrategy):
         """The loss stage's outputs for the whole batch, on every rank."""
         _, preds = self._evaluate(args[0], None)
         every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, {b: t.cpu() for b, t in preds.items()})
+        dist.all_gather_object(every, {b: to_device(t, torch.device("cpu")) for b, t in preds.items()})
         merged = {b: t for part in every for b, t in part.items()}
-        return torch.cat([merged[b] for b in range(self.B)]).to(self.root_device)
+        return joined([merged[b] for b in range(self.B)], self.root_device)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None and self.layout is not None
-        return gather_module_state(self.lightning_module, self.layout, self.engine.modules)
+        return gather_module_state(self.lightning_module, self.layout, self.engine.modules, self.engine.stages)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         assert self.layout is not None
@@ -394,8 +414,11 @@ class UnifiedStrategy(ParallelStrategy):
         missing = sorted(mine - set(state))
         if strict and missing:
             raise KeyError(f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more of this worker's stages)")
-        own = {k: v for k, v in state.items() if k in mine or not k.startswith("stages.")}
-        self.lightning_module.load_state_dict(own, strict=False)
+        load_stage_state(state, self.layout, self.engine.modules, self.engine.stages + self.engine.skeletons)
+        staged = self.layout.staged_names
+        rest = {k: v for k, v in state.items() if k not in staged}  # the module's own entries outside the stages
+        if rest:
+            self.lightning_module.load_state_dict(rest, strict=False)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.layout is not None
@@ -428,16 +451,7 @@ class UnifiedStrategy(ParallelStrategy):
         every stage's parameters, for the last training batch's shapes."""
         assert self.engine is not None and self._last_batch is not None
         e, mbs = self.engine, self._last_batch
-        specs = e._act_specs(mbs)
-
-        def nbytes(shape: tuple, dtype: torch.dtype) -> int:
-            return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-
-        params = [L.numel * torch.empty((), dtype=L.dtype).element_size() for L in e.layouts]
-        msg = [nbytes(*specs[m.microbatch][m.stage]) if m.microbatch >= 0 else params[m.stage] for m in e.plan.messages]
-        act = [[sum(nbytes(*specs[b][p]) for p in e.space.stage_preds[s]) if e.space.stage_preds[s]
-                else mbs[b][0].numel() * mbs[b][0].element_size() for b in range(e.space.B)] for s in range(e.space.S)]
-        return msg, act, params
+        return e.sizes(mbs)
 
     def teardown(self) -> None:
         if self._watchdog is not None:

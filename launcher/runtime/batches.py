@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from .failure import Watchdog, blocked
 
@@ -27,7 +28,14 @@ PARTS = ("input", "target")
 
 
 def _fingerprint(x: Any) -> list[float]:
-    """``[crc(shape, dtype), sum, sum of |x|]`` of a tensor (a CRC of its repr for anything else)."""
+    """``[crc(shape, dtype), sum, sum of |x|]`` of a tensor; of a tuple, list or dict of them, the
+    CRC of its structure and every leaf's, and the sums over its leaves (a CRC of its repr for
+    anything else)."""
+    if isinstance(x, (tuple, list, dict)):
+        leaves, tree = pytree.tree_flatten(x)
+        parts = [_fingerprint(leaf) for leaf in leaves]
+        head = zlib.crc32(f"{tree}|{[p[0] for p in parts]}".encode())
+        return [float(head), sum(p[1] for p in parts), sum(p[2] for p in parts)]
     if not isinstance(x, torch.Tensor):
         return [float(zlib.crc32(repr(x).encode())), 0.0, 0.0]
     t = x.detach()

@@ -1,16 +1,23 @@
 """Staged models: a list of stage modules plus a loss on the last stage, and the oracle.
 
-A stage takes the outputs of its predecessor stages (in ``graph.preds`` order; a source stage takes
-the micro-batch input) and returns one tensor. A loss stage's output goes to ``loss(output,
-target)``. The loss of a step is the mean over micro-batches, so every micro-batch's loss is
-scaled by ``1/B`` before its backward.
+A stage is called with the values it receives (:mod:`.values`): a source stage with the
+micro-batch's input, any other with its predecessors' outputs in ``graph.preds`` order (``picks``
+may select items of a tuple output per edge). A value is a tensor, or tuples, lists and dicts of
+tensors and constants; floating-point tensors that require grad get a gradient back, the others
+(token ids, masks) travel forward only. A loss stage's output goes to ``loss(output, target)``. The
+loss of a step is the mean over micro-batches, so every micro-batch's loss is scaled by ``1/B``
+before its backward.
+
+Stages may hold buffers: constant ones (a rotary embedding's frequencies) are present wherever the
+stage computes; BatchNorm's running statistics follow exact sequential semantics (:mod:`.stats`).
+A parameter shared by two stages (tied embeddings) gets the sum of both stages' gradients.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -18,8 +25,11 @@ from torch.func import functional_call
 
 from launcher.schedule.graph import StageGraph
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (input, target) of one micro-batch
+from .values import Signature, arguments, describe, pick, unsupported
+
+Batch = tuple[Any, Any]  # (input, target) of one micro-batch: tensors, or tuples/lists/dicts of them
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+Picks = dict[tuple[int, int], tuple[int, ...]]
 
 
 class ModelError(ValueError):
@@ -32,15 +42,20 @@ class ModelError(ValueError):
 
 @dataclass
 class StagedModel:
-    """The user's model, cut into stages; ``graph`` defaults to the chain ``0 -> ... -> S-1``."""
+    """The user's model, cut into stages; ``graph`` defaults to the chain ``0 -> ... -> S-1``.
+
+    ``picks[(p, c)]``: the items of stage ``p``'s tuple output that stage ``c`` receives (default:
+    the whole output), so a value only a later stage needs is sent straight to it."""
 
     stages: list[nn.Module]
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss: Callable[[Any, Any], torch.Tensor]
     graph: StageGraph | None = None
+    picks: Picks | None = None
 
     def __post_init__(self) -> None:
         if self.graph is None and isinstance(self.stages, (list, tuple, nn.ModuleList)):
             self.graph = StageGraph.chain(len(self.stages))
+        self.picks = dict(self.picks or {})
         found = _own_errors(self)
         if found:
             raise ModelError(found)
@@ -49,11 +64,16 @@ class StagedModel:
     def S(self) -> int:
         return len(self.stages)
 
+    def edge(self, p: int, c: int) -> tuple[int, ...] | None:
+        return self.picks.get((p, c)) if self.picks else None
 
-def _what(x: object) -> str:
-    """``a tuple of 2``, ``a NoneType``: what a value is, for a sentence."""
-    n = f" of {len(x)}" if isinstance(x, (tuple, list, dict)) else ""
-    return f"a {type(x).__name__}{n}"
+    def received(self, s: int, outs: Sequence[Any], x: Any) -> list[Any]:
+        """What stage ``s`` is called with, given every earlier stage's output and the input ``x``."""
+        preds = self.graph.preds[s]
+        return [pick(outs[p], self.edge(p, s)) for p in preds] if preds else [x]
+
+
+_what = describe
 
 
 def _own_errors(model: StagedModel) -> list[str]:
@@ -67,35 +87,39 @@ def _own_errors(model: StagedModel) -> list[str]:
         out.append(f"the model's loss is {_what(model.loss)}, not a callable loss(output, target).")
     if model.graph is not None and model.graph.stages != len(stages):
         out.append(f"the stage graph has {model.graph.stages} stages but the model has {len(stages)}.")
+    preds = model.graph.preds if model.graph is not None else ()
+    for (p, c) in model.picks or {}:
+        if not (0 <= c < len(preds) and p in preds[c]):
+            out.append(f"picks names the edge {p}->{c}, which is not an edge of the stage graph.")
     for s, m in enumerate(stages):
         if not isinstance(m, nn.Module):
             out.append(f"stage {s} is {_what(m)}, not a torch.nn.Module.")
             continue
-        names = [n for n, _ in m.named_buffers()]
-        if names:
-            out.append(f"stage {s} has buffers ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
-                       f"the runtime supports stages whose state is parameters only.")
         dtypes = {p.dtype for p in m.parameters()}
         if len(dtypes) > 1:
-            out.append(f"stage {s} mixes parameter dtypes {sorted(map(str, dtypes))}; use one dtype per stage.")
+            out.append(f"stage {s} ({type(m).__name__}) mixes parameter dtypes {sorted(map(str, dtypes))}; use one "
+                       f"dtype per stage.")
     return out
 
 
-def returns_error(s: int, out: object, where: str) -> str | None:
-    """The sentence for a stage whose output is not one tensor; ``None`` when it is."""
-    if isinstance(out, torch.Tensor):
+def returns_error(s: int, out: object, where: str, module: nn.Module | None = None) -> str | None:
+    """The sentence for a stage whose output cannot be passed on; ``None`` when it can."""
+    bad = unsupported(out)
+    if bad is None:
         return None
-    return f"stage {s} returned {_what(out)} {where}; a stage must return one tensor."
+    name = f" ({type(module).__name__})" if module is not None else ""
+    return (f"stage {s}{name} returned {_what(out)} holding a {bad} {where}; a stage returns tensors, or tuples, "
+            f"lists and dicts of tensors and constants.")
 
 
-def model_errors(model: object, stages: int, example: torch.Tensor | None = None) -> list[str]:
+def model_errors(model: object, stages: int, example: Any = None) -> list[str]:
     """Everything that would stop the runtime from training ``model`` as a step of ``stages``
     stages, one sentence per problem, found before any worker starts.
 
     With ``example`` (one micro-batch's input) the stages also run on the meta device, which
-    costs no memory or compute, to find a stage that does not return one tensor. A stage that
-    cannot run on meta (an op without a meta kernel) is not reported here: it fails on real
-    data with its own error.
+    costs no memory or compute, to find a stage that fails or returns something it cannot pass
+    on. A stage that cannot run on meta only for want of a meta kernel is not reported here: it
+    fails on real data with its own error.
     """
     if not isinstance(model, StagedModel):
         return [f"the model is {_what(model)}, not a StagedModel; build one with StagedModel(stages, loss), "
@@ -114,23 +138,59 @@ def model_errors(model: object, stages: int, example: torch.Tensor | None = None
     return out
 
 
-def meta_errors(model: StagedModel, example: torch.Tensor) -> str | None:
-    """Run ``model``'s stages on a meta-device copy of ``example``; the sentence for the first
-    stage that does not return one tensor."""
-    outs: list[torch.Tensor] = []
-    x = torch.empty(example.shape, dtype=example.dtype, device="meta")
-    with torch.no_grad():
-        for s, m in enumerate(model.stages):
-            preds = model.graph.preds[s]
-            try:
-                out = skeleton(m)(*([outs[p] for p in preds] if preds else [x]))
-            except Exception:
-                return None  # no meta kernel, or data-dependent: real data will say
-            e = returns_error(s, out, f"on an input of shape {tuple(example.shape)}")
-            if e:
-                return e
-            outs.append(out)
+def meta_errors(model: StagedModel, example: Any) -> str | None:
+    """Run ``model``'s stages on meta-device copies of themselves and of ``example``; the sentence
+    for the first stage that raises or returns something it cannot pass on."""
+    try:
+        signatures(model, [as_meta(example)])
+    except ModelError as e:
+        if isinstance(e.__cause__, NotImplementedError):  # no meta kernel: real data will say
+            return None
+        return e.sentences[0]
     return None
+
+
+def as_meta(value: Any) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
+                           if isinstance(x, torch.Tensor) else x, value)
+
+
+def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module] | None = None) -> list[list[Signature]]:
+    """The :class:`Signature` of every stage's output for each input (meta tensors of a micro-batch's
+    input), by running meta-device copies of the stages with gradients on, so a leaf's signature
+    says whether a gradient flows back through it. Raises :class:`ModelError` naming a stage that
+    fails or returns something it cannot pass on (the stage's exception is its ``__cause__``)."""
+    copies = copies if copies is not None else [meta_copy(m) for m in model.stages]
+    out: list[list[Signature]] = []
+    for x in inputs:
+        outs: list[Any] = []
+        with torch.enable_grad():
+            for s, m in enumerate(copies):
+                values = model.received(s, outs, x)
+                try:
+                    y = run_stage(m, None, values)
+                except Exception as e:  # noqa: BLE001 - the user's code: one sentence naming the stage
+                    raise ModelError([f"stage {s} ({type(model.stages[s]).__name__}) raised "
+                                      f"{type(e).__name__} on an input of {_shapes(x)}: {_one_line(e)}."]) from e
+                err = returns_error(s, y, f"on an input of {_shapes(x)}", model.stages[s])
+                if err:
+                    raise ModelError([err])
+                outs.append(y)
+        out.append([Signature.of(y) for y in outs])
+    return out
+
+
+def _shapes(x: Any) -> str:
+    from torch.utils import _pytree as pytree
+
+    return "shape " + repr(pytree.tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, x))
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:300] + ("..." if len(text) > 300 else "")
 
 
 @dataclass
@@ -170,30 +230,33 @@ except AttributeError:  # pragma: no cover - a torch without the engine handle: 
     _run_backward = None
 
 
-def stage_grads(root: torch.Tensor, wrt: Sequence[torch.Tensor], grad: torch.Tensor | None,
+def stage_grads(roots: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
                 retain_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
-    """``torch.autograd.grad(root, wrt, grad, retain_graph=..., allow_unused=True)``.
+    """``torch.autograd.grad(roots, wrt, grads, retain_graph=..., allow_unused=True)``.
 
     Called once per backward job, so it goes straight to the autograd engine: the public call's
-    argument checks cost as much as a small stage's whole backward. ``grad=None`` means ``root`` is
-    a scalar loss (gradient 1)."""
+    argument checks cost as much as a small stage's whole backward. ``grads=None`` means ``roots``
+    is one scalar loss (gradient 1)."""
     if not wrt:
         return ()
-    if _run_backward is None:
-        return torch.autograd.grad(root, wrt, grad, retain_graph=retain_graph, allow_unused=True)
-    if grad is None:
-        if root.numel() != 1:
+    if not roots:  # nothing differentiable reaches the stage's output: every gradient is zero
+        return (None,) * len(wrt)
+    if grads is None:
+        if roots[0].numel() != 1:
             raise RuntimeError("grad can be implicitly created only for scalar outputs")
-        grad = torch.ones_like(root)
-    return _run_backward((root,), (grad,), retain_graph, False, tuple(wrt), True, False)
+        grads = (torch.ones_like(roots[0]),)
+    if _run_backward is None:
+        return torch.autograd.grad(tuple(roots), wrt, tuple(grads), retain_graph=retain_graph, allow_unused=True)
+    return _run_backward(tuple(roots), tuple(grads), retain_graph, False, tuple(wrt), True, False)
 
 
-def run_stage(module: nn.Module, params: dict[str, torch.Tensor] | None, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Apply a stage with its own parameters (``params=None``) or with the given tensors."""
-    out = module(*inputs) if params is None else functional_call(module, params, tuple(inputs))
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"a stage must return one tensor, got {_what(out)}")
-    return out
+def run_stage(module: nn.Module, params: dict[str, torch.Tensor] | None, values: Sequence[Any]) -> Any:
+    """Apply a stage to the values it receives, with its own parameters (``params=None``) or with
+    the given tensors (its buffers are its own either way)."""
+    if len(values) == 1 and isinstance(values[0], torch.Tensor):  # the common case, without the unpacking
+        return module(values[0]) if params is None else functional_call(module, params, (values[0],))
+    args, kwargs = arguments(values)
+    return module(*args, **kwargs) if params is None else functional_call(module, params, tuple(args), kwargs)
 
 
 def warm_up_meta() -> None:
@@ -214,9 +277,23 @@ def warm_up_meta() -> None:
             F.softmax(y, -1)
 
 
-def skeleton(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` on the meta device: its structure, without storage."""
-    return copy.deepcopy(module).to("meta")
+def skeleton(module: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+    """A copy of ``module`` to compute on fetched weights: its parameters on the meta device (the
+    fetched tensors stand in for them), a copy of its buffers on ``device``. Parameters are never
+    copied."""
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                            for p in module.parameters()}
+    memo.update({id(b): b.detach().to(device, copy=True) for b in module.buffers()})
+    return copy.deepcopy(module, memo)
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` entirely on the meta device, to learn what its stages return (never
+    used to compute: a module that caches a tensor on first use would keep a meta tensor)."""
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                            for p in module.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in module.buffers()})
+    return copy.deepcopy(module, memo)
 
 
 # ---- a small staged MLP, for tests and examples -------------------------------------------------
@@ -264,12 +341,11 @@ def mlp_batches(
 # ---- the oracle ---------------------------------------------------------------------------------
 
 
-def forward_all(model: StagedModel, x: torch.Tensor) -> list[torch.Tensor]:
+def forward_all(model: StagedModel, x: Any) -> list[Any]:
     """Outputs of every stage for one micro-batch, through the stage graph."""
-    outs: list[torch.Tensor] = []
+    outs: list[Any] = []
     for s, m in enumerate(model.stages):
-        preds = model.graph.preds[s]
-        outs.append(run_stage(m, None, [outs[p] for p in preds] if preds else [x]))
+        outs.append(run_stage(m, None, model.received(s, outs, x)))
     return outs
 
 

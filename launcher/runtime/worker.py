@@ -39,9 +39,12 @@ from .groups import BUCKET_BYTES, Replicas, warm_pairs
 from .failure import Watchdog, blocked, current_watchdog
 from .measure import Meter, worker_record
 from .batches import check_same_batches
-from .model import (Batch, ModelError, OptimizerFactory, StagedModel, StageLayout, model_errors, returns_error,
-                    run_stage, skeleton, stage_grads)
-from .plan import ACT, GRAD, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
+from .model import (Batch, ModelError, OptimizerFactory, StagedModel, StageLayout, as_meta, meta_copy, model_errors,
+                    run_stage, signatures, skeleton, stage_grads)
+from .plan import ACT, GRAD, TAG_LIMIT, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
+from .stats import RunningStats
+from .values import Signature, detach_inputs, item_leaves, nbytes as value_bytes, pick, to_device
+from torch.utils import _pytree as pytree
 
 
 #: steps whose messages are timed (what a message takes, :class:`~launcher.runtime.comm.Clock`):
@@ -51,11 +54,62 @@ TIMED_STEPS = 64
 
 @dataclass
 class _Stash:
-    inputs: list[torch.Tensor]
-    out: torch.Tensor | None  # None: recompute in the backward
+    values: list[Any]  # what the stage was called with
+    leaves: list[torch.Tensor]  # their differentiable leaves (a gradient goes back to each)
+    counts: list[int]  # how many of ``leaves`` came from each predecessor
+    out: Any  # None: recompute in the backward
     loss: torch.Tensor | None
     targets: list[torch.Tensor]  # the weight tensors the stage's weight gradient is taken against
     nbytes: int
+
+
+@dataclass
+class _Edge:
+    """What one edge ``p -> c`` carries for one micro-batch shape: the value's signature, and
+    where each of its differentiable leaves sits among the leaves of ``p``'s whole output."""
+
+    sig: Signature
+    out_index: list[int]
+
+
+class _Shapes:
+    """Signatures of every stage's output and every edge's value, for one micro-batch's shapes."""
+
+    def __init__(self, model: StagedModel, outs: list[Signature], metas: list[Any]) -> None:
+        self.out = outs
+        self.edges: dict[tuple[int, int], _Edge] = {}
+        for c, preds in enumerate(model.graph.preds):
+            for p in preds:
+                items = model.edge(p, c)
+                if items is None:
+                    self.edges[(p, c)] = _Edge(outs[p], list(outs[p].grads))
+                    continue
+                ranges = item_leaves(metas[p])
+                where = [k for i in items for k in ranges[i]]
+                sig = Signature.of(pick(metas[p], items))
+                self.edges[(p, c)] = _Edge(sig, [where[j] for j in sig.grads])
+
+    def input_bytes(self, s: int, preds: tuple[int, ...]) -> int:
+        return sum(self.edges[(p, s)].sig.nbytes() for p in preds)
+
+
+def _key(x: Any) -> Any:
+    """What a micro-batch's input shapes are keyed by (a tensor's shape and dtype, cheaply)."""
+    return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else Signature.of(x)
+
+
+def _meta_of(sig: Signature) -> Any:
+    return sig.meta()
+
+
+def tied(stages: Sequence[torch.nn.Module]) -> list[list[tuple[int, int]]]:
+    """Parameters shared by several stages (tied embeddings): per shared parameter, its
+    ``(stage, index among the stage's parameters)`` in every stage that holds it."""
+    where: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for s, m in enumerate(stages):
+        for i, p in enumerate(m.parameters()):
+            where[id(p)].append((s, i))
+    return [uses for uses in where.values() if len(uses) > 1]
 
 
 def default_device(backend: str) -> torch.device:
@@ -111,7 +165,9 @@ class Engine:
         self.device = torch.device(device) if device is not None else default_device(dist.get_backend(group))
         self.watchdog = watchdog if watchdog is not None else current_watchdog()
         self.layouts = [StageLayout.of(m) for m in model.stages]
-        self.skeletons = [skeleton(m) for m in model.stages]
+        self.skeletons = [skeleton(m, self.device) for m in model.stages]
+        self._metas: list[torch.nn.Module] | None = None  # meta copies, to learn shapes (never computed with)
+        self.ties = tied(model.stages)
         self.owned = self.plan.programs[self.worker].owned if self.worker is not None else []
         # only owners keep weights: every other stage of the user's model becomes its skeleton
         # The owned stages are the caller's own module objects (moved to the device in place), so
@@ -120,12 +176,15 @@ class Engine:
         # itself is never changed.
         self.modules = {s: model.stages[s].to(self.device) for s in self.owned}
         self.stages: list[torch.nn.Module] = [self.modules.get(s, self.skeletons[s]) for s in range(space.S)]
+        self.stats = RunningStats([[self.modules[s], self.skeletons[s]] if s in self.modules else [self.skeletons[s]]
+                                   for s in range(space.S)], space.B)
         self.check_batches = check_batches
         self.replicas = Replicas(self.plan, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes)
         if dist.get_backend(group) == "nccl":
             warm_pairs(self.plan, self.worker, self.ranks, group, self.device)
         self._sync_replicas()
-        params = [p for s in self.owned for p in self.modules[s].parameters()]
+        # a parameter several owned stages share (tied embeddings) is one parameter of the optimizer
+        params = list(dict.fromkeys(p for s in self.owned for p in self.modules[s].parameters()))
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self.last_grads: dict[int, torch.Tensor] = {}  # owned stage -> reduced flat gradient of the last step
         # (stage, owner) -> this worker's gradient sum, a buffer reused every step (replicated
@@ -134,7 +193,7 @@ class Engine:
         self.totals: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_views: dict[int, tuple] = {}  # owned stage -> (its total, its parameters, their views of it)
         self.steps = 0
-        self._specs: dict[Any, list[list[tuple]]] = {}
+        self._shapes: dict[Any, _Shapes] = {}
         comp, B, SB = self.timeline.compute, space.B, space.S * space.B
         # F(s, b)'s output feeds how many forwards on the same worker
         self._local_succ = [
@@ -144,27 +203,35 @@ class Engine:
         self._eval_plan: Plan | None = None
 
     # ---- shapes ------------------------------------------------------------------------------
-    def _act_specs(self, microbatches: Sequence[Batch]) -> list[list[tuple]]:
-        """(shape, dtype) of every stage's output for every micro-batch, by running the skeletons on meta."""
-        key = tuple((tuple(x.shape), x.dtype) for x, _ in microbatches)
-        if key not in self._specs:
-            by_shape: dict[Any, list[tuple]] = {}
-            for shape, dtype in key:
-                if (shape, dtype) in by_shape:
-                    continue
-                outs: list[torch.Tensor] = []
-                with torch.no_grad():
-                    for s, m in enumerate(self.skeletons):
-                        preds = self.space.stage_preds[s]
-                        inputs = [outs[p] for p in preds] if preds else [torch.empty(shape, dtype=dtype, device="meta")]
-                        out = m(*inputs)
-                        e = returns_error(s, out, f"on an input of shape {shape}")
-                        if e:
-                            raise ModelError([e])
-                        outs.append(out)
-                by_shape[(shape, dtype)] = [(tuple(o.shape), o.dtype) for o in outs]
-            self._specs[key] = [by_shape[k] for k in key]
-        return self._specs[key]
+    def shapes(self, microbatches: Sequence[Batch]) -> list[_Shapes]:
+        """What every stage returns and every edge carries, per micro-batch: meta-device copies of
+        the stages run once per distinct input shape."""
+        keys = [_key(mb[0]) for mb in microbatches]
+        for k, mb in zip(keys, microbatches):
+            if k not in self._shapes:
+                if self._metas is None:
+                    self._metas = [meta_copy(m) for m in self.model.stages]
+                x = as_meta(mb[0])
+                sigs = signatures(self.model, [x], self._metas)[0]
+                self._shapes[k] = _Shapes(self.model, sigs, [_meta_of(sg) for sg in sigs])
+        return [self._shapes[k] for k in keys]
+
+    def sizes(self, microbatches: Sequence[Batch]) -> tuple[list[int], list[list[int]], list[int]]:
+        """Bytes of every planned message, of every stage input ``x_s^b`` (per micro-batch) and of
+        every stage's parameters, for these micro-batches' shapes: what crosses, as packed."""
+        shapes, space = self.shapes(microbatches), self.space
+        params = [L.numel * torch.empty((), dtype=L.dtype).element_size() for L in self.layouts]
+
+        def size(m: Msg) -> int:
+            if m.kind == ACT:
+                return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.nbytes()
+            if m.kind == GRAD:
+                return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.grad_nbytes()
+            return params[m.stage]
+
+        act = [[shapes[b].input_bytes(s, space.stage_preds[s]) if space.stage_preds[s]
+                else value_bytes(microbatches[b][0]) for b in range(space.B)] for s in range(space.S)]
+        return [size(m) for m in self.plan.messages], act, params
 
     # ---- the step ----------------------------------------------------------------------------
     def train_step(self, microbatches: Sequence[Batch]) -> dict[str, Any]:
@@ -187,14 +254,21 @@ class Engine:
         if self.check_batches:  # every rank of the group takes part, idle ones too
             check_same_batches(microbatches, self.group, self.device, self.watchdog, self.steps)
         if self.worker is None:
+            self.stats.begin()  # idle ranks add nothing to the statistics' all-reduce, but take part
+            self.stats.end(self.group, self.device, dist.get_world_size(self.group))
             return {}
         w, plan = self.worker, self.plan
         meter = Meter()
         self.replicas.reset()
+        self.stats.begin()
+        for s, m in enumerate(self.model.stages):  # the engine's copies train as the user's modules do
+            self.skeletons[s].train(m.training)
         st = self._run_program(plan, microbatches, meter, train=True)
         t, cpu = time.perf_counter(), time.process_time()
         totals = st.reduce(plan.programs[w])
         st.comm.finish()
+        self._sum_tied(totals)
+        self.stats.end(self.group, self.device, dist.get_world_size(self.group))
         for mid in list(st.weights):
             st.free(mid)
         self.last_grads = totals
@@ -229,11 +303,18 @@ class Engine:
         if self._eval_plan is None:
             self._eval_plan = forward_only(self.plan)
         meter = Meter()
-        with torch.no_grad():
-            st = self._run_program(self._eval_plan, microbatches, meter, train=False)
-            st.comm.finish()
-            for mid in list(st.weights):
-                st.free(mid)
+        modes = [m.training for m in self.stages] + [m.training for m in self.skeletons]
+        for m in (*self.stages, *self.skeletons):
+            m.eval()
+        try:
+            with torch.no_grad():
+                st = self._run_program(self._eval_plan, microbatches, meter, train=False)
+                st.comm.finish()
+                for mid in list(st.weights):
+                    st.free(mid)
+        finally:
+            for m, mode in zip((*self.stages, *self.skeletons), modes):
+                m.train(mode)
         if self.watchdog is not None:
             self.watchdog.set_job("")
         return meter.loss, st.predictions
@@ -242,11 +323,13 @@ class Engine:
         """Run this worker's jobs of ``plan`` in order, with prefetch and just-in-time weight hand-over."""
         w = self.worker
         prog, msgs = plan.programs[w], plan.messages
-        specs = self._act_specs(microbatches)
+        shapes = self.shapes(microbatches)
 
         def spec(m: Msg) -> tuple:
-            if m.kind in (ACT, GRAD):
-                return specs[m.microbatch][m.stage]
+            if m.kind == ACT:
+                return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.spec()
+            if m.kind == GRAD:
+                return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.grad_spec()
             L = self.layouts[m.stage]
             return (L.numel,), L.dtype
 
@@ -267,7 +350,7 @@ class Engine:
                     comm.send(mid, packed[s])
             released = max(released, upto)
 
-        st = _StepState(self, comm, meter, microbatches, train)
+        st = _StepState(self, comm, meter, microbatches, shapes, train)
         jobs = prog.jobs
         what = "step" if train else "evaluation step"
         clock, cpu_clock, thread_clock = time.perf_counter, time.process_time, time.thread_time
@@ -325,6 +408,46 @@ class Engine:
                 for p, v in zip(self.modules[s].parameters(), self.layouts[s].views(flat).values()):
                     p.copy_(v)
 
+    def _sum_tied(self, totals: dict[int, torch.Tensor]) -> None:
+        """Give every use of a shared parameter the sum of all its uses' gradients, as one process
+        would (the parameter is one tensor there). Each stage's first owner sends its use's
+        gradient to the other owners of the tie that do not own that stage; every one of them
+        adds the uses in the same order, so every copy gets the same sum and the same update."""
+        w, owners = self.worker, self.plan.owners
+        for g, uses in enumerate(self.ties):
+            union = sorted({o for s, _ in uses for o in owners[s]})
+            if w not in union:
+                continue
+            works, parts = [], []
+            for k, (s, i) in enumerate(uses):
+                tag = TAG_LIMIT - 1 - (g * self.space.S + s)  # far above the step's own tags
+                root = owners[s][0]
+                if w in owners[s]:
+                    view = self._param_view(totals[s], s, i)
+                    parts.append(view)
+                    if w == root:
+                        works += [dist.isend(view.contiguous(), self.ranks[o], group=self.group, tag=tag)
+                                  for o in union if o not in owners[s]]
+                else:
+                    L = self.layouts[s]
+                    buf = torch.empty(L.shapes[i], dtype=L.dtype, device=self.device)
+                    works.append(dist.irecv(buf, self.ranks[root], group=self.group, tag=tag))
+                    parts.append(buf)
+            with blocked(self.watchdog):
+                for work in works:
+                    work.wait()
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            for (s, i) in uses:
+                if w in owners[s]:
+                    self._param_view(totals[s], s, i).copy_(total)
+
+    def _param_view(self, flat: torch.Tensor, s: int, i: int) -> torch.Tensor:
+        L = self.layouts[s]
+        at = sum(L.numels[:i])
+        return flat[at : at + L.numels[i]].view(L.shapes[i])
+
     def gather_state(self, dst: int = 0) -> list[dict[str, torch.Tensor]] | None:
         """Every stage's parameters at worker ``dst`` (each from its lowest-ranked owner); None elsewhere."""
         out: list[dict[str, torch.Tensor]] = []
@@ -354,15 +477,22 @@ class Engine:
             os.replace(tmp, path)
 
 
+def _detached(value: Any) -> Any:
+    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)
+
+
 class _StepState:
     """Everything a worker holds during one step."""
 
-    def __init__(self, engine: Engine, comm: Comm, meter: Meter, microbatches: Sequence[Batch], train: bool = True) -> None:
+    def __init__(self, engine: Engine, comm: Comm, meter: Meter, microbatches: Sequence[Batch], shapes: list[_Shapes],
+                 train: bool = True) -> None:
         self.e, self.comm, self.meter, self.mb, self.train = engine, comm, meter, microbatches, train
-        self.predictions: dict[int, torch.Tensor] = {}  # evaluation: micro-batch -> loss stage output
+        self.shapes = shapes
+        self.predictions: dict[int, Any] = {}  # evaluation: micro-batch -> loss stage output
         self.msgs = engine.plan.messages
         self.outs: dict[tuple[int, int], list] = {}  # (s, b) -> [output, local forwards still to read it]
-        self.grads: dict[tuple[int, int], dict[int, torch.Tensor]] = defaultdict(dict)  # (p, b) -> {c: dL/dout_p}
+        # (p, b) -> {c: dL/d(the differentiable leaves of what p sent c)}
+        self.grads: dict[tuple[int, int], dict[int, list[torch.Tensor]]] = defaultdict(dict)
         self.stash: dict[tuple[int, int], _Stash] = {}
         self.wstash: dict[tuple[int, int], tuple] = {}  # split backward: I's graph kept for W
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (stage, owner) -> summed weight gradient
@@ -409,52 +539,78 @@ class _StepState:
         else:
             self.weight_grad(op)
 
-    def _inputs(self, op: JobOp) -> list[torch.Tensor]:
+    def _inputs(self, op: JobOp) -> tuple[list[Any], list[torch.Tensor], list[int]]:
+        """The values stage ``s`` is called with, their differentiable leaves (each a leaf of its
+        own, so the stage's backward stops at its inputs) and how many came from each predecessor."""
         s, b = op.stage, op.microbatch
         preds = self.e.space.stage_preds[s]
+        device = self.e.device
         if not preds:
-            return [self.mb[b][0].to(self.e.device)]
-        out = []
+            x = self.mb[b][0]
+            return [x.to(device) if isinstance(x, torch.Tensor) else to_device(x, device)], [], []
+        values, leaves, counts = [], [], []
+        edges = self.shapes[b].edges
         for p in preds:
+            edge = edges[(p, s)]
             if p in op.recv:
-                t = self.comm.wait(op.recv[p])
+                v = edge.sig.unpack(self.comm.wait(op.recv[p]))
                 self.comm.drop(op.recv[p])
             else:
                 entry = self.outs[(p, b)]
-                t = entry[0]
+                v = pick(entry[0], self.e.model.edge(p, s))
                 entry[1] -= 1
                 if entry[1] == 0:
                     del self.outs[(p, b)]
-            # a leaf of its own, so the backward of stage s stops at its inputs
-            out.append(t.detach().requires_grad_(True))
-        return out
+            if isinstance(v, torch.Tensor):  # the common case, without the tree
+                v = v.detach()
+                if edge.sig.grads:
+                    v.requires_grad_(True)
+                    leaves.append(v)
+                counts.append(len(edge.sig.grads))
+            else:
+                v, mine = detach_inputs(v, edge.sig)
+                leaves.extend(mine)
+                counts.append(len(mine))
+            values.append(v)
+        return values, leaves, counts
 
-    def _loss(self, op: JobOp, out: torch.Tensor) -> torch.Tensor | None:
+    def _send_output(self, op: JobOp, out: Any) -> None:
+        s, b = op.stage, op.microbatch
+        for mid in op.send:  # activations: what each consumer stage receives
+            c = self.msgs[mid].peer_stage
+            edge = self.shapes[b].edges[(s, c)]
+            self.comm.send(mid, edge.sig.pack(pick(out, self.e.model.edge(s, c)), self.e.device))
+
+    def _loss(self, op: JobOp, out: Any) -> torch.Tensor | None:
         if not self.e.space.is_sink[op.stage]:
             return None
-        y = self.mb[op.microbatch][1].to(self.e.device)
+        y = self.mb[op.microbatch][1]
+        y = y.to(self.e.device) if isinstance(y, torch.Tensor) else to_device(y, self.e.device)
         return self.e.model.loss(out, y) / self.e.space.B
 
     def forward(self, op: JobOp) -> None:
         if not self.train:
             return self.forward_eval(op)
         s, b = op.stage, op.microbatch
-        inputs = self._inputs(op)
-        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        values, leaves, counts = self._inputs(op)
+        nbytes = value_bytes(values)
         self.meter.take(nbytes)  # x_s^b is live from the start of F(s, b)
         mod, params, targets = self.fetch(op)
         recompute = op.free_weights  # the copy goes away after this job: keep only the input
+        stats = self.e.stats
+        stats.before(s, b, mod)
         with torch.set_grad_enabled(not recompute):
-            out = run_stage(mod, params, inputs)
+            out = run_stage(mod, params, values)
             loss = self._loss(op, out)
+        stats.after(s, b, mod)
         if loss is not None:
             self.meter.loss += float(loss.detach())
-        self.stash[(s, b)] = _Stash(inputs, None if recompute else out, None if recompute else loss, targets, nbytes)
+        self.stash[(s, b)] = _Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
+                                    targets, nbytes)
         n = self.e._local_succ[s * self.e.space.B + b]
         if n:
-            self.outs[(s, b)] = [out.detach(), n]
-        for mid in op.send:
-            self.comm.send(mid, out)
+            self.outs[(s, b)] = [out.detach() if isinstance(out, torch.Tensor) else _detached(out), n]
+        self._send_output(op, out)
         if op.free_weights:
             self.free(op.weights)
 
@@ -463,7 +619,7 @@ class _StepState:
         when the job ends whatever the cache (no backward will use it)."""
         s, b = op.stage, op.microbatch
         mod, params, _ = self.fetch(op)
-        out = run_stage(mod, params, self._inputs(op))
+        out = run_stage(mod, params, self._inputs(op)[0])
         loss = self._loss(op, out)
         if loss is not None:
             self.meter.loss += float(loss)
@@ -471,8 +627,7 @@ class _StepState:
         n = self.e._local_succ[s * self.e.space.B + b]
         if n:
             self.outs[(s, b)] = [out, n]
-        for mid in op.send:
-            self.comm.send(mid, out)
+        self._send_output(op, out)
         if op.free_weights:
             self.free(op.weights)
 
@@ -481,64 +636,93 @@ class _StepState:
         st = self.stash.pop((s, b))
         if st.out is None:  # recompute the stage's forward on freshly fetched weights
             mod, params, targets = self.fetch(op)
+            self.e.stats.before(s, b, mod)
             with torch.enable_grad():
-                out = run_stage(mod, params, st.inputs)
+                out = run_stage(mod, params, st.values)
                 loss = self._loss(op, out)
+            self.e.stats.after(s, b, mod, count=False)  # counted by the forward already
         else:
             out, loss, targets = st.out, st.loss, st.targets
             if op.weights is not None:
                 self.fetch(op)  # cache "step" only: the copy F used; counted as a job on fetched weights
         if loss is not None:
-            root, g = loss, None
+            roots: list[torch.Tensor] = [loss]
+            grads: list[torch.Tensor] | None = None
         else:
-            root, g = out, None
-            for c in self.e.space.stage_succs[s]:  # sum of the successors' contributions, in graph order
-                if c in op.recv:
-                    gc = self.comm.wait(op.recv[c])
-                    self.comm.drop(op.recv[c])
-                else:
-                    gc = self.grads[(s, b)].pop(c)
-                g = gc if g is None else g + gc
-            self.grads.pop((s, b), None)
-        leaves = [t for t in st.inputs if t.requires_grad]
-        want = leaves + ([] if split else targets)
-        res = stage_grads(root, want, g, retain_graph=split)
-        self._route_input_grads(op, res[: len(leaves)])
+            roots, grads = self._output_grads(op, out)
+        want = st.leaves + ([] if split else targets)
+        res = stage_grads(roots, want, grads, retain_graph=split)
+        self._route_input_grads(op, st, res[: len(st.leaves)])
         if not split:
-            self._accumulate(op, targets, res[len(leaves) :])
+            self._accumulate(op, targets, res[len(st.leaves) :])
         self.meter.release(st.nbytes)  # x_s^b dies with the job that consumes it
         if split:
             hold = op.weights if op.free_weights else None  # I's copy lives in the graph until W
-            self.wstash[(s, b)] = (root, g, targets, hold)
+            self.wstash[(s, b)] = (roots, grads, targets, hold)
             if hold is not None:
                 self.weights.pop(hold, None)  # not freed yet: still counted as resident
         elif op.free_weights:
             self.free(op.weights)
 
+    def _output_grads(self, op: JobOp, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The stage's differentiable outputs and dL/d of each: the sum, in graph order, of what
+        every successor sent back for the part of the output it received."""
+        s, b = op.stage, op.microbatch
+        edges = self.shapes[b].edges
+        if isinstance(out, torch.Tensor):  # the common case: one tensor, one gradient per successor
+            g = None
+            for c in self.e.space.stage_succs[s]:
+                if c in op.recv:
+                    gc = edges[(s, c)].sig.unpack_grads(self.comm.wait(op.recv[c]))
+                    self.comm.drop(op.recv[c])
+                else:
+                    gc = self.grads[(s, b)].pop(c)
+                if gc:
+                    g = gc[0] if g is None else g + gc[0]
+            self.grads.pop((s, b), None)
+            return ([out], [g]) if g is not None else ([], [])
+        flat = pytree.tree_leaves(out)
+        total: dict[int, torch.Tensor] = {}
+        for c in self.e.space.stage_succs[s]:
+            edge = edges[(s, c)]
+            if c in op.recv:
+                gc = edge.sig.unpack_grads(self.comm.wait(op.recv[c]))
+                self.comm.drop(op.recv[c])
+            else:
+                gc = self.grads[(s, b)].pop(c)
+            for k, g in zip(edge.out_index, gc):
+                total[k] = g if k not in total else total[k] + g
+        self.grads.pop((s, b), None)
+        keys = sorted(total)
+        return [flat[k] for k in keys], [total[k] for k in keys]
+
     def weight_grad(self, op: JobOp) -> None:
-        root, g, targets, hold = self.wstash.pop((op.stage, op.microbatch))
+        roots, grads, targets, hold = self.wstash.pop((op.stage, op.microbatch))
         if op.weights is not None:
             # cache "step" only: W on the step's copy, counted as a job on fetched weights; the
             # gradient itself comes from I's graph (under "job" the plan sends W no copy at all)
             self.fetch(op)
-        self._accumulate(op, targets, stage_grads(root, targets, g))
+        self._accumulate(op, targets, stage_grads(roots, targets, grads))
         if hold is not None:
             self.meter.free_weights()
 
-    def _route_input_grads(self, op: JobOp, grads: Sequence[torch.Tensor | None]) -> None:
+    def _route_input_grads(self, op: JobOp, st: _Stash, grads: Sequence[torch.Tensor | None]) -> None:
         s, b = op.stage, op.microbatch
         preds = self.e.space.stage_preds[s]
         if not preds:
             return
         to = {self.msgs[mid].stage: mid for mid in op.send}
-        for p, gi in zip(preds, grads):
-            if gi is None:  # the stage ignored this input: its gradient is zero
-                shape, dtype = self.e._act_specs(self.mb)[b][p]
-                gi = torch.zeros(shape, dtype=dtype, device=self.e.device)
+        edges = self.shapes[b].edges
+        at = 0
+        for p, n in zip(preds, st.counts):
+            # a differentiable input the stage ignored: its gradient is zero
+            gl = [torch.zeros_like(leaf) if g is None else g
+                  for g, leaf in zip(grads[at : at + n], st.leaves[at : at + n])]
+            at += n
             if p in to:
-                self.comm.send(to[p], gi)
+                self.comm.send(to[p], edges[(p, s)].sig.pack_grads(gl, self.e.device))
             else:
-                self.grads[(p, b)][s] = gi
+                self.grads[(p, b)][s] = gl
 
     def _accumulate(self, op: JobOp, targets: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
         gs = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
