@@ -25,7 +25,7 @@ from torch.func import functional_call
 
 from launcher.schedule.graph import StageGraph
 
-from .values import Signature, arguments, describe, pick, unsupported
+from .values import Signature, arguments, describe, pick, to_device, unsupported
 
 Batch = tuple[Any, Any]  # (input, target) of one micro-batch: tensors, or tuples/lists/dicts of them
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -143,9 +143,12 @@ def meta_errors(model: StagedModel, example: Any) -> str | None:
     for the first stage that raises or returns something it cannot pass on."""
     try:
         signatures(model, [as_meta(example)])
+    except NoMeta:  # an op without a meta kernel, or one that reads values: run the stages for real
+        try:
+            real_signatures(model, example)
+        except ModelError as e:
+            return e.sentences[0]
     except ModelError as e:
-        if isinstance(e.__cause__, NotImplementedError):  # no meta kernel: real data will say
-            return None
         return e.sentences[0]
     return None
 
@@ -157,7 +160,30 @@ def as_meta(value: Any) -> Any:
                            if isinstance(x, torch.Tensor) else x, value)
 
 
-def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module] | None = None) -> list[list[Signature]]:
+class NoMeta(Exception):
+    """A stage cannot run on the meta device (an op without a meta kernel, or one that reads
+    tensor values, such as ``.item()``): its shapes must come from a run on real data."""
+
+
+def _is_meta_failure(e: BaseException) -> bool:
+    return isinstance(e, NotImplementedError) or "meta" in str(e)
+
+
+def real_signatures(model: StagedModel, x: Any) -> list[Signature]:
+    """:func:`signatures` from running the stages themselves on one real micro-batch input, in
+    eval mode (no statistics updated, no dropout drawn) and without keeping the outputs."""
+    modes = [m.training for m in model.stages]
+    for m in model.stages:
+        m.eval()
+    try:
+        return signatures(model, [x], list(model.stages), meta=False)[0]
+    finally:
+        for m, mode in zip(model.stages, modes):
+            m.train(mode)
+
+
+def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module] | None = None,
+               meta: bool = True) -> list[list[Signature]]:
     """The :class:`Signature` of every stage's output for each input (meta tensors of a micro-batch's
     input), by running meta-device copies of the stages with gradients on, so a leaf's signature
     says whether a gradient flows back through it. Raises :class:`ModelError` naming a stage that
@@ -169,9 +195,14 @@ def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module
         with torch.enable_grad():
             for s, m in enumerate(copies):
                 values = model.received(s, outs, x)
+                if not meta:  # each stage where its weights are
+                    dev = next((t.device for t in m.parameters()), None)
+                    values = [to_device(v, dev) for v in values] if dev is not None else values
                 try:
                     y = run_stage(m, None, values)
                 except Exception as e:  # noqa: BLE001 - the user's code: one sentence naming the stage
+                    if meta and _is_meta_failure(e):
+                        raise NoMeta(str(e)) from e
                     raise ModelError([f"stage {s} ({type(model.stages[s]).__name__}) raised "
                                       f"{type(e).__name__} on an input of {_shapes(x)}: {_one_line(e)}."]) from e
                 err = returns_error(s, y, f"on an input of {_shapes(x)}", model.stages[s])

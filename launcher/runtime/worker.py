@@ -39,8 +39,8 @@ from .groups import BUCKET_BYTES, Replicas, warm_pairs
 from .failure import Watchdog, blocked, current_watchdog
 from .measure import Meter, worker_record
 from .batches import check_same_batches
-from .model import (Batch, ModelError, OptimizerFactory, StagedModel, StageLayout, as_meta, meta_copy, model_errors,
-                    run_stage, signatures, skeleton, stage_grads)
+from .model import (Batch, ModelError, NoMeta, OptimizerFactory, StagedModel, StageLayout, as_meta, meta_copy,
+                    model_errors, real_signatures, run_stage, signatures, skeleton, stage_grads)
 from .plan import ACT, GRAD, TAG_LIMIT, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
 from .stats import RunningStats
 from .values import Signature, detach_inputs, item_leaves, nbytes as value_bytes, pick, to_device
@@ -211,8 +211,10 @@ class Engine:
             if k not in self._shapes:
                 if self._metas is None:
                     self._metas = [meta_copy(m) for m in self.model.stages]
-                x = as_meta(mb[0])
-                sigs = signatures(self.model, [x], self._metas)[0]
+                try:
+                    sigs = signatures(self.model, [as_meta(mb[0])], self._metas)[0]
+                except NoMeta:  # a stage reads values (or lacks a meta kernel): one real forward
+                    sigs = real_signatures(self.model, mb[0])
                 self._shapes[k] = _Shapes(self.model, sigs, [_meta_of(sg) for sg in sigs])
         return [self._shapes[k] for k in keys]
 
