@@ -66,8 +66,9 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     return (text if len(text) <= limit else text[: limit - 3] + "...").rstrip(".")
 
 
-def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True) -> Step:
-    """The step a (composed) config describes; validated first unless ``check`` is false."""
+def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any = None) -> Step:
+    """The step a (composed) config describes; validated first unless ``check`` is false.
+    ``graph``: the model's stage graph, when it is not a chain (a traced model's)."""
     if check:
         validate(cfg)
     c = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
@@ -96,6 +97,7 @@ def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True) -> Step:
         memory_limit=memory_limit,
         split_backward=bool(c.split_backward),
         ownership=c.strategy.get("ownership") or "seed",
+        graph=graph,
     )
 
 

@@ -26,7 +26,7 @@ is the model: the strategy runs the whole schedule in ``training_step`` and take
 from __future__ import annotations
 
 import resource
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,14 +39,14 @@ from torch import nn
 
 from ..config import ConfigError, LauncherConf, step_errors, to_step
 from ..runtime import DEFAULT_TIMEOUT, Engine, StagedModel
-from ..runtime.values import as_tree, chunk, joined, to_device
+from ..runtime.values import chunk, joined, to_device
 from ..runtime.failure import Watchdog, set_current_watchdog
 from ..runtime.link import measure as measure_link
 from ..runtime.processes import auto_backend
 from ..schedule import Step, make_step
 from ..schedule.placement import named
 from .launcher import ForkLauncher
-from .partition import group_modules
+from .staging import example_microbatch, split_batch, stage_module, uses_trace
 from .state import Layout, gather_module_state, gather_optimizer_state, load_stage_state, scatter_optimizer_state
 
 #: the G and R each named scheme implies when they are not given
@@ -56,36 +56,6 @@ DEFAULT_GR: dict[str, Callable[[int, int], tuple[int, int]]] = {
     "gpipe": lambda S, B: (1, S),
 }
 PLACEHOLDER = "_launcher_nothing_owned"
-
-
-#: the keys of a dict batch that hold the targets, in the order looked for (Hugging Face's first)
-TARGET_KEYS = ("labels", "label", "targets", "target", "y")
-
-
-def split_batch(module: Any, batch: Any) -> tuple[Any, Any]:
-    """``(input, target)`` of a batch: the module's own ``split_batch(batch)`` when it has one;
-    else a tensor is an input with no target, a pair is ``(input, target)``, and a dict (or a
-    ``transformers.BatchEncoding``) has its targets under ``labels`` (or ``label``, ``targets``,
-    ``target``, ``y``) and its input in the other keys, passed to the first stage as keywords."""
-    own = getattr(module, "split_batch", None)
-    if callable(own):
-        return own(batch)
-    batch = as_tree(batch)
-    if isinstance(batch, torch.Tensor):
-        return batch, None
-    if isinstance(batch, (tuple, list)) and len(batch) in (1, 2):
-        return batch[0], batch[1] if len(batch) == 2 else None
-    if isinstance(batch, dict):
-        key = next((k for k in TARGET_KEYS if k in batch), None)
-        return {k: v for k, v in batch.items() if k != key}, batch.get(key) if key is not None else None
-    raise TypeError(f"UnifiedStrategy cannot tell input from target in a batch that is {_what_batch(batch)}; give "
-                    f"batches as (input, target), or a dict with a 'labels' key, or define "
-                    f"{type(module).__name__}.split_batch(batch) -> (input, target).")
-
-
-def _what_batch(batch: Any) -> str:
-    n = f" of {len(batch)}" if isinstance(batch, (tuple, list, dict)) else ""
-    return f"a {type(batch).__name__}{n}"
 
 
 class _Elsewhere(nn.Module):
@@ -155,6 +125,7 @@ class UnifiedStrategy(ParallelStrategy):
         microbatches: int = 1,
         order: str | Callable = "1f1b",
         *,
+        split: Sequence[str] | str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         accelerator: Any = None,
@@ -171,6 +142,9 @@ class UnifiedStrategy(ParallelStrategy):
         self.order_fn = order if callable(order) else None
         self.scheme = getattr(scheme, "__name__", "custom") if callable(scheme) else scheme
         self._args = dict(G=G, R=R, microbatches=microbatches, order=order, config=config)
+        self.split = list(split) if isinstance(split, (list, tuple)) else split
+        self.traced = False  # set up from a traced training step: the batch goes whole to stage 0
+        self.graph: Any = None  # the stage graph, when not a chain
         self.timeout = timeout
         self._backend = process_group_backend
         self._num_nodes = 1
@@ -204,14 +178,14 @@ class UnifiedStrategy(ParallelStrategy):
         """The schedule this strategy runs (the same every worker derives)."""
         c = self.cfg
         if self.placement is None and self.order_fn is None:
-            return to_step(c, check=False)
+            return to_step(c, check=False, graph=self.graph)
         from omegaconf import OmegaConf
 
         place = self.placement or named(c.strategy.name, c.G, c.R, c.strategy.get("ownership", "seed"))
         ml = OmegaConf.to_container(c.memory_limit) if OmegaConf.is_list(c.memory_limit) else c.memory_limit
         step = make_step(place, c.stages, c.microbatches, order=self.order_fn or c.order.name, warmup=c.warmup,
                          durations=dict(c.durations), comm=float(c.comm), split_backward=bool(c.split_backward),
-                         memory_limit=ml)
+                         memory_limit=ml, graph=self.graph)
         step.workers = self.W
         return step
 
@@ -300,27 +274,26 @@ class UnifiedStrategy(ParallelStrategy):
             raise ValueError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
                              f"UnifiedStrategy: it accumulates over microbatches={self.B} itself; leave it at 1.")
         stages = getattr(module, "stages", None)
-        if not isinstance(stages, nn.ModuleList):
-            raise TypeError(f"{type(module).__name__} has no self.stages (an nn.ModuleList); UnifiedStrategy "
-                            f"needs the module's layers as a list of stages")
+        traced = uses_trace(module, self.split)
         if self.cfg is None:
-            self._configure(len(stages))
+            if traced and not isinstance(self.split, list):
+                raise ValueError(f"{type(module).__name__} is traced and cut into stages: give UnifiedStrategy(stages=...) "
+                                 f"or split=[module paths where stages begin]")
+            self._configure(len(stages) if not traced else len(self.split) + 1)
         S = int(self.cfg.stages)
-        if len(stages) < S:
-            raise ValueError(f"stages={S} is more than the {len(stages)} modules of {type(module).__name__}.stages")
         if self.W > self.world_size:
             raise ValueError(f"the scheme needs W=G*R={self.W} workers but {self.world_size} processes were started")
-        outside = [n for n, _ in module.named_parameters() if not n.startswith("stages.")]
-        if outside:
-            raise ValueError(f"parameter {outside[0]} of {type(module).__name__} is outside self.stages; "
-                             f"UnifiedStrategy trains the parameters of self.stages only")
         self.precision_plugin.convert_module(module)
-        groups, index = group_modules(list(stages), S)
-        self.engine = Engine(StagedModel(groups, module.loss), self.make_step(), None, prefetch=int(self.cfg.prefetch),
+        example = self._example(trainer) if traced else None
+        with self.precision_plugin.train_step_context():  # traced as it will run: 64-true's default dtype is float64
+            staging = stage_module(module, S, self.split, example)
+        self.traced, self.graph = staging.traced, staging.model.graph
+        self.engine = Engine(staging.model, self.make_step(), None, prefetch=int(self.cfg.prefetch),
                              weight_cache=str(self.cfg.weight_cache), device=self.root_device)
         owners = self.engine.plan.owners
         me = self.engine.worker
-        self.layout = Layout.of(module, groups, [s for s in self.engine.owned if owners[s][0] == me])
+        self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me])
+        index = staging.groups or []
         for s, g in enumerate(index):  # keep only owned stages on the module
             if s not in self.engine.owned:
                 for i in g:
@@ -333,6 +306,15 @@ class UnifiedStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             _with_global_clipping(self)
 
+    def _example(self, trainer: Any) -> Any:
+        """One micro-batch's input of the first training batch, to trace the module on."""
+        dm = getattr(trainer, "datamodule", None)
+        if dm is None:
+            raise ValueError(f"{type(self.lightning_module).__name__} is traced on an example batch: pass "
+                             f"trainer.fit(model, datamodule=...)")
+        batch = next(iter(dm.train_dataloader()))
+        return example_microbatch(self.lightning_module, self.precision_plugin.convert_input(batch), self.B, self.split)
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # each worker takes its own stages back, so the partition must exist first
@@ -343,7 +325,7 @@ class UnifiedStrategy(ParallelStrategy):
         ones (the loss is the mean of the micro-batches' means, so they must be), or for prediction
         as equal as they can be (Lightning keeps the last, partial batch when predicting)."""
         batch = self.precision_plugin.convert_input(batch)
-        x, y = split_batch(self.lightning_module, batch)
+        x, y = split_batch(self.lightning_module, batch, self.traced)
         xs = chunk(x, self.B, equal)
         ys = chunk(y, self.B, equal) if y is not None else [None] * self.B
         return list(zip(xs, ys))

@@ -1,0 +1,128 @@
+"""How a LightningModule becomes the engine's :class:`~launcher.runtime.StagedModel`.
+
+- A module with ``self.stages`` (an ``nn.ModuleList``) and ``self.loss(output, target)``: the list
+  is cut into ``S`` consecutive groups balanced by parameter count; each batch is split into
+  ``(input, target)`` (:func:`split_batch`).
+- Any other module, or any module given ``split`` (module paths where stages begin, or ``"auto"``):
+  its ``training_step`` is traced on one example micro-batch and cut into ``S`` stages
+  (:mod:`launcher.split`); the whole micro-batch goes to the first stage and the last stage returns
+  the loss, so the module needs no rewrite at all.
+
+The same function serves the strategy on every worker and the checks made before any worker
+starts (:func:`staging_errors`), so a module that cannot be staged is refused in one sentence
+before a process is forked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..runtime.model import ModelError, StagedModel, model_errors
+from ..runtime.values import as_tree, chunk
+from .partition import group_modules
+
+#: the keys of a dict batch that hold the targets, in the order looked for (Hugging Face's first)
+TARGET_KEYS = ("labels", "label", "targets", "target", "y")
+
+
+@dataclass
+class Staging:
+    """A module's stages for the engine; ``traced``: cut from the traced training step (the whole
+    micro-batch is the first stage's input, and the last stage's output is the loss)."""
+
+    model: StagedModel
+    traced: bool
+    starts: list[str] | None = None  # traced: the module path each stage begins at
+    groups: list[list[int]] | None = None  # else: the indices into ``self.stages`` of each stage
+
+
+def _loss_is_output(output: torch.Tensor, target: Any) -> torch.Tensor:
+    """The traced training step already returns the micro-batch's loss."""
+    return output
+
+
+def split_batch(module: Any, batch: Any, traced: bool = False) -> tuple[Any, Any]:
+    """``(input, target)`` of a batch: for a traced module the whole batch is the input (its
+    training step computes the loss); else the module's own ``split_batch(batch)`` when it has
+    one; else a tensor is an input with no target, a pair is ``(input, target)``, and a dict (or a
+    ``transformers.BatchEncoding``) has its targets under ``labels`` (or ``label``, ``targets``,
+    ``target``, ``y``) and its input in the other keys, passed to the first stage as keywords."""
+    if traced:
+        batch = as_tree(batch)
+        return (tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)), None
+    own = getattr(module, "split_batch", None)
+    if callable(own):
+        return own(batch)
+    batch = as_tree(batch)
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, (tuple, list)) and len(batch) in (1, 2):
+        return batch[0], batch[1] if len(batch) == 2 else None
+    if isinstance(batch, dict):
+        key = next((k for k in TARGET_KEYS if k in batch), None)
+        return {k: v for k, v in batch.items() if k != key}, batch.get(key) if key is not None else None
+    n = f" of {len(batch)}" if isinstance(batch, (tuple, list, dict)) else ""
+    raise TypeError(f"UnifiedStrategy cannot tell input from target in a batch that is a {type(batch).__name__}{n}; "
+                    f"give batches as (input, target), or a dict with a 'labels' key, or define "
+                    f"{type(module).__name__}.split_batch(batch) -> (input, target).")
+
+
+def uses_trace(module: nn.Module, split: Sequence[str] | str | None) -> bool:
+    return split is not None or not isinstance(getattr(module, "stages", None), nn.ModuleList)
+
+
+def example_microbatch(module: nn.Module, batch: Any, microbatches: int, split: Sequence[str] | str | None) -> Any:
+    """The first micro-batch's input of ``batch``, as the engine will cut it."""
+    x, _ = split_batch(module, batch, uses_trace(module, split))
+    return chunk(x, microbatches)[0]
+
+
+def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = None, example: Any = None) -> Staging:
+    """``module``'s stages (see the module doc); ``example``: one micro-batch's input, needed to
+    trace. Raises :class:`ModelError` with one sentence per problem."""
+    name = type(module).__name__
+    if not uses_trace(module, split):
+        stages = module.stages
+        if not callable(getattr(module, "loss", None)):
+            raise ModelError([f"{name} has self.stages but no self.loss(output, target); the last stage's output "
+                              f"goes into it (or give split=auto to trace {name}.training_step instead)."])
+        if len(stages) < S:
+            raise ModelError([f"stages={S} is invalid: {name}.stages has only {len(stages)} modules; use "
+                              f"stages <= {len(stages)}."])
+        outside = [n for n, _ in module.named_parameters() if not n.startswith("stages.")]
+        if outside:
+            raise ModelError([f"{name} has parameter {outside[0]} outside self.stages; put every layer in "
+                              f"self.stages (or give split=auto to trace the whole module)."])
+        grouped, groups = group_modules(list(stages), S)
+        return Staging(StagedModel(grouped, module.loss), False, groups=groups)
+    from ..split import SplitError, loss_module, split_module
+
+    if example is None:
+        raise ModelError([f"{name} has no self.stages, so it is traced and cut at split points; that needs an "
+                          f"example batch (give the trainer a datamodule)."])
+    try:
+        cut = split_module(loss_module(module), example, S, "auto" if split is None else split)
+    except SplitError as e:
+        raise ModelError([str(e)]) from e
+    return Staging(StagedModel(cut.stages, _loss_is_output, cut.graph, cut.picks), True, list(cut.starts))
+
+
+def staging_errors(module: nn.Module, S: int, split: Sequence[str] | str | None, batch: Any,
+                   microbatches: int) -> list[str]:
+    """Every reason ``module`` cannot be trained as ``S`` stages, found on one process before any
+    worker starts: the staging itself, then one micro-batch of ``batch`` (if given) through the
+    stages on the meta device (or for real, where a stage reads values)."""
+    try:
+        example = example_microbatch(module, batch, microbatches, split) if batch is not None else None
+        staging = stage_module(module, S, split, example)
+    except ModelError as e:
+        return e.sentences
+    except (TypeError, ValueError) as e:
+        return [" ".join(str(e).split())]
+    if staging.traced or example is None:  # tracing already ran the example through the stages
+        return []
+    return model_errors(staging.model, S, example)
