@@ -95,6 +95,7 @@ class LauncherConf:
     data: Any = None
     trainer: Any = None
     logger: Any = None
+    split: Any = None  # mode=train: null (the model's self.stages) | auto | [module paths where stages begin]
     timeout: float = 30.0  # seconds within which every worker stops after one fails
     ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
     plan: PlanConf = field(default_factory=PlanConf)  # mode=plan (and strategy=auto)

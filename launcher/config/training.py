@@ -75,6 +75,7 @@ def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
                    f"Lightning logger class.")
 
     out += _trainer_errors(cfg, single)
+    out += _split_errors(cfg)
 
     timeout = _get(cfg, "timeout")
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout > 0):
@@ -83,6 +84,21 @@ def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     if ckpt is not None and not os.path.isfile(str(ckpt)):
         out.append(f"ckpt_path={ckpt} is invalid: no such checkpoint file.")
     return out
+
+
+def _split_errors(cfg: Any) -> list[str]:
+    """``split``: null (the model's self.stages), ``auto``, or the stages - 1 module paths where
+    stages 1, 2, ... begin."""
+    split, S = _container(_get(cfg, "split")), _get(cfg, "stages")
+    if split is None or split == "auto":
+        return []
+    if not (isinstance(split, list) and all(isinstance(p, str) and p for p in split)):
+        return [f"split={split} is invalid: use null (the model's self.stages), auto, or a list of module paths "
+                f"where stages begin, e.g. split=[model.encoder.layers.1,model.decoder]."]
+    if _is_size(S) and len(split) != S - 1:
+        return [f"split={split} is invalid: stages={S} needs {S - 1} module paths where stages 1 to {S - 1} begin, "
+                f"not {len(split)}."]
+    return []
 
 
 def _trainer_errors(cfg: Any, single: bool) -> list[str]:

@@ -306,6 +306,32 @@ class UnifiedStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             _with_global_clipping(self)
 
+    def check_before_fork(self, module: Any, datamodule: Any = None) -> None:
+        """Stage ``module`` on this process as every worker will, and run one micro-batch of the
+        datamodule's first batch through the stages: a module that cannot be trained is refused
+        here, in one sentence per problem (:class:`~launcher.runtime.model.ModelError`), before
+        any worker starts."""
+        from ..runtime.model import ModelError
+        from .staging import staging_errors
+
+        stages = getattr(module, "stages", None)
+        if self.cfg is None and not uses_trace(module, self.split):
+            self._configure(len(stages))
+        S = int(self.cfg.stages) if self.cfg is not None else len(self.split) + 1 if isinstance(self.split, list) else None
+        if S is None:
+            raise ModelError([f"{type(module).__name__} is traced and cut into stages: give UnifiedStrategy(stages=...) "
+                              f"or split=[module paths where stages begin]."])
+        batch = None
+        if datamodule is not None:
+            try:
+                datamodule.setup("fit")
+                batch = next(iter(datamodule.train_dataloader()))
+            except Exception:  # noqa: BLE001 - the workers will meet it again and report it with its rank
+                batch = None
+        found = staging_errors(module, S, self.split, batch, self.B)
+        if found:
+            raise ModelError(found)
+
     def _example(self, trainer: Any) -> Any:
         """One micro-batch's input of the first training batch, to trace the module on."""
         dm = getattr(trainer, "datamodule", None)

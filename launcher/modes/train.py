@@ -53,33 +53,32 @@ def _build(node: Any, key: str, want: type, what: str) -> Any:
     return obj
 
 
-def _model_errors(model: Any, cfg: DictConfig, single: bool) -> list[str]:
-    """What UnifiedStrategy needs of a LightningModule, checked before any worker starts."""
-    from torch import nn
-
-    target = cfg.model.get("_target_")
-    stages = getattr(model, "stages", None)
-    if not isinstance(stages, nn.ModuleList):
-        return [f"model._target_={target} has no self.stages (an nn.ModuleList of its layers, in order); the "
-                f"launcher cuts self.stages into stages."]
-    if not callable(getattr(model, "loss", None)):
-        return [f"model._target_={target} has no self.loss(output, target); the last stage's output goes into it."]
+def _model_errors(model: Any, data: Any, cfg: DictConfig, single: bool) -> list[str]:
+    """What UnifiedStrategy needs of a LightningModule, checked before any worker starts: the
+    module staged as the workers will (its self.stages cut, or its training step traced and cut),
+    and one micro-batch of the data's first batch through the stages."""
     if single:
         return []
-    if len(stages) < cfg.stages:
-        return [f"stages={cfg.stages} is invalid: {type(model).__name__}.stages has only {len(stages)} modules; use "
-                f"stages <= {len(stages)}."]
-    outside = [n for n, _ in model.named_parameters() if not n.startswith("stages.")]
-    if outside:
-        return [f"model._target_={target} has parameter {outside[0]} outside self.stages; put every layer in self.stages."]
-    from ..lightning.partition import group_modules
-    from ..runtime.model import ModelError, StagedModel
+    from ..lightning.staging import staging_errors
 
-    try:  # what the engine checks of every stage (buffers, mixed dtypes), here rather than in W workers
-        StagedModel(group_modules(list(stages), cfg.stages)[0], model.loss)
-    except ModelError as e:
-        return [f"model._target_={target} cannot be trained by the schedule: {s}" for s in e.sentences]
-    return []
+    target = cfg.model.get("_target_")
+    split = OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split
+    try:
+        data.setup("fit")
+        batch = next(iter(data.train_dataloader()))
+    except Exception as e:  # noqa: BLE001 - the user's data module: one sentence
+        return [f"data._target_={cfg.data.get('_target_')} could not give a first training batch: {one_line(e)}."]
+    found = staging_errors(model, int(cfg.stages), split, batch, int(cfg.microbatches))
+    return [f"model._target_={target} cannot be trained by the schedule: {s}" for s in found]
+
+
+def _data_hooks_of(model: Any) -> None:
+    """The configured data module feeds the run: a module's own data hooks (Lightning's demo
+    downloads WikiText-2 in ``prepare_data``) are not called."""
+    from lightning.pytorch import LightningModule
+
+    if type(model).prepare_data is not LightningModule.prepare_data:
+        model.prepare_data = lambda: None
 
 
 def _run_info(cfg: DictConfig) -> dict[str, Any]:
@@ -166,7 +165,8 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
     single = is_single(cfg)
     data = _build(cfg.data, "data", LightningDataModule, "LightningDataModule")
     model = _build(cfg.model, "model", LightningModule, "LightningModule")
-    found = _model_errors(model, cfg, single)
+    _data_hooks_of(model)
+    found = _model_errors(model, data, cfg, single)
     if found:
         raise ConfigError(found)
     if single:
@@ -185,7 +185,8 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
             timeout=float(cfg.timeout), memory_limit=OmegaConf.to_container(ml) if OmegaConf.is_list(ml) else ml,
             warmup=cfg.warmup, split_backward=cfg.split_backward, weight_cache=cfg.weight_cache,
             prefetch=cfg.prefetch, durations=dict(cfg.durations), comm=cfg.comm,
-            ownership=cfg.strategy.get("ownership", "seed"))
+            ownership=cfg.strategy.get("ownership", "seed"),
+            split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
         devices = _devices(cfg.G * cfg.R)
     run = _run_info(cfg)
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(cfg.trainer, resolve=True) or {})

@@ -204,7 +204,7 @@ def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module
                     if meta and _is_meta_failure(e):
                         raise NoMeta(str(e)) from e
                     raise ModelError([f"stage {s} ({type(model.stages[s]).__name__}) raised "
-                                      f"{type(e).__name__} on an input of {_shapes(x)}: {_one_line(e)}."]) from e
+                                      f"{type(e).__name__} on an input of {_shapes(x)}: {_one_line(e).rstrip('.')}."]) from e
                 err = returns_error(s, y, f"on an input of {_shapes(x)}", model.stages[s])
                 if err:
                     raise ModelError([err])
