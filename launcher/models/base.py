@@ -1,11 +1,25 @@
 """What the built-in language models share: a chain of ``self.stages`` applied in order, the
-cross-entropy loss over every position, and the ordinary single-device steps."""
+cross-entropy loss over every position, the ordinary single-device steps, and the optimizer."""
 
 from __future__ import annotations
+
+import math
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+
+
+def adamw_cosine(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, max_steps: int) -> Any:
+    """AdamW; with ``max_steps``, a cosine learning-rate schedule from ``lr`` down to ``lr / 10`` at
+    ``max_steps``, stepped every optimizer step. What ``configure_optimizers`` returns."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if not max_steps:
+        return opt
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, max_steps) / max_steps)))
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class StagedLM(LightningModule):

@@ -7,13 +7,11 @@ mask comes from ``is_causal``), so every stage's state is its parameters.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import StagedLM
+from .base import StagedLM, adamw_cosine
 
 
 class Embedding(nn.Module):
@@ -76,9 +74,4 @@ class GPT(StagedLM):
         )
 
     def configure_optimizers(self):  # noqa: ANN201 - Lightning's union of return types
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-        if not self.hparams.max_steps:
-            return opt
-        total = self.hparams.max_steps
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_cosine(self.parameters(), self.hparams.lr, self.hparams.weight_decay, self.hparams.max_steps)
