@@ -1,0 +1,12 @@
+"""Cut one module into pipeline stages by tracing it, with no wrapper around the model.
+
+:func:`split_module` traces ``forward`` on an example micro-batch (:mod:`.trace`) and cuts the
+graph where given submodules begin, or where the parameter counts balance (:mod:`.cut`). The
+stages share the module's parameters and follow the engine's stage contract; :func:`loss_module`
+turns a LightningModule's ``training_step`` into a ``batch -> loss`` module to split whole.
+"""
+
+from launcher.split.cut import Split, Traced, split_module, trace_module
+from launcher.split.trace import LossModule, SplitError, loss_module
+
+__all__ = ["LossModule", "Split", "SplitError", "Traced", "loss_module", "split_module", "trace_module"]

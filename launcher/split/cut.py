@@ -1,0 +1,648 @@
+"""Cut a traced forward into stage modules that follow the engine's stage contract.
+
+Stage ``c`` is called as ``stage(*args)``. A source stage (stage 0, the only one without
+predecessors) takes the module's own inputs, keywords included. Every other stage takes, for each
+``p`` in ``graph.preds[c]`` in order, ``out_p[i] for i in picks[(p, c)]``, ``out_p`` being the
+tuple stage ``p`` returned. Every stage but the last returns a tuple of the values later stages
+need; the last returns the module's output, structure kept.
+
+The stage graph's edges are the dataflow: a value made in stage 0 and used in stage 3 goes along
+the edge ``0 -> 3``, not through stages 1 and 2, and an input a later stage needs goes from stage
+0 straight to it. A value computed from constants alone (a causal mask) is computed again by each
+stage that uses it instead, so what crosses stages is activations and inputs. A stage is cut where
+a module's first node runs (``points``), so a stage holds the nodes from one module boundary to the
+next in execution order.
+
+A stage is a ``torch.fx.GraphModule`` over the module's own parameters and buffers. Its dropout
+follows its own ``training`` flag; tensors that forward creates on the traced device follow the
+device of its parameters; stage 0 checks that a micro-batch has the example's shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import builtins
+import contextlib
+import difflib
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import fx, nn
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.utils import _pytree as pytree
+
+from launcher.schedule.graph import StageGraph
+from launcher.split.trace import SplitError, alias_base, export_graph, node_path, written_args
+
+aten = torch.ops.aten
+# Ops whose train flag (third argument) export fixed at trace time: a stage passes its own
+# ``training`` instead, so ``stage.eval()`` turns them off as ``module.eval()`` does.
+_DROPOUTS = {aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default,
+             aten.feature_dropout_.default, aten.alpha_dropout.default, aten.alpha_dropout_.default,
+             aten.feature_alpha_dropout.default, aten.feature_alpha_dropout_.default}
+# nn.MultiheadAttention passes dropout_p=0 to it in eval mode: a stage passes p * training.
+_SDPA = aten.scaled_dot_product_attention.default
+_SEED = 20240517  # both runs of a check draw the same dropout masks
+_ULPS = 16
+
+
+@dataclass
+class Split:
+    """A module cut into stages; see the module docstring for the contract the stages follow."""
+
+    stages: list[nn.Module]  # in topological order
+    graph: StageGraph  # preds[s]: the stages whose outputs stage s takes
+    picks: dict[tuple[int, int], tuple[int, ...]]  # edge (p, c): the items of stage p's output tuple c takes
+    starts: list[str]  # the module path where each stage begins
+
+    def inputs(self, stage: int, outs: Sequence[tuple]) -> list[Any]:
+        """What stage ``stage`` (not 0) is called with, from the outputs of the stages before it."""
+        return [outs[p][i] for p in self.graph.preds[stage] for i in self.picks[(p, stage)]]
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """All stages in order on one batch, as the engine would run them in one process."""
+        outs: list[Any] = []
+        for s, stage in enumerate(self.stages):
+            outs.append(stage(*args, **kwargs) if s == 0 else stage(*self.inputs(s, outs)))
+        return outs[-1]
+
+    def train(self, mode: bool = True) -> "Split":
+        for stage in self.stages:
+            stage.train(mode)
+        return self
+
+    def eval(self) -> "Split":
+        return self.train(False)
+
+
+def split_module(module: nn.Module, example_args: tuple, stages: int, points: Sequence[str] | str = "auto",
+                 example_kwargs: dict[str, Any] | None = None) -> Split:
+    """Trace ``module`` on one micro-batch and cut it into ``stages`` stages: ``trace_module``
+    then :meth:`Traced.split`, which say what the arguments mean and what is checked."""
+    return trace_module(module, example_args, example_kwargs).split(stages, points)
+
+
+def trace_module(module: nn.Module, example_args: tuple, example_kwargs: dict[str, Any] | None = None) -> "Traced":
+    """Trace ``module``'s forward on one micro-batch (``example_args``, ``example_kwargs``), to
+    split as often as wanted: tracing costs seconds, cutting milliseconds.
+
+    The module runs once first, in train mode with the RNG state kept, so a tensor it caches on
+    its first call (a positional table) is in the graph as a constant. Its modes and buffers are
+    left as they were.
+    """
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    kwargs = dict(example_kwargs or {})
+    if not isinstance(module, nn.Module):
+        raise SplitError(f"split_module needs a torch.nn.Module, not {type(module).__name__}.")
+    with _kept(module):
+        module.train()  # traced in train mode, so dropout is in the graph; stages switch it with their mode
+        _seeded(lambda: module(*args, **kwargs), args, module, grad=False)
+        gm = export_graph(module, args, kwargs)
+    return Traced(module, args, kwargs, _Program(gm, module))
+
+
+class Traced:
+    """A module's forward traced on one example, ready to cut."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], program: "_Program") -> None:
+        self.module, self.args, self.kwargs, self.program = module, args, kwargs, program
+
+    def split(self, stages: int, points: Sequence[str] | str = "auto") -> Split:
+        """Cut into ``stages`` stage modules.
+
+        ``points`` are the module paths where stages 1.. begin (``"encoder.layers.2"``), in the
+        order forward calls them; ``"auto"`` picks module boundaries that minimise the largest
+        stage's parameter count (a parameter counts toward the stage that uses it first), then
+        balance the rest, then send the fewest bytes between stages. The stages hold the module's
+        own parameters and buffers (the same tensor objects, under their names in the module) and
+        are specialised to the example's shapes: every micro-batch must have them (stage 0 checks).
+
+        Before returning, the stages run on the example in train mode (drawing the same dropout
+        masks as the module) and in eval mode, and must reproduce the module's output bit for bit,
+        or within 16 ulps of the output's scale where a kernel is not deterministic (some GPU
+        kernels); otherwise :class:`SplitError`. The stages are left in the module's mode.
+        """
+        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+            raise SplitError(f"stages={stages!r}: a split needs a whole number of stages, at least 1.")
+        module, args, kwargs = self.module, self.args, self.kwargs
+        cuts, starts = self.program.cuts(points, stages)
+        split = self.program.build(cuts, starts)
+        with _kept(module):
+            module.train()
+            want = _seeded(lambda: module(*args, **kwargs), args, module)
+            _same(want, _seeded(lambda: split.train().run(*args, **kwargs), args, module), "train", module, split)
+            module.eval()
+            with torch.enable_grad():  # as in training: under no_grad, eval-mode nn.Transformer takes a fused path
+                want = module(*args, **kwargs)
+                got = split.eval().run(*args, **kwargs)
+            _same(want, got, "eval", module, split)
+        return split.train(module.training)
+
+
+@contextlib.contextmanager
+def _kept(module: nn.Module) -> Iterator[None]:
+    """Put back the train/eval mode of every submodule, and every buffer's value (a forward in
+    train mode updates BatchNorm's statistics), as they were."""
+    modes = [(m, m.training) for m in module.modules()]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+class _Program:
+    """The traced graph's nodes in execution order, and what cutting needs to know about them."""
+
+    def __init__(self, gm: fx.GraphModule, module: nn.Module) -> None:
+        self.gm, self.module, self.name = gm, module, type(module).__name__
+        nodes = list(gm.graph.nodes)
+        self.inputs = [n for n in nodes if n.op == "placeholder"]
+        self.out = nodes[-1]
+        # export's check of the inputs; stage 0 gets an InputCheck instead (which pickles, and says
+        # what a micro-batch must look like)
+        self.guards = [n for n in nodes if n.op == "call_module" and n.target == "_guards_fn"]
+        self.order = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")
+                      and n not in self.guards]
+        self.pos = {n: i for i, n in enumerate(self.order)}
+        self.first: dict[str, int] = {}  # module path -> position of the first node that runs in it
+        for i, n in enumerate(self.order):
+            for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+                if path:
+                    self.first.setdefault(path, i)
+        self.outermost: dict[int, str] = {}
+        for path, i in self.first.items():
+            if i not in self.outermost or path.count(".") < self.outermost[i].count("."):
+                self.outermost[i] = path
+        self.pinned = self._pinned()
+        own = {id(p) for p in module.parameters()}
+        for n in nodes:
+            if n.op == "get_attr" and isinstance(v := _attr(gm, n.target), nn.Parameter) and id(v) not in own:
+                raise SplitError(f"{self.name}'s forward uses a parameter of shape {tuple(v.shape)} that is not "
+                                 f"registered under it (held in a plain list, or by another object), so no stage "
+                                 f"could name or train it; register it in a submodule.")
+        self.aliases: dict[int, list[str]] = {}  # a tied weight has a name under each module that holds it
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        for name, t in named:
+            self.aliases.setdefault(id(t), []).append(name)
+        self.persistent = {id(b) for m in module.modules() for k, b in m._buffers.items()
+                           if b is not None and k not in m._non_persistent_buffers_set}
+        self.const = self._constants()
+
+    def _constants(self) -> set[fx.Node]:
+        """Nodes computed from constants alone (a causal mask, RoPE's tables from its buffer): each
+        stage that uses one computes it itself rather than receiving it, so only activations cross
+        stages. Random ops and tensors that an in-place op modifies are not constants."""
+        mutated = {alias_base(a) for n in self.order for a in written_args(n)}
+        out: set[fx.Node] = set()
+        for n in self.order:
+            t = n.target
+            if n.op != "call_function" or n in mutated or alias_base(n) in mutated or written_args(n):
+                continue
+            if not (t is operator.getitem or (isinstance(t, torch._ops.OpOverload)
+                                              and torch.Tag.nondeterministic_seeded not in t.tags)):
+                continue
+            if all(a in out or (a.op == "get_attr" and not isinstance(_attr(self.gm, a.target), nn.Parameter))
+                   for a in n.all_input_nodes):
+                out.add(n)
+        return out
+
+    # ---- where a stage may begin -----------------------------------------------------------------
+    def _pinned(self) -> dict[int, fx.Node]:
+        """Positions a cut may not take: between a tensor and an in-place op that modifies it.
+
+        The engine hands a stage its inputs as autograd leaves, which no in-place op may modify,
+        and a stage on another worker would not see the change anyway.
+        """
+        out: dict[int, fx.Node] = {}
+        for n in self.order:
+            for a in written_args(n):
+                start = self.pos.get(alias_base(a), -1)  # inputs and attributes exist before any node
+                for c in range(start + 1, self.pos[n] + 1):
+                    out.setdefault(c, n)
+        return out
+
+    def _boundaries(self) -> list[int]:
+        return sorted({p for p in self.first.values() if p > 0 and p not in self.pinned})
+
+    def _outermost(self, position: int) -> str:
+        """The outermost module that begins at ``position``: how a report names a stage's start."""
+        return self.outermost.get(position, "")
+
+    def cuts(self, points: Sequence[str] | str, stages: int) -> tuple[list[int], list[str]]:
+        """Positions where stages 1.. begin, and each stage's starting module path."""
+        head = ""
+        if self.order:
+            head = next((p for p, _ in (self.order[0].meta.get("nn_module_stack") or {}).values() if p), "")
+        if isinstance(points, str) and points == "auto":
+            cuts = self._auto(stages - 1)
+            return cuts, [head] + [self._outermost(c) for c in cuts]
+        points = [points] if isinstance(points, str) else list(points)
+        if len(points) != stages - 1:
+            raise SplitError(f"stages={stages} needs {stages - 1} split point{'s' * (stages != 2)} (where stages 1.. "
+                             f"begin), got {len(points)}: {', '.join(map(repr, points)) or 'none'}.")
+        return self._explicit(points), [head] + points
+
+    def _explicit(self, points: list[str]) -> list[int]:
+        named = dict(self.module.named_modules())
+        cuts: list[int] = []
+        for k, path in enumerate(points):
+            if not isinstance(path, str) or not path or path not in named:
+                raise SplitError(f"split point {path!r} is not a submodule of {self.name}; stages can begin at "
+                                 f"{self._few(path)}.")
+            if path not in self.first:
+                raise SplitError(f"split point {path!r} ({type(named[path]).__name__}) is never called by "
+                                 f"{self.name}'s forward, so no stage can begin there; stages can begin at "
+                                 f"{self._few(path)}.")
+            c = self.first[path]
+            if c == 0:
+                raise SplitError(f"split point {path!r} is where {self.name}'s forward begins, which would leave "
+                                 f"stage 0 empty; stages can begin at {self._few(path)}.")
+            if cuts and c <= cuts[-1]:
+                raise SplitError(f"split point {path!r} is called before split point {points[k - 1]!r}, so its "
+                                 f"stage would be out of order; give the points in the order forward calls them, "
+                                 f"e.g. {self._few(path)}.")
+            if c in self.pinned:
+                op = self.pinned[c]
+                raise SplitError(f"split point {path!r} would put the in-place {_op_name(op)} in "
+                                 f"{node_path(op)!r} in a later stage than the tensor it modifies, which a stage "
+                                 f"cannot do to its inputs; stages can begin at {self._few(path)}.")
+            cuts.append(c)
+        return cuts
+
+    def _few(self, near: object, n: int = 5) -> str:
+        """A few module paths where a stage can begin, those most like ``near`` first, in call order."""
+        ok = {p: i for p, i in self.first.items() if i > 0 and i not in self.pinned}
+        close = difflib.get_close_matches(str(near), list(ok), n=n, cutoff=0.0)
+        return ", ".join(repr(p) for p in sorted(close, key=lambda p: (ok[p], p.count(".")))) or "no module"
+
+    def _auto(self, k: int) -> list[int]:
+        """``k`` cut positions among module boundaries: least largest stage (in parameters), then
+        least sum of squared stage sizes, then fewest bytes crossing the cuts, then outermost
+        modules (a stage that begins at block ``2`` rather than inside block 1)."""
+        if k == 0:
+            return []
+        cands = self._boundaries()
+        m, N = len(cands), len(self.order)
+        if m < k:
+            raise SplitError(f"{self.name}'s forward has {m} module boundar{'y' if m == 1 else 'ies'} where a stage "
+                             f"can begin, fewer than the {k} that {k + 1} stages need.")
+        W = [0] * (N + 1)  # W[i]: parameters first used before position i
+        for node in self.gm.graph.nodes:
+            if node.op == "get_attr" and isinstance(value := _attr(self.gm, node.target), nn.Parameter):
+                uses = [self.pos[u] for u in node.users if u in self.pos]
+                if uses:
+                    W[min(uses) + 1] += value.numel()
+        for i in range(N):
+            W[i + 1] += W[i]
+        live = self._live()
+        depth = {c: self._outermost(c).count(".") for c in cands}
+
+        def fits(T: int) -> bool:  # can k cuts keep every stage at most T? (another cut never enlarges one)
+            cur, used, j = 0, 0, 0
+            while W[N] - W[cur] > T:
+                while j < m and cands[j] <= cur:
+                    j += 1
+                best = None
+                while j < m and W[cands[j]] - W[cur] <= T:
+                    best, j = cands[j], j + 1
+                if best is None or used == k:
+                    return False
+                cur, used = best, used + 1
+            return True
+
+        lo, hi = 0, W[N]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+        T = lo
+        # Among the cuts that keep every stage within T: least sum of squares, fewest bytes, outermost.
+        cost: list[tuple[int, int, int] | None] = [((W[c] ** 2, live[c], depth[c]) if W[c] <= T else None)
+                                                   for c in cands]
+        back: list[list[int]] = []
+        for _ in range(k - 1):
+            nxt: list[tuple[int, int, int] | None] = [None] * m
+            arg = [-1] * m
+            for i in range(m):
+                for i2 in range(i - 1, -1, -1):
+                    seg = W[cands[i]] - W[cands[i2]]
+                    if seg > T:
+                        break
+                    if cost[i2] is None:
+                        continue
+                    c = (cost[i2][0] + seg * seg, cost[i2][1] + live[cands[i]], cost[i2][2] + depth[cands[i]])
+                    if nxt[i] is None or c < nxt[i]:
+                        nxt[i], arg[i] = c, i2
+            back.append(arg)
+            cost = nxt
+        best, last = None, -1
+        for i in range(m):
+            seg = W[N] - W[cands[i]]
+            if cost[i] is not None and seg <= T:
+                c = (cost[i][0] + seg * seg, cost[i][1], cost[i][2])
+                if best is None or c < best:
+                    best, last = c, i
+        picked = [last]
+        for arg in reversed(back):
+            picked.append(arg[picked[-1]])
+        return [cands[i] for i in reversed(picked)]
+
+    def _live(self) -> list[int]:
+        """Bytes of the values a cut at each position would send between stages."""
+        N = len(self.order)
+        diff = [0] * (N + 2)
+        for v in self.inputs + [n for n in self.order if n not in self.const]:
+            uses = [N if u.op == "output" else self.pos.get(u, 0) for u in v.users]
+            d = self.pos.get(v, -1)
+            if uses and max(uses) > d:
+                b = _nbytes(v.meta.get("val"))
+                diff[d + 1] += b
+                diff[max(uses) + 1] -= b
+        live, run = [0] * (N + 1), 0
+        for c in range(N + 1):
+            run += diff[c]
+            live[c] = run
+        return live
+
+    # ---- building the stages ---------------------------------------------------------------------
+    def _name(self, attr: fx.Node, user: fx.Node) -> str:
+        """The name a stage gives a parameter or buffer: of its names in the module, the one under
+        the innermost module of the node that uses it (a tied embedding reads ``head.weight`` in
+        the last stage), else the name the trace gave it."""
+        names = self.aliases.get(id(_attr(self.gm, attr.target)), [])
+        for path, _ in reversed(list((user.meta.get("nn_module_stack") or {}).values())):
+            for name in names:
+                if name.rpartition(".")[0] == path:
+                    return name
+        return attr.target
+
+    def build(self, cuts: list[int], starts: list[str]) -> Split:
+        S = len(cuts) + 1
+        stage_of: dict[fx.Node, int] = {n: 0 for n in self.inputs + self.guards}
+        for i, n in enumerate(self.order):
+            # a tuple's items go with the op that made it, so only tensors cross stages
+            stage = bisect.bisect_right(cuts, i)
+            stage_of[n] = stage_of.get(n.args[0], stage) if n.target is operator.getitem else stage
+        needs: list[set[fx.Node]] = [set() for _ in range(S)]
+        for n, c in list(stage_of.items()) + [(self.out, S - 1)]:
+            for a in n.all_input_nodes:
+                if a.op != "get_attr" and a not in self.const and stage_of[a] != c:
+                    needs[c].add(a)
+        index = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        exports = [sorted((a for c in range(S) for a in needs[c] if stage_of[a] == p), key=index.__getitem__)
+                   for p in range(S)]
+        exports = [list(dict.fromkeys(e)) for e in exports]
+        preds: list[list[int]] = [sorted({stage_of[a] for a in needs[c]}) for c in range(S)]
+        picks = {(p, c): tuple(sorted(exports[p].index(a) for a in needs[c] if stage_of[a] == p))
+                 for c in range(S) for p in preds[c]}
+        # Stage 0 is the only source and the last stage the only sink (a sink computes the loss):
+        # a stage that takes nothing from, or gives nothing to, its neighbours gets an empty edge.
+        for c in range(1, S):
+            if not preds[c]:
+                preds[c], picks[(c - 1, c)] = [c - 1], ()
+        for p in range(S - 1):
+            if not any(p in ps for ps in preds):
+                preds[p + 1] = sorted(preds[p + 1] + [p])
+                picks[(p, p + 1)] = ()
+        modules = []
+        for s in range(S):
+            feeds = self.inputs if s == 0 else [exports[p][i] for p in preds[s] for i in picks[(p, s)]]
+            modules.append(self._stage(s, S, stage_of, feeds, exports[s]))
+        return Split(modules, StageGraph(tuple(tuple(p) for p in preds)), picks, starts)
+
+    def _stage(self, s: int, S: int, stage_of: dict[fx.Node, int], feeds: list[fx.Node],
+               exports: list[fx.Node]) -> fx.GraphModule:
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        attrs: dict[str, Any] = {}
+        info = self.gm.graph._codegen.pytree_info if isinstance(self.gm.graph._codegen, _PyTreeCodeGen) else None
+        flat_in = info is None or (len(info.orig_args) == len(self.inputs) and all(
+            info.in_spec.child(k).child(i).is_leaf() for k in range(info.in_spec.num_children)
+            for i in range(info.in_spec.child(k).num_children)))
+        flat_out = info is None or _plain(info.out_spec)
+        # Stage 0 takes forward's own parameters: positional inputs, keywords by name.
+        names = info.orig_args if s == 0 and info is not None and flat_in else [v.name for v in feeds]
+        for v, name in zip(feeds, names):
+            env[v] = g.placeholder(name)
+            env[v].meta = dict(v.meta)
+
+        user = [self.out]
+
+        def lookup(a: fx.Node) -> fx.Node:
+            if a.op == "get_attr" and a not in env:
+                name = self._name(a, user[0])
+                env[a] = g.get_attr(name)
+                env[a].meta = dict(a.meta)
+                attrs[name] = _attr(self.gm, a.target)
+            elif a in self.const and a not in env:  # computed where it is used
+                env[a] = g.node_copy(a, lookup)
+            return env[a]
+
+        if s == 0:
+            attrs["_input_check"] = InputCheck([(name, v.meta.get("val")) for name, v in zip(names, feeds)])
+            g.call_module("_input_check", tuple(env[v] for v in feeds))
+        for n in self.gm.graph.nodes:
+            if n.op in ("placeholder", "get_attr", "output") or n in self.guards or n in self.const or stage_of[n] != s:
+                continue
+            if n.op == "call_module":
+                attrs[n.target] = _attr(self.gm, n.target)
+            user[0] = n
+            env[n] = g.node_copy(n, lookup)
+        user[0] = self.out
+        if s < S - 1:
+            g.output(tuple(env[v] for v in exports))
+        else:
+            flat = fx.map_arg(self.out.args[0], lookup)
+            g.output(pytree.tree_unflatten(list(flat), info.out_spec) if info is not None and flat_out else flat)
+        _follow_mode(g, attrs)
+        _follow_device(g, attrs)
+        # Nested inputs (a dict argument), or an output of another class (a dataclass), need pytree
+        # code: flattening on the way in, rebuilding on the way out.
+        if info is not None and ((s == 0 and not flat_in) or (s == S - 1 and not flat_out)):
+            if s == 0:
+                in_names, in_spec = info.orig_args, info.in_spec
+            else:
+                in_names, in_spec = names, pytree.tree_structure((tuple(range(len(names))), {}))
+            g.set_codegen(_PyTreeCodeGen(_PyTreeInfo(in_names, in_spec, info.out_spec if s == S - 1 and not flat_out
+                                                     else None)))
+        stage = fx.GraphModule(attrs, g, class_name=f"Stage{s}")
+        for target, value in attrs.items():
+            constant = id(value) not in self.persistent
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and constant:
+                owner, _, field = target.rpartition(".")
+                stage.get_submodule(owner)._non_persistent_buffers_set.add(field)  # a constant, not state
+        return stage
+
+
+class InputCheck(nn.Module):
+    """Stage 0's check that a micro-batch has the example's shapes and dtypes (and its constants),
+    which the traced graph is specialised to."""
+
+    def __init__(self, example: Sequence[tuple[str, Any]]) -> None:
+        super().__init__()
+        self.example = [(name, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v) for name, v in example]
+
+    def forward(self, *inputs: Any) -> None:
+        for (name, want), x in zip(self.example, inputs):
+            got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+            if got != want:
+                raise ValueError(f"stage 0 was traced on an input {name!r} of {_describe(want)}, and got one of "
+                                 f"{_describe(got)}; every micro-batch must match the example the model was split on.")
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype):
+        return f"shape {v[0]} and dtype {v[1]}"
+    return f"value {v!r}"
+
+
+def _follow_mode(g: fx.Graph, attrs: dict[str, Any]) -> None:
+    """Make dropout read the stage's ``training`` flag instead of the mode it was traced in."""
+    mode: list[fx.Node] = []
+
+    def training() -> fx.Node:
+        if not mode:
+            with g.inserting_before(_first_body_node(g)):
+                mode.append(g.get_attr("training"))
+            attrs["training"] = True
+        return mode[0]
+
+    for n in list(g.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target in _DROPOUTS and len(n.args) >= 3 and n.args[2] is True:
+            n.update_arg(2, training())
+        elif n.target is _SDPA:
+            named = "dropout_p" in n.kwargs
+            p = n.kwargs["dropout_p"] if named else (n.args[4] if len(n.args) > 4 else 0.0)
+            if isinstance(p, float) and p > 0:
+                with g.inserting_before(n):
+                    q = g.call_function(operator.mul, (p, training()))  # p in train mode, 0.0 in eval mode
+                n.update_kwarg("dropout_p", q) if named else n.update_arg(4, q)
+
+
+def _follow_device(g: fx.Graph, attrs: dict[str, Any]) -> None:
+    """Make ops that create tensors on the traced device (``torch.ones(..)``, ``.to(x.device)``)
+    create them on the device of the stage's own tensors at run time, so that ``stage.to(device)``
+    or the engine's fetched weights carry them along."""
+    anchor, device = None, None
+    for n in g.nodes:  # a parameter says where the stage computes; failing that an input
+        value = attrs.get(n.target) if n.op == "get_attr" else None
+        if isinstance(value, nn.Parameter):
+            anchor, device = n, value.device
+            break
+    if anchor is None:
+        for n in g.nodes:
+            val = n.meta.get("val")
+            if n.op == "placeholder" and isinstance(val, torch.Tensor):
+                anchor, device = n, val.device
+                break
+    if anchor is None:
+        return
+    here: list[fx.Node] = []
+
+    def runtime_device() -> fx.Node:
+        if not here:
+            with g.inserting_before(_first_body_node(g)):
+                src = g.get_attr(anchor.target) if anchor.op == "get_attr" else anchor
+                here.append(g.call_function(builtins.getattr, (src, "device")))
+        return here[0]
+
+    for n in list(g.nodes):
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(n.target._schema.arguments):
+            if str(arg.type) not in ("Device", "Device?", "Optional[Device]"):
+                continue
+            positional = not arg.kwarg_only and i < len(n.args)
+            value = n.args[i] if positional else n.kwargs.get(arg.name)
+            if isinstance(value, torch.device) and value == device:
+                n.update_arg(i, runtime_device()) if positional else n.update_kwarg(arg.name, runtime_device())
+
+
+def _plain(spec: pytree.TreeSpec) -> bool:
+    """Whether an output structure is tensors and constants in tuples, lists and dicts, which a
+    graph can return as they are."""
+    return spec.is_leaf() or (spec.type in (tuple, list, dict)
+                              and all(_plain(spec.child(i)) for i in range(spec.num_children)))
+
+
+def _first_body_node(g: fx.Graph) -> fx.Node:
+    return next(n for n in g.nodes if n.op != "placeholder")
+
+
+def _attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _op_name(node: fx.Node) -> str:
+    """``add_`` for ``aten.add_.Tensor``."""
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def _nbytes(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    return 8
+
+
+def _seeded(fn: Callable[[], Any], args: tuple, module: nn.Module, grad: bool = True) -> Any:
+    """``fn()`` with the RNG seeded, and the RNG state as it was afterwards."""
+    tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)] + list(module.parameters())
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda), torch.set_grad_enabled(grad):
+        torch.manual_seed(_SEED)
+        return fn()
+
+
+def _same(want: Any, got: Any, mode: str, module: nn.Module, split: Split) -> None:
+    """Refuse a split whose output differs from the module's."""
+    w, wspec = pytree.tree_flatten(want)
+    g, gspec = pytree.tree_flatten(got)
+    if wspec != gspec:
+        differs = f"return {_what(got)} where it returns {_what(want)}"
+    else:
+        bad = [(a, b) for a, b in zip(w, g) if not _equal(a, b)]
+        if not bad:
+            return
+        gap = _gap(*bad[0])
+        differs = "differ from its output" + (f" by up to {gap:.3g}" if gap is not None else "")
+    raise SplitError(f"the {len(split.stages)} stages of {type(module).__name__} {differs} in {mode} mode, so its "
+                     f"forward does something the traced graph does not capture; give the model as a list of stage "
+                     f"modules (self.stages) instead.")
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Bit for bit, or within ``_ULPS`` ulps of the tensor's scale (a kernel that is not
+    deterministic, as some GPU kernels are, cannot do better)."""
+    if not isinstance(a, torch.Tensor):
+        return not isinstance(b, torch.Tensor) and bool(a == b)
+    if not (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype):
+        return False
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point() or not a.numel():
+        return False
+    eps = _ULPS * torch.finfo(a.dtype).eps
+    scale = max(1.0, a.detach().abs().max().item())
+    return torch.allclose(b, a, rtol=eps, atol=eps * scale, equal_nan=True)
+
+
+def _gap(a: Any, b: Any) -> float | None:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.numel():
+        return (a.detach().double() - b.detach().double()).abs().max().item()
+    return None
+
+
+def _what(x: object) -> str:
+    n = f" of {len(x)}" if isinstance(x, (tuple, list, dict)) else ""
+    return f"a {type(x).__name__}{n}"
