@@ -9,7 +9,7 @@
   the loss, so the module needs no rewrite at all.
 
 The same function serves the strategy on every worker and the checks made before any worker
-starts (:func:`staging_errors`), so a module that cannot be staged is refused in one sentence
+starts (:func:`check_staging`), so a module that cannot be staged is refused in one sentence
 before a process is forked.
 """
 
@@ -111,18 +111,18 @@ def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = 
     return Staging(StagedModel(cut.stages, _loss_is_output, cut.graph, cut.picks), True, list(cut.starts))
 
 
-def staging_errors(module: nn.Module, S: int, split: Sequence[str] | str | None, batch: Any,
-                   microbatches: int) -> list[str]:
-    """Every reason ``module`` cannot be trained as ``S`` stages, found on one process before any
-    worker starts: the staging itself, then one micro-batch of ``batch`` (if given) through the
-    stages on the meta device (or for real, where a stage reads values)."""
+def check_staging(module: nn.Module, S: int, split: Sequence[str] | str | None, batch: Any,
+                  microbatches: int) -> Staging:
+    """``module`` staged on one process as every worker will, with one micro-batch of ``batch``
+    (if given) through the stages on the meta device (or for real, where a stage reads values;
+    tracing runs it already). Raises :class:`ModelError` with one sentence per problem."""
     try:
         example = example_microbatch(module, batch, microbatches, split) if batch is not None else None
-        staging = stage_module(module, S, split, example)
-    except ModelError as e:
-        return e.sentences
     except (TypeError, ValueError) as e:
-        return [" ".join(str(e).split())]
-    if staging.traced or example is None:  # tracing already ran the example through the stages
-        return []
-    return model_errors(staging.model, S, example)
+        raise ModelError([" ".join(str(e).split())]) from e
+    staging = stage_module(module, S, split, example)
+    if not staging.traced and example is not None:
+        found = model_errors(staging.model, S, example)
+        if found:
+            raise ModelError(found)
+    return staging

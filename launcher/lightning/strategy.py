@@ -144,6 +144,7 @@ class UnifiedStrategy(ParallelStrategy):
         self._args = dict(G=G, R=R, microbatches=microbatches, order=order, config=config)
         self.split = list(split) if isinstance(split, (list, tuple)) else split
         self.traced = False  # set up from a traced training step: the batch goes whole to stage 0
+        self._staged: tuple[Any, Any] | None = None  # (module, its Staging), made before the fork
         self.graph: Any = None  # the stage graph, when not a chain
         self.timeout = timeout
         self._backend = process_group_backend
@@ -284,9 +285,12 @@ class UnifiedStrategy(ParallelStrategy):
         if self.W > self.world_size:
             raise ValueError(f"the scheme needs W=G*R={self.W} workers but {self.world_size} processes were started")
         self.precision_plugin.convert_module(module)
-        example = self._example(trainer) if traced else None
-        with self.precision_plugin.train_step_context():  # traced as it will run: 64-true's default dtype is float64
-            staging = stage_module(module, S, self.split, example)
+        if self._staged is not None and self._staged[0] is module:  # staged before the fork
+            staging = self._staged[1]
+        else:
+            example = self._example(trainer) if traced else None
+            with self.precision_plugin.train_step_context():  # traced as it runs: 64-true's default dtype is float64
+                staging = stage_module(module, S, self.split, example)
         self.traced, self.graph = staging.traced, staging.model.graph
         self.engine = Engine(staging.model, self.make_step(), None, prefetch=int(self.cfg.prefetch),
                              weight_cache=str(self.cfg.weight_cache), device=self.root_device)
@@ -307,16 +311,18 @@ class UnifiedStrategy(ParallelStrategy):
             _with_global_clipping(self)
 
     def check_before_fork(self, module: Any, datamodule: Any = None) -> None:
-        """Stage ``module`` on this process as every worker will, and run one micro-batch of the
-        datamodule's first batch through the stages: a module that cannot be trained is refused
-        here, in one sentence per problem (:class:`~launcher.runtime.model.ModelError`), before
-        any worker starts."""
+        """Stage ``module`` on this process as every worker will (in the trainer's precision), and
+        run one micro-batch of the datamodule's first batch through the stages: a module that
+        cannot be trained is refused here, in one sentence per problem
+        (:class:`~launcher.runtime.model.ModelError`), before any worker starts. The staging is
+        kept: forked workers inherit it rather than trace the module again."""
         from ..runtime.model import ModelError
-        from .staging import staging_errors
+        from .staging import check_staging
 
-        stages = getattr(module, "stages", None)
+        if self._staged is not None and self._staged[0] is module:
+            return
         if self.cfg is None and not uses_trace(module, self.split):
-            self._configure(len(stages))
+            self._configure(len(module.stages))
         S = int(self.cfg.stages) if self.cfg is not None else len(self.split) + 1 if isinstance(self.split, list) else None
         if S is None:
             raise ModelError([f"{type(module).__name__} is traced and cut into stages: give UnifiedStrategy(stages=...) "
@@ -325,12 +331,13 @@ class UnifiedStrategy(ParallelStrategy):
         if datamodule is not None:
             try:
                 datamodule.setup("fit")
-                batch = next(iter(datamodule.train_dataloader()))
+                batch = self.precision_plugin.convert_input(next(iter(datamodule.train_dataloader())))
             except Exception:  # noqa: BLE001 - the workers will meet it again and report it with its rank
                 batch = None
-        found = staging_errors(module, S, self.split, batch, self.B)
-        if found:
-            raise ModelError(found)
+        self.precision_plugin.convert_module(module)
+        with self.precision_plugin.train_step_context():  # as the workers will trace and run it
+            staging = check_staging(module, S, self.split, batch, self.B)
+        self._staged = (module, staging)
 
     def _example(self, trainer: Any) -> Any:
         """One micro-batch's input of the first training batch, to trace the module on."""

@@ -53,23 +53,23 @@ def _build(node: Any, key: str, want: type, what: str) -> Any:
     return obj
 
 
-def _model_errors(model: Any, data: Any, cfg: DictConfig, single: bool) -> list[str]:
-    """What UnifiedStrategy needs of a LightningModule, checked before any worker starts: the
-    module staged as the workers will (its self.stages cut, or its training step traced and cut),
-    and one micro-batch of the data's first batch through the stages."""
-    if single:
-        return []
-    from ..lightning.staging import staging_errors
+def _check_model(strategy: Any, model: Any, data: Any, cfg: DictConfig) -> None:
+    """The module staged as the workers will (its self.stages cut, or its training step traced and
+    cut) and one micro-batch of the data's first batch through the stages, before any worker
+    starts; the workers inherit the staging."""
+    from ..runtime.model import ModelError
 
     target = cfg.model.get("_target_")
-    split = OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split
     try:
         data.setup("fit")
-        batch = next(iter(data.train_dataloader()))
+        next(iter(data.train_dataloader()))
     except Exception as e:  # noqa: BLE001 - the user's data module: one sentence
-        return [f"data._target_={cfg.data.get('_target_')} could not give a first training batch: {one_line(e)}."]
-    found = staging_errors(model, int(cfg.stages), split, batch, int(cfg.microbatches))
-    return [f"model._target_={target} cannot be trained by the schedule: {s}" for s in found]
+        raise ConfigError([f"data._target_={cfg.data.get('_target_')} could not give a first training batch: "
+                           f"{one_line(e)}."]) from e
+    try:
+        strategy.check_before_fork(model, data)
+    except ModelError as e:
+        raise ConfigError([f"model._target_={target} cannot be trained by the schedule: {s}" for s in e.sentences]) from e
 
 
 def _data_hooks_of(model: Any) -> None:
@@ -166,9 +166,6 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
     data = _build(cfg.data, "data", LightningDataModule, "LightningDataModule")
     model = _build(cfg.model, "model", LightningModule, "LightningModule")
     _data_hooks_of(model)
-    found = _model_errors(model, data, cfg, single)
-    if found:
-        raise ConfigError(found)
     if single:
         strategy: Any = "auto"
         devices: dict[str, Any] = {"devices": 1}
@@ -197,6 +194,8 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
         trainer = Trainer(**kwargs)
     except Exception as e:  # noqa: BLE001 - Lightning's own checks of its arguments: one sentence
         raise ConfigError([f"trainer: lightning's Trainer refused the configuration: {one_line(e)}."]) from e
+    if not single:
+        _check_model(strategy, model, data, cfg)
     if single:
         # Lightning's single-device strategy loads a checkpoint before it converts the module to the
         # trainer's precision, which would round a float64 checkpoint through float32: convert first

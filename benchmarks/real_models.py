@@ -1,0 +1,69 @@
+"""Models this project did not write, under every scheme, through the command line: the measured
+step time of each (median over the run's steps, from its metrics.json), for the README's "models
+tried" table.
+
+    python benchmarks/real_models.py                 # every model, every scheme, 10 steps each
+    python benchmarks/real_models.py --steps 4 --models llama --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SCHEMES = {"ddp": [], "fsdp": [], "gpipe": [], "lpp": ["G=2", "R=2"], "fslpp": ["G=2", "R=2"]}
+CHARS = ["data.batch_size=16", "data.seq_len=32"]
+HF = ["model=hf", "model.config.num_hidden_layers=2"]
+MODELS = {
+    # name: (overrides, lines of user code it needs)
+    "gpt2 (tied)": ([*HF, "model.arch=gpt2", *CHARS], 0),
+    "llama (RoPE, GQA)": ([*HF, "model.arch=llama", *CHARS], 0),
+    "qwen2 (tied, RoPE)": ([*HF, "model.arch=qwen2", "+model.config.tie_word_embeddings=true", *CHARS], 0),
+    "timm resnet10t (BatchNorm)": (["model=timm", "data=images", "data.batch_size=16"], 0),
+    "lightning demo transformer": (["model=custom", "model._target_=lightning.pytorch.demos.LightningTransformer",
+                                    "+model.vocab_size=128", "split=auto", *CHARS], 0),
+}
+
+
+def run(overrides: list[str], scheme: str, steps: int, where: Path) -> float | None:
+    cmd = [sys.executable, "-m", "launcher", f"strategy={scheme}", *SCHEMES[scheme], "stages=4", "microbatches=4",
+           f"trainer.max_steps={steps}", "trainer.val_check_interval=1000", "logger=none",
+           "trainer.enable_checkpointing=false", *overrides, f"hydra.run.dir={where}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, COLUMNS="200"))
+    if p.returncode != 0:
+        print(f"  {scheme}: failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+        return None
+    metrics = json.loads((where / "metrics.json").read_text())
+    return float(metrics["latency_s"]["measured"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--models", nargs="*", default=None, help="substrings of the model names to run")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (overrides, lines) in MODELS.items():
+            if args.models and not any(m in name for m in args.models):
+                continue
+            print(name, flush=True)
+            times = {s: run(overrides, s, args.steps, Path(tmp) / f"{len(rows)}-{s}") for s in SCHEMES}
+            rows[name] = {"overrides": overrides, "lines": lines, "step_ms": {s: t and 1e3 * t for s, t in times.items()}}
+    print("\n| model | command (add strategy=...) | lines of user code | " + " | ".join(SCHEMES) + " |")
+    print("| --- | --- | ---: | " + " | ".join("---:" for _ in SCHEMES) + " |")
+    for name, r in rows.items():
+        cells = " | ".join("failed" if t is None else f"{t:.0f}" for t in r["step_ms"].values())
+        print(f"| {name} | `python -m launcher {' '.join(r['overrides'])}` | {r['lines']} | {cells} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

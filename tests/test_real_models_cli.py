@@ -1,0 +1,115 @@
+"""The models of ``tests/test_real_models.py`` through the command line, one scheme each (the five
+schemes spread over the five models; every pair runs through the Python API there): the final
+checkpoint equals the same module, built from the same config and seed, trained by Lightning's
+default single-device strategy in this process (float64, within 1e-10)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
+
+import launcher.config  # noqa: F401  (registers the schema and the resolver)
+
+pytestmark = pytest.mark.timeout(400)
+
+COMMON = ["stages=4", "microbatches=4", "trainer.max_steps=3", "trainer.precision=64-true", "trainer.gradient_clip_val=0",
+          "trainer.val_check_interval=3", "logger=none"]
+CHARS = ["data.batch_size=8", "data.seq_len=8", "data.chars=20000"]
+CASES = {
+    # name: (scheme, overrides of the model and data)
+    "gpt2-tied": ("fsdp", ["model=hf", "model.arch=gpt2", "model.config.n_layer=2", "model.config.n_embd=32",
+                           "model.config.n_head=4", *CHARS]),
+    "llama": ("fslpp", ["model=hf", "model.arch=llama", "model.config.num_hidden_layers=2",
+                        "model.config.hidden_size=32", "model.config.intermediate_size=64",
+                        "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "G=2", "R=2", *CHARS]),
+    "qwen2-tied": ("gpipe", ["model=hf", "model.arch=qwen2", "model.config.num_hidden_layers=2",
+                             "model.config.hidden_size=32", "model.config.intermediate_size=64",
+                             "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
+                             "+model.config.tie_word_embeddings=true", *CHARS]),
+    # BatchNorm normalises each micro-batch by its own statistics: the micro-batched oracle
+    "resnet-bn": ("ddp", ["model=timm", "data=images", "data.batch_size=16", "data.size=64", "data.n=128",
+                          "data.num_classes=4"]),
+    # the demo itself, with its dropout at 0 (its constructor fixes 0.2): no mask to draw alike
+    "lightning-demo": ("lpp", ["model=custom", "model._target_=demo_without_dropout.Demo", "+model.vocab_size=128",
+                               "split=auto", "G=2", "R=2", *CHARS]),
+}
+
+
+DEMO = """
+from lightning.pytorch.demos import LightningTransformer
+from torch import nn
+
+
+class Demo(LightningTransformer):
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        for m in self.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+            if isinstance(m, nn.MultiheadAttention):
+                m.dropout = 0.0
+"""
+
+
+@pytest.fixture(autouse=True)
+def demo_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "demo_without_dropout.py").write_text(DEMO)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def launcher(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=380)
+
+
+def single_device(overrides: list[str], micro: bool) -> dict:
+    """The oracle: the config's model and data, built after ``seed_everything(seed)`` as the command
+    does, trained by Lightning's default strategy on one device (``micro``: a micro-batch at a time,
+    gradients accumulated over the step's 4)."""
+    with initialize_config_module("launcher.conf", version_base=None):
+        cfg = compose("config", overrides=[o for o in overrides if not o.startswith(("G=", "R="))])
+    L.seed_everything(int(cfg.seed), verbose=False)
+    data = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    model.prepare_data = lambda: None
+    k = 4 if micro else 1
+    if micro:
+        data.batch_size //= k
+    tr = L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=3, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, limit_val_batches=2 * k, val_check_interval=3 * k,
+                   accumulate_grad_batches=k)
+    tr.fit(model, datamodule=data)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_command_line_equals_single_device(name: str, tmp_path: Path) -> None:
+    scheme, overrides = CASES[name]
+    run = tmp_path / "run"
+    p = launcher(f"strategy={scheme}", *COMMON, *overrides, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    want = single_device([*COMMON, *overrides], micro=name == "resnet-bn")
+    assert got.keys() == want.keys()
+    assert max((got[k].double() - want[k].double()).abs().max().item() for k in want) < 1e-10
+
+
+def test_a_stage_that_fails_is_named_before_any_worker_starts(tmp_path: Path) -> None:
+    """A split point that is not a module of the model: one sentence naming it, exit 2, no run."""
+    run = tmp_path / "run"
+    p = launcher("strategy=gpipe", *COMMON, "model=custom", "model._target_=lightning.pytorch.demos.LightningTransformer",
+                 "+model.vocab_size=128", "split=[model.nothing,model.decoder,model.transformer]", *CHARS,
+                 f"hydra.run.dir={run}", cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "model.nothing" in p.stderr and "Traceback" not in p.stderr
+    assert not (run / "checkpoints").exists()
