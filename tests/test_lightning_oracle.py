@@ -113,10 +113,11 @@ def test_predict_and_test_match(base, reference):
 
 
 def test_batch_that_does_not_divide_is_one_clear_error(base):
-    from launcher.runtime import WorkerFailed
+    from launcher.runtime.model import ModelError
 
     st = UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4)
-    with pytest.raises(WorkerFailed, match="cannot be cut into microbatches=4 equal micro-batches"):
+    # found on the first batch before any worker starts
+    with pytest.raises(ModelError, match="cannot be cut into microbatches=4 equal micro-batches"):
         trainer(st, st.W).fit(copy.deepcopy(base), datamodule=data(batch_size=6))
 
 

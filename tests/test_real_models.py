@@ -170,3 +170,34 @@ def test_trainer_fit_names_a_broken_stage_before_any_worker_starts() -> None:
                    max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ModelError, match=r"^stage 1 \(Sequential\) raised RuntimeError on an input of shape \(2, 8\)"):
         tr.fit(model, datamodule=chars())
+
+
+class EncodedChars(CharCorpus):
+    """The character corpus as Hugging Face tokenizers give batches: a ``BatchEncoding`` of
+    ``input_ids``, ``attention_mask`` and (unshifted) ``labels``."""
+
+    def train_dataloader(self):
+        from transformers import BatchEncoding
+
+        def encode(batch):
+            x = torch.stack([s[0] for s in batch])
+            return BatchEncoding({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()})
+
+        loader = super().train_dataloader()
+        return torch.utils.data.DataLoader(loader.dataset, batch_size=self.batch_size, sampler=self.sampler,
+                                           drop_last=True, collate_fn=encode)
+
+
+def test_batch_encoding_batches_split_into_microbatches() -> None:
+    """Dict batches (a ``BatchEncoding``) are cut into micro-batches along the batch dimension and
+    reach the first stage as keywords; the result equals one device's."""
+    ref = build("llama")
+    L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=2, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              limit_val_batches=0).fit(ref, datamodule=EncodedChars(batch_size=8, seq_len=8, chars=20_000, seed=3))
+    model = build("llama")
+    L.Trainer(strategy=UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4), devices=4, accelerator="cpu",
+              precision="64-true", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=0,
+              ).fit(model, datamodule=EncodedChars(batch_size=8, seq_len=8, chars=20_000, seed=3))
+    assert max_diff(ref.state_dict(), model.state_dict()) < TOL

@@ -24,12 +24,12 @@ pytestmark = pytest.mark.timeout(240)
 SMALL = ["stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000", "model.d_model=16",
          "model.n_head=2", "model.n_layer=2", "logger=none"]
 
-class BufGPT(GPT):
-    """A stage with a buffer: the engine moves parameters only."""
+class BadGPT(GPT):
+    """A stage that cannot take what the stage before it returns."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.stages[3].register_buffer("mask", torch.zeros(3))
+        self.stages[3] = torch.nn.Linear(3, 3)
 
 
 INVALID = [
@@ -44,15 +44,15 @@ INVALID = [
     (["+trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches=2 is invalid"),
     (["trainer.accelerator=tpu"], "trainer.accelerator=tpu is invalid: use cpu, gpu, cuda, auto"),
     (["trainer.precision=17"], "trainer: lightning's Trainer refused the configuration"),
-    (["model=nope"], "model=nope is not a known model; choose one of custom, gpt, mlp"),
+    (["model=nope"], "model=nope is not a known model; choose one of custom, gpt, hf, mlp, timm"),
     (["model=custom"], "model._target_=??? is invalid: model needs _target_"),
     (["model=custom", "model._target_=collections.OrderedDict"], "built a OrderedDict, not a LightningModule"),
     (["model=custom", "model._target_=nosuchmodule.Model"], "model._target_=nosuchmodule.Model could not be built"),
     (["model=custom", "model._target_=torch.nn.Linear"], "could not be built"),
     (["stages=9"], "stages=9 is invalid: GPT.stages has only 8 modules"),
-    (["model=custom", "model._target_=test_train_errors.BufGPT"],
-     "cannot be trained by the schedule: stage 3 has buffers (mask)"),
-    (["data=nope"], "data=nope is not a known data; choose one of chars, custom"),
+    (["model=custom", "model._target_=test_train_errors.BadGPT"],
+     "cannot be trained by the schedule: stage 3 (Linear) raised RuntimeError on an input of shape"),
+    (["data=nope"], "data=nope is not a known data; choose one of chars, custom, images"),
     (["data=custom"], "data._target_=??? is invalid"),
     (["logger=nope"], "logger=nope is not a known logger; choose one of none, wandb"),
     (["timeout=0"], "timeout=0.0 is invalid: the failure timeout must be a positive number of seconds"),
