@@ -6,3 +6,8 @@ Hydra front end.
 """
 
 __version__ = "0.1.0"
+
+from . import _torchvision
+
+# before anything imports lightning, whose torchmetrics imports torchvision: see _torchvision.py
+_torchvision.install()
