@@ -103,6 +103,13 @@ class _Tuple(nn.Module):
         return self.lin(x), x
 
 
+class _Object(_Tuple):
+    """Returns something no stage can pass on."""
+
+    def forward(self, x):
+        return self.lin(x), object()
+
+
 def test_model_problems_are_one_sentence_each_naming_the_stage():
     good = staged_mlp(4)
     assert model_errors(good, 4, torch.zeros(2, 6, dtype=torch.float64)) == []
@@ -111,18 +118,23 @@ def test_model_problems_are_one_sentence_each_naming_the_stage():
         "of torch.nn.Module."]
     assert model_errors(good, 3) == [
         "the model has 4 stages but the step has stages=3; cut the model into 3 stages or set stages=4."]
-    with pytest.raises(ModelError) as e:
+    with pytest.raises(ModelError) as e:  # buffers (BatchNorm) are fine
         StagedModel([nn.BatchNorm1d(3), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, dtype=torch.float64)), "x"],
                     nn.functional.mse_loss)
     assert e.value.sentences == [
-        "stage 0 has buffers (running_mean, running_var, num_batches_tracked); the runtime supports stages whose "
-        "state is parameters only.",
-        "stage 1 mixes parameter dtypes ['torch.float32', 'torch.float64']; use one dtype per stage.",
+        "stage 1 (Sequential) mixes parameter dtypes ['torch.float32', 'torch.float64']; use one dtype per stage.",
         "stage 2 is a str, not a torch.nn.Module.",
     ]
+    # a tuple passes on (into the next stage's arguments); an object does not
     tupled = StagedModel([_Tuple(), *staged_mlp(2, d_in=8).stages], nn.functional.mse_loss)
     assert model_errors(tupled, 3, torch.zeros(2, 6, dtype=torch.float64)) == [
-        "stage 0 returned a tuple of 2 on an input of shape (2, 6); a stage must return one tensor."]
+        "stage 1 (Block) raised TypeError on an input of shape (2, 6): Block.forward() takes 2 positional arguments "
+        "but 3 were given."]
+    objected = StagedModel([_Object(), *staged_mlp(2, d_in=8).stages], nn.functional.mse_loss)
+    assert model_errors(objected, 3, torch.zeros(2, 6, dtype=torch.float64)) == [
+        "stage 0 (_Object) returned a tuple of 2 holding a object on an input of shape (2, 6); a stage returns "
+        "tensors, or tuples, lists and dicts of tensors and constants."]
     # the engine re-checks what StagedModel checked: stages changed after construction
-    good.stages[2] = nn.BatchNorm1d(8)
-    assert model_errors(good, 4)[0].startswith("stage 2 has buffers (running_mean")
+    good.stages[2] = nn.Linear(8, 8)
+    good.stages[2].bias.data = good.stages[2].bias.data.double()
+    assert model_errors(good, 4)[0].startswith("stage 2 (Linear) mixes parameter dtypes")

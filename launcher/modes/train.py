@@ -69,7 +69,9 @@ def _check_model(strategy: Any, model: Any, data: Any, cfg: DictConfig) -> None:
     try:
         strategy.check_before_fork(model, data)
     except ModelError as e:
-        raise ConfigError([f"model._target_={target} cannot be trained by the schedule: {s}" for s in e.sentences]) from e
+        # a sentence about a key of the run (stages=9) names it already; the others are the model's
+        raise ConfigError([s if s.startswith(("stages=", "split=")) else
+                           f"model._target_={target} cannot be trained by the schedule: {s}" for s in e.sentences]) from e
 
 
 def _data_hooks_of(model: Any) -> None:
