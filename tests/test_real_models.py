@@ -14,7 +14,6 @@ validation loss within 1e-10).
 
 from __future__ import annotations
 
-import copy
 
 import lightning as L
 import pytest

@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from ..config import ConfigError, LauncherConf, step_errors, to_step
-from ..runtime import DEFAULT_TIMEOUT, Engine, StagedModel
+from ..runtime import DEFAULT_TIMEOUT, Engine
 from ..runtime.values import chunk, joined, to_device
 from ..runtime.failure import Watchdog, set_current_watchdog
 from ..runtime.link import measure as measure_link

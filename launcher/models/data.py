@@ -57,36 +57,22 @@ class EpochSampler(Sampler[int]):
         return self.n
 
 
-class CharCorpus(LightningDataModule):
-    """Next-character prediction on standard-library source; ``batch_size`` windows per batch.
+class SeededData(LightningDataModule):
+    """A training and a validation set (``train_set``, ``val_set``, made by the subclass's
+    ``setup``), read in batches of ``batch_size``.
 
     Shuffling uses its own generator seeded by ``seed`` and the epoch, so every worker of a scheme
     and the single-device reference see the same batches in the same order; the position in the
     epoch is saved in checkpoints, so a resumed run continues with the next batch.
     """
 
-    vocab_size = VOCAB
-
-    def __init__(self, batch_size: int = 32, seq_len: int = 64, chars: int = 300_000, val_fraction: float = 0.05,
-                 shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, batch_size: int, shuffle: bool, seed: int) -> None:
         super().__init__()
-        self.batch_size, self.seq_len, self.chars = batch_size, seq_len, chars
-        self.val_fraction, self.shuffle, self.seed = val_fraction, shuffle, seed
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
         self.sampler: EpochSampler | None = None
         self._resume: dict[str, int] | None = None
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
-        data = torch.frombuffer(bytearray(stdlib_text(self.chars).encode("ascii", "replace")), dtype=torch.uint8)
-        n = (len(data) - 1) // (self.seq_len + 1)
-        windows = data[: n * (self.seq_len + 1)].view(n, self.seq_len + 1).long()
-        n_val = max(1, int(n * self.val_fraction))
-        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-        self.train_set = TensorDataset(x[n_val:], y[n_val:])
-        self.val_set = TensorDataset(x[:n_val], y[:n_val])
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
@@ -116,3 +102,26 @@ class CharCorpus(LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self.val_dataloader()
+
+
+class CharCorpus(SeededData):
+    """Next-character prediction on standard-library source; ``batch_size`` windows per batch,
+    shuffled and resumed as :class:`SeededData` says."""
+
+    vocab_size = VOCAB
+
+    def __init__(self, batch_size: int = 32, seq_len: int = 64, chars: int = 300_000, val_fraction: float = 0.05,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__(batch_size, shuffle, seed)
+        self.seq_len, self.chars, self.val_fraction = seq_len, chars, val_fraction
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        data = torch.frombuffer(bytearray(stdlib_text(self.chars).encode("ascii", "replace")), dtype=torch.uint8)
+        n = (len(data) - 1) // (self.seq_len + 1)
+        windows = data[: n * (self.seq_len + 1)].view(n, self.seq_len + 1).long()
+        n_val = max(1, int(n * self.val_fraction))
+        x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        self.train_set = TensorDataset(x[n_val:], y[n_val:])
+        self.val_set = TensorDataset(x[:n_val], y[:n_val])

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningModule
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from .base import adamw_cosine
-from .data import EpochSampler
+from .data import SeededData
 
 
 def _timm() -> Any:
@@ -152,25 +152,15 @@ def shapes(n: int, size: int, num_classes: int, generator: torch.Generator) -> t
     return ((images - 0.5) / 0.5).float(), labels.long()
 
 
-class ShapesImages(LightningDataModule):
+class ShapesImages(SeededData):
     """Image classification without a download: :func:`shapes`' striped images, ``n`` in all
-    (the first ``val_fraction`` of them for validation), drawn once from ``seed``.
-
-    Shuffling uses its own generator seeded by ``seed`` and the epoch, as :class:`CharCorpus` does,
-    so every worker of a scheme and the single-device reference see the same batches in the same
-    order; the position in the epoch is saved in checkpoints, so a resumed run continues with the
-    next batch.
-    """
+    (the first ``val_fraction`` of them for validation), drawn once from ``seed``; shuffled and
+    resumed as :class:`~launcher.models.data.SeededData` says."""
 
     def __init__(self, batch_size: int = 32, size: int = 32, n: int = 4096, num_classes: int = 10,
                  val_fraction: float = 0.125, shuffle: bool = True, seed: int = 0) -> None:
-        super().__init__()
-        self.batch_size, self.size, self.n, self.num_classes = batch_size, size, n, num_classes
-        self.val_fraction, self.shuffle, self.seed = val_fraction, shuffle, seed
-        self.train_set: TensorDataset | None = None
-        self.val_set: TensorDataset | None = None
-        self.sampler: EpochSampler | None = None
-        self._resume: dict[str, int] | None = None
+        super().__init__(batch_size, shuffle, seed)
+        self.size, self.n, self.num_classes, self.val_fraction = size, n, num_classes, val_fraction
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -179,32 +169,3 @@ class ShapesImages(LightningDataModule):
         n_val = max(1, int(self.n * self.val_fraction))
         self.train_set = TensorDataset(x[n_val:], y[n_val:])
         self.val_set = TensorDataset(x[:n_val], y[:n_val])
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None
-        self.sampler = EpochSampler(len(self.train_set), self.shuffle, self.seed)
-        if self._resume is not None:
-            self.sampler.epoch, self.sampler.skip = self._resume["epoch"], self._resume["samples"]
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=self.sampler, drop_last=True)
-
-    def state_dict(self) -> dict[str, int]:
-        """Where training stands in the data: the epoch and the samples of it already trained on."""
-        loop = self.trainer.fit_loop if self.trainer is not None else None
-        if loop is None:
-            return {}
-        done = loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": self.trainer.current_epoch, "samples": done * self.batch_size}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._resume = dict(state) if state else None
-
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
-        # whole batches only: a scheme cuts every batch into the same number of micro-batches
-        return DataLoader(self.val_set, batch_size=self.batch_size, drop_last=True)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
-
-    def predict_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
