@@ -76,40 +76,47 @@ class Embeddings(nn.Module):
         return hidden, position_ids, attention_mask
 
 
-class RotaryLayer(nn.Module):
+class _MaskedLayer(nn.Module):
+    """A decoder layer that builds, from the 2-D mask and positions it is passed, the 4-D mask
+    the model's forward would give it (with the library's own mask function)."""
+
+    def __init__(self, make_mask: Callable[..., Any], config: Any) -> None:
+        super().__init__()
+        self.make_mask = make_mask
+        self.config = config
+
+    def mask(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> Any:
+        return self.make_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                              past_key_values=None, position_ids=position_ids)
+
+
+class RotaryLayer(_MaskedLayer):
     """One decoder layer of a rotary family, with the model's rotary embedding (shared by every
     layer: a constant buffer) and the mask its layer type calls for."""
 
     def __init__(self, layer: nn.Module, rotary: nn.Module, make_mask: Callable[..., Any], config: Any) -> None:
-        super().__init__()
+        super().__init__(make_mask, config)
         self.layer = layer
         self.rotary = rotary
-        self.make_mask = make_mask
-        self.config = config
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        mask = self.make_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              past_key_values=None, position_ids=position_ids)
+        mask = self.mask(hidden, position_ids, attention_mask)
         cos_sin = self.rotary(hidden, position_ids)
         hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
         return hidden, position_ids, attention_mask
 
 
-class GPT2Layer(nn.Module):
+class GPT2Layer(_MaskedLayer):
     """One GPT-2 block with the causal mask the model's forward builds."""
 
     def __init__(self, block: nn.Module, make_mask: Callable[..., Any], config: Any) -> None:
-        super().__init__()
+        super().__init__(make_mask, config)
         self.block = block
-        self.make_mask = make_mask
-        self.config = config
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        mask = self.make_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              past_key_values=None, position_ids=position_ids)
-        hidden = self.block(hidden, None, mask, position_ids=position_ids)
+        hidden = self.block(hidden, None, self.mask(hidden, position_ids, attention_mask), position_ids=position_ids)
         return hidden, position_ids, attention_mask
 
 
