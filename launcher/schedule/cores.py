@@ -187,7 +187,8 @@ def crossings(tl: Timeline) -> list[int]:
 def job_work(tl: Timeline, durations: Mapping[str, float], message_s: float | None = None) -> list[float]:
     """Per job, its duration by kind plus ``message_s`` for each message it receives or sends
     (on CPU workers the communication threads' share of a core, :func:`crossings`)."""
-    SB = tl.step.space.S * tl.step.space.B
-    per_kind = [float(durations[k]) for k in tl.step.space.kinds]
+    B = tl.step.space.B
+    # the step's own per-stage times apply to its own durations (a replay by other times is by kind)
+    table = tl.step.duration_table(None if durations is tl.step.durations else durations)
     moved = crossings(tl) if message_s else None
-    return [per_kind[j // SB] + (message_s * moved[j] if moved else 0.0) for j in range(tl.step.space.N)]
+    return [table[j // B] + (message_s * moved[j] if moved else 0.0) for j in range(tl.step.space.N)]

@@ -83,7 +83,7 @@ def value_error(key: str, v: Any) -> str | None:
     if key in SIZES:
         if not is_size(v):
             return f"{key}={shown(v)} is invalid: the sizes G, R, stages and microbatches must be positive integers."
-    elif key.startswith("durations.") and key[len("durations."):] in DURATION_KINDS:
+    elif key.startswith(("durations.", "stage_durations.")) and key.rsplit(".", 1)[-1] in DURATION_KINDS:
         # inf or nan would leave the step unfinished (or its times undefined): refuse them here
         if not (is_number(v) and v > 0 and math.isfinite(v)):
             return f"{key}={shown(v)} is invalid: job durations must be positive finite numbers."

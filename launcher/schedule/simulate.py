@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .graph import JobSpace, StageGraph
 from .order import Order, make_order
@@ -52,10 +52,23 @@ class Step:
     comm: float = 0.0
     memory_limit: int | Sequence[int] | None = None
     name: str = "custom"
+    #: per stage, its own time per job kind (measured stages differ: a vocabulary head is slow);
+    #: a kind a stage leaves out takes ``durations``'s time
+    stage_durations: Sequence[Mapping[str, float]] | None = None
 
     @property
     def S(self) -> int:
         return self.space.S
+
+    def duration_table(self, durations: Mapping[str, float] | None = None) -> list[float]:
+        """Every job's duration, indexed by ``kind * S + stage`` (a job ``j`` is at ``j // B``):
+        ``durations`` per kind (default: the step's), with the step's per-stage times over them."""
+        base = self.durations if durations is None else durations
+        per = self.stage_durations
+        if per is not None and len(per) != self.S:
+            raise ScheduleError(f"stage_durations has {len(per)} entries but the step has S={self.S} stages")
+        return [float(per[s].get(k, base[k]) if per is not None else base[k])
+                for k in self.space.kinds for s in range(self.S)]
 
     @property
     def B(self) -> int:
@@ -76,9 +89,11 @@ def make_step(
     split_backward: bool = False,
     graph: StageGraph | None = None,
     ownership: str = "seed",
+    stage_durations: Sequence[Mapping[str, float]] | None = None,
 ) -> Step:
     """Convenience builder: a named scheme (or a placement callable) on ``W = G * R`` workers;
-    ``ownership`` (``seed`` or ``balanced``) picks FSLPP's owner formula.
+    ``ownership`` (``seed`` or ``balanced``) picks FSLPP's owner formula; ``stage_durations``
+    gives stages their own job times (:attr:`Step.stage_durations`).
 
     Checks the same rules, with the same sentences, as the command line
     (:mod:`launcher.schedule.rules`); raises :class:`~launcher.schedule.rules.StepError`, one
@@ -95,7 +110,7 @@ def make_step(
     if graph.stages != stages:
         raise StepError([f"stages={stages} is invalid: the stage graph has {graph.stages} stages."])
     return unchecked_step(strategy, stages, microbatches, G, R, order, warmup, durations, comm, memory_limit,
-                          split_backward, graph, ownership)
+                          split_backward, graph, ownership, stage_durations)
 
 
 def unchecked_step(
@@ -112,6 +127,7 @@ def unchecked_step(
     split_backward: bool = False,
     graph: StageGraph | None = None,
     ownership: str = "seed",
+    stage_durations: Sequence[Mapping[str, float]] | None = None,
 ) -> Step:
     """:func:`make_step` without the rules a config must meet: for analyses that study steps the
     launcher refuses on purpose (seed 000's ``R = 2S/M`` leaves workers without a stage)."""
@@ -131,6 +147,7 @@ def unchecked_step(
         comm,
         memory_limit,
         strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "custom"),
+        stage_durations,
     )
 
 
@@ -266,7 +283,11 @@ def simulate(step: Step) -> Timeline:
     packed = not by_ready and step.order.n is None
     if packed:
         keys = [n * N + j for j, n in enumerate(keys)]
-    dur_of_kind = [float(step.durations[k]) for k in space.kinds]
+    bad = [e for e in (value_error(f"stage_durations.{s}.{k}", v) for s, per in enumerate(step.stage_durations or ())
+                       for k, v in per.items()) if e]
+    if bad:
+        raise StepError(bad[:1])
+    dur = step.duration_table()  # by kind * S + stage
     comm = float(step.comm)
     SB = S * B
 
@@ -386,7 +407,7 @@ def simulate(step: Step) -> Timeline:
         j = j % N if packed else j[-1]
         if defer and j < 2 * SB:
             fi_left[w] -= 1
-        fin = T + dur_of_kind[j // SB]
+        fin = T + dur[j // B]
         start[j] = T
         finish[j] = fin
         free_at[w] = fin
