@@ -83,14 +83,17 @@ class ForkLauncher(_Launcher):
     def _collect(self, trainer: "pl.Trainer", results: Any) -> _WorkerOutput | None:
         strategy: UnifiedStrategy = self._strategy  # type: ignore[assignment]
         fitting = trainer.state.fn == TrainerFn.FITTING
-        # every stage from its owner: collective, so every rank takes part
-        state = strategy.lightning_module_state_dict() if fitting else None
+        # every stage from its owner: collective, so every rank takes part. A module built on the
+        # meta device stays there in the launching process: no process ever holds all of it (its
+        # trained weights are in the run's checkpoints)
+        back = fitting and not strategy.meta
+        state = strategy.lightning_module_state_dict() if back else None
         if dist.get_rank() != 0:
             return None
         ckpt = trainer.checkpoint_callback
         best = getattr(ckpt, "best_model_path", None) if ckpt is not None else None
         weights_path = None
-        if fitting:
+        if back:
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             strategy.checkpoint_io.save_checkpoint(state, weights_path)
         buffer = io.BytesIO()

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
+from ..runtime.init import default_reset
+
 
 def adamw_cosine(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, max_steps: int) -> Any:
     """AdamW; with ``max_steps``, a cosine learning-rate schedule from ``lr`` down to ``lr / 10`` at
@@ -24,6 +26,11 @@ def adamw_cosine(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: 
 
 class StagedLM(LightningModule):
     """A LightningModule whose layers are ``self.stages`` (set by the subclass), in order."""
+
+    def reset_stage(self, module: torch.nn.Module) -> None:
+        """Initialise one module of ``self.stages`` as its layers' constructors do (the rule a
+        model built on the meta device follows, :mod:`launcher.runtime.init`)."""
+        default_reset(module)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = idx

@@ -31,6 +31,7 @@ from lightning.pytorch import LightningModule
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from ..runtime.init import real_init
 from .base import adamw_cosine
 from .data import VOCAB
 
@@ -218,7 +219,8 @@ def build(arch: str, config: Mapping[str, Any] | None, pretrained: str | None, d
                          f"data's {VOCAB} symbols, so it must be at least {VOCAB}.")
     if pretrained is None:
         return AutoModelForCausalLM.from_config(cfg, **kw)
-    return AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, local_files_only=True, **kw)
+    with real_init():  # loaded weights are real even where the model is built on the meta device
+        return AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, local_files_only=True, **kw)
 
 
 def _layer_mask(config: Any, i: int) -> Callable[..., Any]:
@@ -278,6 +280,12 @@ class HFCausalLM(LightningModule):
         # a plain attribute, not a child module: its parameters are named once, under stages
         object.__setattr__(self, "hf", model)
         self.stages = nn.ModuleList(cut(model))
+
+    def reset_stage(self, module: nn.Module) -> None:
+        """Initialise one module of ``self.stages`` with the library's own ``_init_weights`` (the
+        rule a model built on the meta device follows, :mod:`launcher.runtime.init`)."""
+        for m in module.modules():
+            self.hf._init_weights(m)
 
     def train(self, mode: bool = True) -> HFCausalLM:
         super().train(mode)
