@@ -86,6 +86,7 @@ class LauncherConf:
     warmup: Optional[str] = None  # null = the order's default; classic | none
     split_backward: bool = False
     weight_cache: str = "step"  # step | job
+    recompute: Any = "none"  # none | full | [stage indices]: their backward recomputes the forward
     prefetch: int = 1  # jobs of lookahead of the runtime; mode=simulate reports its resident weights
     seed: int = 0  # mode=train: seed_everything(seed) before the model and data are built
     png: Any = "auto"  # pipeline.png: true | false | auto (drawn up to report.png.AUTO_MAX_JOBS jobs)
@@ -96,6 +97,7 @@ class LauncherConf:
     trainer: Any = None
     logger: Any = None
     split: Any = None  # mode=train: null (the model's self.stages) | auto | [module paths where stages begin]
+    partition: str = "params"  # mode=train: self.stages cut balanced by params | time (profiled) | memory
     timeout: float = 30.0  # seconds within which every worker stops after one fails
     ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
     plan: PlanConf = field(default_factory=PlanConf)  # mode=plan (and strategy=auto)

@@ -97,6 +97,7 @@ def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any 
         memory_limit=memory_limit,
         split_backward=bool(c.split_backward),
         ownership=c.strategy.get("ownership") or "seed",
+        recompute=_plain_recompute(c),
         graph=graph,
     )
 
@@ -120,3 +121,9 @@ def _guarded(fn: Callable, key: str, target: str, name: str, pair: bool = False)
 
     call.__name__ = name
     return call
+
+
+def _plain_recompute(c: DictConfig) -> Any:
+    """``recompute`` as plain Python (a list node becomes a list); ``none`` when the key is absent."""
+    v = c.get("recompute", "none")
+    return OmegaConf.to_container(v) if OmegaConf.is_list(v) else v

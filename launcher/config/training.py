@@ -139,4 +139,32 @@ def _trainer_errors(cfg: Any, single: bool) -> list[str]:
         elif isinstance(W, int) and W > torch.cuda.device_count() and "RANK" not in os.environ:
             out.append(f"trainer.accelerator={accel} needs one GPU per worker, but W={W} and this machine has "
                        f"{torch.cuda.device_count()}; use fewer workers or trainer.accelerator=cpu.")
+    out += precision_errors(_get(cfg, "trainer.precision", "32-true"), accel)
     return out
+
+
+def _precisions() -> tuple[Any, ...]:
+    """Every ``precision`` lightning's Trainer takes (its own list, legacy spellings included)."""
+    import typing
+
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+
+    return tuple(v for lit in typing.get_args(_PRECISION_INPUT) for v in typing.get_args(lit))
+
+
+def precision_errors(precision: Any, accel: Any) -> list[str]:
+    """``trainer.precision``: one of lightning's; fp16 mixed precision only on a GPU (it needs a
+    GradScaler, and CPU autocast in float16 is not supported well)."""
+    known = _precisions()
+    if precision not in known:
+        names = ", ".join(str(v) for v in known if isinstance(v, str) and "-" in v)
+        return [f"trainer.precision={precision} is invalid: use one of lightning's precisions ({names})."]
+    if str(precision) in ("16-mixed", "16"):
+        import torch
+
+        on_gpu = accel in ("gpu", "cuda") or (accel == "auto" and torch.cuda.is_available())
+        if not on_gpu:
+            return [f"trainer.precision={precision} is invalid with trainer.accelerator={accel}: fp16 mixed "
+                    f"precision needs a GPU (a GradScaler; CPU autocast in float16 is not supported well); use "
+                    f"trainer.precision=bf16-mixed on CPU."]
+    return []

@@ -132,6 +132,7 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     values["split_backward"] = _get(cfg, "split_backward", False)
     values["weight_cache"] = _get(cfg, "weight_cache", "step")
     values["prefetch"] = _get(cfg, "prefetch", 1)
+    values["recompute"] = _plain(_get(cfg, "recompute", "none"))
     values["comm"] = _get(cfg, "comm", 0.0)
     durations = _plain(_get(cfg, "durations"))
     values["durations"] = durations if isinstance(durations, Mapping) else {k: None for k in DURATION_KINDS}
@@ -156,6 +157,7 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     elif ownership != "seed" and (placement is not None or strategy != "fslpp"):
         out.append(f"strategy.ownership={ownership} is invalid for strategy={strategy}: only strategy=fslpp has a "
                    f"choice of owner; leave it at seed.")
+    out += partition_errors(cfg)
     n = _get(cfg, "order.n")
     if n is not None:
         if not _has_target(n):
@@ -170,6 +172,20 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
             out.append(f"split_backward=false is invalid with order={values['order']}: it defers the weight-gradient "
                        f"jobs W, which exist only when the backward is split; leave split_backward at true.")
     return out + rules.step_errors(values)
+
+
+def partition_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """``partition``: how the model's ``self.stages`` are cut (:mod:`launcher.plan.partition`)."""
+    from ..plan.partition import PARTITIONS
+
+    by, split = _get(cfg, "partition", "params"), _plain(_get(cfg, "split"))
+    if by not in PARTITIONS:
+        return [f"partition={rules.shown(by)} is invalid: use params (balanced parameter counts), time (balanced "
+                f"profiled forward and backward seconds) or memory (balanced profiled bytes)."]
+    if by != "params" and split is not None:
+        return [f"partition={by} is invalid with split={split}: a traced model is cut at its split points, and "
+                f"partition applies to a model's self.stages only; leave partition at params or split at null."]
+    return []
 
 
 def _custom(*args: Any) -> Any:

@@ -72,16 +72,20 @@ class RunMetrics(Callback):
                 return
             walls = [max(r["walls"][i] for r in gathered if i < len(r["walls"])) for i in range(len(self.walls))]
             msg, act, params = sizes
+            saved = strategy.saved_sizes()  # each forward's autograd graph, per stage and micro-batch
             opt = {}
             for r in gathered:
                 opt.update(r["optimizer_bytes"])
             stage_bytes = {"params": params, "grads": params,
                            "optimizer": [opt.get(s, 0) for s in range(len(params))],
-                           "activation": [max(a) for a in act]}
+                           "activation": [max(a) for a in act], "saved": [max(g) for g in saved]}
             self.metrics, tl = report.build(
                 config=self.config, run=self.run, plan=strategy.engine.plan, per_rank=gathered, msg_bytes=msg,
                 act_bytes=act, stage_bytes=stage_bytes, steps=self._steps(walls), val=self.val,
-                samples_per_step=self.samples[-1] if self.samples else 0)
+                samples_per_step=self.samples[-1] if self.samples else 0,
+                module_costs=[c.to_json() for c in strategy.module_costs] if strategy.module_costs else None,
+                saved_bytes=saved, recomputed=strategy.engine.recomputed())
+            _predict_memory(self.metrics, strategy, gathered, stage_bytes)
             from ..report.png import save_png
 
             save_png(tl, self.out_dir / "pipeline.png",
@@ -111,6 +115,30 @@ class RunMetrics(Callback):
     def _steps(self, walls: list[float]) -> list[dict[str, float]]:
         return [{"step": i + 1, "loss": loss, "step_s": w, "samples_per_s": n / w if w else None}
                 for i, (loss, w, n) in enumerate(zip(self.losses, walls, self.samples))]
+
+
+def _predict_memory(metrics: dict, strategy: UnifiedStrategy, gathered: list[dict], stage_bytes: dict) -> None:
+    """Each worker's predicted peak memory beside the measured one: the process as it was before
+    its stages were materialised (measured), plus the planner's memory model of what the step
+    holds (:mod:`launcher.plan.memory`: owned stages' parameters, gradients and optimizer state,
+    fetched stages' gradients and copies, live activations as predicted); and each worker's owned
+    share of the model's training state."""
+    from ..plan import memory
+    from ..plan.profile import Profile
+
+    assert strategy.engine is not None
+    plan, pw = strategy.engine.plan, metrics["per_worker"]
+    prof = Profile({}, 0.0, bytes={k: tuple(v) for k, v in stage_bytes.items()})
+    owned, fetched = memory.owned_and_fetched(plan.timeline)
+    act = pw["peak_activation_bytes"]["predicted"]
+    model = memory.worker_bytes(plan.timeline, prof, str(strategy.cfg.weight_cache),
+                                list(plan.predicted["weights_peak_resident"]), owned, fetched, act)
+    base = [r.get("base_memory_bytes", 0) for r in gathered if r["rank"] < plan.workers]
+    pw["peak_memory_bytes"]["base"] = base
+    pw["peak_memory_bytes"]["predicted"] = [b + m for b, m in zip(base, model)]
+    state = [p + g + o for p, g, o in zip(stage_bytes["params"], stage_bytes["grads"], stage_bytes["optimizer"])]
+    pw["owned_state_bytes"] = {"predicted": [sum(state[s] for s in own) for own in owned],
+                               "measured": [None] * len(owned), "total": sum(state)}
 
 
 def _peak_memory(device: torch.device) -> int:

@@ -1,4 +1,5 @@
-"""Cut a module's ``stages`` list into ``S`` consecutive groups of balanced parameter count."""
+"""Cut a module's ``stages`` list into ``S`` consecutive groups: balanced by parameter count, or as
+a partition chosen by measured cost gives them (:mod:`launcher.plan.partition`)."""
 
 from __future__ import annotations
 
@@ -6,36 +7,10 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from ..plan.partition import balanced_groups
 from ..runtime.model import run_stage
 
-
-def balanced_groups(sizes: Sequence[int], S: int) -> list[list[int]]:
-    """Consecutive, non-empty groups of ``range(len(sizes))`` minimising the largest group's
-    total size (the linear partition problem, solved exactly by dynamic programming)."""
-    n = len(sizes)
-    if not 1 <= S <= n:
-        raise ValueError(f"cannot cut {n} modules into {S} non-empty stages")
-    prefix = [0]
-    for x in sizes:
-        prefix.append(prefix[-1] + x)
-    inf = float("inf")
-    # best[k][i]: the smallest largest-group size cutting the first i modules into k groups
-    best = [[inf] * (n + 1) for _ in range(S + 1)]
-    cut = [[0] * (n + 1) for _ in range(S + 1)]
-    best[0][0] = 0
-    for k in range(1, S + 1):
-        for i in range(k, n - (S - k) + 1):
-            for j in range(k - 1, i):
-                v = max(best[k - 1][j], prefix[i] - prefix[j])
-                if v < best[k][i]:
-                    best[k][i], cut[k][i] = v, j
-    groups: list[list[int]] = []
-    i = n
-    for k in range(S, 0, -1):
-        j = cut[k][i]
-        groups.append(list(range(j, i)))
-        i = j
-    return groups[::-1]
+__all__ = ["Chain", "balanced_groups", "group_modules", "param_sizes"]
 
 
 class Chain(nn.Sequential):
@@ -49,15 +24,29 @@ class Chain(nn.Sequential):
         return out
 
 
-def group_modules(modules: Sequence[nn.Module], S: int) -> tuple[list[nn.Module], list[list[int]]]:
-    """``S`` stage modules from ``modules`` (each module itself when there are exactly ``S``, else
-    a :class:`Chain` of a balanced consecutive group) and the module indices of each stage. A
-    parameter shared by several modules counts once, where it is first used."""
+def param_sizes(modules: Sequence[nn.Module]) -> list[int]:
+    """Parameters of each module; one shared by several modules counts once, where first used."""
     seen: set[int] = set()
     sizes = []
     for m in modules:
         sizes.append(sum(p.numel() for p in m.parameters() if id(p) not in seen))
         seen.update(id(p) for p in m.parameters())
-    groups = balanced_groups(sizes, S)
+    return sizes
+
+
+def group_modules(modules: Sequence[nn.Module], S: int,
+                  groups: Sequence[Sequence[int]] | None = None) -> tuple[list[nn.Module], list[list[int]]]:
+    """``S`` stage modules from ``modules`` (each module itself when its group has one, else a
+    :class:`Chain` of the group) and the module indices of each stage. ``groups``: a partition
+    chosen already (:mod:`launcher.plan.partition`, e.g. by measured time); else the groups
+    balanced by parameter count (a parameter shared by several modules counts once, where it is
+    first used)."""
+    if groups is None:
+        groups = balanced_groups(param_sizes(modules), S)
+    flat = [i for g in groups for i in g]
+    if len(groups) != S or flat != list(range(len(modules))) or not all(groups):
+        raise ValueError(f"groups={[list(g) for g in groups]} is not a cut of {len(modules)} modules into {S} "
+                         f"consecutive non-empty stages")
+    groups = [list(g) for g in groups]
     stages = [modules[g[0]] if len(g) == 1 else Chain(*(modules[i] for i in g)) for g in groups]
     return stages, groups

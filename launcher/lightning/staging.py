@@ -1,7 +1,8 @@
 """How a LightningModule becomes the engine's :class:`~launcher.runtime.StagedModel`.
 
 - A module with ``self.stages`` (an ``nn.ModuleList``) and ``self.loss(output, target)``: the list
-  is cut into ``S`` consecutive groups balanced by parameter count; each batch is split into
+  is cut into ``S`` consecutive groups balanced by parameter count (or, with ``partition=time`` or
+  ``memory``, by each module's profiled cost: :func:`profiled_partition`); each batch is split into
   ``(input, target)`` (:func:`split_batch`).
 - Any other module, or any module given ``split`` (module paths where stages begin, or ``"auto"``):
   its ``training_step`` is traced on one example micro-batch and cut into ``S`` stages
@@ -16,11 +17,12 @@ before a process is forked.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..runtime.init import init_units
 from ..runtime.model import ModelError, StagedModel, model_errors
 from ..runtime.values import as_tree, chunk
 from .partition import group_modules
@@ -38,6 +40,17 @@ class Staging:
     traced: bool
     starts: list[str] | None = None  # traced: the module path each stage begins at
     groups: list[list[int]] | None = None  # else: the indices into ``self.stages`` of each stage
+    costs: list[Any] | None = None  # profiled: each module's :class:`~launcher.split.cost.ModuleCost`
+
+    @property
+    def stage_durations(self) -> list[dict[str, float]] | None:
+        """Per stage, its profiled seconds per job kind (the sums of its modules'); ``None``
+        without a profile."""
+        if self.costs is None or self.groups is None:
+            return None
+        from ..plan.partition import stage_durations
+
+        return stage_durations([c.forward_s for c in self.costs], [c.backward_s for c in self.costs], self.groups)
 
 
 def _loss_is_output(output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -71,6 +84,15 @@ def split_batch(module: Any, batch: Any, traced: bool = False) -> tuple[Any, Any
                     f"{type(module).__name__}.split_batch(batch) -> (input, target).")
 
 
+def unit_init(module: nn.Module, groups: list[list[int]]) -> Callable[[Sequence[int]], None]:
+    """How a worker materialises the stages it owns of a module built on the meta device: the
+    units (modules of ``self.stages``) of those stages, by the rule of :mod:`launcher.runtime.init`
+    under this process's seed (``seed_everything``), with the module's ``reset_stage`` if it has one."""
+    units, seed = list(module.stages), torch.initial_seed()
+    reset = getattr(module, "reset_stage", None)
+    return lambda stages: init_units(units, seed, [i for s in stages for i in groups[s]], reset)
+
+
 def uses_trace(module: nn.Module, split: Sequence[str] | str | None) -> bool:
     return split is not None or not isinstance(getattr(module, "stages", None), nn.ModuleList)
 
@@ -81,9 +103,12 @@ def example_microbatch(module: nn.Module, batch: Any, microbatches: int, split: 
     return chunk(x, microbatches)[0]
 
 
-def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = None, example: Any = None) -> Staging:
+def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = None, example: Any = None,
+                 groups: Sequence[Sequence[int]] | None = None, costs: list[Any] | None = None) -> Staging:
     """``module``'s stages (see the module doc); ``example``: one micro-batch's input, needed to
-    trace. Raises :class:`ModelError` with one sentence per problem."""
+    trace; ``groups``: the cut of ``self.stages`` chosen already (:func:`profiled_partition`; else
+    balanced by parameter count), ``costs``: the profile it came from. Raises :class:`ModelError`
+    with one sentence per problem."""
     name = type(module).__name__
     if not uses_trace(module, split):
         stages = module.stages
@@ -97,8 +122,8 @@ def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = 
         if outside:
             raise ModelError([f"{name} has parameter {outside[0]} outside self.stages; put every layer in "
                               f"self.stages (or give split=auto to trace the whole module)."])
-        grouped, groups = group_modules(list(stages), S)
-        return Staging(StagedModel(grouped, module.loss), False, groups=groups)
+        grouped, cut = group_modules(list(stages), S, groups)
+        return Staging(StagedModel(grouped, module.loss, init=unit_init(module, cut)), False, groups=cut, costs=costs)
     from ..split import SplitError, loss_module, split_module
 
     if example is None:
@@ -111,16 +136,57 @@ def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = 
     return Staging(StagedModel(cut.stages, _loss_is_output, cut.graph, cut.picks), True, list(cut.starts))
 
 
+def profiled_partition(module: nn.Module, S: int, by: str, batch: Any, microbatches: int,
+                       cap: float | None = None) -> tuple[list[list[int]], list[Any]]:
+    """The cut of ``module.stages`` into ``S`` stages by measured cost (``by``: ``time`` or
+    ``memory``, :mod:`launcher.plan.partition`), and each module's profile
+    (:func:`launcher.split.cost.profile_chain`, on the first micro-batch of ``batch``). A stage's
+    bytes count every micro-batch's activations live at once (GPipe's peak, the most any order
+    holds), within ``cap`` bytes per worker when given. Raises :class:`ModelError`."""
+    from ..plan.partition import PartitionError, cut
+    from ..split.cost import profile_chain
+    from .partition import param_sizes
+
+    name = type(module).__name__
+    stages = getattr(module, "stages", None)
+    if not isinstance(stages, nn.ModuleList) or not callable(getattr(module, "loss", None)):
+        raise ModelError([f"partition={by} is invalid for {name}: it cuts a model's self.stages (with self.loss) by "
+                          f"measured cost; leave partition at params for a traced model."])
+    if batch is None:
+        raise ModelError([f"partition={by} profiles {name}.stages on one example micro-batch: give the trainer a "
+                          f"datamodule (its first batch is the example)."])
+    try:
+        x, y = split_batch(module, batch)
+        x = chunk(x, microbatches)[0]
+        y = chunk(y, microbatches)[0] if y is not None else None
+    except (TypeError, ValueError) as e:
+        raise ModelError([" ".join(str(e).split())]) from e
+    costs = profile_chain(list(stages), x, module.loss, y, reset=getattr(module, "reset_stage", None))
+    try:
+        groups = cut(by, S, param_sizes(list(stages)), [c.seconds for c in costs],
+                     [c.memory(microbatches) for c in costs], cap)
+    except PartitionError as e:
+        raise ModelError([f"{e}."]) from e
+    return groups, costs
+
+
 def check_staging(module: nn.Module, S: int, split: Sequence[str] | str | None, batch: Any,
-                  microbatches: int) -> Staging:
+                  microbatches: int, partition: str = "params", cap: float | None = None,
+                  profile: bool = True) -> Staging:
     """``module`` staged on one process as every worker will, with one micro-batch of ``batch``
     (if given) through the stages on the meta device (or for real, where a stage reads values;
-    tracing runs it already). Raises :class:`ModelError` with one sentence per problem."""
+    tracing runs it already). ``partition``: cut ``self.stages`` by measured ``time`` or ``memory``
+    (profiled here, unless ``profile`` is false: the workers then profile on their own devices),
+    else by parameter count; ``cap``: per-worker bytes. Raises :class:`ModelError` with one
+    sentence per problem."""
     try:
         example = example_microbatch(module, batch, microbatches, split) if batch is not None else None
     except (TypeError, ValueError) as e:
         raise ModelError([" ".join(str(e).split())]) from e
-    staging = stage_module(module, S, split, example)
+    groups = costs = None
+    if partition != "params" and profile:
+        groups, costs = profiled_partition(module, S, partition, batch, microbatches, cap)
+    staging = stage_module(module, S, split, example, groups, costs)
     if not staging.traced and example is not None:
         found = model_errors(staging.model, S, example)
         if found:

@@ -20,13 +20,19 @@ is the model: the strategy runs the whole schedule in ``training_step`` and take
   steps them;
 - ``validation_step``/``test_step``/``predict_step``: a forward-only pass of the same schedule
   (:meth:`Engine.evaluate`); ``val_loss``/``test_loss`` logged, predictions gathered;
-- checkpoints: every stage gathered from its owner, in the single-device layout (:mod:`.state`).
+- checkpoints: every stage gathered from its owner, in the single-device layout (:mod:`.state`);
+- precision: the trainer's plugin. ``bf16-mixed``/``16-mixed`` (autocast): owners keep fp32 master
+  weights and optimizer state, fetched weights, activations and their gradients cross in the
+  compute dtype (:func:`compute_dtype`), weight-gradient sums and all-reduces stay fp32; 16-mixed's
+  GradScaler scales the engine's backward and skips a step on every worker alike. ``bf16-true``
+  converts the module: everything is bf16.
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +40,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 
@@ -41,10 +48,12 @@ from ..config import ConfigError, LauncherConf, step_errors, to_step
 from ..runtime import DEFAULT_TIMEOUT, Engine
 from ..runtime.values import chunk, joined, to_device
 from ..runtime.failure import Watchdog, set_current_watchdog
+from ..runtime.init import empty_init, has_meta
 from ..runtime.link import measure as measure_link
 from ..runtime.processes import auto_backend
 from ..schedule import Step, make_step
 from ..schedule.placement import named
+from ..schedule.rules import recompute_stages
 from .launcher import ForkLauncher
 from .staging import example_microbatch, split_batch, stage_module, uses_trace
 from .state import Layout, gather_module_state, gather_optimizer_state, load_stage_state, scatter_optimizer_state
@@ -110,7 +119,9 @@ class UnifiedStrategy(ParallelStrategy):
     w_compute)`` (then ``G * R`` is the worker count). ``stages`` defaults to ``len(module.stages)``.
     Any other key of the launcher config (``memory_limit``, ``split_backward``, ``weight_cache``,
     ``prefetch``, ``warmup``, ``durations``, ``comm``, and ``ownership`` for FSLPP) may be given as a
-    keyword. ``order`` also takes a callable ``n(s, b, d)``.
+    keyword. ``order`` also takes a callable ``n(s, b, d)``. ``partition="time"`` (or ``"memory"``)
+    cuts ``module.stages`` by each module's cost, profiled once on the launching process (on rank 0
+    under torchrun or Slurm, and broadcast), each stage within ``plan={"memory": "2GB"}`` when given.
     ``timeout``: seconds within which every worker stops after one fails.
     """
 
@@ -145,6 +156,9 @@ class UnifiedStrategy(ParallelStrategy):
         self.split = list(split) if isinstance(split, (list, tuple)) else split
         self.traced = False  # set up from a traced training step: the batch goes whole to stage 0
         self._staged: tuple[Any, Any] | None = None  # (module, its Staging), made before the fork
+        #: per stage, profiled seconds per job kind (partition=time/memory), the same on every worker
+        self.stage_durations_s: list[dict[str, float]] | None = None
+        self.module_costs: list[Any] | None = None  # each module's profile, when profiled
         self.graph: Any = None  # the stage graph, when not a chain
         self.timeout = timeout
         self._backend = process_group_backend
@@ -155,6 +169,8 @@ class UnifiedStrategy(ParallelStrategy):
         self.engine: Engine | None = None
         self.layout: Layout | None = None
         self.records: list[dict[str, Any]] = []  # this worker's record of every training step
+        self.meta = False  # the module was built on the meta device: no process holds all of it
+        self.base_memory = 0  # bytes this worker held before its stages were materialised
         self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes
         self._watchdog: Watchdog | None = None
 
@@ -179,16 +195,38 @@ class UnifiedStrategy(ParallelStrategy):
         """The schedule this strategy runs (the same every worker derives)."""
         c = self.cfg
         if self.placement is None and self.order_fn is None:
-            return to_step(c, check=False, graph=self.graph)
+            return self._timed(to_step(c, check=False, graph=self.graph))
         from omegaconf import OmegaConf
 
         place = self.placement or named(c.strategy.name, c.G, c.R, c.strategy.get("ownership", "seed"))
         ml = OmegaConf.to_container(c.memory_limit) if OmegaConf.is_list(c.memory_limit) else c.memory_limit
         step = make_step(place, c.stages, c.microbatches, order=self.order_fn or c.order.name, warmup=c.warmup,
                          durations=dict(c.durations), comm=float(c.comm), split_backward=bool(c.split_backward),
-                         memory_limit=ml, graph=self.graph)
+                         memory_limit=ml, graph=self.graph,
+                         recompute=OmegaConf.to_container(rc) if OmegaConf.is_list(rc := c.get("recompute", "none")) else rc)
         step.workers = self.W
+        return self._timed(step)
+
+    def _timed(self, step: Step) -> Step:
+        """``step`` with the profiled stages' own durations (``partition=time``/``memory``), in the
+        config's units (its ``comm`` is in them): an uneven cut has uneven stages."""
+        if self.stage_durations_s is not None:
+            from ..plan.partition import scaled
+
+            step.stage_durations = scaled(self.stage_durations_s, step.durations)
         return step
+
+    @property
+    def partition(self) -> str:
+        return str(self.cfg.get("partition", "params"))
+
+    @property
+    def memory_cap(self) -> float | None:
+        """Per-worker bytes a stage may hold under ``partition=time``: ``plan.memory``, when set."""
+        from ..plan.profile import parse_bytes
+
+        memory = self.cfg.plan.get("memory") if self.cfg.get("plan") is not None else None
+        return float(parse_bytes(memory)) if memory is not None else None
 
     # ---- processes -----------------------------------------------------------------------
     @property
@@ -269,6 +307,7 @@ class UnifiedStrategy(ParallelStrategy):
     # ---- set-up: partition the module, build the engine ----------------------------------
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
+        self.base_memory = resident_bytes(self.root_device)  # the process before any stage is materialised
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if getattr(trainer, "accumulate_grad_batches", 1) != 1:
@@ -289,11 +328,15 @@ class UnifiedStrategy(ParallelStrategy):
             staging = self._staged[1]
         else:
             example = self._example(trainer) if traced else None
+            groups, costs = self._shared_partition(trainer, module, S) if self.partition != "params" else (None, None)
             with self.precision_plugin.train_step_context():  # traced as it runs: 64-true's default dtype is float64
-                staging = stage_module(module, S, self.split, example)
+                staging = stage_module(module, S, self.split, example, groups, costs)
         self.traced, self.graph = staging.traced, staging.model.graph
+        self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
         self.engine = Engine(staging.model, self.make_step(), None, prefetch=int(self.cfg.prefetch),
-                             weight_cache=str(self.cfg.weight_cache), device=self.root_device)
+                             weight_cache=str(self.cfg.weight_cache), device=self.root_device,
+                             recompute=recompute_stages(self.cfg.get("recompute", "none"), S),
+                             compute_dtype=compute_dtype(self.precision_plugin))
         owners = self.engine.plan.owners
         me = self.engine.worker
         self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me])
@@ -309,6 +352,7 @@ class UnifiedStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             _with_global_clipping(self)
+            _with_synced_scaler(self.precision_plugin)
 
     def check_before_fork(self, module: Any, datamodule: Any = None) -> None:
         """Stage ``module`` on this process as every worker will (in the trainer's precision), and
@@ -321,6 +365,10 @@ class UnifiedStrategy(ParallelStrategy):
 
         if self._staged is not None and self._staged[0] is module:
             return
+        if is_overridden("configure_model", module):  # as Lightning will call it in every worker
+            with self.model_sharded_context():
+                module.configure_model()
+        self.meta = has_meta(module)
         if self.cfg is None and not uses_trace(module, self.split):
             self._configure(len(module.stages))
         S = int(self.cfg.stages) if self.cfg is not None else len(self.split) + 1 if isinstance(self.split, list) else None
@@ -336,8 +384,30 @@ class UnifiedStrategy(ParallelStrategy):
                 batch = None
         self.precision_plugin.convert_module(module)
         with self.precision_plugin.train_step_context():  # as the workers will trace and run it
-            staging = check_staging(module, S, self.split, batch, self.B)
+            staging = check_staging(module, S, self.split, batch, self.B, self.partition, self.memory_cap)
         self._staged = (module, staging)
+
+    def _shared_partition(self, trainer: Any, module: Any, S: int) -> tuple[list[list[int]], list[Any]]:
+        """Processes started outside (torchrun, Slurm) were not staged before a fork: rank 0
+        profiles the modules and every rank takes its cut (collective), so no two ranks cut the
+        model differently, even where their timings would differ. A failure on rank 0 is raised
+        on every rank, with its sentences."""
+        from ..runtime.model import ModelError
+        from .staging import profiled_partition
+
+        found: Any = None
+        if self.global_rank == 0:
+            try:
+                dm = getattr(trainer, "datamodule", None)
+                batch = self.precision_plugin.convert_input(next(iter(dm.train_dataloader()))) if dm is not None else None
+                with self.precision_plugin.train_step_context():
+                    found = ("ok",) + profiled_partition(module, S, self.partition, batch, self.B, self.memory_cap)
+            except ModelError as e:
+                found = ("error", e.sentences)
+        found = self.broadcast(found, 0)
+        if found[0] == "error":
+            raise ModelError(list(found[1]))
+        return found[1], found[2]
 
     def _example(self, trainer: Any) -> Any:
         """One micro-batch's input of the first training batch, to trace the module on."""
@@ -347,6 +417,13 @@ class UnifiedStrategy(ParallelStrategy):
                              f"trainer.fit(model, datamodule=...)")
         batch = next(iter(dm.train_dataloader()))
         return example_microbatch(self.lightning_module, self.precision_plugin.convert_input(batch), self.B, self.split)
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Where Lightning calls ``configure_model``: layers made there get their parameters on the
+        meta device, and each worker materialises only the stages it owns (:mod:`launcher.runtime.init`)."""
+        with empty_init():
+            yield
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -372,6 +449,9 @@ class UnifiedStrategy(ParallelStrategy):
         assert self.engine is not None
         mbs = self._microbatches(args[0])
         with self.precision_plugin.train_step_context():
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            if scaler is not None:  # 16-mixed: the backward runs here, on the scaled loss; the step unscales
+                self.engine.loss_scale = float(scaler.get_scale())
             record = self.engine.compute_step(mbs)
         self.records.append(record)
         self._last_batch = mbs
@@ -454,7 +534,7 @@ class UnifiedStrategy(ParallelStrategy):
         # the message cost the prediction and the planner use: workers 0 and 1 ping-pong (no step runs now)
         link = measure_link(self.engine.group, self.engine.device) if self.engine.plan.workers > 1 else None
         mine = {"rank": self.global_rank, "records": self.records, "walls": list(walls), "cpus": list(cpus or []),
-                "peak_memory_bytes": peak,
+                "peak_memory_bytes": peak, "base_memory_bytes": self.base_memory,
                 "memory_kind": "cuda_max_allocated" if self.root_device.type == "cuda" else "rss",
                 "optimizer_bytes": opt_bytes, "link": link.to_json() if link else None}
         out: list[Any] | None = [None] * dist.get_world_size() if self.global_rank == 0 else None
@@ -468,11 +548,47 @@ class UnifiedStrategy(ParallelStrategy):
         e, mbs = self.engine, self._last_batch
         return e.sizes(mbs)
 
+    def saved_sizes(self) -> list[list[int]]:
+        """Bytes each stage's forward graph saves for its backward, per micro-batch, for the last
+        training batch's shapes (:meth:`Engine.saved_sizes`)."""
+        assert self.engine is not None and self._last_batch is not None
+        return self.engine.saved_sizes(self._last_batch)
+
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop(done=True)
             self._watchdog = None
+        module = self.lightning_module
+        if module is not None and has_meta(module):  # the launching process's meta module: nothing to move
+            module.cpu = lambda: module  # type: ignore[method-assign]
+            try:
+                super().teardown()
+            finally:
+                del module.cpu
+            return
         super().teardown()
+
+
+def compute_dtype(plugin: Any) -> torch.dtype | None:
+    """The engine's compute dtype for a precision plugin: bf16 or fp16 under Lightning's
+    ``MixedPrecision`` (autocast over fp32 master weights), else None (the weights' own dtype,
+    as under ``bf16-true``, whose module is converted)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    if isinstance(plugin, MixedPrecision):
+        return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+    return None
+
+
+def resident_bytes(device: torch.device) -> int:
+    """What the process holds now: GPU memory allocated, or its resident set on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux: the peak so far
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Tensor:
@@ -492,6 +608,29 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
     for g in grads:
         g.mul_(coef.to(g.dtype))
     return sq.sqrt()
+
+
+class _SyncedScaler(torch.amp.GradScaler):
+    """A ``GradScaler`` whose inf/NaN check spans every worker (as FSDP's ``ShardedGradScaler``):
+    each owner sees only its stages' gradients, so all must skip a step, or none, and update the
+    scale alike; a worker that owns no gradient still takes part."""
+
+    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        total = torch.zeros_like(found_inf)
+        for v in per_device.values():
+            total += v.to(total.device)
+        if _distributed_is_initialized():
+            dist.all_reduce(total)
+        return {total.device: total}
+
+
+def _with_synced_scaler(plugin: Any) -> None:
+    """16-mixed: make the precision plugin's GradScaler agree across workers (:class:`_SyncedScaler`)."""
+    scaler = getattr(plugin, "scaler", None)
+    if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, _SyncedScaler):
+        scaler.__class__ = _SyncedScaler
 
 
 _CLIPPING: dict[type, type] = {}

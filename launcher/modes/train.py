@@ -166,7 +166,8 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
     seed_everything(int(cfg.seed), verbose=False)
     single = is_single(cfg)
     data = _build(cfg.data, "data", LightningDataModule, "LightningDataModule")
-    model = _build(cfg.model, "model", LightningModule, "LightningModule")
+    with _model_context(cfg.model):
+        model = _build(cfg.model, "model", LightningModule, "LightningModule")
     _data_hooks_of(model)
     if single:
         strategy: Any = "auto"
@@ -184,7 +185,9 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
             timeout=float(cfg.timeout), memory_limit=OmegaConf.to_container(ml) if OmegaConf.is_list(ml) else ml,
             warmup=cfg.warmup, split_backward=cfg.split_backward, weight_cache=cfg.weight_cache,
             prefetch=cfg.prefetch, durations=dict(cfg.durations), comm=cfg.comm,
-            ownership=cfg.strategy.get("ownership", "seed"),
+            ownership=cfg.strategy.get("ownership", "seed"), partition=cfg.get("partition", "params"),
+            plan={"memory": cfg.plan.get("memory")},
+            recompute=OmegaConf.to_container(rc) if OmegaConf.is_list(rc := cfg.get("recompute", "none")) else rc,
             split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
         devices = _devices(cfg.G * cfg.R)
     run = _run_info(cfg)
@@ -202,7 +205,30 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
         # Lightning's single-device strategy loads a checkpoint before it converts the module to the
         # trainer's precision, which would round a float64 checkpoint through float32: convert first
         trainer.precision_plugin.convert_module(model)
+        import torch
+
+        from ..runtime.init import has_meta, init_units
+
+        if has_meta(model):  # the rule the workers follow for the stages they own, for every stage here
+            init_units(list(model.stages), torch.initial_seed(), reset=model.reset_stage)
     return Job(model, data, trainer, strategy, run, chosen)
+
+
+def _model_context(node: Any) -> Any:
+    """A model that says how each of its stages starts (``reset_stage``, as the built-in and Hugging
+    Face models do) is built on the meta device: the launching process never holds its weights,
+    and each worker materialises only the stages it owns (:mod:`launcher.runtime.init`)."""
+    import contextlib
+
+    from hydra.utils import get_class
+
+    from ..runtime.init import empty_init
+
+    try:
+        cls = get_class(str(node.get("_target_")))
+    except Exception:  # noqa: BLE001 - _build reports a target that cannot be found, in one sentence
+        return contextlib.nullcontext()
+    return empty_init() if callable(getattr(cls, "reset_stage", None)) else contextlib.nullcontext()
 
 
 def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ For worker ``w`` (``p_s``, ``g_s``, ``o_s``: parameter, gradient and optimizer-s
                                                                      #   job: the most copies held at once
                                                                      #   x the largest fetched p_s
              + peak over time of sum of a_s over live x_s^b          # exact, from the timeline
+               (+ the forwards' graphs, v_s each, unless recomputed)
 
 A fetched stage's gradient buffer lives to the end of the step (sums reach owners after the step),
 so it is counted for every fetched stage the worker computes. Live activations are swept exactly:
@@ -19,6 +20,7 @@ consumes it, a release at time t before an acquisition at t (as in the simulator
 
 from __future__ import annotations
 
+from ..schedule.memory import activation_peaks, recomputed_forwards
 from ..schedule.simulate import Timeline
 from .profile import Profile
 
@@ -44,25 +46,14 @@ def static_bytes(owned: list[set[int]], fetched: list[set[int]], prof: Profile) 
             for own, fet in zip(owned, fetched)]
 
 
-def activation_bytes(tl: Timeline, prof: Profile) -> list[float]:
-    """The exact peak of live activation bytes per worker."""
-    space, W = tl.step.space, tl.step.workers
-    B, SB = space.B, space.S * space.B
-    events: list[list[tuple[float, int, float]]] = [[] for _ in range(W)]
-    for j in range(SB):
-        a = prof.stage_bytes("activation", j // B)
-        w = tl.compute[j]
-        events[w].append((tl.start[j], 1, a))
-        events[w].append((tl.finish[j + SB], 0, -a))  # B(s,b), or I(s,b) when split
-    out = []
-    for ev in events:
-        ev.sort()
-        live = peak = 0.0
-        for _, _, a in ev:
-            live += a
-            peak = max(peak, live)
-        out.append(peak)
-    return out
+def activation_bytes(tl: Timeline, prof: Profile, cache: str = "step") -> list[float]:
+    """The exact peak of live activation bytes per worker: inputs, plus each forward's autograd
+    graph (``saved``) unless it recomputes (the sweep the run report predicts with,
+    :func:`launcher.schedule.memory.activation_peaks`)."""
+    act = [prof.stage_bytes("activation", s) for s in range(tl.step.S)]
+    saved = [prof.stage_bytes("saved", s) for s in range(tl.step.S)]
+    return activation_peaks(tl, lambda s, b: act[s], (lambda s, b: saved[s]) if any(saved) else None,
+                            recomputed_forwards(tl, cache))
 
 
 def worker_bytes(tl: Timeline, prof: Profile, cache: str, peak_resident: list[int],

@@ -10,7 +10,11 @@ under ``"profile"``; a bare profile file works too)::
      "cores": int | null,                   # optional: cores the workers share (null: one each)
      "outside_s": float,                    # optional: per worker, a step's seconds outside the engine
      "bytes": {"params": [per stage], "grads": [per stage], "optimizer": [per stage],
-               "activation": [per stage: bytes of x_s^b for one micro-batch]}}
+               "activation": [per stage: bytes of x_s^b for one micro-batch],
+               "saved": [per stage: bytes its forward's autograd graph holds, one micro-batch]},  # optional
+     "stage_durations_s": [{"F": float, "B": float, ...} per stage] | null,   # optional: uneven stages
+     "modules": [{"forward_s", "backward_s", "params", "grads", "optimizer", "activation"} per module
+                 of the model's self.stages] | null}   # optional: lets the planner search the cut too
 
 Without a profile the planner uses the config's unit-cost model (``durations``, ``comm``) and has
 no bytes, so ``plan.memory`` needs a profile. With a ``link`` and bytes, a candidate's step time
@@ -18,7 +22,10 @@ also counts the gradient exchange after the compute (:mod:`launcher.schedule.lin
 ``cores``, a candidate of more workers than that shares them (:mod:`launcher.schedule.cores`):
 on a CPU machine, more workers are not faster once the cores are busy, and each message a
 placement moves costs its two workers ``message_cpu_s`` of a core. ``outside_s`` is added to
-every candidate, so its step time compares with a measured training step.
+every candidate, so its step time compares with a measured training step. With
+``stage_durations_s`` (one per stage of the planned ``stages``) every stage takes its own time;
+with ``modules`` the planner also searches how the modules are cut into stages
+(:mod:`launcher.plan.partition`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from typing import Any, Mapping, Sequence
 from ..schedule.link import Link
 
 BYTE_KINDS = ("params", "grads", "optimizer", "activation")
+#: byte kinds a profile may leave out (older profiles): taken as 0
+OPTIONAL_BYTE_KINDS = ("saved",)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -54,6 +63,14 @@ class Profile:
     cores: int | None = None  # cores the workers share (None: a processor each)
     outside: float = 0.0  # seconds of a step outside the engine
     message_cpu: float | None = None  # CPU seconds per message sent or received (CPU workers)
+    #: per stage, its own seconds per job kind (a kind left out takes ``durations``'s)
+    stage_durations: tuple[Mapping[str, float], ...] | None = None
+    #: per module of the model's ``self.stages``, its profiled cost (see the module docstring)
+    modules: tuple[Mapping[str, float], ...] | None = None
+
+    def stage_table(self, S: int) -> tuple[Mapping[str, float], ...] | None:
+        """The per-stage durations when they describe ``S`` stages, else ``None`` (uniform)."""
+        return self.stage_durations if self.stage_durations is not None and len(self.stage_durations) == S else None
 
     @property
     def can_split(self) -> bool:
@@ -61,7 +78,7 @@ class Profile:
 
     def stage_bytes(self, kind: str, s: int) -> float:
         """Bytes of ``kind`` for stage ``s``; a list shorter than the stages repeats its max."""
-        xs = self.bytes[kind] if self.bytes else ()
+        xs = self.bytes.get(kind, ()) if self.bytes else ()
         return float(xs[s]) if s < len(xs) else float(max(xs, default=0.0))
 
 
@@ -96,6 +113,11 @@ def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
         if not isinstance(by, Mapping) or not all(_sizes(by.get(k)) for k in BYTE_KINDS):
             raise ProfileError(f"{where} has bytes without lists of sizes >= 0 for each of {', '.join(BYTE_KINDS)}")
         table = {k: tuple(float(x) for x in by[k]) for k in BYTE_KINDS}
+        for k in OPTIONAL_BYTE_KINDS:
+            if by.get(k) is not None:
+                if not _sizes(by[k]):
+                    raise ProfileError(f"{where} has bytes.{k}={by[k]!r}; it must be a list of sizes >= 0 per stage")
+                table[k] = tuple(float(x) for x in by[k])
     link = d.get("link")
     if link is not None:
         if not (isinstance(link, Mapping) and _pos(link.get("latency_s")) and _pos(link.get("bytes_per_s"))):
@@ -110,9 +132,21 @@ def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
     msg = d.get("message_cpu_s")
     if msg is not None and not _nonneg(msg):
         raise ProfileError(f"{where} has message_cpu_s={msg!r}; it must be null or a number >= 0")
+    per = d.get("stage_durations_s")
+    if per is not None and not (isinstance(per, Sequence) and per and all(
+            isinstance(x, Mapping) and _pos(x.get("F")) and _pos(x.get("B"))
+            and all(x.get(k) is None or _pos(x.get(k)) for k in ("I", "W")) for x in per)):
+        raise ProfileError(f"{where} has stage_durations_s that is not a list of {{F, B}} positive seconds per stage")
+    mods = d.get("modules")
+    keys = ("forward_s", "backward_s", "params", "grads", "optimizer", "activation")
+    if mods is not None and not (isinstance(mods, Sequence) and mods and all(
+            isinstance(m, Mapping) and all(_nonneg(m.get(k)) for k in keys) for m in mods)):
+        raise ProfileError(f"{where} has modules that is not a list of {{{', '.join(keys)}}} numbers >= 0 per module")
     return Profile({k: (float(dur[k]) if dur.get(k) is not None else None) for k in ("F", "B", "I", "W")},
                    float(comm), table, seconds=True, link=link, cores=cores, outside=float(outside),
-                   message_cpu=float(msg) if msg is not None else None)
+                   message_cpu=float(msg) if msg is not None else None,
+                   stage_durations=tuple({k: float(v) for k, v in x.items() if v is not None} for x in per) if per else None,
+                   modules=tuple({k: float(m[k]) for k in keys} for m in mods) if mods else None)
 
 
 def load(path: str | Path) -> Profile:

@@ -48,8 +48,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
 
 from ..schedule import ScheduleError, make_step, simulate
 from ..schedule.cores import job_work, replay
@@ -58,6 +58,7 @@ from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job
 from ..schedule.placement import named
 from ..schedule.simulate import Timeline, place_all
 from . import memory
+from .partition import PARTITIONS, PartitionError, cut, group_sums, stage_durations
 from .profile import Profile
 from .space import CACHES, ORDERS, Point, placements, schemes_at
 
@@ -100,7 +101,7 @@ class Candidate:
         p = self.point
         return (self.step_time / p.microbatches, self.traffic_bytes or 0.0, self.traffic_messages,
                 max(self.peak_bytes) if self.peak_bytes else 0.0, max(self.peak_activations),
-                p.split, p.memory_limit is not None, p.weight_cache != "step")
+                p.split, p.memory_limit is not None, p.weight_cache != "step", p.recompute != "none")
 
     def to_json(self) -> dict[str, Any]:
         p = self.point
@@ -108,7 +109,9 @@ class Candidate:
             "scheme": p.scheme.label, "G": p.G, "R": p.R, "W": p.G * p.R, "stages": p.stages,
             "microbatches": p.microbatches, "order": p.order, "warmup": p.warmup, "split_backward": p.split,
             "memory_limit": list(p.memory_limit) if isinstance(p.memory_limit, tuple) else p.memory_limit,
-            "weight_cache": p.weight_cache, "step_time": self.step_time, "throughput": self.throughput,
+            "weight_cache": p.weight_cache, "partition": p.partition, "recompute": p.recompute,
+            "step_time": self.step_time,
+            "throughput": self.throughput,
             "bubble": self.bubble, "peak_activations": self.peak_activations, "peak_bytes": self.peak_bytes,
             "traffic_messages": self.traffic_messages, "traffic_bytes": self.traffic_bytes,
             "overrides": self.overrides,
@@ -143,8 +146,17 @@ def _durations(prof: Profile, split: bool) -> dict[str, float]:
     return {k: float(v) for k, v in d.items()}  # type: ignore[arg-type]
 
 
-def time_bound(S: int, B: int, G: int, R: int, split: bool, d: dict[str, float], comm: float) -> float:
-    """``max(work, chain)`` of the module docstring: no schedule of this step is shorter."""
+def time_bound(S: int, B: int, G: int, R: int, split: bool, d: dict[str, float], comm: float,
+               stages: Sequence[Mapping[str, float]] | None = None) -> float:
+    """``max(work, chain)`` of the module docstring: no schedule of this step is shorter.
+    ``stages``: per stage its own durations (then ``work`` is the busiest worker's, whose stages
+    are ``s = r (mod R)``, and ``chain`` sums the stages' own times)."""
+    if stages is not None:
+        t = [{k: float(st.get(k, d[k])) for k in ("F", "B", "I", "W")} for st in stages]
+        job = [x["F"] + (x["I"] + x["W"] if split else x["B"]) for x in t]
+        work = math.ceil(B / G) * max(sum(job[s] for s in range(r, S, R)) for r in range(R))
+        chain = sum(x["F"] + (x["I"] if split else x["B"]) for x in t) + (min(x["W"] for x in t) if split else 0.0)
+        return max(work, chain + (2 * (S - 1) * comm if R > 1 else 0.0))
     back = d["I"] + d["W"] if split else d["B"]
     work = math.ceil(S / R) * math.ceil(B / G) * (d["F"] + back)
     chain = S * d["F"] + S * (d["I"] if split else d["B"]) + (d["W"] if split else 0.0)
@@ -180,27 +192,81 @@ def _limits(budget: Budget, prof: Profile, owned: list[set[int]], fetched: list[
 
 def search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, budget: Budget,
            top: int = 20) -> Plan:
-    """The fastest fitting points of the space, best first (see the module docstring)."""
+    """The fastest fitting points of the space, best first (see the module docstring). With a
+    profile of the model's modules (``prof.modules``) the cut of the modules into ``S`` stages is
+    searched too: each partition (:mod:`launcher.plan.partition`) gives its stages their own
+    durations and bytes, and its candidates carry ``partition=...``."""
+    if not prof.modules:
+        return _search(S, microbatches, workers, prof, budget, top)
+    merged = Plan([])
+    seen: list[list[list[int]]] = []
+    for by, staged in partitioned(prof, S, max(microbatches), budget.bytes):
+        if staged[0] in seen:
+            continue  # the same cut as a partition searched already
+        seen.append(staged[0])
+        found = _search(S, microbatches, workers, staged[1], budget, top)
+        for c in found.candidates:
+            c.point = replace(c.point, partition=by)
+            c.same_as = (by,) + tuple(c.same_as)
+        merged.candidates += found.candidates
+        for k in ("simulated", "pruned_time", "pruned_memory", "did_not_fit", "equivalent"):
+            setattr(merged, k, getattr(merged, k) + getattr(found, k))
+    merged.candidates = sorted(merged.candidates, key=Candidate.key)[:top]
+    return merged
+
+
+def partitioned(prof: Profile, S: int, inflight: int,
+                cap: float | None) -> list[tuple[str, tuple[list[list[int]], Profile]]]:
+    """Per partition of ``prof.modules`` into ``S`` stages that can be cut (``time`` within ``cap``
+    bytes per stage, ``inflight`` micro-batches' activations counted), its groups and the profile
+    of its stages: per stage the sums of its modules' seconds and bytes."""
+    mods = prof.modules or ()
+    if len(mods) < S:
+        return []
+    col = {k: [m[k] for m in mods] for k in ("forward_s", "backward_s", "params", "grads", "optimizer", "activation")}
+    memory = [m["params"] + m["grads"] + m["optimizer"] + inflight * m["activation"] for m in mods]
+    seconds = [f + b for f, b in zip(col["forward_s"], col["backward_s"])]
+    out = []
+    for by in PARTITIONS:
+        try:
+            groups = cut(by, S, col["params"], seconds, memory, cap)
+        except PartitionError:
+            continue  # no cut of this kind fits the budget
+        per = stage_durations(col["forward_s"], col["backward_s"], groups)
+        table = {k: tuple(group_sums(col[k], groups)) for k in ("params", "grads", "optimizer", "activation")}
+        staged = replace(prof, stage_durations=tuple(per), bytes=table)
+        out.append((by, (groups, staged)))
+    return out
+
+
+def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, budget: Budget,
+            top: int = 20) -> Plan:
+    """:func:`search` for one cut of the model into stages (the profile's)."""
     plan = Plan([])
     kept: list[list] = []  # a max-heap of [negated key, serial, candidate]: the top ``top`` candidates
     listed: dict[tuple, list] = {}  # schedule -> its entry in ``kept``
     serial = itertools.count()
-    jobs = []  # (bound, tiebreak, B, G, R, split, order, warmup)
+    jobs = []  # (bound, tiebreak, B, G, R, split, order, warmup, recompute)
+    # recomputation trades an extra forward per backward for the forwards' graphs: searched only
+    # under a byte budget, and only when the profile knows what those graphs hold
+    recomputes = ("none", "full") if budget.bytes is not None and prof.bytes and prof.bytes.get("saved") else ("none",)
     for B in microbatches:
         for G, R in placements(workers, S, B):
             for split in (False, True):
                 if split and not prof.can_split:
                     continue
                 d = _durations(prof, split)
-                lb = time_bound(S, B, G, R, split, d, prof.comm) + prof.outside
-                for order, warmup in ORDERS:
-                    if order == "zb_h1" and not split:
-                        continue  # ZB-H1 exists only on the split backward
-                    jobs.append((lb / B, len(jobs), B, G, R, split, order, warmup))
+                for rc in recomputes:
+                    table = prof.stage_table(S) if rc == "none" else _recomputed_table(S, split, d, prof.stage_table(S))
+                    lb = time_bound(S, B, G, R, split, d, prof.comm, table) + prof.outside
+                    for order, warmup in ORDERS:
+                        if order == "zb_h1" and not split:
+                            continue  # ZB-H1 exists only on the split backward
+                        jobs.append((lb / B, len(jobs), B, G, R, split, order, warmup, rc))
     jobs.sort()
     static: dict[tuple[int, int, int], Any] = {}
     traffic_of: dict[tuple, dict] = {}
-    for lb, _, B, G, R, split, order, warmup in jobs:
+    for lb, _, B, G, R, split, order, warmup, rc in jobs:
         if len(kept) >= top and lb > -kept[0][0][0]:
             plan.pruned_time += 1
             continue
@@ -221,13 +287,14 @@ def search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bud
                 break  # the top filled up meanwhile: no limit of this step can enter it
             try:
                 tl = simulate(make_step("lpp", S, B, G, R, order=order, warmup=warmup, durations=d,
-                                        comm=prof.comm, memory_limit=ml, split_backward=split))
+                                        comm=prof.comm, memory_limit=ml, split_backward=split,
+                                        stage_durations=prof.stage_table(S), recompute=rc))
             except ScheduleError:
                 continue  # this limit cannot finish the step
             plan.simulated += 1
             worst = -kept[0][0][0] if len(kept) >= top else math.inf  # per micro-batch, to enter the top
             found = _evaluate(tl, per_scheme, B, G, R, order, warmup, split, ml, d, prof, budget, plan,
-                              traffic_of.setdefault((B, G, R, split), {}), worst * B)
+                              traffic_of.setdefault((B, G, R, split, rc), {}), worst * B)
             if ml is None and not found and (budget.activations is not None or budget.bytes is not None):
                 # The unlimited step does not fit: scan uniform limits upward from the least that
                 # can finish. The greedy scheduler is not monotone in the limit (a limit above the
@@ -309,13 +376,16 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     cache ``step`` when every worker has a core, is then timed only when that beats it)."""
     S = tl.step.S
     latency = tl.latency
-    busy = sum(d[k] for k in tl.step.space.kinds) * S * B
+    busy = sum(tl.step.duration_table(d)) * B  # every kind of every stage, each stage its own time
     bubble = 1.0 - busy / (tl.step.workers * latency)
     peak_act = list(tl.peak_activations)
     if budget.activations is not None and max(peak_act) > budget.activations:
         plan.did_not_fit += len(per_scheme) * len(CACHES)
         return []
     act = memory.activation_bytes(tl, prof) if prof.bytes else None
+    # cache "job": forwards on fetched copies keep no graph (their backward recomputes them)
+    job_act = prof.bytes is not None and bool(prof.bytes.get("saved")) and len(tl.step.recompute) < S
+    rc = "full" if tl.step.recompute else "none"
     out = []
     step_time: dict = {}
     grads = [prof.stage_bytes("grads", s) for s in range(S)] if prof.link and prof.bytes else None
@@ -353,17 +423,18 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
                 resident = [o + h for o, h in zip(t["weights_owned"], held)]
             else:
                 fetch, resident = t["weight_fetch_stages"], [o + f for o, f in zip(t["weights_owned"], t["weight_fetch_stages"])]
-            peak_bytes = memory.worker_bytes(view, prof, cache, resident, owned, fetched, act) if act is not None else None
+            act_c = memory.activation_bytes(view, prof, cache) if cache == "job" and job_act and any(fetched) else act
+            peak_bytes = memory.worker_bytes(view, prof, cache, resident, owned, fetched, act_c) if act is not None else None
             if budget.bytes is not None and peak_bytes is not None and max(peak_bytes) > budget.bytes:
                 plan.did_not_fit += 1
                 continue
             msgs = sum(t["act_recv"]) + sum(t["grad_recv"]) + sum(t["stash_recv"]) + sum(fetch) \
                 + sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])
-            point = Point(sch, G, R, S, B, order, warmup, split, mlt, cache, d, prof.comm)
+            point = Point(sch, G, R, S, B, order, warmup, split, mlt, cache, d, prof.comm, recompute=rc)
             # what runs: each worker's jobs in order (the runtime runs them as soon as they can
             # start, whatever waits chose that order) and who owns which weights; FSLPP's two ownerships
             # coincide when R = 1, and DDP is LPP at G = B
-            runs = (tuple(weights), cache if any(fetched) else "step", split, B, G, R, programs)
+            runs = (tuple(weights), cache if any(fetched) else "step", split, B, G, R, programs, rc)
             out.append(Candidate(point, seconds, bubble, peak_act, peak_bytes, msgs,
                                  _traffic_bytes(t, fetch, prof, S), runs))
             step_fits = cache == "step"
@@ -376,10 +447,26 @@ def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = 
     known) under weight cache ``job``: a backward (``B``, or ``I`` when split) on fetched weights
     fetches them again and recomputes its forward first (:mod:`launcher.runtime.plan`), so it also
     lasts an ``F``."""
-    SB = tl.step.space.S * tl.step.space.B
+    S, B = tl.step.space.S, tl.step.space.B
     base = job_work(tl, d, message_s) if work is None else work
-    return [w + (d["F"] if j // SB == 1 and tl.weights[j] != tl.compute[j] else 0.0)
+    forward = tl.step.duration_table(d)[:S]  # kind F first: each stage's own forward
+    rc = tl.step.recompute  # those backwards recompute already (charged in the base work)
+    return [w + (forward[(j // B) % S] if j // (S * B) == 1 and tl.weights[j] != tl.compute[j]
+                 and (j // B) % S not in rc else 0.0)
             for j, w in enumerate(base)]
+
+
+def _recomputed_table(S: int, split: bool, d: dict[str, float],
+                      stages: Sequence[Mapping[str, float]] | None) -> list[dict[str, float]]:
+    """Per stage, its durations with the backward (``B``, or ``I`` when split) lasting its
+    forward more: what ``recompute=full`` charges (for the time bound)."""
+    bwd = "I" if split else "B"
+    out = []
+    for s in range(S):
+        t = {k: float((stages[s] if stages else {}).get(k, d[k])) for k in ("F", "B", "I", "W")}
+        t[bwd] += t["F"]
+        out.append(t)
+    return out
 
 
 def job_cache_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None, d: dict[str, float],

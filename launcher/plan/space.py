@@ -64,6 +64,8 @@ class Point:
     weight_cache: str
     durations: dict[str, float] = field(compare=False, hash=False)
     comm: float = 0.0
+    partition: str | None = None  # how self.stages are cut (searched when the profile has modules)
+    recompute: str = "none"  # none | full: every backward recomputes its forward (searched under a byte budget)
 
     def settings(self) -> dict[str, Any]:
         """Dotted config keys and values (what :func:`overrides` spells out)."""
@@ -77,6 +79,10 @@ class Point:
             out["strategy.ownership"] = self.scheme.ownership
         out.update({f"durations.{k}": v for k, v in self.durations.items()})
         out["comm"] = self.comm
+        if self.partition is not None:
+            out["partition"] = self.partition
+        if self.recompute != "none":
+            out["recompute"] = self.recompute
         return out
 
     def overrides(self) -> list[str]:

@@ -64,5 +64,6 @@ def describe(c: Candidate) -> str:
     """One line naming a candidate and its prediction."""
     p = c.point
     return (f"{p.scheme.label} G={p.G} R={p.R} microbatches={p.microbatches} order={p.order} warmup={p.warmup} "
-            f"split_backward={str(p.split).lower()} memory_limit={p.memory_limit} weight_cache={p.weight_cache}: "
-            f"step {c.step_time:.4g}, bubble {c.bubble:.3f}")
+            f"split_backward={str(p.split).lower()} memory_limit={p.memory_limit} weight_cache={p.weight_cache}"
+            + (f" partition={p.partition}" if p.partition else "")
+            + f": step {c.step_time:.4g}, bubble {c.bubble:.3f}")

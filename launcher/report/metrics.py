@@ -16,6 +16,8 @@ Keys (the comparison dashboard reads them):
 - ``latency_s``, ``throughput_samples_per_s``, ``bubble_fraction``: ``{"predicted", "measured"}``
   (measured = the median over the steps after the first);
 - ``profile``: ``durations_s`` per job kind (the compute thread's CPU seconds on CPU workers),
+  ``stage_durations_s`` (per stage, the same of its own jobs: the prediction uses these),
+  ``modules`` (each module's profiled cost when ``partition`` cut the stages by it, else null),
   ``message_cpu_s`` (on CPU workers, the communication threads' CPU per activation or gradient
   message, null without one), ``comm_s`` (what a
   message between workers took while its receiver waited, the median; else one mean activation
@@ -23,7 +25,8 @@ Keys (the comparison dashboard reads them):
   null with one worker), ``cores`` (the cores the workers shared, null with a processor each),
   ``outside_s`` (a step's seconds outside the engine per worker, the mean: CPU seconds on CPU
   workers), ``bytes`` per stage (``params``,
-  ``grads``, ``optimizer``, ``activation``: x_s^b of one micro-batch), the input the planner reads;
+  ``grads``, ``optimizer``, ``activation``: x_s^b of one micro-batch; ``saved``: what its forward's
+  autograd graph holds for one micro-batch), the input the planner reads;
 - ``per_worker``: lists indexed by worker, each ``{"predicted", "measured"}``: ``bubble_fraction``,
   ``peak_activations`` (count) and ``peak_activation_bytes``, ``weights_owned``,
   ``weights_peak_resident``, ``traffic_count`` and ``traffic_bytes`` (per message kind, received),
@@ -35,40 +38,32 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..runtime.plan import KINDS, Plan
 from ..schedule import Timeline
+from ..schedule import memory
 from ..schedule.cores import job_work, replay
 from ..schedule.link import Link, exchanges
 from ..schedule.simulate import Step
-from .profile import end_seconds, job_seconds, message_cpu_seconds, message_seconds, outside_seconds, shared_cores
+from .profile import (end_seconds, job_seconds, message_cpu_seconds, message_seconds, outside_seconds, shared_cores,
+                      stage_job_seconds)
 
 
 def _median_after_first(xs: Sequence[float]) -> float:
     return statistics.median(xs[1:] if len(xs) > 1 else xs) if xs else 0.0
 
 
-def activation_peaks(tl: Timeline, act_bytes: Sequence[Sequence[int]]) -> list[int]:
-    """Peak bytes of live activations per worker on the timeline: ``x_s^b`` from the start of
-    ``F(s,b)`` to the end of the backward that consumes it (frees first at equal times)."""
-    space = tl.step.space
-    B, SB = space.B, space.S * space.B
-    events: list[list[tuple[float, int, int]]] = [[] for _ in range(tl.step.workers)]
-    for j in range(SB):
-        s, b = divmod(j, B)
-        w, n = tl.compute[j], act_bytes[s][b]
-        events[w].append((tl.start[j], 1, n))
-        events[w].append((tl.finish[SB + j], 0, -n))  # B(s,b), or I(s,b) when split
-    peaks = []
-    for ev in events:
-        live = peak = 0
-        for _, _, n in sorted(ev):
-            live += n
-            peak = max(peak, live)
-        peaks.append(peak)
-    return peaks
+def activation_peaks(tl: Timeline, act_bytes: Sequence[Sequence[int]],
+                     saved_bytes: Sequence[Sequence[int]] | None = None,
+                     recomputed: Sequence[bool] | None = None) -> list[int]:
+    """Peak bytes of live activations per worker on the timeline (:mod:`launcher.schedule.memory`):
+    ``x_s^b`` from the start of ``F(s,b)`` to the end of the backward that consumes it, plus,
+    given ``saved_bytes``, each forward's autograd graph (``recomputed``: per forward job)."""
+    saved = (lambda s, b: saved_bytes[s][b]) if saved_bytes is not None else None
+    return memory.activation_peaks(tl, lambda s, b: act_bytes[s][b], saved, recomputed)
 
 
 def traffic(plan: Plan, msg_bytes: Sequence[int]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
@@ -93,17 +88,26 @@ def build(
     steps: Sequence[Mapping[str, Any]],
     val: Sequence[Mapping[str, Any]],
     samples_per_step: int,
+    module_costs: Sequence[Mapping[str, float]] | None = None,
+    saved_bytes: Sequence[Sequence[int]] | None = None,
+    recomputed: Sequence[bool] | None = None,
 ) -> tuple[dict[str, Any], Timeline]:
     """The metrics record and the predicted timeline (for the diagram).
 
     ``per_rank``: each worker's ``{"rank", "records", "peak_memory_bytes", "memory_kind"}``, in rank
-    order; ``steps``: per step ``loss`` and ``step_s``.
+    order; ``steps``: per step ``loss`` and ``step_s``; ``module_costs``: each module's profile
+    (:class:`~launcher.split.cost.ModuleCost` as a dict) when the stages were cut by it, kept in the
+    profile so the planner can search the partition too; ``saved_bytes`` (per stage and
+    micro-batch) and ``recomputed`` (per forward job): the forwards' autograd graphs, counted in
+    the predicted peak activation bytes as the workers measure them.
     """
     W = plan.workers
     ranks = [r for r in per_rank if r["rank"] < W]
     step: Step = plan.timeline.step
     kinds = step.space.kinds
     durations = job_seconds(ranks, kinds)
+    # each stage's own measured times: an uneven cut has uneven stages, and the prediction follows it
+    per_stage = stage_job_seconds(ranks, kinds, step.S)
     link = next((Link(**r["link"]) for r in ranks if r.get("link")), None)
     # a dependency across workers waits for a message: what one took here while its receiver
     # waited, or else one mean activation over the link
@@ -112,7 +116,8 @@ def build(
     if comm_s is None:
         comm_s = link.seconds(act_mean) if link else 0.0
     # the programs the workers ran, timed by what they measured
-    tl = plan.timeline
+    # (measured backwards include any recomputation: the replay adds none)
+    tl = replace(plan.timeline, step=replace(step, stage_durations=per_stage, recompute=frozenset()))
     timed = {k: max(v, 1e-9) for k, v in durations.items()} | {k: 1.0 for k in "FBIW" if k not in kinds}
     cores = shared_cores(ranks)
     outside_s = outside_seconds(ranks)
@@ -163,7 +168,9 @@ def build(
                                      "measured": samples_per_step / measured_s if measured_s else None},
         "bubble_fraction": {"predicted": max(0.0, bubble_pred_total),
                             "measured": sum(meas_bubbles) / len(meas_bubbles) if meas_bubbles else None},
-        "profile": {"durations_s": {k: durations.get(k) for k in ("F", "B", "I", "W")}, "comm_s": comm_s,
+        "profile": {"durations_s": {k: durations.get(k) for k in ("F", "B", "I", "W")},
+                    "stage_durations_s": [{k: d.get(k) for k in ("F", "B", "I", "W")} for d in per_stage],
+                    "modules": [dict(c) for c in module_costs] if module_costs else None, "comm_s": comm_s,
                     "message_cpu_s": message_cpu, "link": link.to_json() if link else None, "cores": cores,
                     "outside_s": sum(outside_s) / len(outside_s) if outside_s else 0.0,
                     "bytes": {k: list(v) for k, v in stage_bytes.items()}},
@@ -171,7 +178,7 @@ def build(
             "bubble_fraction": {"predicted": [max(0.0, 1.0 - b / predicted_s) if predicted_s else 0.0 for b in busy_pred],
                                 "measured": busy_meas},
             "peak_activations": pw("peak_activations"),
-            "peak_activation_bytes": {"predicted": activation_peaks(tl, act_bytes), "measured": peak_bytes_meas},
+            "peak_activation_bytes": {"predicted": activation_peaks(tl, act_bytes, saved_bytes, recomputed), "measured": peak_bytes_meas},
             "weights_owned": pw("weights_owned"),
             "weights_peak_resident": pw("weights_peak_resident"),
             "traffic_count": traffic_count,

@@ -63,6 +63,26 @@ def job_seconds(per_rank: Records, kinds: Sequence[str]) -> dict[str, float]:
     return {k: (total[k] / count[k] if count[k] else 0.0) for k in kinds}
 
 
+def stage_job_seconds(per_rank: Records, kinds: Sequence[str], S: int) -> list[dict[str, float]]:
+    """Per stage, :func:`job_seconds` of its own jobs: stages cut unevenly (a heavy head alone, or
+    a partition by measured time) take their own time. A kind a stage never ran takes the mean
+    over every stage."""
+    cpu = on_cpu(per_rank)
+    extra = message_cpu_seconds(per_rank) is None
+    total: dict[tuple[int, str], float] = defaultdict(float)
+    count: dict[tuple[int, str], int] = defaultdict(int)
+    for r in per_rank:
+        for m in _steps(r):
+            for job in m["jobs"]:
+                work = job[3]
+                if cpu and len(job) > 5:
+                    work = job[4] if extra else job[5]
+                total[(int(job[0]), job[2])] += work
+                count[(int(job[0]), job[2])] += 1
+    mean = job_seconds(per_rank, kinds)
+    return [{k: (total[(s, k)] / count[(s, k)] if count[(s, k)] else mean[k]) for k in kinds} for s in range(S)]
+
+
 def message_cpu_seconds(per_rank: Records) -> float | None:
     """On CPU workers, the CPU seconds a worker's communication threads spent per activation or
     gradient message it sent or received during its jobs (what moving a message costs a core);

@@ -58,6 +58,14 @@ class Meter:
         self.live -= 1
         self.live_bytes -= nbytes
 
+    def hold_bytes(self, nbytes: int) -> None:
+        """Activation bytes that are not a stage input (a forward's autograd graph)."""
+        self.live_bytes += nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def drop_bytes(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
     def hold_weights(self) -> None:
         self.resident += 1
         self.peak_resident = max(self.peak_resident, self.resident)

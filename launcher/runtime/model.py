@@ -43,6 +43,7 @@ class ModelError(ValueError):
 @dataclass
 class StagedModel:
     """The user's model, cut into stages; ``graph`` defaults to the chain ``0 -> ... -> S-1``.
+    Stages may be built on the meta device: each worker materialises only those it owns (``init``).
 
     ``picks[(p, c)]``: the items of stage ``p``'s tuple output that stage ``c`` receives (default:
     the whole output), so a value only a later stage needs is sent straight to it."""
@@ -51,6 +52,10 @@ class StagedModel:
     loss: Callable[[Any, Any], torch.Tensor]
     graph: StageGraph | None = None
     picks: Picks | None = None
+    #: stages built on the meta device: ``init(indices)`` materialises and initialises those
+    #: stages by the model's rule (:mod:`.init`); None: each stage is a unit of
+    #: :func:`~launcher.runtime.init.init_units` under ``torch.initial_seed()``
+    init: Callable[[Sequence[int]], None] | None = None
 
     def __post_init__(self) -> None:
         if self.graph is None and isinstance(self.stages, (list, tuple, nn.ModuleList)):
@@ -195,11 +200,13 @@ def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module
         with torch.enable_grad():
             for s, m in enumerate(copies):
                 values = model.received(s, outs, x)
+                params = None
                 if not meta:  # each stage where its weights are
-                    dev = next((t.device for t in m.parameters()), None)
+                    params = _zeros_for_meta(m)
+                    dev = torch.device("cpu") if params else next((t.device for t in m.parameters()), None)
                     values = [to_device(v, dev) for v in values] if dev is not None else values
                 try:
-                    y = run_stage(m, None, values)
+                    y = run_stage(m, params, values)
                 except Exception as e:  # noqa: BLE001 - the user's code: one sentence naming the stage
                     if meta and _is_meta_failure(e):
                         raise NoMeta(str(e)) from e
@@ -211,6 +218,16 @@ def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module
                 outs.append(y)
         out.append([Signature.of(y) for y in outs])
     return out
+
+
+def _zeros_for_meta(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Zeros standing in for a stage's parameters while they are on the meta device (built on
+    meta, owned elsewhere): its shapes come from a real run, one stage's worth of memory at a time."""
+    named = dict(module.named_parameters())
+    if not any(p.is_meta for p in named.values()):
+        return None
+    # as the real ones require grad, so do the zeros: the signatures say which outputs carry a gradient
+    return {n: torch.zeros(p.shape, dtype=p.dtype, requires_grad=p.requires_grad) for n, p in named.items()}
 
 
 def _shapes(x: Any) -> str:

@@ -83,6 +83,7 @@ class Signature:
         self.leaves = tuple(leaves)
         self.tensors = [i for i, x in enumerate(self.leaves) if isinstance(x, Leaf)]
         self.grads = [i for i in self.tensors if self.leaves[i].grad]  # type: ignore[union-attr]
+        self.compute: torch.dtype | None = None  # set by :meth:`cast`: floating leaves are cast to it when packed
 
     @classmethod
     def of(cls, value: Any) -> "Signature":
@@ -119,8 +120,25 @@ class Signature:
         """Bytes of its message."""
         return _spec_bytes(self.spec())
 
+    def cast(self, dtype: torch.dtype | None) -> "Signature":
+        """This signature with every floating leaf in ``dtype`` (mixed precision: what crosses
+        between stages is in the compute dtype, whatever dtype the meta run found, which autocast
+        does not reach); itself when ``dtype`` is None."""
+        if dtype is None:
+            return self
+        out = Signature(self.tree, [Leaf(x.shape, dtype, x.grad) if isinstance(x, Leaf) and x.dtype.is_floating_point
+                                    else x for x in self.leaves])
+        out.compute = dtype
+        return out
+
+    def _cast(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        dt = self.compute
+        if dt is None:
+            return tensors
+        return [t.to(dt) if t.is_floating_point() else t for t in tensors]
+
     def pack(self, value: Any, device: torch.device | None = None) -> torch.Tensor:
-        return _pack([x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)], device)
+        return _pack(self._cast([x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]), device)
 
     def unpack(self, buf: torch.Tensor) -> Any:
         tensors = iter(_unpack(buf, [self.leaves[i] for i in self.tensors]))  # type: ignore[misc]
@@ -141,7 +159,7 @@ class Signature:
         return [flat[i] for i in self.grads]
 
     def pack_grads(self, grads: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-        return _pack(list(grads), device)
+        return _pack(self._cast(list(grads)), device)
 
     def unpack_grads(self, buf: torch.Tensor) -> list[torch.Tensor]:
         return _unpack(buf, [self.leaves[i] for i in self.grads])  # type: ignore[misc]

@@ -15,24 +15,29 @@ Activations: ``F(s, b)`` stashes its inputs ``x_s^b`` (and, unless it recomputes
 graph of stage ``s``) from its start to the end of ``B(s, b)`` (or ``I(s, b)``), as the simulator
 counts. A forward on fetched weights under ``weight_cache="job"`` frees its copy when it ends, so
 its backward fetches again (unless the worker owns the stage) and recomputes the stage's forward
-from the stashed input (activation checkpointing, as FSDP does); everything else keeps the graph
-and does not recompute, and its backward fetches nothing under ``"job"``. A split backward's ``W``
+from the stashed input (activation checkpointing, as FSDP does); so does every forward of a stage
+in ``recompute`` (on the random state the forward ran with, so dropout draws the same mask);
+everything else keeps the graph and does not recompute, and its backward fetches nothing under
+``"job"``. The meter counts a kept graph's saved tensors (:mod:`.saved`) with the input, until
+the backward frees it (``W`` when split), as :meth:`Engine.activation_peaks` predicts. A split backward's ``W``
 takes its gradient from its ``I``'s graph: under ``"job"`` it fetches nothing, and the copy ``I``
 fetched (if any) stays resident until ``W`` ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from launcher.schedule.rules import StepError, value_error
+from launcher.schedule.memory import activation_peaks
 from launcher.schedule.simulate import Step, Timeline, simulate
 
 from .comm import Comm
@@ -43,6 +48,8 @@ from .batches import check_same_batches
 from .model import (Batch, ModelError, NoMeta, OptimizerFactory, StagedModel, StageLayout, as_meta, meta_copy,
                     model_errors, real_signatures, run_stage, signatures, skeleton, stage_grads)
 from .plan import ACT, GRAD, TAG_LIMIT, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
+from .init import has_meta, init_units
+from .saved import SavedBytes, stage_saved_bytes, tensors as saved_tensors
 from .stats import RunningStats
 from .values import Signature, detach_inputs, item_leaves, nbytes as value_bytes, pick, to_device
 from torch.utils import _pytree as pytree
@@ -62,6 +69,8 @@ class _Stash:
     loss: torch.Tensor | None
     targets: list[torch.Tensor]  # the weight tensors the stage's weight gradient is taken against
     nbytes: int
+    saved: int = 0  # bytes the forward's autograd graph holds (0 when it recomputes)
+    rng: Any = None  # recompute: the random state the forward ran with, so dropout draws the same mask
 
 
 @dataclass
@@ -76,19 +85,21 @@ class _Edge:
 class _Shapes:
     """Signatures of every stage's output and every edge's value, for one micro-batch's shapes."""
 
-    def __init__(self, model: StagedModel, outs: list[Signature], metas: list[Any]) -> None:
+    def __init__(self, model: StagedModel, outs: list[Signature], metas: list[Any],
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.out = outs
         self.edges: dict[tuple[int, int], _Edge] = {}
+        # mixed precision: every floating leaf crosses between stages in the compute dtype
         for c, preds in enumerate(model.graph.preds):
             for p in preds:
                 items = model.edge(p, c)
                 if items is None:
-                    self.edges[(p, c)] = _Edge(outs[p], list(outs[p].grads))
+                    self.edges[(p, c)] = _Edge(outs[p].cast(compute_dtype), list(outs[p].grads))
                     continue
                 ranges = item_leaves(metas[p])
                 where = [k for i in items for k in ranges[i]]
                 sig = Signature.of(pick(metas[p], items))
-                self.edges[(p, c)] = _Edge(sig, [where[j] for j in sig.grads])
+                self.edges[(p, c)] = _Edge(sig.cast(compute_dtype), [where[j] for j in sig.grads])
 
     def input_bytes(self, s: int, preds: tuple[int, ...]) -> int:
         return sum(self.edges[(p, s)].sig.nbytes() for p in preds)
@@ -135,7 +146,9 @@ class Engine:
         device: torch.device | str | None = None,
         watchdog: Watchdog | None = None,
         check_batches: bool = True,
+        recompute: Iterable[int] | None = None,
         bucket_bytes: int = BUCKET_BYTES,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         found = [e for e in (value_error("prefetch", prefetch), value_error("weight_cache", weight_cache)) if e]
         if found:  # the command line's sentences
@@ -175,14 +188,24 @@ class Engine:
         # an optimizer or a Lightning module holding their parameters steps what the engine
         # computes with; the other stages are the engine's meta skeletons. The caller's list
         # itself is never changed.
+        self.materialized = self._materialize()
         self.modules = {s: model.stages[s].to(self.device) for s in self.owned}
         self.stages: list[torch.nn.Module] = [self.modules.get(s, self.skeletons[s]) for s in range(space.S)]
         self.stats = RunningStats([[self.modules[s], self.skeletons[s]] if s in self.modules else [self.skeletons[s]]
                                    for s in range(space.S)], space.B)
         self.check_batches = check_batches
+        # stages whose forward keeps only its input and whose backward recomputes it (activation
+        # checkpointing); default: what the schedule was simulated with
+        self.recompute = frozenset(self.timeline.step.recompute if recompute is None else recompute)
+        if any(not 0 <= s < space.S for s in self.recompute):
+            raise StepError([f"recompute={sorted(self.recompute)} is invalid: stage "
+                             f"{next(s for s in sorted(self.recompute) if not 0 <= s < space.S)} does not exist "
+                             f"with stages={space.S}."])
         self.replicas = Replicas(self.plan, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes)
         if dist.get_backend(group) == "nccl":
             warm_pairs(self.plan, self.worker, self.ranks, group, self.device)
+        if self.materialized:
+            self._sync_ties()
         self._sync_replicas()
         # a parameter several owned stages share (tied embeddings) is one parameter of the optimizer
         params = list(dict.fromkeys(p for s in self.owned for p in self.modules[s].parameters()))
@@ -195,6 +218,7 @@ class Engine:
         self._grad_views: dict[int, tuple] = {}  # owned stage -> (its total, its parameters, their views of it)
         self.steps = 0
         self._shapes: dict[Any, _Shapes] = {}
+        self._saved: dict[Any, list[int]] = {}  # input shapes -> bytes each stage's graph saves
         comp, B, SB = self.timeline.compute, space.B, space.S * space.B
         # F(s, b)'s output feeds how many forwards on the same worker
         self._local_succ = [
@@ -202,6 +226,12 @@ class Engine:
         ]
         self._grad_kind = space.K - 1
         self._eval_plan: Plan | None = None
+        # mixed precision (bf16-mixed, 16-mixed): owners keep their weights (fp32 masters) and
+        # compute under the caller's autocast; fetched weights, activations and their gradients
+        # cross in this dtype; weight-gradient sums and all-reduces stay in the weights' dtype.
+        # None: everything crosses in its own dtype.
+        self.compute_dtype = compute_dtype
+        self.loss_scale = 1.0  # 16-mixed: the GradScaler's scale, applied to every loss's backward
 
     # ---- shapes ------------------------------------------------------------------------------
     def shapes(self, microbatches: Sequence[Batch]) -> list[_Shapes]:
@@ -216,7 +246,7 @@ class Engine:
                     sigs = signatures(self.model, [as_meta(mb[0])], self._metas)[0]
                 except NoMeta:  # a stage reads values (or lacks a meta kernel): one real forward
                     sigs = real_signatures(self.model, mb[0])
-                self._shapes[k] = _Shapes(self.model, sigs, [_meta_of(sg) for sg in sigs])
+                self._shapes[k] = _Shapes(self.model, sigs, [_meta_of(sg) for sg in sigs], self.compute_dtype)
         return [self._shapes[k] for k in keys]
 
     def sizes(self, microbatches: Sequence[Batch]) -> tuple[list[int], list[list[int]], list[int]]:
@@ -230,11 +260,54 @@ class Engine:
                 return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.nbytes()
             if m.kind == GRAD:
                 return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.grad_nbytes()
+            if m.kind == WEIGHTS:
+                return self.layouts[m.stage].numel * torch.empty((), dtype=self.wire_dtype(m.stage)).element_size()
             return params[m.stage]
 
         act = [[shapes[b].input_bytes(s, space.stage_preds[s]) if space.stage_preds[s]
                 else value_bytes(microbatches[b][0]) for b in range(space.B)] for s in range(space.S)]
         return [size(m) for m in self.plan.messages], act, params
+
+    def wire_dtype(self, s: int) -> torch.dtype:
+        """The dtype stage ``s``'s weights are fetched in: the compute dtype under mixed
+        precision (half the bytes of fp32 masters), else the weights' own."""
+        dt = self.layouts[s].dtype
+        return self.compute_dtype if self.compute_dtype is not None and dt.is_floating_point else dt
+
+    def saved_sizes(self, microbatches: Sequence[Batch]) -> list[list[int]]:
+        """Bytes each stage's forward graph saves for its backward, per micro-batch (as the engine
+        counts them, :class:`~launcher.runtime.saved.SavedBytes`): found once per input shape,
+        by a run on fake tensors of this engine's device (or one real forward, see
+        :func:`~launcher.runtime.saved.stage_saved_bytes`)."""
+        self.shapes(microbatches)
+        if self._metas is None:
+            self._metas = [meta_copy(m) for m in self.model.stages]
+        per_key: dict[Any, list[int]] = {}
+        for mb in microbatches:
+            k = _key(mb[0])
+            if k not in self._saved:
+                self._saved[k] = stage_saved_bytes(self.model, mb[0], mb[1], self._metas, self.device)
+            per_key[k] = self._saved[k]
+        by_b = [per_key[_key(mb[0])] for mb in microbatches]
+        return [[by_b[b][s] for b in range(self.space.B)] for s in range(self.space.S)]
+
+    def recomputed(self) -> list[bool]:
+        """Per forward job ``s * B + b``: whether it keeps only its input (its stage recomputes,
+        or it frees its fetched copy under ``weight_cache="job"``), as the programs run it."""
+        out = [False] * (self.space.S * self.space.B)
+        for prog in self.plan.programs:
+            for op in prog.jobs:
+                if op.kind == "F":
+                    out[op.stage * self.space.B + op.microbatch] = op.free_weights or op.stage in self.recompute
+        return out
+
+    def activation_peaks(self, microbatches: Sequence[Batch]) -> list[int]:
+        """Predicted peak activation bytes per worker for these micro-batches: inputs ``x_s^b``
+        plus the forwards' graphs, swept over the timeline (:mod:`launcher.schedule.memory`);
+        equal to what each worker's meter measures (``peak_activation_bytes``)."""
+        _, act, _ = self.sizes(microbatches)
+        saved = self.saved_sizes(microbatches)
+        return activation_peaks(self.timeline, lambda s, b: act[s][b], lambda s, b: saved[s][b], self.recomputed())
 
     # ---- the step ----------------------------------------------------------------------------
     def train_step(self, microbatches: Sequence[Batch]) -> dict[str, Any]:
@@ -334,7 +407,7 @@ class Engine:
             if m.kind == GRAD:
                 return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.grad_spec()
             L = self.layouts[m.stage]
-            return (L.numel,), L.dtype
+            return (L.numel,), self.wire_dtype(m.stage) if m.kind == WEIGHTS else L.dtype
 
         comm = Comm(plan, w, spec, self.device, self.watchdog, self.group, self.ranks,
                     on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
@@ -349,7 +422,8 @@ class Engine:
                 for mid in prog.weight_release.get(i, ()):
                     s = msgs[mid].stage
                     if s not in packed:
-                        packed[s] = self.layouts[s].pack([p.detach() for p in self.modules[s].parameters()])
+                        flat = self.layouts[s].pack([p.detach() for p in self.modules[s].parameters()])
+                        packed[s] = flat.to(self.wire_dtype(s))  # mixed precision: cast once, sent to all
                     comm.send(mid, packed[s])
             released = max(released, upto)
 
@@ -380,6 +454,49 @@ class Engine:
         return st
 
     # ---- state -------------------------------------------------------------------------------
+    def _materialize(self) -> bool:
+        """Owned stages built on the meta device get storage and their initial values here, by
+        the model's rule (:mod:`.init`: the same values single-device training starts from); no
+        other stage of the model ever gets storage on this worker. True if any did."""
+        meta = [s for s in self.owned if has_meta(self.model.stages[s])]
+        if not meta:
+            return False
+        if self.model.init is not None:
+            self.model.init(meta)
+        else:
+            init_units(self.model.stages, torch.initial_seed(), meta)
+        return True
+
+    def _sync_ties(self) -> None:
+        """A parameter several stages share takes the value its first stage's rule gives it: that
+        stage's first owner hands it to the tie's other owners (who initialised it by another
+        unit's rule, or not at all)."""
+        if self.worker is None:
+            return
+        w, owners, works, into = self.worker, self.plan.owners, [], []
+        for g, uses in enumerate(self.ties):
+            s0, i0 = min(uses)
+            root = owners[s0][0]
+            union = sorted({o for s, _ in uses for o in owners[s]} - set(owners[s0]))
+            tag = TAG_LIMIT - 1 - g
+            if w == root:
+                value = list(self.modules[s0].parameters())[i0].detach().contiguous()
+                works += [dist.isend(value, self.ranks[o], group=self.group, tag=tag) for o in union]
+            elif w in union:
+                s, i = next((s, i) for s, i in uses if w in owners[s])
+                param = list(self.modules[s].parameters())[i]
+                buf = torch.empty_like(param.detach())
+                works.append(dist.irecv(buf, self.ranks[root], group=self.group, tag=tag))
+                into.append((uses, buf))
+        with blocked(self.watchdog):
+            for work in works:
+                work.wait()
+        with torch.no_grad():
+            for uses, buf in into:
+                for s, i in uses:
+                    if s in self.modules:
+                        list(self.modules[s].parameters())[i].copy_(buf)
+
     def _sync_replicas(self) -> None:
         """Every owner of a replicated stage (DDP, LPP with G > 1) starts from the weights of the
         stage's lowest-ranked owner: ranks that built their model apart (torchrun, a per-rank
@@ -480,6 +597,24 @@ class Engine:
             os.replace(tmp, path)
 
 
+def _rng_state(device: torch.device) -> tuple:
+    """The random state a recomputed forward must replay (CPU, and the device's on CUDA)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def _replayed_rng(state: tuple | None, device: torch.device) -> Any:
+    """Run under ``state`` (a forward's random state), then go back to the current one."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
 def _detached(value: Any) -> Any:
     return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)
 
@@ -497,6 +632,7 @@ class _StepState:
         # (p, b) -> {c: dL/d(the differentiable leaves of what p sent c)}
         self.grads: dict[tuple[int, int], dict[int, list[torch.Tensor]]] = defaultdict(dict)
         self.stash: dict[tuple[int, int], _Stash] = {}
+        self.ys: dict[int, Any] = {}  # micro-batch -> its target on the device (loss stages)
         self.wstash: dict[tuple[int, int], tuple] = {}  # split backward: I's graph kept for W
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (stage, owner) -> summed weight gradient
         self.weights: dict[int, torch.Tensor] = {}  # weights message -> fetched flat copy (a leaf)
@@ -564,6 +700,10 @@ class _StepState:
                 entry[1] -= 1
                 if entry[1] == 0:
                     del self.outs[(p, b)]
+                dt = edge.sig.compute
+                if dt is not None:  # mixed precision: cast as a sent value is, so placement changes no result
+                    v = pytree.tree_map(lambda x: x.detach().to(dt) if isinstance(x, torch.Tensor)
+                                        and x.is_floating_point() else x, v)
             if isinstance(v, torch.Tensor):  # the common case, without the tree
                 v = v.detach()
                 if edge.sig.grads:
@@ -587,9 +727,16 @@ class _StepState:
     def _loss(self, op: JobOp, out: Any) -> torch.Tensor | None:
         if not self.e.space.is_sink[op.stage]:
             return None
-        y = self.mb[op.microbatch][1]
-        y = y.to(self.e.device) if isinstance(y, torch.Tensor) else to_device(y, self.e.device)
-        return self.e.model.loss(out, y) / self.e.space.B
+        return self.e.model.loss(out, self._target(op.microbatch)) / self.e.space.B
+
+    def _target(self, b: int) -> Any:
+        """Micro-batch ``b``'s target on the device, moved once (the forward and a recomputing
+        backward share it, and the graph's count can leave it out: it is data, not activation)."""
+        y = self.ys.get(b)
+        if y is None:
+            y = self.mb[b][1]
+            y = self.ys[b] = y.to(self.e.device) if isinstance(y, torch.Tensor) else to_device(y, self.e.device)
+        return y
 
     def forward(self, op: JobOp) -> None:
         if not self.train:
@@ -599,23 +746,36 @@ class _StepState:
         nbytes = value_bytes(values)
         self.meter.take(nbytes)  # x_s^b is live from the start of F(s, b)
         mod, params, targets = self.fetch(op)
-        recompute = op.free_weights  # the copy goes away after this job: keep only the input
+        # keep only the input when the copy goes away after this job, or when the stage recomputes
+        recompute = op.free_weights or s in self.e.recompute
         stats = self.e.stats
         stats.before(s, b, mod)
-        with torch.set_grad_enabled(not recompute):
+        rng = _rng_state(self.e.device) if recompute else None
+        with torch.set_grad_enabled(not recompute), self._counting(recompute, op, mod, targets, values) as graph:
             out = run_stage(mod, params, values)
             loss = self._loss(op, out)
         stats.after(s, b, mod)
+        saved = graph.nbytes if graph is not None else 0
+        self.meter.hold_bytes(saved)  # the graph lives until the backward that frees it
         if loss is not None:
             self.meter.loss += float(loss.detach())
         self.stash[(s, b)] = _Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
-                                    targets, nbytes)
+                                    targets, nbytes, saved, rng)
         n = self.e._local_succ[s * self.e.space.B + b]
         if n:
             self.outs[(s, b)] = [out.detach() if isinstance(out, torch.Tensor) else _detached(out), n]
         self._send_output(op, out)
         if op.free_weights:
             self.free(op.weights)
+
+    def _counting(self, off: bool, op: JobOp, mod: torch.nn.Module, targets: list[torch.Tensor],
+                  values: list[Any]) -> Any:
+        """Counts what a forward's graph saves (:class:`~launcher.runtime.saved.SavedBytes`),
+        except the stage's weights, buffers, inputs and (loss stage) target; nothing when ``off``."""
+        if off:
+            return contextlib.nullcontext()
+        y = saved_tensors(self._target(op.microbatch)) if self.e.space.is_sink[op.stage] else []
+        return SavedBytes([*targets, *mod.buffers(), *saved_tensors(values), *y])
 
     def forward_eval(self, op: JobOp) -> None:
         """A forward that keeps nothing for a backward: no stash, its copy of the weights freed
@@ -640,17 +800,21 @@ class _StepState:
         if st.out is None:  # recompute the stage's forward on freshly fetched weights
             mod, params, targets = self.fetch(op)
             self.e.stats.before(s, b, mod)
-            with torch.enable_grad():
+            with torch.enable_grad(), _replayed_rng(st.rng, self.e.device), \
+                    self._counting(False, op, mod, targets, st.values) as graph:
                 out = run_stage(mod, params, st.values)
                 loss = self._loss(op, out)
             self.e.stats.after(s, b, mod, count=False)  # counted by the forward already
+            st.saved = graph.nbytes
+            self.meter.hold_bytes(st.saved)  # the recomputed graph, until this job (or W) ends
         else:
             out, loss, targets = st.out, st.loss, st.targets
             if op.weights is not None:
                 self.fetch(op)  # cache "step" only: the copy F used; counted as a job on fetched weights
         if loss is not None:
             roots: list[torch.Tensor] = [loss]
-            grads: list[torch.Tensor] | None = None
+            scale = self.e.loss_scale  # 16-mixed: the GradScaler's scale (the owners' optimizer step unscales)
+            grads: list[torch.Tensor] | None = None if scale == 1.0 else [torch.full_like(loss, scale)]
         else:
             roots, grads = self._output_grads(op, out)
         want = st.leaves + ([] if split else targets)
@@ -659,9 +823,11 @@ class _StepState:
         if not split:
             self._accumulate(op, targets, res[len(st.leaves) :])
         self.meter.release(st.nbytes)  # x_s^b dies with the job that consumes it
+        if not split:
+            self.meter.drop_bytes(st.saved)  # and the graph with it
         if split:
             hold = op.weights if op.free_weights else None  # I's copy lives in the graph until W
-            self.wstash[(s, b)] = (roots, grads, targets, hold)
+            self.wstash[(s, b)] = (roots, grads, targets, hold, st.saved)
             if hold is not None:
                 self.weights.pop(hold, None)  # not freed yet: still counted as resident
         elif op.free_weights:
@@ -700,12 +866,13 @@ class _StepState:
         return [flat[k] for k in keys], [total[k] for k in keys]
 
     def weight_grad(self, op: JobOp) -> None:
-        roots, grads, targets, hold = self.wstash.pop((op.stage, op.microbatch))
+        roots, grads, targets, hold, saved = self.wstash.pop((op.stage, op.microbatch))
         if op.weights is not None:
             # cache "step" only: W on the step's copy, counted as a job on fetched weights; the
             # gradient itself comes from I's graph (under "job" the plan sends W no copy at all)
             self.fetch(op)
         self._accumulate(op, targets, stage_grads(roots, targets, grads))
+        self.meter.drop_bytes(saved)  # I's graph, kept for this job, is freed now
         if hold is not None:
             self.meter.free_weights()
 

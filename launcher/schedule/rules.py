@@ -27,6 +27,9 @@ STRATEGIES = tuple(sorted(NAMED))
 W_EQUALS = {"ddp": "microbatches", "fsdp": "microbatches", "gpipe": "stages"}
 DURATION_KINDS = ("F", "B", "I", "W")
 WEIGHT_CACHES = ("step", "job")
+#: ``recompute``: which stages' backward recomputes their forward (activation checkpointing)
+RECOMPUTE = ("none", "full")
+RECOMPUTE_RULE = "use none, full (every stage) or a list of stage indices"
 #: the most jobs (stages * microbatches * kinds) a step may have. The simulator holds about
 #: 250 bytes per job and the reports several times that (the 1,048,576-job step of the README
 #: peaks near 1 GB), so beyond this a step would not fit in a workstation's memory.
@@ -102,6 +105,14 @@ def value_error(key: str, v: Any) -> str | None:
     elif key == "split_backward":
         if not isinstance(v, bool):
             return f"split_backward={shown(v)} is invalid: it must be true or false."
+    elif key == "recompute":
+        if isinstance(v, (list, tuple)):
+            bad = next((x for x in v if not (isinstance(x, int) and not isinstance(x, bool) and x >= 0)), None)
+            if bad is not None or len(set(v)) != len(v):
+                why = f"{shown(bad)} is not a stage index" if bad is not None else "it names a stage twice"
+                return f"recompute={list(v)} is invalid: {why}; {RECOMPUTE_RULE}."
+        elif v not in RECOMPUTE:
+            return f"recompute={shown(v)} is invalid: {RECOMPUTE_RULE}."
     elif key == "memory_limit":
         rule = "memory_limit must be null, a positive integer, or a list of positive integers, one per worker"
         if isinstance(v, (list, tuple)):
@@ -118,7 +129,7 @@ def step_errors(values: Mapping[str, Any]) -> list[str]:
     Keys (each optional): ``G``, ``R``, ``W``, ``stages``, ``microbatches``, ``strategy`` (a name,
     or a callable placement), ``order`` (a name or a callable), ``warmup``, ``durations`` (a
     mapping of kind to time), ``comm``, ``memory_limit``, ``split_backward``, ``weight_cache``,
-    ``prefetch``.
+    ``prefetch``, ``recompute``.
     """
     out: list[str] = []
     for k in SIZES:
@@ -180,7 +191,23 @@ def step_errors(values: Mapping[str, Any]) -> list[str]:
     for k in ("warmup", "weight_cache", "prefetch", "split_backward"):
         if k in values and (e := value_error(k, values[k])):
             out.append(e)
+    rc = values.get("recompute")
+    if "recompute" in values:
+        if e := value_error("recompute", rc):
+            out.append(e)
+        elif isinstance(rc, (list, tuple)) and is_size(S) and (over := [x for x in rc if x >= S]):
+            out.append(f"recompute={list(rc)} is invalid: stage {over[0]} does not exist with stages={S}; "
+                       f"{RECOMPUTE_RULE} in [0, {S}).")
     return out
+
+
+def recompute_stages(value: Any, stages: int) -> frozenset[int]:
+    """The stages a (valid) ``recompute`` value names: ``none``/``None`` -> none, ``full`` -> all."""
+    if value is None or value == "none":
+        return frozenset()
+    if value == "full":
+        return frozenset(range(stages))
+    return frozenset(int(x) for x in value)
 
 
 def check(values: Mapping[str, Any]) -> None:

@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 from .graph import JobSpace, StageGraph
 from .order import Order, make_order
 from .placement import Placement, named
-from .rules import StepError, check, value_error
+from .rules import StepError, check, recompute_stages, value_error
 
 DEFAULT_DURATIONS = {"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}
 
@@ -55,6 +55,9 @@ class Step:
     #: per stage, its own time per job kind (measured stages differ: a vocabulary head is slow);
     #: a kind a stage leaves out takes ``durations``'s time
     stage_durations: Sequence[Mapping[str, float]] | None = None
+    #: stages whose backward (``B``, or ``I`` when split) recomputes their forward first
+    #: (activation checkpointing): each such job takes its stage's forward time more
+    recompute: frozenset[int] = frozenset()
 
     @property
     def S(self) -> int:
@@ -62,13 +65,21 @@ class Step:
 
     def duration_table(self, durations: Mapping[str, float] | None = None) -> list[float]:
         """Every job's duration, indexed by ``kind * S + stage`` (a job ``j`` is at ``j // B``):
-        ``durations`` per kind (default: the step's), with the step's per-stage times over them."""
+        ``durations`` per kind (default: the step's), with the step's per-stage times over them.
+
+        A recomputed stage's backward (``B``, or ``I`` when split) takes its forward's time more
+        (a replay of measured times, which include it already, uses a step without ``recompute``)."""
         base = self.durations if durations is None else durations
         per = self.stage_durations
         if per is not None and len(per) != self.S:
             raise ScheduleError(f"stage_durations has {len(per)} entries but the step has S={self.S} stages")
-        return [float(per[s].get(k, base[k]) if per is not None else base[k])
-                for k in self.space.kinds for s in range(self.S)]
+        table = [float(per[s].get(k, base[k]) if per is not None else base[k])
+                 for k in self.space.kinds for s in range(self.S)]
+        if self.recompute:
+            bwd = self.space.kinds.index("I" if self.space.split_backward else "B") * self.S
+            for s in self.recompute:
+                table[bwd + s] += table[s]  # kind F is first: table[s] is F(s)'s time
+        return table
 
     @property
     def B(self) -> int:
@@ -90,10 +101,12 @@ def make_step(
     graph: StageGraph | None = None,
     ownership: str = "seed",
     stage_durations: Sequence[Mapping[str, float]] | None = None,
+    recompute: str | Sequence[int] | None = None,
 ) -> Step:
     """Convenience builder: a named scheme (or a placement callable) on ``W = G * R`` workers;
     ``ownership`` (``seed`` or ``balanced``) picks FSLPP's owner formula; ``stage_durations``
-    gives stages their own job times (:attr:`Step.stage_durations`).
+    gives stages their own job times (:attr:`Step.stage_durations`); ``recompute`` (``none``,
+    ``full`` or stage indices) names the stages whose backward recomputes the forward.
 
     Checks the same rules, with the same sentences, as the command line
     (:mod:`launcher.schedule.rules`); raises :class:`~launcher.schedule.rules.StepError`, one
@@ -105,12 +118,14 @@ def make_step(
         values["order"] = order
     if durations is not None:
         values["durations"] = durations
+    if recompute is not None:
+        values["recompute"] = sorted(recompute) if isinstance(recompute, (tuple, set, frozenset)) else recompute
     check(values)
     graph = graph or StageGraph.chain(stages)
     if graph.stages != stages:
         raise StepError([f"stages={stages} is invalid: the stage graph has {graph.stages} stages."])
     return unchecked_step(strategy, stages, microbatches, G, R, order, warmup, durations, comm, memory_limit,
-                          split_backward, graph, ownership, stage_durations)
+                          split_backward, graph, ownership, stage_durations, recompute)
 
 
 def unchecked_step(
@@ -128,6 +143,7 @@ def unchecked_step(
     graph: StageGraph | None = None,
     ownership: str = "seed",
     stage_durations: Sequence[Mapping[str, float]] | None = None,
+    recompute: str | Sequence[int] | None = None,
 ) -> Step:
     """:func:`make_step` without the rules a config must meet: for analyses that study steps the
     launcher refuses on purpose (seed 000's ``R = 2S/M`` leaves workers without a stage)."""
@@ -148,6 +164,7 @@ def unchecked_step(
         memory_limit,
         strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "custom"),
         stage_durations,
+        recompute_stages(recompute, stages),
     )
 
 

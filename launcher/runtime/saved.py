@@ -1,0 +1,150 @@
+"""Bytes the autograd graph of a stage's forward keeps for its backward (activation memory beyond
+the stage's input ``x_s^b``), counted the same way when measured and when predicted.
+
+:class:`SavedBytes` wraps a forward in :func:`torch.autograd.graph.saved_tensors_hooks` and counts
+each distinct storage a saved tensor lives in once, except the storages it is told to skip: the
+stage's parameters (or its fetched flat copy of them), its buffers, its own inputs (``x_s^b``,
+counted already) and, on a loss stage, the target (data, like the input). :func:`stage_saved_bytes` finds the same number per stage once, before anything
+runs, by running the stages on fake tensors of the engine's device (no memory, but the device's own
+kernels: a CPU attention saves what the CPU kernel saves, which a meta-device run would not), and,
+for a stage that cannot run on fake tensors, by one real forward with gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of the storage ``t`` lives in (views share it); meta and fake tensors included."""
+    return t.untyped_storage()._cdata
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+class SavedBytes:
+    """Context manager: ``nbytes`` of the distinct storages autograd saves inside it, except
+    those of ``skip`` (tensors whose storages are counted elsewhere)."""
+
+    def __init__(self, skip: Iterable[torch.Tensor] = ()) -> None:
+        self.seen = {storage_id(t) for t in skip}
+        self.nbytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        sid = storage_id(t)
+        if sid not in self.seen:  # the graph keeps the whole storage alive, whatever view it saved
+            self.seen.add(sid)
+            self.nbytes += t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self) -> "SavedBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def state_of(module: nn.Module) -> list[torch.Tensor]:
+    """A stage's parameters and buffers: model state, not activations."""
+    return [*module.parameters(), *module.buffers()]
+
+
+def stage_saved_bytes(model: Any, x: Any, y: Any, copies: Sequence[nn.Module], device: torch.device) -> list[int]:
+    """Per stage, the bytes its forward (and, on a loss stage, the loss) saves for the backward for
+    one micro-batch ``(x, y)``, as :class:`SavedBytes` counts it in the engine. ``copies``: the
+    stages' meta-device copies (only their shapes are read)."""
+    try:
+        return _fake_run(model, x, y, copies, device)
+    except Exception:  # noqa: BLE001 - an op without a fake kernel, or one that reads values
+        return _real_run(model, x, y, device)
+
+
+def _fake_run(model: Any, x: Any, y: Any, copies: Sequence[nn.Module], device: torch.device) -> list[int]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+    def fake_value(v: Any) -> Any:
+        return pytree.tree_map(lambda t: fake(t) if isinstance(t, torch.Tensor) else t, v)
+
+    out: list[int] = []
+    with mode, torch.enable_grad():
+        xf, yf = fake_value(x), fake_value(y)
+        outs: list[Any] = []
+        for s, m in enumerate(copies):
+            state = {k: fake(p).requires_grad_(p.requires_grad) for k, p in m.named_parameters()}
+            state.update({k: fake(b) for k, b in m.named_buffers()})
+            values = [_leafy(v) for v in model.received(s, outs, xf)]
+            sink = s in model.graph.sinks and y is not None
+            with SavedBytes([*state.values(), *tensors(values), *(tensors(yf) if sink else [])]) as counted:
+                o = _call(m, state, values)
+                if sink:
+                    model.loss(o, yf)
+            out.append(counted.nbytes)
+            outs.append(o)
+    return out
+
+
+def _real_run(model: Any, x: Any, y: Any, device: torch.device) -> list[int]:
+    """One real forward with gradients, in training mode as the step runs it; the random state and
+    every buffer (BatchNorm's statistics) are put back afterwards."""
+    from .values import to_device
+
+    stages = list(model.stages)
+    kept = [[b.detach().clone() for b in m.buffers()] for m in stages]
+    devices = [device.index or 0] if device.type == "cuda" else []
+    out: list[int] = []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            outs: list[Any] = []
+            for s, m in enumerate(stages):
+                dev = next((t.device for t in m.parameters()), device)
+                values = [_leafy(to_device(v, dev)) for v in model.received(s, outs, x)]
+                sink = s in model.graph.sinks and y is not None
+                yd = to_device(y, dev) if sink else None
+                with SavedBytes([*state_of(m), *tensors(values), *tensors(yd)]) as counted:
+                    o = _call(m, None, values)
+                    if sink:
+                        model.loss(o, yd)
+                out.append(counted.nbytes)
+                outs.append(o)
+    finally:
+        with torch.no_grad():
+            for m, bufs in zip(stages, kept):
+                for b, v in zip(m.buffers(), bufs):
+                    b.copy_(v)
+    return out
+
+
+def _call(m: nn.Module, state: dict | None, values: list[Any]) -> Any:
+    from .model import run_stage
+
+    if state is None:
+        return run_stage(m, None, values)
+    from .values import arguments
+
+    args, kwargs = arguments(values)
+    return functional_call(m, state, tuple(args), kwargs)
+
+
+def _leafy(v: Any) -> Any:
+    """A stage input as the engine gives it: detached, each a leaf of its own that requires grad
+    where the value it came from did (a gradient goes back through it)."""
+    return pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad)
+                           if isinstance(t, torch.Tensor) else t, v)
