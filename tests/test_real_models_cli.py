@@ -5,6 +5,7 @@ default single-device strategy in this process (float64, within 1e-10)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,9 +15,10 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
+from launcher.runtime.init import empty_init, has_meta, init_units
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -79,7 +81,14 @@ def single_device(overrides: list[str], micro: bool) -> dict:
         cfg = compose("config", overrides=[o for o in overrides if not o.startswith(("G=", "R="))])
     L.seed_everything(int(cfg.seed), verbose=False)
     data = instantiate(cfg.data)
-    model = instantiate(cfg.model)
+    # as the command builds it: a model that says how its layers start (reset_stage) is built on
+    # the meta device and started by the launcher's rule, in the run's precision
+    meta = callable(getattr(get_class(cfg.model._target_), "reset_stage", None))
+    with empty_init() if meta else contextlib.nullcontext():
+        model = instantiate(cfg.model)
+    if has_meta(model):
+        model.double()
+        init_units(list(model.stages), torch.initial_seed(), reset=model.reset_stage)
     model.prepare_data = lambda: None
     k = 4 if micro else 1
     if micro:
