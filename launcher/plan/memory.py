@@ -4,7 +4,11 @@ For worker ``w`` (``p_s``, ``g_s``, ``o_s``: parameter, gradient and optimizer-s
 ``s``; ``a_s``: bytes of ``x_s^b`` for one micro-batch)::
 
     bytes(w) = sum over owned stages s of (p_s + g_s + o_s)          # the source of truth, stepped here
-             + sum over fetched stages s of g_s                      # gradient summed here, sent at the end
+             + gradient buffers, swept over the timeline             # fetched stages' partial sums (step:
+                                                                     #   all step; job: until handed over),
+                                                                     #   an owner's receive buffers, and the
+                                                                     #   weight gradient a backward returns
+             + sum over owned stages s that others fetch of p_s      # the packed copy sent (kept all step)
              + fetched copies                                        # weight_cache=step: sum of p_s over
                                                                      #   fetched stages (kept all step);
                                                                      #   job: the most copies held at once
@@ -12,15 +16,16 @@ For worker ``w`` (``p_s``, ``g_s``, ``o_s``: parameter, gradient and optimizer-s
              + peak over time of sum of a_s over live x_s^b          # exact, from the timeline
                (+ the forwards' graphs, v_s each, unless recomputed)
 
-A fetched stage's gradient buffer lives to the end of the step (sums reach owners after the step),
-so it is counted for every fetched stage the worker computes. Live activations are swept exactly:
+Under cache ``step`` a fetched stage's gradient buffer lives to the end of the step, so it is
+counted for every fetched stage the worker computes; under ``job`` the owner takes each sum in
+during the step and the sender frees it (:func:`launcher.schedule.memory.sum_handovers`). Live activations are swept exactly:
 ``x_s^b`` is held on ``F(s,b)``'s worker from that job's start to the end of the backward that
 consumes it, a release at time t before an acquisition at t (as in the simulator).
 """
 
 from __future__ import annotations
 
-from ..schedule.memory import activation_peaks, recomputed_forwards
+from ..schedule.memory import activation_peaks, gradient_peaks, recomputed_forwards
 from ..schedule.simulate import Timeline
 from .profile import Profile
 
@@ -39,11 +44,14 @@ def owned_and_fetched(tl: Timeline) -> tuple[list[set[int]], list[set[int]]]:
     return owned, fetched
 
 
-def static_bytes(owned: list[set[int]], fetched: list[set[int]], prof: Profile) -> list[float]:
-    """Owned stages' parameters, gradients and optimizer state, plus fetched stages' gradients."""
+def static_bytes(owned: list[set[int]], fetched: list[set[int]], prof: Profile, cache: str = "step") -> list[float]:
+    """Owned stages' parameters, gradients and optimizer state, plus fetched stages' gradient sums:
+    all of them under cache ``step``; under ``job`` the largest (at least one is live at a time:
+    a lower bound, without a timeline)."""
     sb = prof.stage_bytes
-    return [sum(sb("params", s) + sb("grads", s) + sb("optimizer", s) for s in own) + sum(sb("grads", s) for s in fet)
-            for own, fet in zip(owned, fetched)]
+    fet = [[sb("grads", s) for s in f] for f in fetched]
+    return [sum(sb("params", s) + sb("grads", s) + sb("optimizer", s) for s in own)
+            + (sum(g) if cache == "step" else max(g, default=0.0)) for own, g in zip(owned, fet)]
 
 
 def activation_bytes(tl: Timeline, prof: Profile, cache: str = "step") -> list[float]:
@@ -59,13 +67,17 @@ def activation_bytes(tl: Timeline, prof: Profile, cache: str = "step") -> list[f
 def worker_bytes(tl: Timeline, prof: Profile, cache: str, peak_resident: list[int],
                  owned: list[set[int]], fetched: list[set[int]], act: list[float]) -> list[float]:
     """``bytes(w)`` of the module docstring for weight cache ``cache``."""
-    base = static_bytes(owned, fetched, prof)
+    sb = prof.stage_bytes
+    state = [sum(sb("params", s) + sb("grads", s) + sb("optimizer", s) for s in own) for own in owned]
+    grads = gradient_peaks(tl, lambda s: sb("grads", s), cache)
+    sent = set().union(*fetched)  # stages some worker fetches: their owners pack a copy to send
     out = []
     for w in range(tl.step.workers):
         if cache == "step":
-            copies = sum(prof.stage_bytes("params", s) for s in fetched[w])
+            copies = sum(sb("params", s) for s in fetched[w])
         else:
-            largest = max((prof.stage_bytes("params", s) for s in fetched[w]), default=0.0)
+            largest = max((sb("params", s) for s in fetched[w]), default=0.0)
             copies = (peak_resident[w] - len(owned[w])) * largest
-        out.append(base[w] + copies + act[w])
+        packed = sum(sb("params", s) for s in owned[w] if s in sent)
+        out.append(state[w] + grads[w] + packed + copies + act[w])
     return out

@@ -353,7 +353,7 @@ def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget) -> tu
         tl = Timeline(probe, compute, weights, [], [], [], [])
         owned, fetched = memory.owned_and_fetched(tl)
         if budget.bytes is not None and prof.bytes:
-            base = memory.static_bytes(owned, fetched, prof)
+            base = memory.static_bytes(owned, fetched, prof, "job")  # the smaller of the two caches
             a_min = min(prof.stage_bytes("activation", s) for s in range(S))
             p_min = [min((prof.stage_bytes("params", s) for s in f), default=0.0) for f in fetched]
             if max(b + p + n * a_min for b, p, n in zip(base, p_min, need)) > budget.bytes:

@@ -80,7 +80,7 @@ class Comm:
         self.wanted: set[int] = set()
         self.works: dict[int, dist.Work] = {}
         self.buffers: dict[int, torch.Tensor] = {}
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.sends: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # mid -> its send, until delivered
         self.waited = 0.0  # seconds spent blocked waiting for incoming data (not compute)
         # what a message between workers really takes here (:class:`Clock`), for the activations
         # and gradients (the dependencies the simulator charges), the partial sums and the
@@ -122,7 +122,7 @@ class Comm:
                 t = self.ready.pop(mid)
                 if not t.is_contiguous():
                     t = t.contiguous()
-                self.sends.append((dist.isend(t, self.ranks[m.dst], group=self.group, tag=mid), t))
+                self.sends[mid] = (dist.isend(t, self.ranks[m.dst], group=self.group, tag=mid), t)
                 self.sent_count[m.kind] += 1
                 self.sent_bytes[m.kind] += t.numel() * t.element_size()
             else:
@@ -173,6 +173,21 @@ class Comm:
             raise RuntimeError(f"message {self.msgs[mid]} was not posted; the plan's pair order is inconsistent")
         return self.buffers[mid]
 
+    def deliver(self, mid: int) -> None:
+        """Wait until an outgoing message that went out is delivered, and let go of its data: the
+        engine has dropped its own reference (a partial sum under cache ``job``), so the memory
+        goes back now, not at the end of the step. (gloo reports a send complete only once it is
+        waited for, so the plan says when the receiver has posted it: the wait is short.)"""
+        sent = self.sends.pop(mid, None)
+        if sent is None:  # not issued yet (the pair order holds it back): it goes at the end
+            return
+        self._check()
+        try:
+            with blocked(self.watchdog):
+                sent[0].wait()
+        except Exception as e:
+            self._failed(e)
+
     def drop(self, mid: int) -> None:
         """Forget a received buffer (the worker's reference is what keeps its memory)."""
         self.buffers.pop(mid, None)
@@ -184,7 +199,7 @@ class Comm:
             if self.next[peer] != len(self.queue[peer]):
                 pending = [self.msgs[m] for m in self.queue[peer][self.next[peer] :]]
                 raise RuntimeError(f"worker {self.me} ends its step with messages to/from {peer} not issued: {pending[:3]}")
-        for work, _ in self.sends:
+        for work, _ in self.sends.values():
             self._check()
             try:
                 with blocked(self.watchdog):

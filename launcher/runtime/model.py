@@ -16,6 +16,7 @@ A parameter shared by two stages (tied embeddings) gets the sum of both stages' 
 from __future__ import annotations
 
 import copy
+import ctypes
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -176,15 +177,34 @@ def _is_meta_failure(e: BaseException) -> bool:
 
 def real_signatures(model: StagedModel, x: Any) -> list[Signature]:
     """:func:`signatures` from running the stages themselves on one real micro-batch input, in
-    eval mode (no statistics updated, no dropout drawn) and without keeping the outputs."""
+    eval mode (no statistics updated, no dropout drawn) and without keeping the outputs.
+
+    Remembered per model, input signature and autocast state: the launching process runs it once
+    before the fork and every worker inherits the answer instead of running the model again (a
+    real run holds one stage's weights at a time, which at scale is most of a worker's margin)."""
+    key = (Signature.of(x), tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
+    known = vars(model).setdefault("_real_signatures", {})
+    if key in known:
+        return known[key]
     modes = [m.training for m in model.stages]
     for m in model.stages:
         m.eval()
     try:
-        return signatures(model, [x], list(model.stages), meta=False)[0]
+        known[key] = signatures(model, [x], list(model.stages), meta=False)[0]
     finally:
         for m, mode in zip(model.stages, modes):
             m.train(mode)
+        trim_heap()
+    return known[key]
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the system (glibc keeps them otherwise): a process about to
+    fork workers would pass them on, and a worker's measured peak would count them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module] | None = None,
@@ -215,9 +235,20 @@ def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module
                 err = returns_error(s, y, f"on an input of {_shapes(x)}", model.stages[s])
                 if err:
                     raise ModelError([err])
-                outs.append(y)
+                # cut the graph after each stage: a real run's outputs would otherwise keep every
+                # stage's stand-in weights alive (saved for backward), the whole model at once
+                outs.append(y if meta else _cut(y))
+                del y, params
         out.append([Signature.of(y) for y in outs])
     return out
+
+
+def _cut(value: Any) -> Any:
+    """``value`` detached from its graph, each tensor still requiring a gradient where it did."""
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad)
+                           if isinstance(t, torch.Tensor) else t, value)
 
 
 def _zeros_for_meta(module: nn.Module) -> dict[str, torch.Tensor] | None:

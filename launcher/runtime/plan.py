@@ -35,6 +35,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from launcher.schedule.memory import sum_handovers
 from launcher.schedule.metrics import WEIGHT_CACHES, per_worker
 from launcher.schedule.simulate import Timeline
 
@@ -118,6 +119,13 @@ class Program:
     # stage's gradient is complete (len(jobs): at the end, when partial sums come in from others;
     # -1: at once, when it computes nothing of the stage)
     reduce_ready: dict[int, int] = field(default_factory=dict)
+    # cache "job": job index -> partial sums of a stage this worker alone owns that it receives
+    # before that job and adds into its total after it, instead of all at the end of the step ...
+    wgrad_post: dict[int, list[int]] = field(default_factory=dict)
+    # ... and job index -> partial sums this worker sent that are received by then (the owner's
+    # job that takes them in started earlier on the timeline): it waits for their delivery and
+    # frees them, so no worker holds every fetched stage's sum to the end of the step
+    wgrad_deliver: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -292,6 +300,15 @@ def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
         if m.kind == WEIGHTS:
             starts = [tl.start[j] for j in tl.program[m.src]]
             release[m.src].setdefault(bisect_left(starts, m.key[0]), []).append(m.mid)
+    post: list[dict[int, list[int]]] = [{} for _ in range(W)]
+    deliver: list[dict[int, list[int]]] = [{} for _ in range(W)]
+    if weight_cache == "job":  # partial sums handed over during the step (schedule.memory's rule)
+        for h in sum_handovers(tl):
+            mid = reduces[h.sender][h.stage].send_to_owner[h.owner]
+            if h.post is not None:
+                post[h.owner].setdefault(h.post, []).append(mid)
+            if h.deliver is not None:
+                deliver[h.sender].setdefault(h.deliver, []).append(mid)
     programs = [
         Program(
             w,
@@ -301,6 +318,8 @@ def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
             pair[w],
             {i: sorted(v, key=lambda mid: msgs[mid].key) for i, v in sorted(release[w].items())},
             ready[w],
+            {i: sorted(v, key=lambda mid: msgs[mid].key) for i, v in sorted(post[w].items())},
+            {i: sorted(v, key=lambda mid: msgs[mid].key) for i, v in sorted(deliver[w].items())},
         )
         for w in range(W)
     ]
@@ -320,7 +339,7 @@ def resident_peaks(plan: Plan, prefetch: int) -> list[int]:
     end of the step (cache ``step``). When a receive is posted depends only on the worker's own
     program, so this replays, without torch, the engine's order of calls (``Engine.train_step``:
     release owned weights ``prefetch`` jobs ahead, want the inputs and weights of the next
-    ``prefetch + 1`` jobs, run the job: its sends, its frees, then its partial sums for owners)
+    ``prefetch + 1`` jobs and the partial sums to take in from this job on, run the job: its sends, its frees, then its partial sums for owners)
     through comm.py's issue rule
     (per peer in plan order, stopping at a send whose data is not ready; a receive is posted once
     wanted or once a later operation of the pair goes out).
@@ -369,6 +388,8 @@ def resident_peaks(plan: Plan, prefetch: int) -> list[int]:
                     want(mid)
                 if nop.weights is not None:
                     want(nop.weights)
+            for mid in prog.wgrad_post.get(i, ()):
+                want(mid)
             for mid in op.send:
                 send(mid)
             if op.kind == "I" and op.free_weights:

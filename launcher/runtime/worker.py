@@ -232,6 +232,7 @@ class Engine:
         # None: everything crosses in its own dtype.
         self.compute_dtype = compute_dtype
         self.loss_scale = 1.0  # 16-mixed: the GradScaler's scale, applied to every loss's backward
+        self.finite: Any = None  # nonfinite: a launcher.runtime.nonfinite.Finite marking each job's values
 
     # ---- shapes ------------------------------------------------------------------------------
     def shapes(self, microbatches: Sequence[Batch]) -> list[_Shapes]:
@@ -324,6 +325,8 @@ class Engine:
         """Every job of one step and the gradient reduction, without the optimizer step: each
         owned stage's total gradient is left in :attr:`last_grads` (see :meth:`install_grads`)."""
         self.steps += 1
+        if self.finite is not None:
+            self.finite.begin()
         B = self.space.B
         if len(microbatches) != B:
             raise ValueError(f"the schedule has B={B} micro-batches but train_step got {len(microbatches)}")
@@ -344,6 +347,8 @@ class Engine:
         totals = st.reduce(plan.programs[w])
         st.comm.finish()
         self._sum_tied(totals)
+        if self.finite is not None:  # each owned stage's gradient, summed, before any optimizer step
+            self.finite.reduced(totals)
         self.stats.end(self.group, self.device, dist.get_world_size(self.group))
         for mid in list(st.weights):
             st.free(mid)
@@ -437,12 +442,20 @@ class Engine:
             release(i + self.prefetch)
             for k in range(i, min(len(jobs), i + 1 + self.prefetch)):
                 st.request(jobs[k])
+            for mid in prog.wgrad_post.get(i, ()):  # partial sums to take in after this job
+                comm.want(mid)
+                st.incoming.append(mid)
+            for mid in prog.wgrad_deliver.get(i, ()):  # sums sent earlier, received by now: free them
+                comm.deliver(mid)
             if self.watchdog is not None:
                 self.watchdog.check()
                 self.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of {what} {self.steps}")
             st.run(op)
             for mid in op.wgrad_send:  # this worker's sum for that owner is complete: send it now
-                comm.send(mid, st.acc[(op.stage, msgs[mid].dst)])
+                key = (op.stage, msgs[mid].dst)
+                comm.send(mid, st.acc.pop(key) if plan.weight_cache == "job" else st.acc[key])
+                st.views.pop(key, None)  # cache "job": the send holds the sum, and frees it once delivered
+            st.absorb()
             if train:  # buckets of replicated stages whose share is complete start their all-reduce
                 self.replicas.launch_ready(i)
             # work: what it spent blocked on a peer's data is idle time, not work; cpu: the
@@ -638,6 +651,8 @@ class _StepState:
         self.weights: dict[int, torch.Tensor] = {}  # weights message -> fetched flat copy (a leaf)
         self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
         self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # acc key -> per-parameter views of the total
+        self.incoming: list[int] = []  # partial sums asked for before this job (cache "job"), not yet added
+        self.absorbed: set[int] = set()  # partial sums already added into an owned stage's total
 
     def request(self, op: JobOp) -> None:
         for mid in op.recv.values():
@@ -759,8 +774,12 @@ class _StepState:
         self.meter.hold_bytes(saved)  # the graph lives until the backward that frees it
         if loss is not None:
             self.meter.loss += float(loss.detach())
+        if self.e.finite is not None:
+            self.e.finite.forward(s, b, out, loss)
+        # a recomputing backward fetches the weights again: keeping ``targets`` (a fetched copy)
+        # here would hold every fetched stage's weights until its backward
         self.stash[(s, b)] = _Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
-                                    targets, nbytes, saved, rng)
+                                    [] if recompute else targets, nbytes, saved, rng)
         n = self.e._local_succ[s * self.e.space.B + b]
         if n:
             self.outs[(s, b)] = [out.detach() if isinstance(out, torch.Tensor) else _detached(out), n]
@@ -819,6 +838,8 @@ class _StepState:
             roots, grads = self._output_grads(op, out)
         want = st.leaves + ([] if split else targets)
         res = stage_grads(roots, want, grads, retain_graph=split)
+        if self.e.finite is not None:
+            self.e.finite.backward(s, b, res)
         self._route_input_grads(op, st, res[: len(st.leaves)])
         if not split:
             self._accumulate(op, targets, res[len(st.leaves) :])
@@ -871,7 +892,10 @@ class _StepState:
             # cache "step" only: W on the step's copy, counted as a job on fetched weights; the
             # gradient itself comes from I's graph (under "job" the plan sends W no copy at all)
             self.fetch(op)
-        self._accumulate(op, targets, stage_grads(roots, targets, grads))
+        wgrads = stage_grads(roots, targets, grads)
+        if self.e.finite is not None:
+            self.e.finite.backward(op.stage, op.microbatch, wgrads)
+        self._accumulate(op, targets, wgrads)
         self.meter.drop_bytes(saved)  # I's graph, kept for this job, is freed now
         if hold is not None:
             self.meter.free_weights()
@@ -911,6 +935,9 @@ class _StepState:
         total = self.e.replicas.buffer(op.stage) if op.owner == self.e.worker else None
         if total is not None:  # a replicated stage: the total lives in its bucket's buffer
             self.e.replicas.fill(op.stage)
+        elif op.owner != self.e.worker and self.e.plan.weight_cache == "job":
+            # cache "job": a fetched stage's sum lives only until it is delivered (freed, not kept)
+            total = torch.empty(layout.numel, dtype=layout.dtype, device=self.e.device)
         else:
             total = self.e.totals.get(key)
             if total is None:
@@ -919,6 +946,29 @@ class _StepState:
         # page fault per 4 KiB); the engine's sends of it are done before the next step starts
         layout.pack(gs, out=total)
         self.acc[key] = total
+
+    def absorb(self) -> None:
+        """Add the partial sums asked for before this job into their owned stage's total (cache
+        ``job``): each sender's copy is freed once delivered, not at the end of the step."""
+        if not self.incoming:
+            return
+        e, w = self.e, self.e.worker
+        for mid in self.incoming:
+            part = self.comm.wait(mid)
+            self.comm.drop(mid)
+            s = self.msgs[mid].stage
+            total = self.acc.get((s, w))
+            if total is None:  # before this worker's own share: the sum starts from this part
+                layout = e.layouts[s]
+                total = e.totals.get((s, w))
+                if total is None:
+                    total = e.totals[(s, w)] = torch.empty(layout.numel, dtype=layout.dtype, device=e.device)
+                total.copy_(part)
+                self.acc[(s, w)] = total
+            else:
+                total += part
+            self.absorbed.add(mid)
+        self.incoming = []
 
     # ---- end of step -------------------------------------------------------------------------
     def reduce(self, prog) -> dict[int, torch.Tensor]:
@@ -941,6 +991,8 @@ class _StepState:
                 elif red.recv_from and e.replicas.fill(s):  # not launched yet: it waits for these sums
                     total.zero_()
             for mid in red.recv_from:
+                if mid in self.absorbed:
+                    continue
                 total += comm.wait(mid)
                 comm.drop(mid)
             totals[s] = total

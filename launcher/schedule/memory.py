@@ -15,6 +15,8 @@ A release at time t comes before an acquisition at t. Pure Python.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .simulate import Timeline
@@ -60,3 +62,96 @@ def recomputed_forwards(tl: Timeline, weight_cache: str = "step") -> list[bool]:
     B = space.B
     return [j // B in rc or (weight_cache == "job" and tl.compute[j] != tl.weights[j])
             for j in range(space.S * B)]
+
+
+@dataclass(frozen=True)
+class SumHandover:
+    """One worker's partial weight-gradient sum of a stage it computes on fetched weights, for
+    one owner, under weight cache ``job``: live on ``sender`` from the start of its first gradient
+    job of the stage for that owner (program index ``first``). When the stage has one owner, the
+    owner takes the sum in after its job ``post`` (the first that starts once the sum is complete)
+    and the sender waits for its delivery and frees it before its job ``deliver`` (the first that
+    starts after ``post`` does). ``None``: at the end of the step (several owners, or no such job)."""
+
+    stage: int
+    sender: int
+    owner: int
+    first: int
+    post: int | None
+    deliver: int | None
+
+
+def sum_handovers(tl: Timeline) -> list[SumHandover]:
+    """Every partial sum a worker sends an owner, and when it is handed over
+    (:class:`SumHandover`): the one rule the runtime lowers (``launcher.runtime.plan``) and the
+    memory model counts."""
+    space, W = tl.step.space, tl.step.workers
+    B, SB, S = space.B, space.S * space.B, space.S
+    grad_kind = space.K - 1  # B, or W when split: the job that yields a weight gradient
+    owners: list[set[int]] = [set() for _ in range(S)]
+    for j in range(space.N):
+        owners[(j // B) % S].add(tl.weights[j])
+    starts = [[tl.start[j] for j in tl.program[w]] for w in range(W)]
+    first: dict[tuple[int, int, int], int] = {}
+    last: dict[tuple[int, int, int], int] = {}
+    for w in range(W):
+        for i, j in enumerate(tl.program[w]):
+            if j // SB == grad_kind and tl.weights[j] != w:
+                key = ((j // B) % S, w, tl.weights[j])
+                first.setdefault(key, i)
+                last[key] = j
+    out = []
+    for (s, w, o), j in sorted(last.items()):
+        post = deliver = None
+        if len(owners[s]) == 1:
+            i = bisect_left(starts[o], tl.finish[j])
+            if i < len(starts[o]):
+                post = i
+                k = bisect_right(starts[w], starts[o][i])
+                deliver = k if k < len(starts[w]) else None
+        out.append(SumHandover(s, w, o, first[(s, w, o)], post, deliver))
+    return out
+
+
+def gradient_peaks(tl: Timeline, grads: Callable[[int], float], cache: str = "job") -> list[float]:
+    """Peak bytes of weight-gradient buffers beyond the owned stages' own, live at once on each
+    worker (``grads(s)``: stage ``s``'s gradient bytes), swept over the timeline:
+
+    - partial sums of fetched stages: under cache ``job`` from the first gradient job of the stage
+      to their hand-over (:func:`sum_handovers`); under ``step`` kept all step (buffers reused
+      from step to step);
+    - an owner's receive buffers for the sums it takes in at a job, during that job (``job``);
+    - each gradient job: the gradient autograd returns for the stage's weights, during the job,
+      before it is added into the sum.
+    """
+    space, W = tl.step.space, tl.step.workers
+    B, SB, S = space.B, space.S * space.B, space.S
+    grad_kind = space.K - 1
+    events: list[list[tuple[float, int, float]]] = [[] for _ in range(W)]
+
+    def live(w: int, t0: float, t1: float, n: float) -> None:
+        events[w].append((t0, 1, n))
+        events[w].append((t1, 0, -n))
+
+    for h in sum_handovers(tl):
+        prog, g = tl.program[h.sender], grads(h.stage)
+        if cache == "job":
+            live(h.sender, tl.start[prog[h.first]], tl.start[prog[h.deliver]] if h.deliver is not None else tl.latency, g)
+            if h.post is not None:
+                j = tl.program[h.owner][h.post]
+                live(h.owner, tl.start[j], tl.finish[j], g)
+        else:
+            live(h.sender, 0.0, tl.latency, g)
+    for w in range(W):
+        for j in tl.program[w]:
+            if j // SB == grad_kind:
+                live(w, tl.start[j], tl.finish[j], grads((j // B) % S))
+    peaks = []
+    for ev in events:
+        ev.sort()
+        now = peak = 0.0
+        for _, _, d in ev:
+            now += d
+            peak = max(peak, now)
+        peaks.append(peak)
+    return peaks
