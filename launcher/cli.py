@@ -15,10 +15,15 @@ Exit codes:
   but breaks a rule (``W != G*R``, ``R > stages``, a memory limit the step cannot finish under,
   ...) stops a single run; in a sweep that point is reported and skipped, the other points still
   run. Either way the exit code is ``2`` once all of them have run. A single training run is
-  checked whole (model, data and Trainer built) before Hydra makes its run directory;
-- ``1``: a training run (a point) failed: a worker raised or died (the others still ran), or
-  anything else (Hydra's own errors, a crash);
-- ``130`` / ``143``: stopped by SIGINT (Ctrl-C) / SIGTERM; every worker was stopped first.
+  checked whole (model, data and Trainer built, one batch of the data checked against the model)
+  before Hydra makes its run directory; a config file under ``--config-dir`` that is not valid
+  YAML, and a run directory another live run holds (``.launcher.lock``, naming its PID), are
+  refused the same way;
+- ``1``: a training run (a point) failed: a worker raised or died (the others still ran), a file
+  could not be written (a full disk: one line naming it), or anything else (Hydra's own errors, a
+  crash);
+- ``130`` / ``143``: stopped by SIGINT (Ctrl-C) / SIGTERM; every worker was stopped first, and a
+  training run left ``metrics.json`` with ``"status": "interrupted"`` (what it measured so far).
 """
 
 from __future__ import annotations
@@ -42,11 +47,23 @@ EXIT_FAILED = 1
 #: the points this process ran (one for a run, one per point of a sweep on the in-process launcher)
 POINTS: list[dict[str, Any]] = []
 
+#: the run directory a single training run will write, as the command-line check composed it
+RUN_DIR: dict[str, Any] = {}
+
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One run (one point of a sweep) in the mode the config names; records its outcome."""
     mode: Callable[[DictConfig], dict[str, Any]] = MODES.get(cfg.get("mode"), MODES["simulate"])
-    result = mode(cfg)
+    try:
+        result = mode(cfg)
+    except OSError as e:  # a file the run could not write (a full disk): one sentence naming it
+        from .atomic import WriteError, is_disk_full, write_sentence
+
+        if not (isinstance(e, WriteError) or is_disk_full(e)):
+            raise
+        said = write_sentence(e.filename or "a file of the run", e)
+        print(f"error: {said}", file=sys.stderr, flush=True)
+        result = {"point": common.point(), "ok": False, "failed": True, "errors": [said]}
     POINTS.append(result)
     return result
 
@@ -107,6 +124,10 @@ def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
         if not found:
             found = _check_training(args.config_name or "config", list(args.overrides), dirs)
         return argv, SweepCheck(list(args.overrides), found, [])
+    if dirs:  # a broken YAML file of the user's: one sentence, not the parser's traceback from Hydra
+        broken = _yaml_error_of_sweep(args.config_name or "config", list(args.overrides), dirs)
+        if broken:
+            return argv, SweepCheck(list(args.overrides), [broken], [])
     found = check_sweep_overrides(args.overrides, dirs)
     if found.fatal or not found.skipped:
         return argv, found
@@ -129,42 +150,107 @@ def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> 
     """A single training run is checked whole before Hydra starts (composed here with Hydra's
     compose API, then built by :func:`launcher.modes.train.prepare` without starting anything), so
     an invalid one leaves no run directory behind. Simulations keep reporting from their run."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from pathlib import Path
 
     from .config import ConfigError
     from .config.validate import errors as config_errors
     from .modes import train
 
-    from hydra import initialize_config_dir
     from omegaconf import open_dict
 
     try:
-        if dirs:  # --config-dir: its configs first, then the package's (as Hydra searches them)
-            init = initialize_config_dir(os.path.abspath(dirs[0]), version_base="1.3")
-            extra = ["hydra.searchpath=[pkg://launcher.conf]"]
-        else:
-            init, extra = initialize_config_module("launcher.conf", version_base="1.3"), []
-        with init:
-            cfg = compose(config_name, overrides + extra, return_hydra_config=True)
+        cfg = _compose(config_name, overrides, dirs)
     except Exception as e:  # noqa: BLE001 - Hydra's composition error, e.g. a key not in the config: one sentence
+        broken = _yaml_error(e, dirs)
+        if broken:
+            return [broken]
         if dirs or config_name != "config":
             return []  # a config of the user's own: Hydra reports its problems itself
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()][:2]
         return [" ".join(lines).rstrip(".") + "."]
-    finally:
-        GlobalHydra.instance().clear()
     if str(cfg.hydra.mode) == "RunMode.MULTIRUN" or cfg.hydra.mode == "MULTIRUN":
         return []  # a sweep set up in the config file: each point is checked when it runs
+    try:
+        run_dir: str | None = str(cfg.hydra.run.dir)
+    except Exception:  # noqa: BLE001 - an interpolation only Hydra's run can resolve: held when the run starts
+        run_dir = None
     with open_dict(cfg):
         del cfg["hydra"]
     if cfg.get("mode") != "train":
         return [s for s in config_errors(cfg) if s.startswith("mode=")]
+    busy = common.in_use(Path(run_dir)) if run_dir is not None and common.joined_rank() == 0 else None
+    if busy:  # another run holds the directory: say so at once, before building anything
+        return [busy]
     try:
         train.prepare(cfg, None)
     except ConfigError as e:
         return e.sentences
+    RUN_DIR["dir"] = Path(run_dir) if run_dir is not None else None  # held by _main before Hydra starts
     return []
+
+
+def _compose(config_name: str, overrides: list[str], dirs: list[str]) -> DictConfig:
+    """The config as Hydra will compose it (with its ``hydra`` node), through Hydra's compose API."""
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import MissingConfigException
+
+    # --config-dir adds a directory to the search path after the package's configs, as the
+    # command does (hydra/_internal/utils.py: prepended before the structured configs); the
+    # compose API looks for the primary config before it reads hydra.searchpath, so a primary
+    # config of the user's own is composed from their directory, with the package's after it
+    extra = [f"hydra.searchpath=['file://{os.path.abspath(dirs[0])}']"] if dirs else []
+    try:
+        try:
+            with initialize_config_module("launcher.conf", version_base="1.3"):
+                return compose(config_name, overrides + extra, return_hydra_config=True)
+        except MissingConfigException:
+            if not dirs:
+                raise
+            GlobalHydra.instance().clear()
+            with initialize_config_dir(os.path.abspath(dirs[0]), version_base="1.3"):
+                return compose(config_name, overrides + ["hydra.searchpath=[pkg://launcher.conf]"],
+                               return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _yaml_error(e: BaseException, dirs: list[str]) -> str | None:
+    """One sentence for a config file that is not valid YAML (Hydra raises the parser's error):
+    the file, the line and column, and what the parser expected."""
+    import yaml
+
+    seen: BaseException | None = e
+    while seen is not None and not isinstance(seen, yaml.YAMLError):
+        seen = seen.__cause__ or seen.__context__
+    if seen is None:
+        return None
+    mark = getattr(seen, "problem_mark", None) or getattr(seen, "context_mark", None)
+    name = getattr(mark, "name", None) or "a config file"
+    if dirs and isinstance(name, str) and os.path.isabs(name):
+        base = os.path.abspath(dirs[0])
+        name = os.path.relpath(name, base) if name.startswith(base + os.sep) else name
+    problem = " ".join(str(getattr(seen, "problem", None) or seen).split()).rstrip(".")
+    context = getattr(seen, "context", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    how = f" ({' '.join(str(context).split())})" if context else ""
+    key = f"--config-dir={dirs[0]}: " if dirs else ""
+    return f"{key}{name} is not valid YAML: {problem}{where}{how}."
+
+
+def _yaml_error_of_sweep(config_name: str, overrides: list[str], dirs: list[str]) -> str | None:
+    """A multirun's config composed once with its plain overrides (a sweep's values are checked by
+    each point): its YAML error, if any."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        plain = [text for text, o in zip(overrides, parsed) if not o.is_sweep_override()
+                 and o.key_or_group not in ("hydra.mode",)]
+        _compose(config_name, plain, dirs)
+    except Exception as e:  # noqa: BLE001 - anything but YAML: Hydra's own report when it runs
+        return _yaml_error(e, dirs)
+    return None
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
@@ -176,7 +262,12 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 def main() -> None:
     from .runtime import Interrupted
 
+    import logging
+
     _import_from_cwd()
+    # a log file that cannot be written (a full disk) must not print a traceback per record: the
+    # run reports the file it could not write, once
+    logging.raiseExceptions = False
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         _main()
@@ -189,7 +280,18 @@ def main() -> None:
 
 
 def _main() -> None:
+    RUN_DIR.clear()
     argv, found = _preflight(sys.argv[1:])
+    if not found.fatal and RUN_DIR.get("dir") is not None and common.joined_rank() == 0:
+        # held from here to the run's end (the run holds the directory Hydra makes: the same one,
+        # unless a clock's second passed in between): a second run in it stops here, before Hydra
+        # writes its config into the first one's directory
+        try:
+            common.hold(RUN_DIR["dir"])
+        except common.DirInUse as e:
+            found.fatal.append(str(e))
+        except OSError:
+            pass  # an unwritable directory: Hydra's own check says so
     if found.fatal:
         for s in found.fatal:
             print(f"error: {s}", file=sys.stderr)
@@ -207,6 +309,8 @@ def _main() -> None:
         # (killed, out of memory) the sweep still ends with the table of what each point left
         if not SWEEP or POINTS:
             raise
+    finally:
+        common.let_go()  # the directory held since the check (the run has let go of its own)
     if SWEEP and not POINTS:  # the points ran in other processes (a Slurm job array)
         POINTS.extend(_points_on_disk())
     if len(POINTS) > 1:

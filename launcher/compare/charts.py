@@ -39,6 +39,19 @@ def _plt():  # noqa: ANN202
     return plt
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Write the figure whole or not at all (:mod:`launcher.atomic`), then free it."""
+    from ..atomic import replacing_path
+
+    path = Path(path)
+    try:
+        with replacing_path(path) as tmp:
+            fig.savefig(tmp, dpi=90, format=path.suffix.lstrip(".") or "png")
+    finally:
+        _plt().close(fig)
+    return path
+
+
 def comparison(runs: list[Run], path: Path) -> Path:
     """A grid of bar charts, one per metric, one pair of bars (predicted, measured) per run."""
     plt = _plt()
@@ -53,9 +66,7 @@ def comparison(runs: list[Run], path: Path) -> Path:
         ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     axes.flat[0].legend(fontsize=8)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def traffic(runs: list[Run], path: Path) -> Path:
@@ -73,9 +84,7 @@ def traffic(runs: list[Run], path: Path) -> Path:
         ax.set_title(r.name, fontsize=9)
         ax.set_ylabel("MiB", fontsize=8)
     axes[0][0].legend(fontsize=8)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def losses(runs: list[Run], path: Path) -> Path:
@@ -93,6 +102,4 @@ def losses(runs: list[Run], path: Path) -> Path:
     ax.set_ylabel("loss (lines: train, dots: validation)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

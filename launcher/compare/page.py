@@ -114,5 +114,7 @@ def build(paths: list[str | Path], out: str | Path, title: str = "launcher: runs
         title=title, runs=runs, sources=", ".join(map(str, paths)), columns=COLUMNS,
         rows=[(_row(r), r.status) for r in runs], figures=figures,
         pipelines=[(r.name, _uri(r.pipeline)) for r in trained if r.pipeline is not None])
-    out.write_text(html)
+    from ..atomic import write_text
+
+    write_text(out, html)
     return out

@@ -19,7 +19,7 @@ class Run:
 
     dir: Path
     name: str
-    status: str  # ok | failed | invalid
+    status: str  # ok | interrupted | failed | invalid
     metrics: dict[str, Any] | None = None
     error: str | None = None
     wandb: dict[str, Any] = field(default_factory=dict)  # id, group, tags of its W&B run, if any
@@ -50,7 +50,11 @@ def read(d: Path, roots: list[Path]) -> Run:
     """The run in directory ``d``."""
     name = _name(d, roots)
     if (d / "metrics.json").exists():
-        run = Run(d, name, "ok", metrics=json.loads((d / "metrics.json").read_text()))
+        metrics = json.loads((d / "metrics.json").read_text())
+        status = metrics.get("status", "ok")
+        # an interrupted run's metrics hold its steps only: listed with why it stopped, not charted
+        run = (Run(d, name, "ok", metrics=metrics) if status == "ok"
+               else Run(d, name, status, error=metrics.get("error") or status))
     elif (d / "failed.json").exists():
         run = Run(d, name, "failed", error=json.loads((d / "failed.json").read_text()).get("error"))
     else:

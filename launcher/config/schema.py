@@ -100,6 +100,7 @@ class LauncherConf:
     partition: str = "params"  # mode=train: self.stages cut balanced by params | time (profiled) | memory
     timeout: float = 30.0  # seconds within which every worker stops after one fails
     ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
+    nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step (launcher.runtime.nonfinite)
     plan: PlanConf = field(default_factory=PlanConf)  # mode=plan (and strategy=auto)
 
 

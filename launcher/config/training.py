@@ -25,6 +25,66 @@ RESERVED = {
     "default_root_dir": "hydra.run.dir",
 }
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+MAX_SEED = 2**32 - 1  # numpy's seeds: 0 .. 2**32 - 1
+
+
+#: the annotations :func:`argument_errors` checks, and how a sentence says them
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _fits(value: Any, t: Any) -> bool | None:
+    """Whether ``value`` fits annotation ``t``; ``None`` when ``t`` is not one this checks."""
+    import types
+    import typing
+
+    if t in (int, float):
+        return isinstance(value, (int, float) if t is float else int) and not isinstance(value, bool)
+    if t in (bool, str):
+        return isinstance(value, t)
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        answers = [True if a is type(None) and value is None else _fits(value, a) for a in typing.get_args(t)]
+        if any(a is True for a in answers):
+            return True
+        return None if any(a is None for a in answers) else False
+    return None
+
+
+def _what(t: Any) -> str:
+    import typing
+
+    args = typing.get_args(t)
+    if args:
+        return " or ".join("null" if a is type(None) else _KINDS.get(a, getattr(a, "__name__", str(a))) for a in args)
+    return _KINDS[t]
+
+
+def argument_errors(node: Any, key: str) -> list[str]:
+    """One sentence per value of ``node`` (a ``_target_`` node: ``model``, ``data``) of the wrong type
+    for the argument of its target it is passed to, by the target's annotations (int, float, bool,
+    str, and unions of them with None): ``model.lr=fast`` is refused before anything is built, not
+    by the optimizer in every worker. Arguments without such an annotation are not checked here."""
+    import typing
+
+    from hydra.utils import get_object
+
+    try:
+        fn = get_object(str(node.get("_target_")))
+        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+    except Exception:  # noqa: BLE001 - a target that cannot be found or read: building it says why
+        return []
+    name = getattr(fn, "__name__", str(node.get("_target_")))
+    out: list[str] = []
+    for k in node.keys():
+        k = str(k)
+        if k.startswith("_") or k not in hints:
+            continue
+        try:
+            value = node.get(k)
+        except Exception:  # noqa: BLE001 - an interpolation that cannot resolve: Hydra reports it
+            continue
+        if _fits(value, hints[k]) is False:
+            out.append(f"{key}.{k}={value} is invalid: {name} takes {_what(hints[k])} for {k}.")
+    return out
 
 
 def _trainer_params() -> set[str]:
@@ -77,9 +137,21 @@ def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     out += _trainer_errors(cfg, single)
     out += _split_errors(cfg)
 
+    seed = _get(cfg, "seed")
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED):
+        out.append(f"seed={seed} is invalid: the seed must be an integer from 0 to {MAX_SEED} (numpy's range, which "
+                   f"seed_everything seeds too).")
     timeout = _get(cfg, "timeout")
     if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout > 0):
         out.append(f"timeout={timeout} is invalid: the failure timeout must be a positive number of seconds.")
+    nonfinite = _get(cfg, "nonfinite", "stop")
+    if nonfinite not in ("stop", "skip"):
+        out.append(f"nonfinite={nonfinite} is invalid: use stop (a NaN or infinite loss or gradient stops the run) "
+                   f"or skip (that step is dropped).")
+    seq = _get(cfg, "data.seq_len", None)  # zero positions: the loss is an empty mean, nan from the first step
+    if seq is not None and not (isinstance(seq, int) and not isinstance(seq, bool) and seq >= 1):
+        out.append(f"data.seq_len={seq} is invalid: a sample needs at least one position to predict (with none the "
+                   f"loss is nan); use a positive integer.")
     ckpt = _get(cfg, "ckpt_path")
     if ckpt is not None and not os.path.isfile(str(ckpt)):
         out.append(f"ckpt_path={ckpt} is invalid: no such checkpoint file.")

@@ -171,7 +171,32 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
         if values["order"] in SPLIT_ONLY and values["split_backward"] is False:
             out.append(f"split_backward=false is invalid with order={values['order']}: it defers the weight-gradient "
                        f"jobs W, which exist only when the backward is split; leave split_backward at true.")
+    out += _inert_errors(cfg, placement)
     return out + rules.step_errors(values)
+
+
+#: named schemes whose every worker holds the weights of the stages it computes (none fetched)
+NO_FETCH = ("ddp", "gpipe", "lpp")
+
+
+def _inert_errors(cfg: DictConfig | Mapping[str, Any], placement: Any) -> list[str]:
+    """A key set to something that does nothing under the scheme is refused, not ignored: an order
+    under DDP (each worker takes its one micro-batch through every stage alone: no pipeline, no
+    bubble for an order to fill), a weight cache where no weights are fetched."""
+    if placement is not None:
+        return []
+    out: list[str] = []
+    strategy = _get(cfg, "strategy.name")
+    order = _get(cfg, "order.name")
+    if strategy == "ddp" and _get(cfg, "order.n") is None and isinstance(order, str) and order != "1f1b":
+        out.append(f"order={order} is invalid with strategy=ddp: each DDP worker takes its one micro-batch through "
+                   f"every stage alone, with no pipeline bubble for an order to fill; leave order at 1f1b.")
+    cache = _get(cfg, "weight_cache", "step")
+    if strategy in NO_FETCH and cache == "job":
+        out.append(f"weight_cache=job is invalid with strategy={strategy}: every {strategy} worker holds the weights "
+                   f"of the stages it computes, so no weights are fetched and none are cached; leave weight_cache "
+                   f"at step (it matters under fsdp, fslpp and custom placements).")
+    return out
 
 
 def partition_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:

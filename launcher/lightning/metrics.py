@@ -32,6 +32,7 @@ class RunMetrics(Callback):
         self.cpus: list[float] = []  # this worker's process CPU seconds of each step
         self.losses: list[float] = []
         self.samples: list[int] = []
+        self.skipped: list[int] = []  # steps dropped for a non-finite value (nonfinite=skip)
         self.val: list[dict[str, float]] = []
         self.metrics: dict[str, Any] | None = None
         self._t0 = self._cpu0 = 0.0
@@ -48,15 +49,18 @@ class RunMetrics(Callback):
         self.walls.append(wall)
         self.losses.append(float(loss))
         self.samples.append(n)
+        if getattr(trainer.strategy, "step_skipped", False):
+            self.skipped.append(len(self.losses))
         pl_module.log_dict({"step_s": wall, "samples_per_s": n / wall}, on_step=True, on_epoch=False)
 
     def state_dict(self) -> dict[str, Any]:
         """The curve so far, so that a run resumed from a checkpoint (a requeued Slurm job) reports
         every step, not only those after the resume."""
-        return {"walls": self.walls, "losses": self.losses, "samples": self.samples, "val": self.val}
+        return {"walls": self.walls, "losses": self.losses, "samples": self.samples, "val": self.val,
+                "skipped": self.skipped}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for key in ("walls", "losses", "samples", "val"):
+        for key in ("walls", "losses", "samples", "val", "skipped"):
             setattr(self, key, list(state_dict.get(key, [])))
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -99,6 +103,7 @@ class RunMetrics(Callback):
                 samples_per_step=self.samples[-1] if self.samples else 0,
                 peak_memory_bytes=_peak_memory(pl_module.device), memory_kind="cuda_max_allocated"
                 if pl_module.device.type == "cuda" else "rss")
+        self.metrics["skipped_steps"] = len(self.skipped)  # dropped for a NaN or infinity (nonfinite=skip)
         report.write(self.metrics, self.out_dir)
         from ..report import wandb_log
 
@@ -113,7 +118,9 @@ class RunMetrics(Callback):
                     logger._experiment.finish()
 
     def _steps(self, walls: list[float]) -> list[dict[str, float]]:
-        return [{"step": i + 1, "loss": loss, "step_s": w, "samples_per_s": n / w if w else None}
+        skipped = set(self.skipped)
+        return [{"step": i + 1, "loss": loss, "step_s": w, "samples_per_s": n / w if w else None,
+                 **({"skipped": True} if i + 1 in skipped else {})}
                 for i, (loss, w, n) in enumerate(zip(self.losses, walls, self.samples))]
 
 

@@ -50,6 +50,8 @@ from ..runtime.values import chunk, joined, to_device
 from ..runtime.failure import Watchdog, set_current_watchdog
 from ..runtime.init import empty_init, has_meta
 from ..runtime.link import measure as measure_link
+from ..runtime.nonfinite import MODES as NONFINITE_MODES
+from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
 from ..runtime.processes import auto_backend
 from ..schedule import Step, make_step
 from ..schedule.placement import named
@@ -138,6 +140,7 @@ class UnifiedStrategy(ParallelStrategy):
         *,
         split: Sequence[str] | str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        nonfinite: str = "stop",
         process_group_backend: str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -161,6 +164,12 @@ class UnifiedStrategy(ParallelStrategy):
         self.module_costs: list[Any] | None = None  # each module's profile, when profiled
         self.graph: Any = None  # the stage graph, when not a chain
         self.timeout = timeout
+        if nonfinite not in NONFINITE_MODES:
+            raise ConfigError([f"nonfinite={nonfinite} is invalid: use stop (a NaN or infinite loss or gradient stops "
+                               f"the run) or skip (that step is dropped)."])
+        #: a step with a NaN or infinite loss, activation or gradient: "stop" the run, or "skip" the step
+        self.nonfinite = nonfinite
+        self.step_skipped = False  # the last training step was dropped (nonfinite=skip)
         self._backend = process_group_backend
         self._num_nodes = 1
         self.cfg: Any = None
@@ -337,6 +346,9 @@ class UnifiedStrategy(ParallelStrategy):
                              weight_cache=str(self.cfg.weight_cache), device=self.root_device,
                              recompute=recompute_stages(self.cfg.get("recompute", "none"), S),
                              compute_dtype=compute_dtype(self.precision_plugin))
+        # every job's values are marked, and the step's first NaN or infinity agreed, before any update;
+        # under a GradScaler (16-mixed) overflowing gradients are the scaler's to skip
+        self.engine.finite = Finite(S, self.B, grads=getattr(self.precision_plugin, "scaler", None) is None)
         owners = self.engine.plan.owners
         me = self.engine.worker
         self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me])
@@ -455,17 +467,43 @@ class UnifiedStrategy(ParallelStrategy):
             record = self.engine.compute_step(mbs)
         self.records.append(record)
         self._last_batch = mbs
-        loss = self._sum_over_workers(record["measured_only"]["loss"] if record else 0.0)
+        finite = self.engine.finite
+        loss, bad = agree(record["measured_only"]["loss"] if record else 0.0, finite.first() if finite else None,
+                          self.root_device)
+        self.step_skipped = bad is not None
+        if bad is not None:
+            self._nonfinite(finite.describe(bad))
         loss = loss.to(self.lightning_module.dtype)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def _nonfinite(self, what: str) -> None:
+        """A step with a non-finite value, the same on every rank: stop (raise, before any weight
+        or checkpoint changes), or drop the step (no gradient is installed, so the optimizer leaves
+        every parameter as it is, as a GradScaler does; running statistics go back too)."""
+        step = self.lightning_module.trainer.global_step + 1
+        if self.nonfinite == "stop":
+            if self.engine is not None and self.engine.watchdog is not None:
+                self.engine.watchdog.set_job(f"the non-finite check of step {step}")
+            raise NonFiniteError(f"step {step}: {what}, so training stopped before the step's update "
+                                 f"(nonfinite=stop; nonfinite=skip drops such steps and goes on).")
+        undo_statistics(self.engine.stats)
+        if self.global_rank == 0:
+            import sys
+
+            print(f"warning: step {step} skipped (nonfinite=skip): {what}.", file=sys.stderr, flush=True)
+
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The engine has run the backward already: install its reduced gradients, with the hooks
-        Lightning calls around a backward."""
+        Lightning calls around a backward (none in a dropped step: the optimizer then changes nothing)."""
         assert self.engine is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.engine.install_grads()
+        if self.step_skipped:
+            for s in self.engine.owned:
+                for p in self.engine.modules[s].parameters():
+                    p.grad = None
+        else:
+            self.engine.install_grads()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     def _evaluate(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

@@ -14,10 +14,12 @@ from ..runtime.init import default_reset
 
 
 def adamw_cosine(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, max_steps: int) -> Any:
-    """AdamW; with ``max_steps``, a cosine learning-rate schedule from ``lr`` down to ``lr / 10`` at
-    ``max_steps``, stepped every optimizer step. What ``configure_optimizers`` returns."""
+    """AdamW; with ``max_steps`` > 0, a cosine learning-rate schedule from ``lr`` down to ``lr / 10``
+    at ``max_steps`` (then ``lr / 10``), stepped every optimizer step. What ``configure_optimizers``
+    returns. ``max_steps`` is a hyperparameter, so the checkpoint keeps the schedule's length and a
+    resume keeps it (:mod:`launcher.lightning.resume`), whatever ``trainer.max_steps`` it runs to."""
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    if not max_steps:
+    if not max_steps or max_steps < 0:  # 0, or -1 (trainer.max_steps=-1: epochs): a constant rate
         return opt
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, max_steps) / max_steps)))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import StagedLM, adamw_cosine
+from .checks import non_negative_ints, positive_ints, positive_number
 
 
 class Embedding(nn.Module):
@@ -67,6 +68,12 @@ class GPT(StagedLM):
     def __init__(self, vocab_size: int = 128, seq_len: int = 64, d_model: int = 64, n_head: int = 4, n_layer: int = 6,
                  lr: float = 3e-3, weight_decay: float = 0.0, max_steps: int = 0) -> None:
         super().__init__()
+        positive_ints(vocab_size=vocab_size, seq_len=seq_len, d_model=d_model, n_head=n_head)
+        non_negative_ints(n_layer=n_layer)
+        if d_model % n_head:
+            raise ValueError(f"n_head={n_head} is invalid: it must divide d_model={d_model} (each attention head "
+                             f"takes d_model / n_head features).")
+        positive_number("lr", lr, "the learning rate")
         self.save_hyperparameters()
         self.stages = nn.ModuleList(
             [Embedding(vocab_size, seq_len, d_model), *(Block(d_model, n_head) for _ in range(n_layer)),

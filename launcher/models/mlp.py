@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import StagedLM
+from .checks import non_negative_ints, positive_ints, positive_number
 
 
 class Layer(nn.Module):
@@ -26,6 +27,9 @@ class CharMLP(StagedLM):
 
     def __init__(self, vocab_size: int = 128, width: int = 128, n_layer: int = 6, lr: float = 0.5) -> None:
         super().__init__()
+        positive_ints(vocab_size=vocab_size, width=width)
+        non_negative_ints(n_layer=n_layer)
+        positive_number("lr", lr, "the learning rate")
         self.save_hyperparameters()
         self.stages = nn.ModuleList([nn.Embedding(vocab_size, width), *(Layer(width) for _ in range(n_layer)),
                                      nn.Linear(width, vocab_size)])

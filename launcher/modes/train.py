@@ -11,18 +11,19 @@ every worker and end the command (:class:`launcher.runtime.Interrupted`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
 from ..config import ConfigError
 from ..config.step import one_line
 from ..config.training import is_single, train_errors
-from .common import console, in_sweep, output_dir, point, reject, write_invalid
+from .common import HELD, DirInUse, console, hold, in_sweep, joined_rank, let_go, output_dir, point, reject, write_invalid
 
 #: what a run directory holds about how the run ended; a new run removes the old ones
 OUTCOMES = ("metrics.json", "failed.json", "invalid.json")
@@ -43,14 +44,55 @@ class Job:
 def _build(node: Any, key: str, want: type, what: str) -> Any:
     from hydra.utils import instantiate
 
+    from ..config.training import argument_errors
+
     target = node.get("_target_")
+    found = argument_errors(node, key)  # a value of the wrong type for an annotated argument
+    if found:
+        raise ConfigError(found)
     try:
         obj = instantiate(node)
     except Exception as e:  # noqa: BLE001 - a user's class may raise anything: one sentence
-        raise ConfigError([f"{key}._target_={target} could not be built: {one_line(e)}."]) from e
+        raise ConfigError([keyed(e, node, key) or f"{key}._target_={target} could not be built: {one_line(e)}."]) from e
     if not isinstance(obj, want):
         raise ConfigError([f"{key}._target_={target} built a {type(obj).__name__}, not a {what}."])
     return obj
+
+
+def keyed(e: BaseException, node: Any, key: str) -> str | None:
+    """A class's own refusal of one of its arguments as the sentence about the config key: a
+    ``ValueError`` (or ``TypeError``) whose text starts with ``name=value`` for an argument ``name``
+    of the node, as the built-in models and data say it, gets ``key.`` before every argument it
+    names (``n_head=5 is invalid: it must divide d_model=16`` under ``model`` becomes
+    ``model.n_head=5 is invalid: it must divide model.d_model=16.``); ``None`` for anything else."""
+    import re
+
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = " ".join(str(root).split())
+    names = [str(k) for k in node.keys() if not str(k).startswith("_")] if hasattr(node, "keys") else []
+    if not isinstance(root, (ValueError, TypeError)) or not names:
+        return None
+    head = re.match(r"([A-Za-z_][A-Za-z0-9_]*)=", text)
+    if head is None or head.group(1) not in names:
+        return None
+    pattern = r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")="
+    return re.sub(pattern, lambda m: f"{key}.{m.group(1)}=", text).rstrip(".") + "."
+
+
+def _first_batch(data: Any, cfg: DictConfig) -> Any:
+    """The data module set up for fitting and its first training batch, before any worker starts
+    (its refusal of one of its keys names the key)."""
+    try:
+        data.setup("fit")
+        return next(iter(data.train_dataloader()))
+    except StopIteration as e:
+        raise ConfigError([f"data._target_={cfg.data.get('_target_')} gave no training batch: its training set "
+                           f"is smaller than one batch of data.batch_size={cfg.data.get('batch_size')}."]) from e
+    except Exception as e:  # noqa: BLE001 - the user's data module: one sentence
+        raise ConfigError([keyed(e, cfg.data, "data") or f"data._target_={cfg.data.get('_target_')} could not give a "
+                           f"first training batch: {one_line(e)}."]) from e
 
 
 def _check_model(strategy: Any, model: Any, data: Any, cfg: DictConfig) -> None:
@@ -61,17 +103,127 @@ def _check_model(strategy: Any, model: Any, data: Any, cfg: DictConfig) -> None:
 
     target = cfg.model.get("_target_")
     try:
-        data.setup("fit")
-        next(iter(data.train_dataloader()))
-    except Exception as e:  # noqa: BLE001 - the user's data module: one sentence
-        raise ConfigError([f"data._target_={cfg.data.get('_target_')} could not give a first training batch: "
-                           f"{one_line(e)}."]) from e
-    try:
         strategy.check_before_fork(model, data)
     except ModelError as e:
         # a sentence about a key of the run (stages=9) names it already; the others are the model's
         raise ConfigError([s if s.startswith(("stages=", "split=")) else
                            f"model._target_={target} cannot be trained by the schedule: {s}" for s in e.sentences]) from e
+
+
+#: argument names that say what an embedding is indexed by: the data's symbols, or positions
+_VOCAB_NAMES = ("vocab", "token", "classes", "alphabet")
+_POSITION_NAMES = ("seq", "len", "pos", "block", "context", "ctx")
+
+
+def _check_inputs(model: Any, data_module: Any, batch: Any, cfg: DictConfig) -> None:
+    """The data's output against the model: every embedding of the model's first stage (its
+    ``self.stages[0]``; a traced model is left to the staging check) must have a row for each index
+    the first batch gives it: the data's symbols (and at least the ``vocab_size`` a data module
+    declares) and the positions of its sequences. The stage runs on the batch with each embedding replaced by a
+    check that returns a meta tensor of the right shape, so nothing is computed (the weights may
+    be on the meta device); a model this cannot run is left to the staging check."""
+    import torch
+    from torch import nn
+
+    from ..lightning.staging import split_batch
+
+    try:
+        x, _ = split_batch(model, batch)
+    except Exception:  # noqa: BLE001 - the staging check reports a batch it cannot split
+        return
+    stages = getattr(model, "stages", None)
+    first = stages[0] if isinstance(stages, nn.ModuleList) and len(stages) else None
+    if first is None:
+        return
+    tokens = x.detach().cpu().long() if isinstance(x, torch.Tensor) and not x.is_floating_point() else None
+    found: list[str] = []
+
+    def look(path: str, m: nn.Embedding, idx: torch.Tensor) -> list[str]:
+        """The sentence when embedding ``m`` (at ``path``) has no row for an index it is given."""
+        rows, T = int(m.num_embeddings), idx.shape[-1]
+        fed = tokens is not None and idx.shape == tokens.shape and torch.equal(idx, tokens)  # the data's symbols
+        positions = not fed and torch.equal(idx.reshape(-1, T)[0], torch.arange(T))  # 0 .. T-1 along a sequence
+        declared = getattr(data_module, "vocab_size", None) if fed else None
+        declared = declared if isinstance(declared, int) and not isinstance(declared, bool) else None
+        top = int(idx.max())
+        need = max(top + 1, declared or 0)
+        if need <= rows:
+            return []
+        return [_embedding_sentence(cfg, path, rows, need, top, fed, positions, T, declared)]
+
+    def checker(path: str, m: nn.Embedding) -> Any:
+        def forward(idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if isinstance(idx, torch.Tensor) and not idx.is_meta and idx.dim() >= 1 and idx.numel() and not found:
+                try:
+                    found.extend(look(path, m, idx.detach().cpu().long()))
+                except Exception:  # noqa: BLE001 - an index this cannot read: not checked
+                    pass
+            shape = (*idx.shape, m.embedding_dim)
+            return torch.empty(shape, dtype=m.weight.dtype, device="meta")
+        return forward
+
+    patched = [(m, checker(f"stages.0.{name}" if name else "stages.0", m))
+               for name, m in first.named_modules() if isinstance(m, nn.Embedding)]
+    if not patched:
+        return
+    try:
+        for m, fn in patched:
+            m.forward = fn
+        with torch.no_grad():
+            first(**x) if isinstance(x, dict) else first(x)
+    except Exception:  # noqa: BLE001 - what follows the embeddings may not run on meta: checked as far as it got
+        pass
+    finally:
+        for m, _ in patched:
+            vars(m).pop("forward", None)
+    if found:
+        raise ConfigError(found[:1])
+
+
+def _leaves(node: Any, prefix: str, depth: int = 2) -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of ``node``'s values, and of its nested nodes' (``model.config.*``)."""
+    out: list[tuple[str, Any]] = []
+    try:
+        keys = [str(k) for k in node.keys() if not str(k).startswith("_")]
+    except Exception:  # noqa: BLE001 - not a mapping
+        return out
+    for k in keys:
+        try:
+            v = node.get(k)
+        except Exception:  # noqa: BLE001 - an interpolation that cannot resolve: not named
+            continue
+        if hasattr(v, "keys") and depth > 1:
+            out += _leaves(v, f"{prefix}.{k}", depth - 1)
+        else:
+            out.append((f"{prefix}.{k}", v))
+    return out
+
+
+def _key_with(node: Any, value: int, names: tuple[str, ...], prefix: str) -> str | None:
+    """The key of ``node`` holding ``value``: the only one, or the only one whose name says what it is."""
+    hits = [k for k, v in _leaves(node, prefix) if isinstance(v, int) and not isinstance(v, bool) and v == value]
+    if len(hits) > 1:
+        hits = [k for k in hits if any(n in k.rsplit(".", 1)[-1].lower() for n in names)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def _embedding_sentence(cfg: DictConfig, path: str, rows: int, need: int, top: int, fed: bool, positions: bool,
+                        T: int, declared: int | None) -> str:
+    mkey = _key_with(cfg.model, rows, _POSITION_NAMES if positions else _VOCAB_NAMES, "model")
+    if positions:
+        dkey = _key_with(cfg.data, T, _POSITION_NAMES, "data")
+        said = f" ({dkey}={T})" if dkey else ""
+        why = (f"the data's sequences are {T} long{said}, but the model's position embedding {path} has only "
+               f"{rows} rows")
+        fix = f"set {mkey} to at least {T}" + (f" or {dkey} to at most {rows}" if dkey else "")
+    else:
+        what = (f"an alphabet of {declared} symbols" if declared is not None and declared >= top + 1
+                else f"token id {top} in its first batch")
+        why = f"the data ({cfg.data.get('_target_')}) has {what}, but the model's embedding {path} has only {rows} rows"
+        fix = f"set {mkey} to at least {need}"
+    if mkey is None:
+        return f"model._target_={cfg.model.get('_target_')} cannot take the data: {why}."
+    return f"{mkey}={rows} is invalid: {why}; {fix}."
 
 
 def _data_hooks_of(model: Any) -> None:
@@ -169,6 +321,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
     with _model_context(cfg.model):
         model = _build(cfg.model, "model", LightningModule, "LightningModule")
     _data_hooks_of(model)
+    _check_inputs(model, data, _first_batch(data, cfg), cfg)  # the data's output against the model
     if single:
         strategy: Any = "auto"
         devices: dict[str, Any] = {"devices": 1}
@@ -188,13 +341,15 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
             ownership=cfg.strategy.get("ownership", "seed"), partition=cfg.get("partition", "params"),
             plan={"memory": cfg.plan.get("memory")},
             recompute=OmegaConf.to_container(rc) if OmegaConf.is_list(rc := cfg.get("recompute", "none")) else rc,
-            split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
+            split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split,
+            nonfinite=cfg.get("nonfinite", "stop"))
         devices = _devices(cfg.G * cfg.R)
     run = _run_info(cfg)
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(cfg.trainer, resolve=True) or {})
     kwargs.update(devices, strategy=strategy, logger=False, enable_checkpointing=False)
     if out_dir is not None:
         kwargs.update(_outputs(cfg, out_dir, run))
+    _atomic_checkpoints(kwargs, strategy)
     try:
         trainer = Trainer(**kwargs)
     except Exception as e:  # noqa: BLE001 - Lightning's own checks of its arguments: one sentence
@@ -211,7 +366,23 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
 
         if has_meta(model):  # the rule the workers follow for the stages they own, for every stage here
             init_units(list(model.stages), torch.initial_seed(), reset=model.reset_stage)
+    from ..lightning.resume import check_resume
+
+    check_resume(cfg, model)  # ckpt_path: loads, fits the model, has steps left, keeps its LR schedule
     return Job(model, data, trainer, strategy, run, chosen)
+
+
+def _atomic_checkpoints(kwargs: dict[str, Any], strategy: Any) -> None:
+    """Checkpoints written whole or not at all (:class:`~launcher.lightning.checkpoint_io.AtomicCheckpointIO`),
+    unless the strategy or the trainer's plugins bring their own checkpoint writer."""
+    from lightning.fabric.plugins import CheckpointIO
+
+    from ..lightning.checkpoint_io import AtomicCheckpointIO
+
+    plugins = kwargs.get("plugins") or []
+    plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    if getattr(strategy, "_checkpoint_io", None) is None and not any(isinstance(p, CheckpointIO) for p in plugins):
+        kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
 
 
 def _model_context(node: Any) -> Any:
@@ -234,15 +405,18 @@ def _model_context(node: Any) -> Any:
 def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, Any]:
     """Logger, checkpoints and the metrics callback, all writing into the run directory."""
     from hydra.utils import instantiate
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from ..lightning import requeue
     from ..lightning.metrics import RunMetrics
 
     config = OmegaConf.to_container(cfg, resolve=True)
-    callbacks: list[Any] = [RunMetrics(out_dir, config, run)]
+    from ..report.progress import Progress
+
+    callbacks: list[Any] = [RunMetrics(out_dir, config, run), Progress(out_dir)]
     if cfg.trainer.get("enable_checkpointing", True):
-        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True))
+        from ..lightning.resume import LastCheckpoint  # last.ckpt: where training ended
+
+        callbacks.append(LastCheckpoint(dirpath=out_dir / "checkpoints"))
     if requeue.in_slurm_job():  # last: its checkpoint is not part of the step's measured time
         callbacks.append(requeue.RequeueOnSignal())
     out: dict[str, Any] = {"callbacks": callbacks, "default_root_dir": str(out_dir),
@@ -269,14 +443,33 @@ def _group(out_dir: Path) -> str:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """One training run (one point of a sweep)."""
-    from ..lightning import requeue
-    from ..runtime import WorkerFailed
-
+    """One training run (one point of a sweep), holding its run directory while it runs: a second
+    run in the same directory is refused (one sentence naming the holder's PID) and touches nothing."""
     where = point()
     out = output_dir()
+    held = joined_rank() == 0  # under torchrun or Slurm, rank 0 holds the directory for every rank
+    if held:
+        try:
+            hold(out, None if in_sweep() else "hydra.run.dir")
+        except DirInUse as e:
+            return reject([str(e)], where, in_sweep())
+        for other in [d for d in HELD if d != out.absolute()]:
+            let_go(other)  # the command line's check held the directory it expected (another second)
+    try:
+        return _run(cfg, out, where)
+    finally:
+        if held:
+            let_go(out)
+
+
+def _run(cfg: DictConfig, out: Path, where: str) -> dict[str, Any]:
+    from ..lightning import requeue
+    from ..report import progress
+    from ..runtime import Interrupted, WorkerFailed
+
     for name in OUTCOMES:
         (out / name).unlink(missing_ok=True)
+    progress.remove(out)
     try:
         job = prepare(cfg, out)
     except ConfigError as e:
@@ -291,12 +484,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         console().print(f"slurm: requeued; resuming from {resumed}", highlight=False, soft_wrap=True)
     saved = set(requeue.hpc_checkpoints(out))
     try:
-        with requeue.Watch() as watch:
+        with requeue.Watch() as watch, _sigint_stops():
             job.trainer.fit(job.model, datamodule=job.data, ckpt_path=ckpt_path)
     except WorkerFailed as e:
-        return _failed(cfg, out, where, str(e))
+        return _failed(cfg, out, where, _error_line(e))
+    except Interrupted as e:
+        _interrupted(cfg, out, job.run, e)
+        raise
     except Exception as e:  # noqa: BLE001 - a crash in this process (single-device runs): record it
-        return _failed(cfg, out, where, one_line(e))
+        return _failed(cfg, out, where, _error_line(e))
+    progress.remove(out)
     new = [p for p in requeue.hpc_checkpoints(out) if p not in saved]
     if new:
         requeue.requeue(watch, new[-1])
@@ -318,15 +515,112 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 def _failed(cfg: DictConfig, out: Path, where: str, error: str) -> dict[str, Any]:
     """A point whose training failed: the error on stderr, in the run's log and in ``failed.json``
-    (with the log's path); a sweep goes on with its other points."""
-    import logging
+    (with the log's path and the steps measured before the failure); a sweep goes on with its other
+    points. Never raises: a file that cannot be written (a full disk) is said on the same line."""
     import sys
 
-    print(f"error: {error}", file=sys.stderr, flush=True)
+    from ..atomic import write_json, write_sentence
+    from ..report import progress
+
+    unwritten: list[str] = []
     log = out / "launcher.log"
-    with log.open("a") as f:  # Hydra's job log of this point (its console handler would print it twice)
-        f.write(f"[{logging.Formatter().formatTime(logging.makeLogRecord({}))}][launcher][ERROR] - {error}\n")
-    config = OmegaConf.to_container(cfg, resolve=False)
-    (out / "failed.json").write_text(json.dumps({"config": config, "error": error, "log": str(log)}, indent=2,
-                                                default=str) + "\n")
+    try:
+        import logging
+
+        with log.open("a") as f:  # Hydra's job log of this point (its console handler would print it twice)
+            f.write(f"[{logging.Formatter().formatTime(logging.makeLogRecord({}))}][launcher][ERROR] - {error}\n")
+    except Exception:  # noqa: BLE001 - the log is a copy of the line printed below
+        pass
+    try:
+        try:
+            config: Any = OmegaConf.to_container(cfg, resolve=False)
+        except Exception:  # noqa: BLE001
+            config = None
+        steps, val = progress.read(out)
+        write_json(out / "failed.json", {"config": config, "status": "failed", "error": error, "log": str(log),
+                                         "steps": steps, "val": val})
+        progress.remove(out)
+    except Exception as e:  # noqa: BLE001 - a full disk: said on the error's line
+        unwritten.append(write_sentence(out / "failed.json", e).rstrip("."))
+    line = error.rstrip() + (f" ({'; '.join(unwritten)})" if unwritten else "")
+    try:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - stderr closed: nothing left to tell
+        pass
     return {"point": where, "ok": False, "failed": True, "errors": [error]}
+
+
+def _error_line(e: BaseException) -> str:
+    """The one line for a failed run: a file that could not be written (a full disk) is said as
+    such, naming the file, whichever rank or layer met it; anything else as it was reported."""
+    from ..atomic import WriteError, is_disk_full, write_sentence
+
+    text = str(e)
+    at = text.find("could not write ")
+    if "WriteError" in text and at >= 0:  # a worker's: "rank 0 failed while running ...: WriteError: ..."
+        return text[at:].splitlines()[0].strip()
+    seen = e
+    while seen is not None:
+        if isinstance(seen, WriteError):
+            return seen.sentence
+        if isinstance(seen, OSError) and is_disk_full(seen) and seen.filename:
+            return write_sentence(seen.filename, seen)
+        seen = seen.__cause__ or seen.__context__
+    return text if hasattr(e, "errors") else one_line(e)
+
+
+def _interrupted(cfg: DictConfig, out: Path, run_info: dict[str, Any], e: BaseException) -> None:
+    """A run stopped by SIGINT or SIGTERM: ``metrics.json`` with what rank 0 measured up to the
+    stop and ``"status": "interrupted"``, or ``failed.json`` when no step had finished. Never
+    raises (the stop's own line follows)."""
+    import signal
+    import sys
+
+    from ..atomic import write_json, write_sentence
+    from ..report import metrics as report
+    from ..report import progress
+
+    signum = getattr(e, "signum", signal.SIGINT)
+    error = str(e) or f"stopped by {signal.Signals(signum).name}"
+    path = out / "metrics.json"
+    try:
+        steps, val = progress.read(out)
+        try:
+            config: Any = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:  # noqa: BLE001
+            config = OmegaConf.to_container(cfg, resolve=False)
+        if steps:
+            report.write(report.interrupted(config, run_info, steps, val, "interrupted", error), out)
+            console().print(f"wrote {path} (interrupted after {len(steps)} steps)", highlight=False, soft_wrap=True)
+        else:
+            path = out / "failed.json"
+            write_json(path, {"config": config, "status": "interrupted", "error": error, "steps": [], "val": val})
+        progress.remove(out)
+    except Exception as err:  # noqa: BLE001 - a full disk: one more line, and the stop goes on
+        try:
+            print(f"error: {write_sentence(path, err)}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+@contextlib.contextmanager
+def _sigint_stops() -> Iterator[None]:
+    """While training runs, Ctrl-C and SIGTERM stop it (:class:`launcher.runtime.Interrupted`), on
+    one device too, where Lightning would otherwise end the process itself on Ctrl-C (exit 1)."""
+    import signal
+
+    from ..runtime import Interrupted
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signum, f"stopped by {signal.Signals(signum).name}")
+
+    try:
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)

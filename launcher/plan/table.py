@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +54,9 @@ def plan_record(plan: Plan, config: dict[str, Any], seconds: bool) -> dict[str, 
 
 
 def write_plan(record: dict[str, Any], out_dir: Path) -> Path:
-    path = Path(out_dir) / "plan.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    return path
+    from ..atomic import write_json
+
+    return write_json(Path(out_dir) / "plan.json", record)
 
 
 def describe(c: Candidate) -> str:

@@ -10,7 +10,9 @@ is in seconds.
 Keys (the comparison dashboard reads them):
 
 - ``run``: scheme, G, R, W, stages, microbatches, order, batch_size; ``config``: the resolved config;
-- ``status``: ``ok`` (``failed``/``invalid`` runs write ``failed.json``/``invalid.json`` instead);
+- ``status``: ``ok``, or ``interrupted`` (stopped by SIGINT/SIGTERM: ``steps`` and ``val`` up to the stop,
+  measured only, and ``error``, the line the command printed); ``failed``/``invalid`` runs write
+  ``failed.json``/``invalid.json`` instead;
 - ``steps``: per step ``loss``, ``step_s`` (wall, slowest worker), ``samples_per_s``; ``val``: per
   validation ``step`` and ``val_loss``;
 - ``latency_s``, ``throughput_samples_per_s``, ``bubble_fraction``: ``{"predicted", "measured"}``
@@ -36,7 +38,6 @@ Keys (the comparison dashboard reads them):
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -207,7 +208,25 @@ def single_device(*, config: Mapping[str, Any], run: Mapping[str, Any], steps: S
     }
 
 
+def interrupted(config: Mapping[str, Any], run: Mapping[str, Any], steps: Sequence[Mapping[str, Any]],
+                val: Sequence[Mapping[str, Any]], status: str, error: str) -> dict[str, Any]:
+    """The metrics of a run stopped before its end (``status``: ``interrupted``): what rank 0
+    measured up to the stop, step by step (its own wall time per step), measured only; ``error``:
+    the line the command printed."""
+    walls = [s["step_s"] for s in steps if s.get("step_s")]
+    measured_s = _median_after_first(walls)
+    samples = steps[-1].get("samples", 0) if steps else 0
+    return {
+        "run": dict(run), "config": dict(config), "status": status, "error": error,
+        "steps": [{k: v for k, v in s.items() if k != "samples"} for s in steps], "val": [dict(v) for v in val],
+        "latency_s": {"predicted": None, "measured": measured_s or None},
+        "throughput_samples_per_s": {"predicted": None, "measured": samples / measured_s if measured_s else None},
+        "bubble_fraction": {"predicted": None, "measured": None},
+        "diagram": None,
+    }
+
+
 def write(metrics: Mapping[str, Any], directory: str | Path, name: str = "metrics.json") -> Path:
-    path = Path(directory) / name
-    path.write_text(json.dumps(metrics, indent=1, default=str) + "\n")
-    return path
+    from ..atomic import write_json
+
+    return write_json(Path(directory) / name, metrics, indent=1)

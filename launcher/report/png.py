@@ -62,7 +62,11 @@ def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int 
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    from ..atomic import replacing_path
+
+    try:
+        with replacing_path(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return path

@@ -10,7 +10,6 @@ metric).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -45,7 +44,6 @@ def record(config: Mapping[str, Any], summary: Mapping[str, Any], scheme: str) -
 
 
 def write_record(rec: Mapping[str, Any], directory: str | Path, name: str = "simulation.json") -> Path:
-    path = Path(directory) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rec, indent=2) + "\n")
-    return path
+    from ..atomic import write_json
+
+    return write_json(Path(directory) / name, rec)

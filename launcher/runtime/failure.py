@@ -26,12 +26,24 @@ waiting nor done are hung, and the lowest is named with the job it was running. 
   rank waits for it: ``timeout`` must exceed the longest single job (and the longest time one
   rank spends outside the engine while the others already wait for it in the next step).
 
+Under the local launcher (:func:`launcher.runtime.launch`) the launcher applies these rules itself
+(:class:`HangMonitor`, with ``detect=False`` here): it hosts the store, sees which processes died
+and which are stopped, so it names the rank that is stuck, and kills it, where a peer could only
+say "no heartbeat". Under torchrun or Slurm every watchdog applies them.
+
+A communication error (gloo's "Connection reset by peer", a broken NCCL communicator) is never a
+cause: it is what a peer sees when the rank at the other end died or stopped. A worker that gets
+one does not claim ``abort``; it waits for the cause to be named (:meth:`Watchdog.fail`), and only
+if none is named within ``timeout + grace`` reports the lost connection itself, in words, without
+the backend's C++ text (:func:`is_transport_error`, :func:`transport_reason`).
+
 The store is only touched by the watchdog thread, every ``interval`` seconds, never per job.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -62,6 +74,54 @@ def failure_message(rank: int, job: str, what: str) -> str:
     return f"rank {rank} failed while running {job or 'no job (between steps)'}: {what}"
 
 
+#: what a communication backend (gloo, NCCL) says when the rank at the other end of
+#: a connection died, stopped or closed it: each a consequence of another rank's failure
+_TRANSPORT = re.compile(
+    r"gloo/transport|connection (?:reset|closed|refused) by peer|Socket Timeout|pair closure|broken pipe|"
+    r"NCCL communicator was aborted|nccl(?:Remote|System)Error|remote (?:worker|process) (?:crash|hang|exit)",
+    re.IGNORECASE)
+
+_REASONS = (  # (pattern, the words a user reads), first match wins
+    (r"connection reset", "the connection was reset"),
+    (r"connection closed|closed by peer|disconnected", "the connection was closed"),
+    (r"connection refused", "the connection was refused"),
+    (r"broken pipe|EPIPE", "the connection broke"),
+    (r"time(?:d)? ?out", "a receive timed out"),
+)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in seen and len(seen) < 16:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a communication backend reporting a broken
+    connection to a peer: a consequence of another rank's failure, never a cause."""
+    if isinstance(exc, WorkerAborted):
+        return False
+    for e in _chain(exc):
+        if isinstance(e, (getattr(dist, "DistNetworkError", ()), getattr(dist, "DistBackendError", ()))):
+            return True
+        # the backends raise plain RuntimeErrors; a user's own network error (a download) is not one
+        if type(e) is RuntimeError and _TRANSPORT.search(str(e)):
+            return True
+    return False
+
+
+def transport_reason(exc: BaseException) -> str:
+    """A broken connection in words, without the backend's file names, addresses and C++ text."""
+    text = " ".join(str(e) for e in _chain(exc))
+    for pattern, words in _REASONS:
+        if re.search(pattern, text, re.IGNORECASE):
+            return words
+    return "the connection failed"
+
+
 class Watchdog:
     """Heartbeat, abort flag and hard stop for one worker (see the module docstring)."""
 
@@ -75,8 +135,11 @@ class Watchdog:
         grace: float | None = None,
         job_slot=None,
         on_hard_exit: Callable[[str], None] | None = None,
+        detect: bool = True,
     ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
+        # look for silent or hung peers; off under the local launcher, which does it for everyone
+        self.detect = detect
         self.timeout = float(timeout)
         self.interval = interval if interval is not None else min(0.2, self.timeout / 10)
         self.grace = grace if grace is not None else min(2.0, self.timeout / 4)
@@ -113,8 +176,20 @@ class Watchdog:
             raise WorkerAborted(self.aborted)
 
     def fail(self, exc: BaseException) -> str:
-        """Record this worker's own failure for the others; returns the message."""
-        msg = failure_message(self.rank, self.job, f"{type(exc).__name__}: {exc}")
+        """Record this worker's own failure for the others; returns the message (another rank's,
+        if that one failed first).
+
+        A broken connection (:func:`is_transport_error`) is what a peer's death or hang looks like
+        from here: wait up to ``timeout + grace`` for that failure to be named, and return it; only
+        if nobody names one is the lost connection recorded, in words."""
+        if is_transport_error(exc):
+            cause = self.wait_abort(self.timeout + self.grace)
+            if cause is not None:
+                return cause
+            msg = failure_message(self.rank, self.job, f"it lost its connection to another rank ({transport_reason(exc)}) "
+                                                       f"and no rank reported a failure within {self.timeout + self.grace:g} s")
+        else:
+            msg = failure_message(self.rank, self.job, f"{type(exc).__name__}: {exc}")
         try:
             return self.store.compare_set(ABORT_KEY, "", msg).decode()
         except Exception:  # the store may be gone with the group; the launcher still sees our exit
@@ -124,7 +199,10 @@ class Watchdog:
         """After a communication error: give the watchdog up to ``seconds`` to name the culprit."""
         deadline = time.monotonic() + seconds
         while self.aborted is None and time.monotonic() < deadline:
-            self._poll_abort()
+            try:
+                self._poll_abort()
+            except Exception:  # the store is gone with whoever hosted it: nobody will name a cause
+                break
             if self.aborted is None:
                 time.sleep(0.02)
         return self.aborted
@@ -170,7 +248,7 @@ class Watchdog:
             while not self._stop.wait(self.interval):
                 self._beat()
                 self._poll_abort()
-                if self.aborted is None:
+                if self.aborted is None and self.detect:
                     now = time.monotonic()
                     # rank -> (progress, waiting, job) of every rank still running, this one too
                     state = {self.rank: (self.progress, self.waiting, self.job)}
@@ -207,12 +285,17 @@ class Watchdog:
         if self._stop.wait(self.grace):
             return
         msg = f"rank {self.rank} stopped because {self.aborted}"
-        if self.on_hard_exit is not None:
+        if self.on_hard_exit is not None:  # the launcher prints the one line for everyone
             try:
                 self.on_hard_exit(msg)
             except Exception:
                 pass
-        print(msg, file=sys.stderr, flush=True)
+        else:  # torchrun: a line of our own, in one write so that ranks' lines never interleave
+            try:
+                sys.stderr.flush()
+                os.write(2, (msg + "\n").encode())
+            except OSError:
+                pass
         os._exit(1)
 
 
@@ -220,17 +303,78 @@ def hang_message(state: dict[int, tuple[int, bool, str]], timeout: float) -> str
     """The failure when no rank has moved for ``timeout`` s (``state``: rank -> (progress,
     waiting, job) of the ranks still running): the lowest rank that is not waiting is hung, if
     any rank waits; ``None`` when nobody waits (everyone is busy outside the engine)."""
+    found = hang_culprit(state, timeout)
+    return None if found is None else found[1]
+
+
+def _waited(waiting: list[int]) -> str:
+    return f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited for it"
+
+
+def hang_culprit(state: dict[int, tuple[int, bool, str]], timeout: float) -> tuple[int, str] | None:
+    """:func:`hang_message`, and the rank it names."""
     waiting = sorted(r for r, (_, w, _) in state.items() if w)
     if not waiting:
         return None
     hung = sorted(r for r, (_, w, _) in state.items() if not w)
     if not hung:  # impossible by construction of the plan; say so rather than wait for gloo
         r = waiting[0]
-        return failure_message(r, state[r][2], f"every rank ({waiting}) has waited for another for {timeout:g} s (deadlock)")
+        return r, failure_message(r, state[r][2], f"every rank ({waiting}) has waited for another for {timeout:g} s (deadlock)")
     r = hung[0]
-    return failure_message(
-        r, state[r][2], f"it hung: no progress for {timeout:g} s while rank{'s' if len(waiting) > 1 else ''} "
-        f"{', '.join(map(str, waiting))} waited for it")
+    return r, failure_message(r, state[r][2], f"it hung: no progress for {timeout:g} s while {_waited(waiting)}")
+
+
+class HangMonitor:
+    """The local launcher's view of every worker's heartbeat (see the module docstring): feed it
+    the heartbeats of the ranks still running, as often as the watchdogs beat; it names a rank that
+    is stuck.
+
+    - *frozen*: a rank whose heartbeat has not changed for ``timeout`` s. Its whole process stands
+      still (stopped by SIGSTOP or a debugger, or stuck holding the interpreter lock), watchdog
+      thread included; a stopped process is named before one that merely does not answer.
+    - *hung*: its process lives, but no rank has progressed for ``timeout`` s while some wait:
+      :func:`hang_culprit`.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = float(timeout)
+        self._seen: dict[int, tuple[str, float]] = {}  # rank -> (heartbeat, when it last changed)
+        self._moved: dict[int, int] = {}  # rank -> its progress when last seen
+        self._moved_at: float | None = None  # when any rank's progress last moved
+
+    def update(
+        self,
+        beats: dict[int, str],
+        now: float | None = None,
+        jobs: dict[int, str] | None = None,
+        stopped: Callable[[int], bool] = lambda r: False,
+    ) -> tuple[int, str] | None:
+        """``beats``: rank -> its heartbeat (``count|progress|waiting|job``, or ``done``) of every
+        rank still running; ``jobs``: fresher job labels where known; ``stopped(rank)``: whether its
+        process is stopped. Returns ``(rank, one sentence)`` for a stuck rank, else ``None``."""
+        now = time.monotonic() if now is None else now
+        state: dict[int, tuple[int, bool, str]] = {}
+        for r, hb in beats.items():
+            if hb == "done":
+                continue
+            _, progress, waiting, job = hb.split("|", 3)
+            state[r] = (int(progress), waiting == "1", (jobs or {}).get(r) or job)
+            if r not in self._seen or self._seen[r][0] != hb:
+                self._seen[r] = (hb, now)
+        if self._moved_at is None or any(self._moved.get(r) != p for r, (p, _, _) in state.items()):
+            self._moved_at = now
+        self._moved = {r: p for r, (p, _, _) in state.items()}
+        frozen = [r for r in state if now - self._seen[r][1] > self.timeout]
+        if frozen:
+            r = min(frozen, key=lambda q: (not stopped(q), q))
+            waiting = sorted(q for q, (_, w, _) in state.items() if w and q not in frozen)
+            how = ("its process is stopped (SIGSTOP, or a debugger)" if stopped(r) else
+                   "its whole process stopped responding")
+            return r, failure_message(r, state[r][2], f"it hung: {how}; no progress for {self.timeout:g} s" +
+                                      (f" while {_waited(waiting)}" if waiting else ""))
+        if now - self._moved_at > self.timeout:
+            return hang_culprit(state, self.timeout)
+        return None
 
 
 def blocked(watchdog: Watchdog | None):

@@ -8,8 +8,18 @@ Each child sets one intra-op thread (2-core machines oversubscribe badly otherwi
 ``torch.distributed`` group through a store the parent hosts, starts its :class:`Watchdog`, runs
 the function and sends its return value back. The parent watches the children: when one raises or
 dies, the store's ``abort`` key names it (and the job it was running), every other child stops
-within ``timeout`` (+ the watchdog's grace), stragglers are killed, and :class:`WorkerFailed` is
-raised. No child outlives :func:`launch`.
+within the watchdog's grace (+ a second or two), stragglers are killed, and :class:`WorkerFailed`
+is raised. No child outlives :func:`launch`.
+
+The parent also reads every child's heartbeat (:class:`~launcher.runtime.failure.HangMonitor`): a
+child that is stuck (stopped, or hung while its peers wait for it) is named, with its job, within
+``timeout`` seconds and killed at once, so the whole run stops within ``timeout`` plus the grace.
+
+Which rank is blamed: the one that died without a word (a signal, ``os._exit``), raised, or hung,
+whichever the store recorded first. A child whose connection to a peer broke (gloo's "Connection
+reset by peer") reports no cause of its own: it waits for that peer's failure to be named, and is
+only blamed, last of all and in words, if nobody else is. Only the culprit's own traceback is
+printed. Each child is named ``launcher-rank<r>`` for ``ps -o pid,comm``.
 
 torchrun: ``torchrun --nproc-per-node 4 -m launcher strategy=lpp G=2 R=2`` (the Lightning strategy
 joins the group itself); for plain Python, :func:`init_from_env` joins it and starts the watchdog.
@@ -33,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from .model import warm_up_meta
-from .failure import ABORT_KEY, DEFAULT_TIMEOUT, Watchdog, WorkerAborted, WorkerFailed, failure_message, set_current_watchdog
+from .failure import (ABORT_KEY, DEFAULT_TIMEOUT, HangMonitor, Watchdog, WorkerAborted, WorkerFailed, failure_message,
+                      is_transport_error, set_current_watchdog, transport_reason)
 
 #: how long a blocking collective may take before the backend itself gives up; failure detection
 #: is the watchdog's job (a slow but healthy peer keeps beating), so this is generous
@@ -45,6 +56,25 @@ def auto_backend(backend: str = "auto") -> str:
     if backend != "auto":
         return backend
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _name_process(name: str) -> None:
+    """What ``ps -o comm`` and ``top`` show for this process (Linux; 15 characters)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:  # noqa: BLE001 - cosmetic
+        pass
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): state T or t in /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _child(
@@ -69,6 +99,7 @@ def _child(
     # SIGTERM), stopping every worker with one line instead of a traceback from each
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _name_process(f"launcher-rank{rank}")
     try:
         torch.set_num_threads(1)
         if not conn.poll(start_timeout):
@@ -77,8 +108,9 @@ def _child(
         store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
         # the watchdog gets its own connection: a blocking store call of the group must not delay it
         wd_store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
+        # the launcher looks for silent and hung ranks itself (it sees who died and who is stopped)
         wd = Watchdog(dist.PrefixStore("watchdog", wd_store), rank, world, timeout, job_slot=slot,
-                      on_hard_exit=lambda msg: report("aborted", msg))
+                      on_hard_exit=lambda msg: report("aborted", msg), detect=False)
         wd.start()
         set_current_watchdog(wd)
         if backend == "nccl":
@@ -95,10 +127,20 @@ def _child(
         report("aborted", f"rank {rank} stopped because {e}")
         code = 1
     except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
-        msg = wd.fail(e) if wd is not None else failure_message(rank, "", f"{type(e).__name__}: {e}")
+        # a broken connection is a peer's failure seen from here: fail() waits for it to be named
+        transport = is_transport_error(e)
+        if wd is not None:
+            msg = wd.fail(e)
+        else:
+            msg = failure_message(rank, "", f"it lost its connection to another rank ({transport_reason(e)})"
+                                  if transport else f"{type(e).__name__}: {e}")
         own = msg.startswith(f"rank {rank} ")
-        report("failed" if own else "aborted", msg if own else f"rank {rank} stopped because {msg}")
-        traceback.print_exc()
+        if own:
+            report("transport" if transport else "failed", msg)
+        else:
+            report("aborted", f"rank {rank} stopped because {msg}")
+        if own and not transport:  # the culprit's traceback only; never a backend's C++ text
+            traceback.print_exc()
         code = 1
     finally:
         sys.stdout.flush()
@@ -119,9 +161,11 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return each rank's result.
 
-    ``timeout``: seconds within which every worker stops after one fails (and how long a silent
-    worker may go before it is declared dead). ``deadline``: optional bound on the whole run.
-    Raises :class:`WorkerFailed` naming the failed rank and job.
+    ``timeout``: how long a worker may go without progress while others wait for it (or without
+    a heartbeat) before it is declared hung; it must exceed the longest single job. After a
+    failure every worker stops within the watchdog's grace (``min(2, timeout / 4)`` s) plus
+    about a second. ``deadline``: optional bound on the whole run. Raises :class:`WorkerFailed`
+    naming the failed rank and job.
     """
     backend = auto_backend(backend)
     warm_up_meta()  # once here, inherited by every child, instead of W concurrent imports
@@ -158,7 +202,12 @@ def launch(
     results: list[Any] = [None] * world_size
     reports: dict[int, tuple[str, Any]] = {}
     failure: str | None = None
+    causes: list[str] = []  # what the launcher itself saw fail (deaths, hangs), in order
     stop_by: float | None = None
+    # after a failure: the watchdogs see it within an interval, stop within their grace
+    interval, grace = min(0.2, timeout / 10), min(2.0, timeout / 4)
+    monitor = HangMonitor(timeout)
+    next_look = time.monotonic()
     end_by = time.monotonic() + deadline if deadline is not None else None
     start_by: float | None = time.monotonic() + start_timeout
     started: set[int] = set()
@@ -182,14 +231,36 @@ def launch(
         nonlocal failure, stop_by
         if failure is None:
             failure = wstore.compare_set(ABORT_KEY, "", msg).decode()
-            stop_by = time.monotonic() + timeout + min(2.0, timeout / 4) + 1.0
+            stop_by = time.monotonic() + grace + 2 * interval + 2.0
+
+    def look_for_hangs(now: float) -> None:
+        """Every rank's heartbeat: a stuck one is named, and killed (it cannot stop itself)."""
+        running = [r for r in sorted(alive) if r not in reports]
+        try:
+            beats = {r: wstore.get(f"hb/{r}").decode() for r in running}
+        except Exception:  # noqa: BLE001 - a store hiccup: look again next time
+            return
+        found = monitor.update(beats, now, jobs={r: slots[r].value.decode() for r in running},
+                               stopped=lambda r: _is_stopped(procs[r].pid))
+        if found is None:
+            return
+        r, msg = found
+        set_failure(msg)
+        if failure == msg:  # nobody failed before it: it is the cause
+            causes.append(msg)
+            reports[r] = ("failed", msg)
+            try:
+                os.kill(procs[r].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     interrupted: Interrupted | None = None
     try:
         while alive:
             now = time.monotonic()
             wait_for = [procs[r].sentinel for r in alive] + list(open_conns)
-            limit = [t - now for t in (stop_by, end_by, start_by) if t is not None]
+            watching = failure is None and start_by is None  # every rank started, none failed
+            limit = [t - now for t in (stop_by, end_by, start_by, next_look if watching else None) if t is not None]
             ready = mp.connection.wait(wait_for, timeout=max(0.0, min(limit)) if limit else None)
             for obj in ready:
                 if obj in open_conns:
@@ -214,18 +285,22 @@ def launch(
                 kind, payload = reports.get(r, ("died", None))
                 if kind == "ok":
                     results[r] = payload
-                elif kind == "failed":
+                elif kind in ("failed", "transport"):  # a lost connection is blamed last (see the end)
                     set_failure(payload)
                 elif kind == "died":
                     code = procs[r].exitcode
                     how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
                     msg = failure_message(r, slots[r].value.decode(), f"the process died ({how})")
                     reports[r] = ("died", msg)
+                    causes.append(msg)
                     set_failure(msg)
                 else:  # aborted because of someone else: that one is (or will be) the failure
                     if failure is None and wstore.check([ABORT_KEY]):
                         set_failure(wstore.get(ABORT_KEY).decode())
             now = time.monotonic()
+            if failure is None and start_by is None and alive and now >= next_look:
+                next_look = now + interval
+                look_for_hangs(now)
             if start_by is not None and now >= start_by and failure is None:
                 late = sorted(set(range(world_size)) - started)
                 set_failure(failure_message(late[0], "", f"ranks {late} did not join the process group within {start_timeout:g} s"))
@@ -253,6 +328,9 @@ def launch(
     if interrupted is not None:
         raise interrupted
     if failure is not None:
+        # a lost connection is the last thing to blame: a death or a hang seen meanwhile comes first
+        if failure in {p for k, p in reports.values() if k == "transport"} and causes:
+            failure = causes[0]
         errors = {r: str(p) for r, (k, p) in reports.items() if k != "ok"}
         for r in killed:
             errors.setdefault(r, f"rank {r} was killed after not stopping within the bound")

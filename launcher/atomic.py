@@ -1,0 +1,133 @@
+"""Every file a run writes appears whole or not at all: written to a temporary name in the same
+directory, flushed to disk, then renamed over the final name (``os.replace``, atomic on POSIX).
+
+A reader (a resumed run, ``mode=plan`` reading a profile, the comparison page, a person) never sees a
+half-written ``metrics.json`` or checkpoint, and a failed write (a full disk) leaves the previous
+version of the file intact. A failed write raises :class:`WriteError`, whose text is one sentence
+naming the file and why; its temporary file is removed. Standard library only: every layer (the
+report writers, the Lightning checkpoint plugin, the workers) uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+#: errors that mean "the disk (or the quota, or the file-size limit) is full"
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class WriteError(OSError):
+    """Writing ``path`` failed; ``str()`` is one sentence naming it (no ``[Errno n]`` prefix)."""
+
+    def __init__(self, err: int | None, sentence: str, path: str) -> None:
+        super().__init__(err, sentence, path)
+        self.sentence = sentence
+
+    def __str__(self) -> str:
+        return self.sentence
+
+    def __reduce__(self) -> Any:  # crosses process boundaries intact (a worker's error)
+        return (type(self), (self.errno, self.sentence, self.filename))
+
+
+def reason(e: BaseException) -> str:
+    """Why a write failed, in words: a full disk is said plainly."""
+    err = getattr(e, "errno", None)
+    if err == errno.ENOSPC:
+        return "no space left on the device"
+    if err == errno.EDQUOT:
+        return "the disk quota is exceeded"
+    if err == errno.EFBIG:
+        return "the file is larger than this process may write (the file-size limit, ulimit -f)"
+    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return " ".join(str(text).split()).rstrip(".")
+
+
+def write_sentence(path: str | os.PathLike, e: BaseException) -> str:
+    """The one sentence saying that ``path`` could not be written, and why."""
+    if isinstance(e, WriteError):
+        return e.sentence
+    return f"could not write {path}: {reason(e)}."
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return getattr(e, "errno", None) in DISK_FULL
+
+
+def _tmp_name(path: Path) -> Path:
+    # hidden, and not ending in the final suffix: globs such as *.ckpt or *.json never match it
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike, mode: str = "wb", *, sync: bool = True) -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path`` for writing; when the block ends without error it is
+    flushed and renamed to ``path``. On any error the temporary file is removed, ``path`` keeps its
+    previous content, and an ``OSError`` is raised again as :class:`WriteError`."""
+    path = Path(path)
+    tmp = _tmp_name(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError) and not isinstance(e, WriteError):
+            raise WriteError(e.errno, write_sentence(path, e), str(path)) from e
+        raise
+    if sync:
+        _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def replacing_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Like :func:`replacing`, for a writer that takes a file name (``savefig``): yields the
+    temporary path to write (it keeps ``path``'s suffix as its format's hint), renamed on success."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError) and not isinstance(e, WriteError):
+            raise WriteError(e.errno, write_sentence(path, e), str(path)) from e
+        raise
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, *, sync: bool = True) -> Path:
+    with replacing(path, "wb", sync=sync) as f:
+        f.write(data)
+    return Path(path)
+
+
+def write_text(path: str | os.PathLike, text: str, *, sync: bool = True) -> Path:
+    with replacing(path, "w", sync=sync) as f:
+        f.write(text)
+    return Path(path)
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2, sync: bool = True) -> Path:
+    """``obj`` as JSON (anything JSON cannot hold is written as its ``str``), with a final newline."""
+    return write_text(path, json.dumps(obj, indent=indent, default=str) + "\n", sync=sync)
