@@ -74,19 +74,12 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def replacing(path: str | os.PathLike, mode: str = "wb", *, sync: bool = True) -> Iterator[IO[Any]]:
-    """Open a temporary file beside ``path`` for writing; when the block ends without error it is
-    flushed and renamed to ``path``. On any error the temporary file is removed, ``path`` keeps its
-    previous content, and an ``OSError`` is raised again as :class:`WriteError`."""
-    path = Path(path)
-    tmp = _tmp_name(path)
+def _renamed(path: Path, tmp: Path) -> Iterator[None]:
+    """Rename ``tmp`` over ``path`` if the block succeeds; otherwise remove it, and raise an
+    ``OSError`` again as :class:`WriteError` (one sentence naming ``path``)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
+        yield
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
@@ -94,6 +87,21 @@ def replacing(path: str | os.PathLike, mode: str = "wb", *, sync: bool = True) -
         if isinstance(e, OSError) and not isinstance(e, WriteError):
             raise WriteError(e.errno, write_sentence(path, e), str(path)) from e
         raise
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike, mode: str = "wb", *, sync: bool = True) -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path`` for writing; when the block ends without error it is
+    flushed and renamed to ``path``. On any error the temporary file is removed, ``path`` keeps its
+    previous content, and an ``OSError`` is raised again as :class:`WriteError`."""
+    path = Path(path)
+    tmp = _tmp_name(path)
+    with _renamed(path, tmp):
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
     if sync:
         _fsync_dir(path.parent)
 
@@ -104,16 +112,8 @@ def replacing_path(path: str | os.PathLike) -> Iterator[Path]:
     temporary path to write (it keeps ``path``'s suffix as its format's hint), renamed on success."""
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with _renamed(path, tmp):
         yield tmp
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(e, OSError) and not isinstance(e, WriteError):
-            raise WriteError(e.errno, write_sentence(path, e), str(path)) from e
-        raise
 
 
 def write_bytes(path: str | os.PathLike, data: bytes, *, sync: bool = True) -> Path:

@@ -107,7 +107,7 @@ def test_stop_names_step_microbatch_stage_and_keeps_the_last_finite_checkpoint(t
                                        cwd=tmp_path))
     assert code == 1, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, err[-3000:]
+    assert len(errors) == 1 and "Traceback" not in err and "NonFiniteError" not in err, err[-3000:]
     assert sentence + ", so training stopped before the step's update (nonfinite=stop; nonfinite=skip drops such " \
                       "steps and goes on)." in errors[0], errors[0]
     last = load(run / "checkpoints" / "last.ckpt")

@@ -98,7 +98,7 @@ class LauncherConf:
     logger: Any = None
     split: Any = None  # mode=train: null (the model's self.stages) | auto | [module paths where stages begin]
     partition: str = "params"  # mode=train: self.stages cut balanced by params | time (profiled) | memory
-    timeout: float = 30.0  # seconds within which every worker stops after one fails
+    timeout: float = 30.0  # seconds without progress, while its peers wait, after which a worker is named as hung
     ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
     nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step (launcher.runtime.nonfinite)
     plan: PlanConf = field(default_factory=PlanConf)  # mode=plan (and strategy=auto)

@@ -47,7 +47,7 @@ from torch import nn
 from ..config import ConfigError, LauncherConf, step_errors, to_step
 from ..runtime import DEFAULT_TIMEOUT, Engine
 from ..runtime.values import chunk, joined, to_device
-from ..runtime.failure import Watchdog, set_current_watchdog
+from ..runtime.failure import Watchdog, blocked, current_watchdog, set_current_watchdog
 from ..runtime.init import empty_init, has_meta
 from ..runtime.link import measure as measure_link
 from ..runtime.nonfinite import MODES as NONFINITE_MODES
@@ -454,7 +454,7 @@ class UnifiedStrategy(ParallelStrategy):
 
     def _sum_over_workers(self, value: float) -> torch.Tensor:
         t = torch.tensor([value], dtype=torch.float64, device=self.root_device)
-        dist.all_reduce(t)
+        _all_reduce(t)
         return t[0]
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -641,11 +641,18 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
     sq = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
     for g in counted:
         sq += torch.linalg.vector_norm(g.double()) ** 2
-    dist.all_reduce(sq)
+    _all_reduce(sq)
     coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
     return sq.sqrt()
+
+
+def _all_reduce(t: torch.Tensor) -> None:
+    """Sum ``t`` over the workers, marked as waiting on them: a rank that hangs meanwhile is named
+    by the hang check (its peers are waiting here, not making progress)."""
+    with blocked(current_watchdog()):
+        dist.all_reduce(t)
 
 
 class _SyncedScaler(torch.amp.GradScaler):
@@ -660,7 +667,7 @@ class _SyncedScaler(torch.amp.GradScaler):
         for v in per_device.values():
             total += v.to(total.device)
         if _distributed_is_initialized():
-            dist.all_reduce(total)
+            _all_reduce(total)
         return {total.device: total}
 
 

@@ -69,6 +69,11 @@ class WorkerFailed(RuntimeError):
         self.errors = errors or {}
 
 
+class Stop(RuntimeError):
+    """A stop the user acts on, explained by its message alone: reported without the exception's
+    name and without a traceback (a non-finite loss, for example)."""
+
+
 def failure_message(rank: int, job: str, what: str) -> str:
     """The one sentence every worker reports: which rank, which job, what happened."""
     return f"rank {rank} failed while running {job or 'no job (between steps)'}: {what}"
@@ -189,7 +194,7 @@ class Watchdog:
             msg = failure_message(self.rank, self.job, f"it lost its connection to another rank ({transport_reason(exc)}) "
                                                        f"and no rank reported a failure within {self.timeout + self.grace:g} s")
         else:
-            msg = failure_message(self.rank, self.job, f"{type(exc).__name__}: {exc}")
+            msg = failure_message(self.rank, self.job, str(exc) if isinstance(exc, Stop) else f"{type(exc).__name__}: {exc}")
         try:
             return self.store.compare_set(ABORT_KEY, "", msg).decode()
         except Exception:  # the store may be gone with the group; the launcher still sees our exit

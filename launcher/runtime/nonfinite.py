@@ -25,13 +25,15 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from .failure import Stop
+
 #: the values of the ``nonfinite`` key
 MODES = ("stop", "skip")
 _KINDS = ("nan", "inf", "-inf")
 _NONE = 2**62  # no non-finite value on this worker
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(Stop):
     """A step produced a non-finite value under ``nonfinite=stop``; the message is one sentence."""
 
 

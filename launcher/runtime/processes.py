@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from .model import warm_up_meta
-from .failure import (ABORT_KEY, DEFAULT_TIMEOUT, HangMonitor, Watchdog, WorkerAborted, WorkerFailed, failure_message,
-                      is_transport_error, set_current_watchdog, transport_reason)
+from .failure import (ABORT_KEY, DEFAULT_TIMEOUT, HangMonitor, Stop, Watchdog, WorkerAborted, WorkerFailed,
+                      failure_message, is_transport_error, set_current_watchdog, transport_reason)
 
 #: how long a blocking collective may take before the backend itself gives up; failure detection
 #: is the watchdog's job (a slow but healthy peer keeps beating), so this is generous
@@ -133,13 +133,13 @@ def _child(
             msg = wd.fail(e)
         else:
             msg = failure_message(rank, "", f"it lost its connection to another rank ({transport_reason(e)})"
-                                  if transport else f"{type(e).__name__}: {e}")
+                                  if transport else str(e) if isinstance(e, Stop) else f"{type(e).__name__}: {e}")
         own = msg.startswith(f"rank {rank} ")
         if own:
             report("transport" if transport else "failed", msg)
         else:
             report("aborted", f"rank {rank} stopped because {msg}")
-        if own and not transport:  # the culprit's traceback only; never a backend's C++ text
+        if own and not transport and not isinstance(e, Stop):  # the culprit's traceback only; never C++ text
             traceback.print_exc()
         code = 1
     finally:

@@ -43,15 +43,17 @@ def activation_peaks(tl: Timeline, inputs: Bytes, saved: Bytes | None = None,
             rc = recomputed is not None and recomputed[j]
             ev.append((tl.start[SB + j] if rc else tl.start[j], 1, g))
             ev.append((tl.finish[last + j], 0, -g))
-    peaks = []
-    for ev in events:
-        ev.sort()
-        live = peak = 0
-        for _, _, n in ev:
-            live += n
-            peak = max(peak, live)
-        peaks.append(peak)
-    return peaks
+    return [_peak(ev) for ev in events]
+
+
+def _peak(events: list[tuple[float, int, float]]) -> float:
+    """The most bytes live at once: events ``(time, 1 acquire / 0 release, +-bytes)``, a release
+    at time t before an acquisition at t."""
+    live = peak = 0
+    for _, _, n in sorted(events):
+        live += n
+        peak = max(peak, live)
+    return peak
 
 
 def recomputed_forwards(tl: Timeline, weight_cache: str = "step") -> list[bool]:
@@ -146,12 +148,4 @@ def gradient_peaks(tl: Timeline, grads: Callable[[int], float], cache: str = "jo
         for j in tl.program[w]:
             if j // SB == grad_kind:
                 live(w, tl.start[j], tl.finish[j], grads((j // B) % S))
-    peaks = []
-    for ev in events:
-        ev.sort()
-        now = peak = 0.0
-        for _, _, d in ev:
-            now += d
-            peak = max(peak, now)
-        peaks.append(peak)
-    return peaks
+    return [_peak(ev) for ev in events]
