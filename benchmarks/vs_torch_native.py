@@ -126,7 +126,8 @@ class Ours:
     def __init__(self, p: Pair, H: int, mb: int, device: torch.device) -> None:
         step = make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split)
         self.p, self.device = p, device
-        self.engine = Engine(StagedModel(build_stages(p.S, H, device), mse), step, sgd, check_batches=False)
+        # the engine's defaults (the batch check runs on step 1, a warm-up step, then every 50th)
+        self.engine = Engine(StagedModel(build_stages(p.S, H, device), mse), step, sgd)
         x, t = build_batch(p.B, mb, H, device)
         self.mbs = list(zip(x.chunk(p.B), t.chunk(p.B)))
         self.records: list[dict] = []

@@ -74,6 +74,23 @@ def test_ranks_given_different_microbatches_are_refused():
            "on ranks 1, 3 differs from rank 0's (values)" in str(e.value)
 
 
+def _different_on_step_2(every: int) -> int:
+    engine = Engine(staged_mlp(4), make_step("lpp", 4, 4, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    check_batches=every)
+    engine.train_step(mlp_batches(4, seed=0))
+    engine.train_step(mlp_batches(4, seed=0 if dist.get_rank() in (0, 2) else 1))
+    return engine.steps
+
+
+@pytest.mark.timeout(120)
+def test_the_batch_check_runs_on_step_1_then_every_n_steps():
+    # every 2 steps: step 2's different batches are found
+    with pytest.raises(WorkerFailed, match="differs from rank 0's"):
+        launch(_different_on_step_2, 4, 2, timeout=10.0)
+    # every 3 steps: step 2 is not checked (the default checks step 1, then every CHECK_EVERY)
+    assert launch(_different_on_step_2, 4, 3, timeout=10.0) == [2, 2, 2, 2]
+
+
 def _keeps_the_callers_modules() -> dict:
     model = staged_mlp(4)
     mine = list(model.stages)

@@ -58,6 +58,10 @@ from torch.utils import _pytree as pytree
 #: steps whose messages are timed (what a message takes, :class:`~launcher.runtime.comm.Clock`):
 #: enough for a profile, and a long run's records do not grow with every message of every step
 TIMED_STEPS = 64
+#: steps between two batch checks (after the first step's): ranks fed different data are almost
+#: always so from the start (a loader seeded by rank), and the check is a collective, so it runs on
+#: step 1 and then every CHECK_EVERY steps (``Engine(check_batches=1)``: every step)
+CHECK_EVERY = 50
 
 
 @dataclass
@@ -145,7 +149,7 @@ class Engine:
         rank: int | None = None,
         device: torch.device | str | None = None,
         watchdog: Watchdog | None = None,
-        check_batches: bool = True,
+        check_batches: bool | int = True,
         recompute: Iterable[int] | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         compute_dtype: torch.dtype | None = None,
@@ -193,7 +197,9 @@ class Engine:
         self.stages: list[torch.nn.Module] = [self.modules.get(s, self.skeletons[s]) for s in range(space.S)]
         self.stats = RunningStats([[self.modules[s], self.skeletons[s]] if s in self.modules else [self.skeletons[s]]
                                    for s in range(space.S)], space.B)
-        self.check_batches = check_batches
+        # the batch check: on the first step, then every ``check_batches`` steps (True: every
+        # CHECK_EVERY; 1: every step; False or 0: never)
+        self.check_every = CHECK_EVERY if check_batches is True else int(check_batches)
         # stages whose forward keeps only its input and whose backward recomputes it (activation
         # checkpointing); default: what the schedule was simulated with
         self.recompute = frozenset(self.timeline.step.recompute if recompute is None else recompute)
@@ -330,7 +336,7 @@ class Engine:
         B = self.space.B
         if len(microbatches) != B:
             raise ValueError(f"the schedule has B={B} micro-batches but train_step got {len(microbatches)}")
-        if self.check_batches:  # every rank of the group takes part, idle ones too
+        if self.check_every and (self.steps == 1 or self.steps % self.check_every == 0):  # every rank takes part
             check_same_batches(microbatches, self.group, self.device, self.watchdog, self.steps)
         if self.worker is None:
             self.stats.begin()  # idle ranks add nothing to the statistics' all-reduce, but take part
