@@ -506,15 +506,8 @@ class Engine:
                 param = list(self.modules[s].parameters())[i]
                 buf = torch.empty_like(param.detach())
                 works.append(dist.irecv(buf, self.ranks[root], group=self.group, tag=tag))
-                into.append((uses, buf))
-        with blocked(self.watchdog):
-            for work in works:
-                work.wait()
-        with torch.no_grad():
-            for uses, buf in into:
-                for s, i in uses:
-                    if s in self.modules:
-                        list(self.modules[s].parameters())[i].copy_(buf)
+                into += [(list(self.modules[s].parameters())[i], buf) for s, i in uses if s in self.modules]
+        self._receive_into(works, into)
 
     def _sync_replicas(self) -> None:
         """Every owner of a replicated stage (DDP, LPP with G > 1) starts from the weights of the
@@ -538,14 +531,18 @@ class Engine:
             else:
                 flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
                 works.append(dist.irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
-                into.append((s, flat))
+                into += list(zip(self.modules[s].parameters(), L.views(flat).values()))
+        self._receive_into(works, into)
+
+    def _receive_into(self, works: list[Any], into: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Wait for an exchange's sends and receives, then copy each received value into its
+        parameter: the one ending of every weight exchange at set-up (ties, replicas)."""
         with blocked(self.watchdog):
             for work in works:
                 work.wait()
         with torch.no_grad():
-            for s, flat in into:
-                for p, v in zip(self.modules[s].parameters(), self.layouts[s].views(flat).values()):
-                    p.copy_(v)
+            for param, value in into:
+                param.copy_(value)
 
     def _sum_tied(self, totals: dict[int, torch.Tensor]) -> None:
         """Give every use of a shared parameter the sum of all its uses' gradients, as one process
