@@ -4,8 +4,10 @@ records from :mod:`launcher.report.wandb_log`.
 
 Every worker times its training steps and keeps the loss Lightning hands back; at the end of
 ``fit``, rank 0 gathers every worker's records (:meth:`UnifiedStrategy.gather_run`), writes
-``metrics.json`` and ``pipeline.png`` into the run directory and logs them to every W&B logger
-of the trainer, then finishes the W&B run (a forked worker never runs wandb's exit hook).
+``metrics.json``, ``pipeline.png`` and ``trace.json`` (the last training step as a Chrome trace,
+:mod:`launcher.report.trace`; not under the single-device strategy) into the run directory and
+logs them to every W&B logger of the trainer, then finishes the W&B run (a forked worker never
+runs wandb's exit hook).
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ class RunMetrics(Callback):
         self.val: list[dict[str, float]] = []
         self.metrics: dict[str, Any] | None = None
         self._t0 = self._cpu0 = 0.0
+        self._span: tuple[float, float] | None = None  # the last step's start and end (trace.json)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._t0, self._cpu0 = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        wall = time.perf_counter() - self._t0
+        end = time.perf_counter()
+        wall, self._span = end - self._t0, (self._t0, end)
         self.cpus.append(time.process_time() - self._cpu0)
         loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
         n = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
@@ -70,7 +74,7 @@ class RunMetrics(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
         if isinstance(strategy, UnifiedStrategy):
-            gathered = strategy.gather_run(self.walls, self.cpus)  # collective
+            gathered = strategy.gather_run(self.walls, self.cpus, self._span)  # collective
             sizes = strategy.sizes() if gathered is not None else None
             if gathered is None:
                 return
@@ -95,6 +99,7 @@ class RunMetrics(Callback):
             save_png(tl, self.out_dir / "pipeline.png",
                      title=f"{self.run.get('scheme')} G={self.run.get('G')} R={self.run.get('R')} (predicted from the profiled step)",
                      unit="seconds")
+            _write_trace(self.out_dir, gathered, tl, self.run, len(self.walls), self.metrics["latency_s"]["predicted"])
         else:
             if trainer.global_rank != 0:
                 return
@@ -146,6 +151,18 @@ def _predict_memory(metrics: dict, strategy: UnifiedStrategy, gathered: list[dic
     state = [p + g + o for p, g, o in zip(stage_bytes["params"], stage_bytes["grads"], stage_bytes["optimizer"])]
     pw["owned_state_bytes"] = {"predicted": [sum(state[s] for s in own) for own in owned],
                                "measured": [None] * len(owned), "total": sum(state)}
+
+
+def _write_trace(out_dir: Path, gathered: list[dict], tl: Any, run: Mapping[str, Any], step: int,
+                 predicted_s: float | None) -> None:
+    """``trace.json``: the last training step as measured on every worker beside the predicted
+    timeline (:mod:`launcher.report.trace`); written before ``metrics.json``, so a run directory
+    with ``metrics.json`` has it. Not written when no worker trained a step in this process."""
+    from ..report import trace
+
+    workers = [r.get("trace") for r in gathered]
+    if any(workers):
+        trace.write(trace.build(workers, tl, run, step=step, predicted_step_s=predicted_s), out_dir)
 
 
 def _peak_memory(device: torch.device) -> int:

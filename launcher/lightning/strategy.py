@@ -559,9 +559,12 @@ class UnifiedStrategy(ParallelStrategy):
             optimizer.load_state_dict(scatter_optimizer_state(optimizer, self.lightning_module, self.layout, full))
 
     # ---- metrics ---------------------------------------------------------------------------
-    def gather_run(self, walls: list[float], cpus: list[float] | None = None) -> list[dict[str, Any]] | None:
+    def gather_run(self, walls: list[float], cpus: list[float] | None = None,
+                   span: tuple[float, float] | None = None) -> list[dict[str, Any]] | None:
         """Every worker's step records, step wall and CPU times (``walls``, ``cpus``), peak memory and optimizer-state
-        bytes per stage at rank 0 (collective: every rank calls it)."""
+        bytes per stage at rank 0 (collective: every rank calls it); and ``trace``, the events of its
+        last training step (:meth:`Engine.trace`) with ``span``, that step's Lightning start and end
+        on the same clock."""
         assert self.engine is not None and self.layout is not None
         peak = (torch.cuda.max_memory_allocated(self.root_device) if self.root_device.type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -575,6 +578,10 @@ class UnifiedStrategy(ParallelStrategy):
                 "peak_memory_bytes": peak, "base_memory_bytes": self.base_memory,
                 "memory_kind": "cuda_max_allocated" if self.root_device.type == "cuda" else "rss",
                 "optimizer_bytes": opt_bytes, "link": link.to_json() if link else None}
+        trace = self.engine.trace()
+        if trace is not None:
+            trace["span"] = list(span) if span else None
+            mine["trace"] = trace
         out: list[Any] | None = [None] * dist.get_world_size() if self.global_rank == 0 else None
         dist.gather_object(mine, out, dst=0)
         return out

@@ -1,5 +1,6 @@
 """What a run leaves in Weights & Biases beside Lightning's per-step scalars: the summary
-(predicted beside measured), the per-worker predicted-vs-measured table and the pipeline diagram."""
+(predicted beside measured), the per-worker predicted-vs-measured table, the pipeline diagram and
+``trace.json`` (saved as a file of the run)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,6 @@ def log_summary(run: Any, metrics: Mapping[str, Any], out_dir: str | Path) -> No
     if png is not None and png.exists():
         extra["pipeline"] = wandb.Image(str(png))
     run.log(extra)
+    trace = Path(out_dir) / "trace.json"  # the measured step as a Chrome trace, under the run's files
+    if trace.exists():
+        run.save(str(trace), base_path=str(out_dir), policy="now")

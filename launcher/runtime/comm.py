@@ -61,6 +61,7 @@ class Comm:
         ranks: list[int] | None = None,
         on_alloc: Callable[[Msg], None] | None = None,
         timed: bool = True,
+        traced: bool = False,
     ) -> None:
         self.msgs = plan.messages
         self.me = worker
@@ -86,6 +87,11 @@ class Comm:
         # and gradients (the dependencies the simulator charges), the partial sums and the
         # all-reduces' rounds (the end of the step)
         self.clock = Clock(timed)
+        # the traced step (:meth:`~launcher.runtime.worker.Engine.trace`): each receive's first
+        # wait ``(mid, began, ended, bytes)`` and each send's hand-over ``(mid, at, bytes)``, on this
+        # host's monotonic clock; None when not traced
+        self.waits: list[tuple[int, float, float, int]] | None = [] if traced else None
+        self.handed: list[tuple[int, float, int]] | None = [] if traced else None
         self.recv_count: dict[str, int] = defaultdict(int)
         self.recv_bytes: dict[str, int] = defaultdict(int)
         self.sent_count: dict[str, int] = defaultdict(int)
@@ -139,6 +145,8 @@ class Comm:
     def send(self, mid: int, tensor: torch.Tensor) -> None:
         """Hand over the data of an outgoing message; it goes out as soon as the pair order allows."""
         self.ready[mid] = tensor.detach()
+        if self.handed is not None:
+            self.handed.append((mid, time.perf_counter(), tensor.numel() * tensor.element_size()))
         if self.msgs[mid].kind in TIMED:
             self.clock.sent(mid)
         self._pump(self._reach(mid))
@@ -167,8 +175,11 @@ class Comm:
             if m.kind in TIMED:
                 self.clock.arrived(mid, t1, t1 - t0)
             buf = self.buffers[mid]
+            nbytes = buf.numel() * buf.element_size()
             self.recv_count[m.kind] += 1
-            self.recv_bytes[m.kind] += buf.numel() * buf.element_size()
+            self.recv_bytes[m.kind] += nbytes
+            if self.waits is not None:
+                self.waits.append((mid, t0, t1, nbytes))
         if mid not in self.buffers:  # never posted: only possible if the pair order is broken
             raise RuntimeError(f"message {self.msgs[mid]} was not posted; the plan's pair order is inconsistent")
         return self.buffers[mid]

@@ -47,6 +47,10 @@ class Meter:
     cpu_s: float = 0.0  # process CPU of the whole step
     end_s: float = 0.0  # wall and CPU of the end of the step: gradient sums, all-reduces, last sends
     end_cpu_s: float = 0.0
+    # the traced step only (:meth:`~launcher.runtime.worker.Engine.trace`), on this host's
+    # monotonic clock: each job's (start, end), and the end of step's all-reduce of replicas
+    spans: list | None = None
+    allreduce_span: tuple[float, float] | None = None
 
     def take(self, nbytes: int) -> None:
         self.live += 1

@@ -43,7 +43,7 @@ from launcher.schedule.simulate import Step, Timeline, simulate
 from .comm import Comm
 from .groups import BUCKET_BYTES, Replicas, warm_pairs
 from .failure import Watchdog, blocked, current_watchdog
-from .measure import Meter, worker_record
+from .measure import HOST, Meter, worker_record
 from .batches import check_same_batches
 from .model import (Batch, ModelError, NoMeta, OptimizerFactory, StagedModel, StageLayout, as_meta, meta_copy,
                     model_errors, real_signatures, run_stage, signatures, skeleton, stage_grads)
@@ -223,6 +223,7 @@ class Engine:
         self.totals: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_views: dict[int, tuple] = {}  # owned stage -> (its total, its parameters, their views of it)
         self.steps = 0
+        self._traced: dict[str, Any] | None = None  # the last training step's events (:meth:`trace`)
         self._shapes: dict[Any, _Shapes] = {}
         self._saved: dict[Any, list[int]] = {}  # input shapes -> bytes each stage's graph saves
         comp, B, SB = self.timeline.compute, space.B, space.S * space.B
@@ -343,7 +344,7 @@ class Engine:
             self.stats.end(self.group, self.device, dist.get_world_size(self.group))
             return {}
         w, plan = self.worker, self.plan
-        meter = Meter()
+        meter = Meter(spans=[])  # every training step is traced; only the last one's events are kept
         self.replicas.reset()
         self.stats.begin()
         for s, m in enumerate(self.model.stages):  # the engine's copies train as the user's modules do
@@ -361,9 +362,37 @@ class Engine:
         self.last_grads = totals
         if self.watchdog is not None:
             self.watchdog.set_job("")
-        meter.end_s, meter.end_cpu_s = time.perf_counter() - t, time.process_time() - cpu
-        meter.step_s, meter.cpu_s = time.perf_counter() - meter.t0, time.process_time() - meter.cpu0
+        end = time.perf_counter()
+        meter.end_s, meter.end_cpu_s = end - t, time.process_time() - cpu
+        meter.step_s, meter.cpu_s = end - meter.t0, time.process_time() - meter.cpu0
+        self._traced = {"step": self.steps, "start": meter.t0, "end": end, "sync": (t, end), "meter": meter,
+                        "waits": st.comm.waits, "sends": st.comm.handed}
         return worker_record(w, plan.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type)
+
+    def trace(self) -> dict[str, Any] | None:
+        """This worker's events of its last training step (None before one, or on a rank with
+        nothing to do), for :mod:`launcher.report.trace`; times are ``time.perf_counter``
+        seconds, this host's monotonic clock. Every training step records them (a clock reading
+        per job, a tuple per message: its cost is negligible) and each replaces the previous
+        step's, so nothing grows with the run.
+
+        ``{"worker", "host", "step", "start", "end"`` (the engine's step), ``"sync"`` (the
+        end of step: ``[start, end]``), ``"allreduce"`` (its all-reduce of replicated stages, or
+        None), ``"jobs"``: ``[stage, microbatch, kind, start, end, work seconds]``, ``"waits"``:
+        per message received ``[kind, from worker, bytes, stage, microbatch, began, ended, id]``,
+        ``"sends"``: per message sent ``[id, kind, bytes, handed over at]}``."""
+        t = self._traced
+        if t is None or self.worker is None:
+            return None
+        msgs, meter = self.plan.messages, t["meter"]
+        waits = []
+        for mid, began, ended, nbytes in t["waits"] or ():
+            m = msgs[mid]
+            waits.append([m.kind, m.src, nbytes, m.stage, m.microbatch, began, ended, mid])
+        return {"worker": self.worker, "host": HOST, "step": t["step"], "start": t["start"], "end": t["end"],
+                "sync": list(t["sync"]), "allreduce": list(meter.allreduce_span) if meter.allreduce_span else None,
+                "jobs": [[j[0], j[1], j[2], a, b, j[3]] for j, (a, b) in zip(meter.jobs, meter.spans or ())],
+                "waits": waits, "sends": [[mid, msgs[mid].kind, nbytes, at] for mid, at, nbytes in t["sends"] or ()]}
 
     def install_grads(self) -> None:
         """Point every owned parameter's ``.grad`` at its slice of the step's reduced gradient."""
@@ -422,7 +451,7 @@ class Engine:
 
         comm = Comm(plan, w, spec, self.device, self.watchdog, self.group, self.ranks,
                     on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
-                    timed=train and self.steps <= TIMED_STEPS)
+                    timed=train and self.steps <= TIMED_STEPS, traced=meter.spans is not None)
         # owners hand weights over just in time (the plan's release points, ``prefetch`` jobs early)
         packed: dict[int, torch.Tensor] = {}
         released = -1
@@ -467,8 +496,11 @@ class Engine:
             # work: what it spent blocked on a peer's data is idle time, not work; cpu: the
             # process's CPU meanwhile (its communication threads' too), what it asks of a core;
             # and the compute thread's own share of it
-            meter.jobs.append([op.stage, op.microbatch, op.kind, clock() - t - (comm.waited - waited), cpu_clock() - cpu,
+            end = clock()
+            meter.jobs.append([op.stage, op.microbatch, op.kind, end - t - (comm.waited - waited), cpu_clock() - cpu,
                                thread_clock() - mine])
+            if meter.spans is not None:
+                meter.spans.append((t, end))
         release(len(jobs))
         return st
 
@@ -1004,5 +1036,7 @@ class _StepState:
         if e.replicas.buckets:
             if e.watchdog is not None:
                 e.watchdog.set_job(f"all-reduce of replicated stages in step {e.steps}")
+            began = time.perf_counter()
             e.replicas.finish(e.watchdog, comm.clock)
+            self.meter.allreduce_span = (began, time.perf_counter())
         return totals
