@@ -24,6 +24,16 @@ Exit codes:
   crash);
 - ``130`` / ``143``: stopped by SIGINT (Ctrl-C) / SIGTERM; every worker was stopped first, and a
   training run left ``metrics.json`` with ``"status": "interrupted"`` (what it measured so far).
+
+A hyperparameter search (``hparams_search=optuna``, or a multirun with ``hydra/sweeper=optuna``)
+is a sweep whose points are Optuna's trials, and ends with the same codes: each run returns its
+``optimized_metric`` (:mod:`launcher.hparams`); an invalid trial (``2``) or a failed one (``1``) is
+reported to Optuna as a failed trial and the study goes on, as does a trial that ran but has no
+value (the metric is missing or NaN: failed for Optuna, ``0`` here). The study ends with its best
+trial (or Pareto front) and the command that reproduces it; when no trial completed, one sentence
+(``all N trials failed``) and ``2`` if every trial was invalid, ``1`` otherwise. A bad
+``optimized_metric``, a direction per metric missing, or a search parameter that is not a key,
+is an invalid config: ``2`` before any trial runs.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from .config import check_overrides
-from .config.validate import SweepCheck, check_sweep_overrides
+from .config.validate import SweepCheck, check_sweep_overrides, sweeps_without_multirun
 from .modes import MODES, common
 
 EXIT_INVALID = 2
@@ -91,15 +101,21 @@ def _points_on_disk() -> list[dict[str, Any]]:
         rec = common.outcome_of(d)
         logs = sorted(root.glob(f".submitit/*_{d.name}/*_{d.name}_*log.err"))
         where = logs[-1] if logs else root / ".submitit"
-        points.append(rec if rec is not None else {
-            "point": d.name, "ok": False, "failed": True,
+        points.append(dict(rec, dir=str(d)) if rec is not None else {
+            "point": d.name, "ok": False, "failed": True, "dir": str(d),
             "errors": [f"the job of point {d.name} ended without a result; its log: {where}"]})
     return points
 
 
 @hydra.main(config_path="pkg://launcher.conf", config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
-    return run(cfg)
+def _hydra_main(cfg: DictConfig) -> Any:
+    """One run; returns its ``optimized_metric`` to the sweeper (Optuna's value of the trial, or
+    :class:`launcher.hparams.NoValue`, which the sweeper records as a failed trial)."""
+    from . import hparams
+
+    result = run(cfg)
+    result.setdefault("dir", str(common.output_dir()))
+    return hparams.objective(cfg, result)
 
 
 def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
@@ -119,8 +135,9 @@ def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
     dirs = [args.config_dir] if args.config_dir else []
     multirun = args.multirun or any(o.replace(" ", "") in ("hydra.mode=MULTIRUN", "hydra.mode=multirun")
                                     for o in args.overrides)
-    if not multirun:
-        found = check_overrides(args.overrides, dirs)
+    multirun = multirun or _multirun_by_config(args.config_name or "config", list(args.overrides), dirs)
+    if not multirun:  # a sweep without -m first: alone, it is the one thing to fix
+        found = sweeps_without_multirun(args.overrides) or check_overrides(args.overrides, dirs)
         if not found:
             found = _check_training(args.config_name or "config", list(args.overrides), dirs)
         return argv, SweepCheck(list(args.overrides), found, [])
@@ -129,6 +146,8 @@ def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
         if broken:
             return argv, SweepCheck(list(args.overrides), [broken], [])
     found = check_sweep_overrides(args.overrides, dirs)
+    if not found.fatal:  # optimized_metric and the Optuna sweeper's directions and parameters
+        found.fatal.extend(_search_errors(args.config_name or "config", found.overrides, dirs))
     if found.fatal or not found.skipped:
         return argv, found
     # the overrides are argv's positional arguments, in order: swap each for its filtered form
@@ -137,6 +156,21 @@ def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
         if pending and token == pending[0][0]:
             new[i] = pending.pop(0)[1]
     return new, found
+
+
+def _config_args(argv: list[str]) -> tuple[list[str], str, list[str]]:
+    """The options of ``argv`` that choose the config (for a command that reproduces a run of
+    it), the primary config's name and the ``--config-dir``."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv)
+    except SystemExit:
+        return [], "config", []
+    given = [f"--config-dir={args.config_dir}"] if args.config_dir else []
+    given += [f"--config-path={args.config_path}"] if args.config_path else []
+    given += [f"--config-name={args.config_name}"] if args.config_name else []
+    return given, args.config_name or "config", [args.config_dir] if args.config_dir else []
 
 
 def _import_from_cwd() -> None:
@@ -166,8 +200,14 @@ def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> 
             return [broken]
         if dirs or config_name != "config":
             return []  # a config of the user's own: Hydra reports its problems itself
+        added = _not_in_config(e, config_name, overrides, dirs)
+        if added:
+            return added
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()][:2]
         return [" ".join(lines).rstrip(".") + "."]
+    searched = _search_check(cfg, dirs)
+    if searched:
+        return searched
     if str(cfg.hydra.mode) == "RunMode.MULTIRUN" or cfg.hydra.mode == "MULTIRUN":
         return []  # a sweep set up in the config file: each point is checked when it runs
     try:
@@ -187,6 +227,75 @@ def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> 
         return e.sentences
     RUN_DIR["dir"] = Path(run_dir) if run_dir is not None else None  # held by _main before Hydra starts
     return []
+
+
+def _not_in_config(e: BaseException, config_name: str, overrides: list[str], dirs: list[str]) -> list[str]:
+    """A key the config lacks (``trainer.max_step=10``): Hydra advises ``+trainer.max_step=10``,
+    whose answer is then another error ("did you mean trainer.max_steps?"). The run is checked as
+    that advice would have it and its answer said at once; only when the key may be added does the
+    sentence say to add it with ``+``. Empty when ``e`` is not about such a key."""
+    import re
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    m = re.match(r"Could not override '([^']+)'", str(e))
+    if m is None:
+        return []
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - Hydra's syntax error: Hydra's own sentence
+        return []
+    at = [i for i, o in enumerate(parsed) if o.key_or_group == m.group(1) and not o.is_add() and not o.is_force_add()]
+    if not at:
+        return []
+    given = overrides[at[0]]
+    found = _check_training(config_name, [*overrides[:at[0]], "+" + given, *overrides[at[0] + 1:]], dirs)
+    RUN_DIR.clear()  # not this command's run: it still stops here
+    parent, _, leaf = m.group(1).rpartition(".")
+    return found or [f"{given} is not in the config{f': {parent} has no key {leaf}' if parent else ''}; to add "
+                     f"it, write +{given}."]
+
+
+def _multirun_by_config(config_name: str, overrides: list[str], dirs: list[str]) -> bool:
+    """Whether a command line with a sweep and no ``-m`` is a multirun because its config sets
+    ``hydra.mode: MULTIRUN`` (``hparams_search=optuna 'model.d_model=choice(32,64)'``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        if not any(o.is_sweep_override() for o in parsed):
+            return False
+        cfg = _compose(config_name, [t for t, o in zip(overrides, parsed) if not o.is_sweep_override()], dirs)
+    except Exception:  # noqa: BLE001 - a syntax or composition error: the single run's check says it
+        return False
+    return "MULTIRUN" in str(cfg.hydra.mode)
+
+
+def _search_check(cfg: DictConfig, dirs: list[str]) -> list[str]:
+    """``optimized_metric`` (and under the Optuna sweeper its directions, and each search parameter
+    its config sets, e.g. ``hparams_search=optuna``'s, as a command-line sweep is checked) on the
+    composed config, with its ``hydra`` node: once, before any run or trial starts."""
+    from . import hparams
+
+    found = hparams.config_errors(cfg)
+    if not found and hparams.is_optuna(cfg.hydra.get("sweeper")):
+        found = [f"hydra.sweeper.params: {s}" for s in check_sweep_overrides(hparams.params_overrides(cfg), dirs).fatal]
+    return found
+
+
+def _search_errors(config_name: str, overrides: list[str], dirs: list[str]) -> list[str]:
+    """:func:`_search_check` of a multirun's config, composed with its plain overrides (a sweep's
+    values are checked by :func:`check_sweep_overrides`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        plain = [text for text, o in zip(overrides, parsed) if not o.is_sweep_override()
+                 and o.key_or_group not in ("hydra.mode",)]
+        cfg = _compose(config_name, plain, dirs)
+    except Exception:  # noqa: BLE001 - a config Hydra cannot compose: Hydra's own report when it runs
+        return []
+    return _search_check(cfg, dirs)
 
 
 def _compose(config_name: str, overrides: list[str], dirs: list[str]) -> DictConfig:
@@ -260,8 +369,6 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def main() -> None:
-    from .runtime import Interrupted
-
     import logging
 
     _import_from_cwd()
@@ -271,12 +378,18 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         _main()
-    except Interrupted as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        print("error: stopped by SIGINT before any worker started", file=sys.stderr, flush=True)
-        sys.exit(128 + signal.SIGINT)
+    except (SystemExit, Exception):
+        raise
+    except BaseException as e:  # a stop: the runtime (and torch) imported only now, so --help stays quick
+        from .runtime import Interrupted
+
+        if isinstance(e, Interrupted):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
+        if isinstance(e, KeyboardInterrupt):
+            print("error: stopped by SIGINT before any worker started", file=sys.stderr, flush=True)
+            sys.exit(128 + signal.SIGINT)
+        raise
 
 
 def _main() -> None:
@@ -302,6 +415,9 @@ def _main() -> None:
     sys.argv[1:] = argv
     POINTS.clear()
     SWEEP.clear()
+    from . import hparams
+
+    hparams.STUDY.clear()
     try:
         _hydra_main()
     except SystemExit:
@@ -313,16 +429,21 @@ def _main() -> None:
         common.let_go()  # the directory held since the check (the run has let go of its own)
     if SWEEP and not POINTS:  # the points ran in other processes (a Slurm job array)
         POINTS.extend(_points_on_disk())
+    study = bool(hparams.STUDY) and bool(POINTS)  # an Optuna search: its points are trials
+    noun = "trials" if study else "points"
     if len(POINTS) > 1:
         from .report import sweep_table
 
-        common.console().print(sweep_table(POINTS, title=f"sweep: {len(POINTS)} points"))
+        common.console().print(sweep_table(POINTS, title=f"{'study' if study else 'sweep'}: {len(POINTS)} {noun}"))
     failed = [p for p in POINTS if p.get("failed")]
     bad = [p for p in POINTS if not p["ok"] and not p.get("failed")]
+    if study and not hparams.summarize(POINTS, *_config_args(argv)):  # no trial completed: said in one sentence
+        sys.exit(EXIT_INVALID if len(bad) == len(POINTS) else EXIT_FAILED)
+    told = " (reported to Optuna as failed trials)" if study else ""
     if bad and len(POINTS) > 1:
-        print(f"error: {len(bad)} of {len(POINTS)} points were invalid and skipped", file=sys.stderr)
+        print(f"error: {len(bad)} of {len(POINTS)} {noun} were invalid and skipped{told}", file=sys.stderr)
     if failed and len(POINTS) > 1:
-        print(f"error: {len(failed)} of {len(POINTS)} points failed while training", file=sys.stderr)
+        print(f"error: {len(failed)} of {len(POINTS)} {noun} failed while training{told}", file=sys.stderr)
     if failed:
         sys.exit(EXIT_FAILED)
     if found.skipped:

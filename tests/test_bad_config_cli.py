@@ -58,6 +58,26 @@ CASES = [
     (["--config-dir", "{conf}", "model=bad"],
      "--config-dir={conf}: model/bad.yaml is not valid YAML: expected ',' or ']', but got ':' at line 3, column 7 "
      "(while parsing a flow sequence)."),
+    # Hydra's own answers advised a next step that only led to another error (issue: misleading advice)
+    (["trainer.max_step=10"],  # Hydra: "To append to your config use +trainer.max_step=10"
+     "trainer.max_step=10 is invalid: max_step is not an argument of lightning's Trainer; did you mean "
+     "trainer.max_steps?"),
+    (["trainer.devices=2"],  # Hydra: "+trainer.devices=2", then "remove trainer.devices"
+     "trainer.devices=2 is invalid: the launcher sets devices from W = G*R; remove trainer.devices."),
+    (["trainer.gradient_clip_algorithm=norm"],  # a Trainer argument the config lacks: here + is the answer
+     "trainer.gradient_clip_algorithm=norm is not in the config: trainer has no key gradient_clip_algorithm; to add "
+     "it, write +trainer.gradient_clip_algorithm=norm."),
+    (["model.n_layers=1"],  # Hydra: "+model.n_layers=1", then GPT's TypeError
+     "model.n_layers=1 is invalid: GPT takes no argument n_layers; did you mean model.n_layer?"),
+    (["strategy=gpipe,lpp"],  # Hydra: "Ambiguous value ... use key=[value1,value2]"
+     "strategy=gpipe,lpp is a sweep over 2 values: add -m (multirun) to run each."),
+    (["memory_limit=2,3"],
+     "memory_limit=2,3 is a sweep over 2 values: add -m (multirun) to run each, or write memory_limit=[2,3] for one "
+     "list value."),
+    (["model=custom", "model._target_=mymod.MyModel"],  # Hydra: three lines, "Are you sure that module 'mymod' is installed?"
+     "model._target_=mymod.MyModel could not be built: there is no module mymod in the working directory ({cwd}) or "
+     "on PYTHONPATH; run from the directory that holds mymod.py (or the package mymod/), or add that directory to "
+     "PYTHONPATH."),
 ]
 
 
@@ -121,7 +141,8 @@ def test_bad_config_is_one_sentence_exit_2_and_nothing_made(tmp_path, conf_dir, 
     opts, rest = (args[:2], args[2:]) if args[0].startswith("--") else ([], args)  # options before overrides
     code, _, err = _main_in_fork([*opts, *SMALL, *rest, f"hydra.run.dir={run}"], tmp_path)
     assert code == 2, err[-3000:]
-    assert err.strip().splitlines() == [f"error: {sentence.format(conf=conf_dir)}"], err[-3000:]
+    assert err.strip().splitlines() == [f"error: {sentence.format(conf=conf_dir, cwd=os.path.realpath(tmp_path))}"], \
+        err[-3000:]
     assert not run.exists()  # no run directory, so no W&B run and no worker either
     assert not (tmp_path / "outputs").exists()
 

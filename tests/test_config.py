@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
@@ -202,6 +204,7 @@ def test_custom_target_that_cannot_be_built(cfg_of):
     with pytest.raises(ConfigError) as e:
         to_step(cfg_of("strategy=custom", "strategy.placement._target_=no_such_module.fn"))
     assert e.value.sentences == [
-        "strategy.placement._target_=no_such_module.fn could not be built: "
-        "ModuleNotFoundError: No module named 'no_such_module'."
+        "strategy.placement._target_=no_such_module.fn could not be built: there is no module no_such_module in "
+        f"the working directory ({os.getcwd()}) or on PYTHONPATH; run from the directory that holds "
+        "no_such_module.py (or the package no_such_module/), or add that directory to PYTHONPATH."
     ]

@@ -145,6 +145,21 @@ def test_candidates_are_distinct_schedules():
         seen.add(runs)
 
 
+def test_no_bubble_is_zero_not_negative():
+    """Durations that do not add up exactly in binary (0.1 + 0.2) leave a schedule without a bubble
+    at 1 - busy / (W * latency) = -2e-16: recorded as 0 and printed 0.000, never -0.000."""
+    from rich.console import Console
+
+    from launcher.plan.table import candidates_table, describe
+
+    plan = search(8, [16], 8, unit({"F": 0.1, "B": 0.2, "I": 0.1, "W": 0.1}, 0.0), Budget())
+    assert plan.best is not None and min(c.bubble for c in plan.candidates) == 0.0
+    con = Console(record=True, width=200)
+    con.print(candidates_table(plan, seconds=False))
+    shown = con.export_text() + describe(plan.best)
+    assert "0.000" in shown and "-0.000" not in shown
+
+
 def test_nothing_fits_gives_no_best():
     # on 2 workers every placement puts at least 2 stages of a micro-batch on a worker
     assert search(4, [4], 2, unit({"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}, 0.0), Budget(activations=1)).best is None

@@ -44,6 +44,11 @@ def test_trains_and_prints_the_summary(fslpp_run):
     for row in ("step time (ms)", "throughput (samples/s)", "bubble fraction", "per worker"):
         assert row in p.stdout
     assert f"wrote {run / 'metrics.json'}" in p.stdout.replace("\n", "")
+    # what every run shows: a bar of steps (not Lightning's "Epoch 0/-2" of max_epochs=-1), no -0.000,
+    # no W&B warning about the "anonymous" setting Lightning passes on
+    assert "Epoch 0/-" not in p.stdout and "Step " in p.stdout and " 4/4 " in p.stdout, p.stdout[:500]
+    assert "-0.000" not in p.stdout
+    assert "anonymous" not in p.stderr, p.stderr[-3000:]
 
 
 def test_metrics_json(fslpp_run):
@@ -111,6 +116,9 @@ def test_resume_equals_uninterrupted_and_across_schemes(tmp_path):
     p = launcher("strategy=fslpp", "G=2", "R=2", *RESUME, "trainer.max_steps=6", f"ckpt_path={ckpt}",
                  f"hydra.run.dir={c}", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
+    # a new run directory is what resuming into another run means: no warning from each worker about it
+    assert "dirpath has changed" not in p.stderr, p.stderr[-3000:]
+    assert " 6/6 " in p.stdout and "Epoch" not in p.stdout, p.stdout[:500]  # the run's steps, not 6/3
     want, got = _params(a / "checkpoints" / "last.ckpt"), _params(c / "checkpoints" / "last.ckpt")
     assert want.keys() == got.keys()
     assert max((want[k] - got[k]).abs().max().item() for k in want) == 0.0
@@ -121,6 +129,7 @@ def test_resume_equals_uninterrupted_and_across_schemes(tmp_path):
         d = tmp_path / strategy[0].split("=")[1]
         p = launcher(*strategy, *RESUME, "trainer.max_steps=6", f"ckpt_path={ckpt}", f"hydra.run.dir={d}", cwd=tmp_path)
         assert p.returncode == 0, p.stderr[-3000:]
+        assert "dirpath has changed" not in p.stderr, (strategy, p.stderr[-3000:])
         other = _params(d / "checkpoints" / "last.ckpt")
         assert max((want[k] - other[k]).abs().max().item() for k in want) < 1e-10, strategy
 

@@ -102,6 +102,9 @@ class LauncherConf:
     ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
     nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step (launcher.runtime.nonfinite)
     plan: PlanConf = field(default_factory=PlanConf)  # mode=plan (and strategy=auto)
+    # what a run returns to a sweeper (hparams_search=optuna): a metric's name or a list of them
+    # (launcher.hparams.METRICS), one hydra.sweeper.direction per metric
+    optimized_metric: Any = "val_loss"
 
 
 def _mul(*xs: Any) -> Any:

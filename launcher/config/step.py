@@ -32,9 +32,11 @@ def _instantiate(node: Any, key: str, what: str) -> Callable:
 
 def target_error(target: str) -> str | None:
     """Why the dotted path ``target`` names nothing, said as a user would look for it (``module
-    mymodule has no attribute nope``, not Python's "'mymodule' is not a package"); ``None`` when
-    it resolves, or when importing fails inside the module (Hydra's own error says more then)."""
+    mymodule has no attribute nope``, not Python's "'mymodule' is not a package"; a module that is
+    nowhere to import: where Python looked, the working directory and ``PYTHONPATH``); ``None``
+    when it resolves, or when importing fails inside the module (Hydra's own error says more then)."""
     import importlib
+    import os
 
     parts = target.split(".")
     for i in range(len(parts), 0, -1):
@@ -54,7 +56,10 @@ def target_error(target: str) -> str | None:
                 return f"{kind} {owner} has no attribute {attr}"
             obj = getattr(obj, attr)
         return None
-    return None  # not even the first name imports: Python's own "No module named ..." says it
+    # not even the first name imports: the module is neither where the command runs nor on the path
+    top = parts[0]
+    return (f"there is no module {top} in the working directory ({os.getcwd()}) or on PYTHONPATH; run from the "
+            f"directory that holds {top}.py (or the package {top}/), or add that directory to PYTHONPATH")
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

@@ -62,20 +62,32 @@ def argument_errors(node: Any, key: str) -> list[str]:
     """One sentence per value of ``node`` (a ``_target_`` node: ``model``, ``data``) of the wrong type
     for the argument of its target it is passed to, by the target's annotations (int, float, bool,
     str, and unions of them with None): ``model.lr=fast`` is refused before anything is built, not
-    by the optimizer in every worker. Arguments without such an annotation are not checked here."""
+    by the optimizer in every worker. Arguments without such an annotation are not checked here.
+    A key the target takes no argument for (``model.foo=1``, where it has no ``**kwargs``) is named
+    with the closest argument it has."""
     import typing
 
-    from hydra.utils import get_object
+    from hydra._internal.utils import _locate  # get_object's lookup, without its error log line
 
     try:
-        fn = get_object(str(node.get("_target_")))
+        fn = _locate(str(node.get("_target_")))
         hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
     except Exception:  # noqa: BLE001 - a target that cannot be found or read: building it says why
         return []
+    try:
+        params = inspect.signature(fn).parameters
+        takes = None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set(params)
+    except (TypeError, ValueError):  # no signature to read
+        takes = None
     name = getattr(fn, "__name__", str(node.get("_target_")))
     out: list[str] = []
     for k in node.keys():
         k = str(k)
+        if not k.startswith("_") and takes is not None and k not in takes:
+            close = " or ".join(f"{key}.{c}" for c in closest(k, takes))
+            out.append(f"{key}.{k}={_shown(node, k)} is invalid: {name} takes no argument {k}"
+                       f"{f'; did you mean {close}?' if close else '.'}")
+            continue
         if k.startswith("_") or k not in hints:
             continue
         try:
@@ -85,6 +97,14 @@ def argument_errors(node: Any, key: str) -> list[str]:
         if _fits(value, hints[k]) is False:
             out.append(f"{key}.{k}={value} is invalid: {name} takes {_what(hints[k])} for {k}.")
     return out
+
+
+def _shown(node: Any, k: str) -> Any:
+    """``node[k]`` as a sentence shows it (as written when it cannot resolve)."""
+    try:
+        return _container(node.get(k))
+    except Exception:  # noqa: BLE001 - an interpolation that cannot resolve
+        return OmegaConf.to_container(node, resolve=False).get(k) if isinstance(node, DictConfig) else "???"
 
 
 def _trainer_params() -> set[str]:
@@ -173,6 +193,16 @@ def _split_errors(cfg: Any) -> list[str]:
     return []
 
 
+def closest(name: str, known: Any) -> list[str]:
+    """The names in ``known`` closest to a misspelt ``name`` (``max_step``: ``max_steps``), best
+    first; only those nearly as close as the best, so a suggestion is not a list to pick from."""
+    import difflib
+
+    scored = sorted(((difflib.SequenceMatcher(None, name, k).ratio(), k) for k in known), reverse=True)
+    scored = [(r, k) for r, k in scored if r >= 0.6]
+    return [k for r, k in scored if r >= scored[0][0] - 0.1][:3] if scored else []
+
+
 def _trainer_errors(cfg: Any, single: bool) -> list[str]:
     out: list[str] = []
     trainer = _container(_get(cfg, "trainer"))
@@ -186,9 +216,9 @@ def _trainer_errors(cfg: Any, single: bool) -> list[str]:
             out.append(f"trainer.{key}={trainer[key]} is invalid: the launcher sets {key} from {RESERVED[key]}; "
                        f"remove trainer.{key}.")
         elif key not in known:
-            close = sorted(k for k in known if k.startswith(key[:4]))[:3]
-            out.append(f"trainer.{key} is not an argument of lightning's Trainer"
-                       f"{'; did you mean ' + ' or '.join(close) + '?' if close else '.'}")
+            close = closest(str(key), known - set(RESERVED))  # never one the launcher sets itself
+            out.append(f"trainer.{key}={trainer[key]} is invalid: {key} is not an argument of lightning's Trainer"
+                       f"{'; did you mean ' + ' or '.join('trainer.' + k for k in close) + '?' if close else '.'}")
     steps, epochs = _get(cfg, "trainer.max_steps", -1), _get(cfg, "trainer.max_epochs", None)
     if not (isinstance(steps, int) and not isinstance(steps, bool) and (steps >= 1 or steps == -1)):
         out.append(f"trainer.max_steps={steps} is invalid: it must be a positive integer, or -1 with trainer.max_epochs set.")

@@ -36,7 +36,7 @@ from ..schedule.placement import OWNERSHIPS
 from .paths import dir_error
 from .schema import LATER_MODES, MODES, SIZES, LauncherConf
 
-GROUPS = ("strategy", "order", "model", "data", "trainer", "logger")
+GROUPS = ("strategy", "order", "model", "data", "trainer", "logger", "hparams_search")
 #: strategies only the launcher has (no schedule of their own), and how the sentences name them
 LAUNCHER_STRATEGIES = ("auto", "single")
 LAUNCHER_STRATEGIES_TEXT = "the launcher also takes strategy=auto (the planner chooses) and strategy=single (Lightning's default strategy on one device)"
@@ -419,8 +419,40 @@ def _check_each(overrides: Sequence[str], config_dirs: Iterable[str | Path]) -> 
 
 def check_overrides(overrides: Sequence[str], config_dirs: Iterable[str | Path] = ()) -> list[str]:
     """One sentence per command-line value that Hydra could not compose: an unknown option of
-    ``strategy``/``order``, a key the schema lacks, or a value of the wrong type."""
+    ``strategy``/``order``, a key the schema lacks, or a value of the wrong type (each value of a
+    sweep on its own; a single run checks :func:`sweeps_without_multirun` first)."""
     return [s for c in _check_each(overrides, config_dirs) or [] for s in c.sentences]
+
+
+def sweeps_without_multirun(overrides: Sequence[str]) -> list[str]:
+    """One sentence per sweep (``a,b``, ``choice(...)``, ``range(...)``) on the command line of a
+    single run: it runs only as a multirun (``-m``); Hydra would answer "Ambiguous value ... use
+    key=[value1,value2]", the advice for a list. Where the key also takes a list (a key the
+    schema leaves untyped: ``memory_limit``, ``recompute``, ``model.*``, ...), the sentence says how
+    to write one."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:
+        return []  # Hydra reports its own syntax errors
+    out: list[str] = []
+    for o in parsed:
+        key = o.key_or_group
+        if not o.is_sweep_override() or key.startswith("hydra"):
+            continue
+        try:
+            values = _values(o)
+        except Exception:  # noqa: BLE001 - a sweep Hydra parses but this cannot list
+            values = None
+        text = o.input_line
+        count = f" over {len(values)} value{'s' if len(values) != 1 else ''}" if values is not None else ""
+        listed = isinstance(o._value, ChoiceSweep) and key not in GROUPS and _field_type(key)[0] is _ANY
+        as_list = f", or write {o.get_key_element()}=[{','.join(s for _, s in values or [])}] for one list value" \
+            if listed and values else ""
+        out.append(f"{text} is a sweep{count}: add -m (multirun) to run {'each' if count else 'it'}{as_list}.")
+    return out
 
 
 @dataclasses.dataclass

@@ -165,5 +165,15 @@ class LastCheckpoint(ModelCheckpoint):
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A run resumed with ``ckpt_path=<other run>/checkpoints/last.ckpt`` writes into its own run
+        directory: the checkpoint's directory differs by design, and Lightning's warning about it
+        (once per worker) says nothing the user did not ask for. As Lightning does then, only
+        ``best_model_path`` is taken over; the same directory (a requeued run) restores it all."""
+        if state_dict.get("dirpath", self.dirpath) != self.dirpath:
+            self.best_model_path = state_dict["best_model_path"]
+            return
+        super().load_state_dict(state_dict)
+
 
 LastCheckpoint.__qualname__ = "ModelCheckpoint"  # the key of its state in a checkpoint (Callback.state_key)

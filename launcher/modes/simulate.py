@@ -90,7 +90,7 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     )
     con.print(
         f"latency {summary['latency']:g} ({summary['latency_fb']:g} x (F+B)), utilization "
-        f"{summary['utilization']:.3f}, bubble fraction {summary['bubble_fraction']:.3f}, "
+        f"{summary['utilization']:.3f}, bubble fraction {max(0.0, summary['bubble_fraction']):.3f}, "
         f"rho {summary['rho']:.3f}",
         highlight=False,
     )

@@ -44,9 +44,13 @@ class Job:
 def _build(node: Any, key: str, want: type, what: str) -> Any:
     from hydra.utils import instantiate
 
+    from ..config.step import target_error
     from ..config.training import argument_errors
 
     target = node.get("_target_")
+    missing = target_error(str(target))  # a module not found: where Python looked for it
+    if missing:
+        raise ConfigError([f"{key}._target_={target} could not be built: {missing}."])
     found = argument_errors(node, key)  # a value of the wrong type for an annotated argument
     if found:
         raise ConfigError(found)
@@ -391,12 +395,12 @@ def _model_context(node: Any) -> Any:
     and each worker materialises only the stages it owns (:mod:`launcher.runtime.init`)."""
     import contextlib
 
-    from hydra.utils import get_class
+    from hydra._internal.utils import _locate  # get_class's lookup, without its error log line
 
     from ..runtime.init import empty_init
 
     try:
-        cls = get_class(str(node.get("_target_")))
+        cls = _locate(str(node.get("_target_")))
     except Exception:  # noqa: BLE001 - _build reports a target that cannot be found, in one sentence
         return contextlib.nullcontext()
     return empty_init() if callable(getattr(cls, "reset_stage", None)) else contextlib.nullcontext()
@@ -413,6 +417,10 @@ def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, A
     from ..report.progress import Progress
 
     callbacks: list[Any] = [RunMetrics(out_dir, config, run), Progress(out_dir)]
+    if cfg.trainer.get("enable_progress_bar", True):
+        from ..lightning.progress_bar import StepProgressBar  # "Step 3/40", not "Epoch 0/-2"
+
+        callbacks.append(StepProgressBar())
     if cfg.trainer.get("enable_checkpointing", True):
         from ..lightning.resume import LastCheckpoint  # last.ckpt: where training ended
 
@@ -427,7 +435,19 @@ def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, A
         # partial: instantiate() takes `config` itself, and wandb.init wants ours under that name
         make = instantiate(cfg.logger, _partial_=True)
         out["logger"] = make(save_dir=str(out_dir), group=_group(out_dir), tags=tags, name=run["point"], config=config)
+        _no_anonymous(out["logger"])
     return out
+
+
+def _no_anonymous(logger: Any) -> None:
+    """Lightning's ``WandbLogger`` passes ``anonymous=None`` to ``wandb.init`` even when it is not
+    asked for, and wandb (0.19 on) warns on every run that this deprecated setting has no effect.
+    Left out, wandb sees it unset and says nothing; ``logger.anonymous=true`` is passed on."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    init = getattr(logger, "_wandb_init", None) if isinstance(logger, WandbLogger) else None
+    if isinstance(init, dict) and "anonymous" in init and init["anonymous"] is None:
+        del init["anonymous"]
 
 
 def _group(out_dir: Path) -> str:

@@ -377,7 +377,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     S = tl.step.S
     latency = tl.latency
     busy = sum(tl.step.duration_table(d)) * B  # every kind of every stage, each stage its own time
-    bubble = 1.0 - busy / (tl.step.workers * latency)
+    bubble = max(0.0, 1.0 - busy / (tl.step.workers * latency))  # no bubble: 0, not -1e-16 (shown -0.000)
     peak_act = list(tl.peak_activations)
     if budget.activations is not None and max(peak_act) > budget.activations:
         plan.did_not_fit += len(per_scheme) * len(CACHES)

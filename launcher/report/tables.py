@@ -34,6 +34,10 @@ def fmt(x: Any) -> str:
     if x is None:
         return "-"
     if isinstance(x, float):
+        if x != x or x in (float("inf"), float("-inf")):  # a nan loss: said, not a crash in int()
+            return str(x)
+        if abs(x) < 1e-12:  # rounding noise about zero (a bubble of 1 - 1.0000000000000002): 0, not -2.2e-16
+            return "0"
         return f"{x:.0f}" if x == int(x) else f"{x:.3g}" if abs(x) < 1 else f"{x:.2f}"
     return str(x)
 
