@@ -135,8 +135,8 @@ def test_recipe_seed_lpp_bound_reaches_m_over_s_plus_1(tmp_path):
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")))
 def test_every_recipe_composes(recipe, tmp_path):
-    """Each recipe the README lists is a valid config (the Slurm one included: composing it submits nothing)."""
+    """Each recipe docs/sweeps.md lists is a valid config (the Slurm one included: composing it submits nothing)."""
     p = launcher("--config-dir", str(ROOT / "recipes"), "-cn", recipe, "--cfg", "all", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "mode:" in p.stdout and "sweeper:" in p.stdout
-    assert recipe in (ROOT / "README.md").read_text()
+    assert recipe in (ROOT / "docs" / "sweeps.md").read_text()
