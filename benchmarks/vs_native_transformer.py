@@ -1,0 +1,410 @@
+"""Our engine against PyTorch's own schemes on transformers, GPT and Llama, pair by pair (a benchmark).
+
+The built-in GPT and Hugging Face's Llama, on the same stage modules on both sides.
+
+    python benchmarks/vs_native_transformer.py               # GPT and Llama, d_model 128 and 256, W = 4 and 8
+    python benchmarks/vs_native_transformer.py --quick       # a smoke run (tiny, W = 4, the test suite runs it)
+    python benchmarks/vs_native_transformer.py --models llama --sizes 256 --pairs ddp-w4,1f1b-w4 --json out.json
+    python benchmarks/vs_native_transformer.py --backend nccl  # one GPU per rank
+
+Workload, per model and size: the model's own modules ``[embedding, block x L, head]``
+(:class:`launcher.models.GPT`'s ``stages``; :class:`launcher.models.HFCausalLM`'s cut of
+``LlamaForCausalLM``) built after ``torch.manual_seed(0)``, cut into S contiguous stages of equal
+module count (S = 8 with L = 6: a module each; S = 4: two each). Between stages only the hidden
+state travels (a Llama stage rebuilds the positions, ``arange(T)``, and the causal mask, as the
+model's forward does without an attention mask), so the same modules run under
+``torch.distributed.pipelining``. The batch: ``torch.manual_seed(1)``, tokens ``randint(128,
+(B*mb, T+1))``, input the first T, target the last T; micro-batch b = ``chunk(B)[b]``, the same
+batch every step; loss the model's own cross-entropy, the mean over micro-batches; AdamW lr 3e-3
+(the models' optimizer); one intra-op thread per process.
+
+Native sides: ``DistributedDataParallel`` over the stages in sequence; FSDP2, ``fully_shard`` on
+every transformer block and then the root; ``PipelineStage`` over the same stage modules (stage s
+on rank s mod W) with ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleLoopedBFS``,
+``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``. Ours: the engine at its defaults,
+as ``vs_torch_native.py`` runs it.
+
+Measured as in ``vs_torch_native.py`` (its harness is imported): one set of W forked workers per
+pair builds both sides and alternates them (ours, native, ours, ...); a step is timed from a barrier
+to a barrier around the whole step with its optimizer, the slowest rank's; CPU seconds are every
+process's (its threads too). Also printed: our predicted step (the simulator replaying what our
+workers measured, per stage) and the first step's fingerprints, the loss and the sum of |gradient|
+of stage 0, on both sides. Exit status 1 when a pair's fingerprints differ by more than 1e-6
+relative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from launcher.report.profile import (
+    end_seconds,
+    message_cpu_seconds,
+    message_seconds,
+    on_cpu,
+    shared_cores,
+    stage_job_seconds,
+)
+from launcher.runtime import Engine, StagedModel, launch
+from launcher.runtime.link import measure as measure_link
+from launcher.schedule import make_step, simulate
+from launcher.schedule.cores import job_work, replay
+from launcher.schedule.link import Link, exchanges, partners
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the MLP benchmark's harness
+from vs_torch_native import NATIVE, Ours, Pair, _all, _Nothing, _rel, _sum_abs, _timed
+
+#: as vs_torch_native's: the losses come out bit for bit equal; the stage-0 gradient sums differ by
+#: at most about 1e-9 relative (DDP's buckets and FSDP's reduce-scatter add in another order)
+TOLERANCE = 1e-6
+VOCAB = 128
+
+PAIRS = [
+    Pair("ddp-w4", "ddp", 4, 1, 4, 4, "1f1b", False, "ddp"),
+    Pair("fsdp-w4", "fsdp", 4, 1, 4, 4, "1f1b", False, "fsdp"),
+    Pair("gpipe-w4", "gpipe", 1, 4, 4, 8, "breadth_first", False, "gpipe"),
+    Pair("1f1b-w4", "gpipe", 1, 4, 4, 8, "1f1b", False, "1f1b"),
+    Pair("looped-bfs-w4", "lpp", 1, 4, 8, 8, "breadth_first", False, "looped_bfs"),
+    Pair("interleaved-1f1b-w4", "lpp", 1, 4, 8, 8, "1f1b", False, "interleaved_1f1b"),
+    Pair("interleaved-zb-w4", "lpp", 1, 4, 8, 8, "1f1b", True, "interleaved_zb"),
+    Pair("ddp-w8", "ddp", 8, 1, 4, 8, "1f1b", False, "ddp"),
+    Pair("fsdp-w8", "fsdp", 8, 1, 4, 8, "1f1b", False, "fsdp"),
+    Pair("gpipe-w8", "gpipe", 1, 8, 8, 8, "breadth_first", False, "gpipe"),
+    Pair("1f1b-w8", "gpipe", 1, 8, 8, 8, "1f1b", False, "1f1b"),
+]
+QUICK_PAIRS = "fsdp-w4,interleaved-zb-w4"
+MODELS = {"gpt": "GPT", "llama": "Llama"}
+
+
+@dataclass(frozen=True)
+class Size:
+    """One transformer: ``model`` (gpt or llama), width ``d``, ``layers`` blocks, sequence length
+    ``T``, ``mb`` sequences per micro-batch."""
+
+    model: str
+    d: int
+    layers: int
+    T: int
+    mb: int
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.d // 64)
+
+
+# ---- the workload ----------------------------------------------------------------------------
+class GPTStage(nn.Module):
+    """Modules of the built-in GPT's ``stages``, applied in order."""
+
+    def __init__(self, pieces: list[nn.Module]) -> None:
+        super().__init__()
+        self.pieces = nn.ModuleList(pieces)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.pieces:
+            x = m(x)
+        return x
+
+
+class LlamaStage(GPTStage):
+    """Modules of ``HFCausalLM``'s cut, applied in order; takes and returns the hidden state alone
+    (the first stage takes the token ids, the last returns the logits): the positions are
+    ``arange(T)`` per sample and the mask the causal one, which each decoder layer builds from
+    them with the library's own functions, as the model's forward does."""
+
+    def __init__(self, pieces: list[nn.Module], first: bool) -> None:
+        super().__init__(pieces)
+        self.first = first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            args: tuple[Any, ...] = (x,)
+        else:
+            B, T = x.shape[:2]
+            args = (x, torch.arange(T, device=x.device).unsqueeze(0).expand(B, T).contiguous(), None)
+        out: Any = None
+        for m in self.pieces:
+            out = m(*args)
+            args = out if isinstance(out, tuple) else (out,)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _cut(modules: list[nn.Module], S: int) -> list[list[nn.Module]]:
+    if not 1 <= S <= len(modules):
+        raise ValueError(f"{len(modules)} modules cannot make {S} stages")
+    bounds = [round(i * len(modules) / S) for i in range(S + 1)]
+    return [modules[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def build(size: Size, S: int, device: torch.device) -> tuple[list[nn.Module], Any, tuple[type, ...]]:
+    """The stages (after ``torch.manual_seed(0)``), the loss and the block types (FSDP's units)."""
+    torch.manual_seed(0)
+    if size.model == "gpt":
+        from launcher.models import GPT
+        from launcher.models.gpt import Block
+        lm = GPT(vocab_size=VOCAB, seq_len=size.T, d_model=size.d, n_head=size.heads, n_layer=size.layers)
+        stages: list[nn.Module] = [GPTStage(g) for g in _cut(list(lm.stages), S)]
+        blocks: tuple[type, ...] = (Block,)
+    elif size.model == "llama":
+        from launcher.models import HFCausalLM
+        from launcher.models.hf import RotaryLayer
+        ff = -(-8 * size.d // 3 // 64) * 64  # Llama's 8/3 d, rounded up to a multiple of 64
+        lm = HFCausalLM("llama", config={"vocab_size": VOCAB, "hidden_size": size.d, "num_hidden_layers": size.layers,
+                                         "num_attention_heads": size.heads,
+                                         "num_key_value_heads": max(1, size.heads // 2), "intermediate_size": ff,
+                                         "max_position_embeddings": max(size.T, 128)})
+        stages = [LlamaStage(g, i == 0) for i, g in enumerate(_cut(list(lm.stages), S))]
+        blocks = (RotaryLayer,)
+    else:
+        raise ValueError(f"unknown model {size.model}; use one of {', '.join(MODELS)}")
+    return [s.to(device) for s in stages], lm.loss, blocks
+
+
+def build_batch(size: Size, B: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    seq = torch.randint(VOCAB, (B * size.mb, size.T + 1))
+    return seq[:, :-1].contiguous().to(device), seq[:, 1:].contiguous().to(device)
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3)
+
+
+def stage_bytes(stages: list[nn.Module]) -> list[int]:
+    return [sum(q.numel() * q.element_size() for q in s.parameters()) for s in stages]
+
+
+# ---- our side: vs_torch_native's, on these stages ---------------------------------------------
+class OursT(Ours):
+    """``vs_torch_native.Ours`` (its step and fingerprint) on a transformer's stages."""
+
+    def __init__(self, p: Pair, size: Size, device: torch.device) -> None:
+        self.p, self.device = p, device
+        stages, loss, _ = build(size, p.S, device)
+        # the engine's defaults (the batch check runs on step 1, a warm-up step, then every 50th)
+        self.engine = Engine(StagedModel(stages, loss), make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order,
+                                                                  split_backward=p.split), adamw)
+        x, t = build_batch(size, p.B, device)
+        self.mbs = list(zip(x.chunk(p.B), t.chunk(p.B)))
+        self.records: list[dict] = []
+        self.optimizer_s: list[float] = []
+        self.optimizer_cpu_s: list[float] = []
+
+
+# ---- the native side -------------------------------------------------------------------------
+class NativeT:
+    def __init__(self, p: Pair, size: Size, device: torch.device) -> None:
+        self.p, self.device, self.rank = p, device, dist.get_rank()
+        stages, self.loss_fn, blocks = build(size, p.S, device)
+        x, t = build_batch(size, p.B, device)
+        self.sched = None
+        if p.native in ("ddp", "fsdp"):  # W = B: rank r trains micro-batch r; gradients averaged
+            self.x, self.t = x.chunk(p.B)[self.rank], t.chunk(p.B)[self.rank]
+            model = nn.Sequential(*stages)
+            if p.native == "ddp":
+                from torch.nn.parallel import DistributedDataParallel
+                self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            else:  # fully_shard per transformer block, then the root (embedding and head)
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.fsdp import fully_shard
+                mesh = init_device_mesh(device.type, (p.W,))
+                for m in model.modules():
+                    if isinstance(m, blocks):
+                        fully_shard(m, mesh=mesh)
+                self.model = fully_shard(model, mesh=mesh)
+            self.stage0 = list(stages[0].parameters())
+            self.params = list(self.model.parameters())
+        else:
+            from torch.distributed import pipelining as pp
+            mine = list(range(self.rank, p.S, p.W))  # looped: stage s on rank s mod W
+            self.pipe = [pp.PipelineStage(stages[s], s, p.S, device) for s in mine]
+            self.first, self.last = 0 in mine, p.S - 1 in mine
+            self.x, self.t = x, t
+            self.params = [q for s in mine for q in stages[s].parameters()]
+            self.stage0 = list(stages[0].parameters()) if self.first else []
+            kind = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "looped_bfs": pp.ScheduleLoopedBFS,
+                    "interleaved_1f1b": pp.ScheduleInterleaved1F1B,
+                    "interleaved_zb": pp.ScheduleInterleavedZeroBubble}[p.native]
+            single = kind in (pp.ScheduleGPipe, pp.Schedule1F1B)
+            self.sched = kind(self.pipe[0] if single else self.pipe, n_microbatches=p.B, loss_fn=self.loss_fn)
+        self.optimizer = adamw(self.params)
+
+    def step(self, fingerprint: bool = False) -> tuple[float, float]:
+        p = self.p
+        value = g0 = 0.0
+        if self.sched is None:
+            loss = self.loss_fn(self.model(self.x), self.t)
+            loss.backward()
+            if fingerprint:
+                value = float(loss.detach()) / p.B  # this rank's micro-batch's share of the mean
+        else:
+            losses: list[torch.Tensor] = []
+            args = (self.x,) if self.first else ()
+            self.sched.step(*args, target=self.t if self.last else None, losses=losses if self.last else None)
+            if fingerprint:
+                value = sum(float(v.detach()) for v in losses) / p.B
+        if fingerprint:
+            g0 = _sum_abs(q.grad for q in self.stage0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return value, g0
+
+    def fingerprint(self, loss: float, g0: float) -> tuple[float, float]:
+        # DDP's replicas hold equal gradients (max); shards and pipeline stages add up (sum)
+        op = dist.ReduceOp.MAX if self.p.native == "ddp" else dist.ReduceOp.SUM
+        return _all(loss, dist.ReduceOp.SUM, self.device), _all(g0, op, self.device)
+
+
+# ---- one pair on its workers -----------------------------------------------------------------
+def run_pair(p: Pair, size: Size, reps: int, steps: int, warmup: int) -> dict[str, Any] | None:
+    """On each of W ranks: both sides, alternated; rank 0 returns the measurements (the loop of
+    ``vs_torch_native.run_pair``)."""
+    torch.set_num_threads(1)
+    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    link = measure_link(None, device) if p.W > 1 else None
+    link = [link.to_json() if link else None]
+    dist.broadcast_object_list(link, src=0)
+    sides = {"ours": OursT(p, size, device), "native": NativeT(p, size, device)}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    cpus: dict[str, list[float]] = {k: [] for k in sides}
+    prints: dict[str, tuple[float, float]] = {}
+    for name, side in sides.items():  # the first step: fingerprints (and warm-up)
+        prints[name] = side.fingerprint(*_timed(side, device, fingerprint=True)[2])
+        for _ in range(warmup - 1):
+            _timed(side, device)
+    barriers: list[float] = []  # what the timing itself costs: its two barriers, nothing between
+    for _ in range(reps):
+        for name, side in sides.items():
+            for _ in range(steps):
+                wall, cpu, _ = _timed(side, device)
+                times[name].append(wall)
+                cpus[name].append(cpu)
+        barriers.append(_timed(_Nothing(), device)[0])
+    ours: OursT = sides["ours"]  # type: ignore[assignment]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    mine = {"records": [r for r in ours.records[warmup:] if r], "optimizer_s": ours.optimizer_s[warmup:],
+            "optimizer_cpu_s": ours.optimizer_cpu_s[warmup:]}
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    return {"pair": asdict(p), "size": asdict(size), "times": times, "cpus": cpus, "fingerprints": prints,
+            "link": link[0], "per_rank": gathered, "barrier_s": statistics.median(barriers)}
+
+
+def predicted(p: Pair, size: Size, grads: list[int], result: dict[str, Any]) -> float:
+    """Our step as the simulator predicts it from what our workers measured, as
+    ``vs_torch_native.predicted`` does, with each stage's own job times (a stage holding the
+    embedding alone is lighter than a block) and this workload's message and gradient sizes."""
+    ranks = result["per_rank"][: p.W]
+    tl = simulate(make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split))  # what ran
+    per_stage = stage_job_seconds(ranks, tl.step.space.kinds, p.S)
+    tl = replace(tl, step=replace(tl.step, stage_durations=per_stage))
+    comm = message_seconds(ranks)
+    if comm is None:  # no late message, or workers on several hosts: the ping-pong's link
+        comm = Link(**result["link"]).seconds(size.mb * size.T * size.d * 4) if result["link"] else 0.0
+    which = "optimizer_cpu_s" if on_cpu(ranks) else "optimizer_s"
+    tails = [end + statistics.median(r[which]) for end, r in zip(end_seconds(ranks), ranks)]
+    rounds = [e.rounds * comm for e in exchanges(tl, grads)]
+    kinds = tl.step.space.kinds
+    work = job_work(tl, {k: 1.0 for k in kinds}, message_cpu_seconds(ranks))  # per-stage times over these
+    return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds, durations=work,
+                  comm=comm).seconds + result["barrier_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="gpt,llama", help="comma-separated: gpt, llama")
+    ap.add_argument("--sizes", default="128,256", help="d_model values (heads of 64)")
+    ap.add_argument("--layers", type=int, default=6, help="transformer blocks (with embedding and head: 8 modules)")
+    ap.add_argument("--seq", type=int, default=64, help="sequence length T")
+    ap.add_argument("--mb", type=int, default=1, help="sequences per micro-batch")
+    ap.add_argument("--pairs", default="", help="comma-separated pair names (default: all)")
+    ap.add_argument("--reps", type=int, default=3, help="alternated repetitions per side")
+    ap.add_argument("--steps", type=int, default=1, help="steps per repetition")
+    ap.add_argument("--warmup", type=int, default=1, help="steps per side before timing (the first: the fingerprints)")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a smoke run: d_model 64, T=16, W=4, pairs {QUICK_PAIRS}, 1 repetition")
+    ap.add_argument("--json", default="", help="write every measurement here")
+    args = ap.parse_args(argv)
+    # the root's output (the logits) is a view; nothing writes into it (inherited by the workers)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    if args.quick:
+        args.sizes, args.seq, args.mb, args.reps, args.steps, args.warmup = "64", 16, 1, 1, 1, 1
+        args.pairs = args.pairs or QUICK_PAIRS
+    pairs = [p for p in PAIRS if not args.pairs or p.name in args.pairs.split(",")]
+    if args.quick:
+        pairs = [p for p in pairs if p.W <= 4]
+    sizes = [Size(m, int(d), args.layers, args.seq, args.mb) for m in args.models.split(",") for d in args.sizes.split(",")]
+    console = Console(width=260)
+    table = Table(title=f"ours vs PyTorch native on transformers ({args.backend}, {os.cpu_count()} cores, one thread per "
+                        f"process; median of {args.reps} x {args.steps} steps; L={args.layers}, T={args.seq}, "
+                        f"mb={args.mb})")
+    for col in ("model", "d", "pair", "native", "W", "ours ms (med / min)", "native ms (med / min)", "ours/native",
+                "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native", "|g0| ours / native", "agree"):
+        table.add_column(col, justify="left" if col in ("model", "pair", "native") else "right")
+    rows, failed, started = [], False, time.perf_counter()
+    for size in sizes:
+        grads = {S: stage_bytes(build(size, S, torch.device("cpu"))[0]) for S in {p.S for p in pairs}}
+        for p in pairs:
+            result = launch(run_pair, p.W, p, size, args.reps, args.steps, args.warmup, backend=args.backend,
+                            timeout=120, deadline=900)[0]
+            ours, native = result["times"]["ours"], result["times"]["native"]
+            (lo, go), (ln, gn) = result["fingerprints"]["ours"], result["fingerprints"]["native"]
+            agree = _rel(lo, ln) <= TOLERANCE and _rel(go, gn) <= TOLERANCE
+            failed |= not agree
+            pred = predicted(p, size, grads[p.S], result)
+            row = {"model": MODELS[size.model], "d": size.d, "layers": size.layers, "T": size.T, "mb": size.mb,
+                   "pair": p.name, "native": NATIVE[p.native], "W": p.W, "S": p.S, "B": p.B,
+                   "ours_median_s": statistics.median(ours), "ours_min_s": min(ours),
+                   "native_median_s": statistics.median(native), "native_min_s": min(native),
+                   "ratio": statistics.median(ours) / statistics.median(native), "predicted_s": pred,
+                   "ours_cpu_s": statistics.median(result["cpus"]["ours"]),
+                   "native_cpu_s": statistics.median(result["cpus"]["native"]),
+                   "predicted_over_measured": pred / statistics.median(ours), "loss": [lo, ln], "g0": [go, gn],
+                   "loss_rel_diff": _rel(lo, ln), "g0_rel_diff": _rel(go, gn), "agree": agree, "link": result["link"]}
+            row["cpu_ratio"] = row["ours_cpu_s"] / row["native_cpu_s"]
+            rows.append(row)
+            table.add_row(row["model"], str(size.d), p.name, NATIVE[p.native], str(p.W),
+                          f"{row['ours_median_s'] * 1e3:.1f} / {row['ours_min_s'] * 1e3:.1f}",
+                          f"{row['native_median_s'] * 1e3:.1f} / {row['native_min_s'] * 1e3:.1f}",
+                          f"{row['ratio']:.2f}", f"{row['ours_cpu_s'] * 1e3:.0f} / {row['native_cpu_s'] * 1e3:.0f}",
+                          f"{pred * 1e3:.1f}", f"{row['predicted_over_measured']:.2f}",
+                          f"{lo:.6f} / {ln:.6f}", f"{go:.6g} / {gn:.6g}",
+                          "yes" if agree else f"NO ({max(row['loss_rel_diff'], row['g0_rel_diff']):.1e})")
+            print(f"{row['model']} d={size.d} {p.name}: ours/native {row['ratio']:.2f} "
+                  f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    console.print(table)
+    wall = time.perf_counter() - started
+    print(f"wall time {wall:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": args.backend, "cores": os.cpu_count(), "torch": torch.__version__,
+                       "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "wall_s": wall, "rows": rows},
+                      f, indent=1)
+    if failed:
+        print(f"fingerprints disagree by more than {TOLERANCE:g} relative on some pair", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
