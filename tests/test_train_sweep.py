@@ -53,7 +53,7 @@ def test_sweep_records_every_point_and_shares_a_wandb_group(tmp_path):
 
     outcomes = {d.name: sorted(f.name for f in d.glob("*.json")) for d in sweep.iterdir() if d.is_dir()}
     assert sorted(map(tuple, outcomes.values())) == sorted(
-        [("metrics.json",)] * 2 + [("invalid.json",)] * 3 + [("failed.json",)])
+        [("metrics.json", "trace.json")] * 2 + [("invalid.json",)] * 3 + [("failed.json",)])
     failed = next(d for d in sweep.iterdir() if (d / "failed.json").exists())
     record = json.loads((failed / "failed.json").read_text())
     assert "RuntimeError: d_model=24 is not supported" in record["error"]
