@@ -61,14 +61,13 @@ from launcher.report.profile import (
     stage_job_seconds,
 )
 from launcher.runtime import Engine, StagedModel, launch
-from launcher.runtime.link import measure as measure_link
 from launcher.schedule import make_step, simulate
 from launcher.schedule.cores import job_work, replay
 from launcher.schedule.link import Link, exchanges, partners
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # the MLP benchmark's harness
-from vs_torch_native import NATIVE, Ours, Pair, _all, _Nothing, _rel, _sum_abs, _timed
+from vs_torch_native import NATIVE, Ours, Pair, _all, _rel, _sum_abs, alternate, pair_device, pair_link
 
 #: as vs_torch_native's: the losses come out bit for bit equal; the stage-0 gradient sums differ by
 #: at most about 1e-9 relative (DDP's buckets and FSDP's reduce-scatter add in another order)
@@ -273,41 +272,12 @@ class NativeT:
 
 # ---- one pair on its workers -----------------------------------------------------------------
 def run_pair(p: Pair, size: Size, reps: int, steps: int, warmup: int) -> dict[str, Any] | None:
-    """On each of W ranks: both sides, alternated; rank 0 returns the measurements (the loop of
-    ``vs_torch_native.run_pair``)."""
-    torch.set_num_threads(1)
-    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    link = measure_link(None, device) if p.W > 1 else None
-    link = [link.to_json() if link else None]
-    dist.broadcast_object_list(link, src=0)
-    sides = {"ours": OursT(p, size, device), "native": NativeT(p, size, device)}
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    cpus: dict[str, list[float]] = {k: [] for k in sides}
-    prints: dict[str, tuple[float, float]] = {}
-    for name, side in sides.items():  # the first step: fingerprints (and warm-up)
-        prints[name] = side.fingerprint(*_timed(side, device, fingerprint=True)[2])
-        for _ in range(warmup - 1):
-            _timed(side, device)
-    barriers: list[float] = []  # what the timing itself costs: its two barriers, nothing between
-    for _ in range(reps):
-        for name, side in sides.items():
-            for _ in range(steps):
-                wall, cpu, _ = _timed(side, device)
-                times[name].append(wall)
-                cpus[name].append(cpu)
-        barriers.append(_timed(_Nothing(), device)[0])
-    ours: OursT = sides["ours"]  # type: ignore[assignment]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    mine = {"records": [r for r in ours.records[warmup:] if r], "optimizer_s": ours.optimizer_s[warmup:],
-            "optimizer_cpu_s": ours.optimizer_cpu_s[warmup:]}
-    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() != 0:
-        return None
-    return {"pair": asdict(p), "size": asdict(size), "times": times, "cpus": cpus, "fingerprints": prints,
-            "link": link[0], "per_rank": gathered, "barrier_s": statistics.median(barriers)}
+    """On each of W ranks: both sides, alternated (``vs_torch_native.alternate``); rank 0 returns
+    the measurements."""
+    device = pair_device()
+    link = pair_link(p, device)
+    out = alternate({"ours": OursT(p, size, device), "native": NativeT(p, size, device)}, device, reps, steps, warmup)
+    return None if out is None else {"pair": asdict(p), "size": asdict(size), "link": link, **out}
 
 
 def predicted(p: Pair, size: Size, grads: list[int], result: dict[str, Any]) -> float:

@@ -255,17 +255,28 @@ def _timed(side, device: torch.device, fingerprint: bool = False) -> tuple[float
     return _all(wall, dist.ReduceOp.MAX, device), _all(cpu, dist.ReduceOp.SUM, device), out
 
 
-def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> dict[str, Any] | None:
-    """On each of W ranks: both sides, alternated; rank 0 returns the measurements."""
+def pair_device() -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU (one intra-op thread per process)."""
     torch.set_num_threads(1)
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    return device
+
+
+def pair_link(p: Any, device: torch.device) -> dict[str, Any] | None:
+    """Workers 0 and 1 ping-pong once before either side runs (the prediction's message cost)."""
     link = measure_link(None, device) if p.W > 1 else None
-    link = [link.to_json() if link else None]
-    dist.broadcast_object_list(link, src=0)
-    sides = {"ours": Ours(p, H, mb, device), "native": Native(p, H, mb, device)}
+    shared = [link.to_json() if link else None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def alternate(sides: dict[str, Any], device: torch.device, reps: int, steps: int, warmup: int) -> dict[str, Any] | None:
+    """On each rank: the first step of each side (fingerprints, then warm-up), then ``reps`` rounds
+    of ``steps`` timed steps per side, alternated; rank 0 returns the times, CPU seconds,
+    fingerprints, our side's per-rank records and the cost of the timing's own barriers."""
     times: dict[str, list[float]] = {k: [] for k in sides}
     cpus: dict[str, list[float]] = {k: [] for k in sides}
     prints: dict[str, tuple[float, float]] = {}
@@ -281,15 +292,23 @@ def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> di
                 times[name].append(wall)
                 cpus[name].append(cpu)
         barriers.append(_timed(_Nothing(), device)[0])
-    ours: Ours = sides["ours"]  # type: ignore[assignment]
+    ours = sides["ours"]
     gathered: list[Any] = [None] * dist.get_world_size()
     mine = {"records": [r for r in ours.records[warmup:] if r], "optimizer_s": ours.optimizer_s[warmup:],
             "optimizer_cpu_s": ours.optimizer_cpu_s[warmup:]}
     dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
         return None
-    return {"pair": asdict(p), "H": H, "mb": mb, "times": times, "cpus": cpus, "fingerprints": prints, "link": link[0],
-            "per_rank": gathered, "barrier_s": statistics.median(barriers)}
+    return {"times": times, "cpus": cpus, "fingerprints": prints, "per_rank": gathered,
+            "barrier_s": statistics.median(barriers)}
+
+
+def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> dict[str, Any] | None:
+    """On each of W ranks: both sides, alternated; rank 0 returns the measurements."""
+    device = pair_device()
+    link = pair_link(p, device)
+    out = alternate({"ours": Ours(p, H, mb, device), "native": Native(p, H, mb, device)}, device, reps, steps, warmup)
+    return None if out is None else {"pair": asdict(p), "H": H, "mb": mb, "link": link, **out}
 
 
 def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:

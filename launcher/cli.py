@@ -39,6 +39,7 @@ is an invalid config: ``2`` before any trial runs.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from typing import Any, Callable
@@ -293,8 +294,12 @@ def _search_errors(config_name: str, overrides: list[str], dirs: list[str]) -> l
         plain = [text for text, o in zip(overrides, parsed) if not o.is_sweep_override()
                  and o.key_or_group not in ("hydra.mode",)]
         cfg = _compose(config_name, plain, dirs)
-    except Exception:  # noqa: BLE001 - a config Hydra cannot compose: Hydra's own report when it runs
-        return []
+    except Exception as e:  # noqa: BLE001 - a config Hydra cannot compose: Hydra's own report when it runs
+        # except a key the config lacks: the single run's answer (did you mean ...), not Hydra's
+        # "Key ... is not in struct" from every point
+        given = re.match(r"Could not override '([^']+)'", str(e))
+        said = _not_in_config(e, config_name, plain, dirs) if given else []
+        return [s for s in said if s.startswith(given.group(1) + "=")] if given else []
     return _search_check(cfg, dirs)
 
 

@@ -62,6 +62,9 @@ CASES = [
     (["trainer.max_step=10"],  # Hydra: "To append to your config use +trainer.max_step=10"
      "trainer.max_step=10 is invalid: max_step is not an argument of lightning's Trainer; did you mean "
      "trainer.max_steps?"),
+    (["--multirun", "trainer.max_step=10", "G=1,2"],  # a sweep: Hydra's "Key 'max_step' is not in struct" from every point
+     "trainer.max_step=10 is invalid: max_step is not an argument of lightning's Trainer; did you mean "
+     "trainer.max_steps?"),
     (["trainer.devices=2"],  # Hydra: "+trainer.devices=2", then "remove trainer.devices"
      "trainer.devices=2 is invalid: the launcher sets devices from W = G*R; remove trainer.devices."),
     (["trainer.gradient_clip_algorithm=norm"],  # a Trainer argument the config lacks: here + is the answer
