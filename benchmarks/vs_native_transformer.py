@@ -67,7 +67,7 @@ from launcher.schedule.link import Link, exchanges, partners
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # the MLP benchmark's harness
-from vs_torch_native import NATIVE, Ours, Pair, _all, _rel, _sum_abs, alternate, pair_device, pair_link
+from vs_torch_native import NATIVE, Native, Ours, Pair, _rel, alternate, pair_device, pair_link
 
 #: as vs_torch_native's: the losses come out bit for bit equal; the stage-0 gradient sums differ by
 #: at most about 1e-9 relative (DDP's buckets and FSDP's reduce-scatter add in another order)
@@ -207,7 +207,9 @@ class OursT(Ours):
 
 
 # ---- the native side -------------------------------------------------------------------------
-class NativeT:
+class NativeT(Native):
+    """PyTorch native on the transformer stages: `Native`'s step and fingerprint, the model's own loss."""
+
     def __init__(self, p: Pair, size: Size, device: torch.device) -> None:
         self.p, self.device, self.rank = p, device, dist.get_rank()
         stages, self.loss_fn, blocks = build(size, p.S, device)
@@ -243,31 +245,6 @@ class NativeT:
             single = kind in (pp.ScheduleGPipe, pp.Schedule1F1B)
             self.sched = kind(self.pipe[0] if single else self.pipe, n_microbatches=p.B, loss_fn=self.loss_fn)
         self.optimizer = adamw(self.params)
-
-    def step(self, fingerprint: bool = False) -> tuple[float, float]:
-        p = self.p
-        value = g0 = 0.0
-        if self.sched is None:
-            loss = self.loss_fn(self.model(self.x), self.t)
-            loss.backward()
-            if fingerprint:
-                value = float(loss.detach()) / p.B  # this rank's micro-batch's share of the mean
-        else:
-            losses: list[torch.Tensor] = []
-            args = (self.x,) if self.first else ()
-            self.sched.step(*args, target=self.t if self.last else None, losses=losses if self.last else None)
-            if fingerprint:
-                value = sum(float(v.detach()) for v in losses) / p.B
-        if fingerprint:
-            g0 = _sum_abs(q.grad for q in self.stage0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return value, g0
-
-    def fingerprint(self, loss: float, g0: float) -> tuple[float, float]:
-        # DDP's replicas hold equal gradients (max); shards and pipeline stages add up (sum)
-        op = dist.ReduceOp.MAX if self.p.native == "ddp" else dist.ReduceOp.SUM
-        return _all(loss, dist.ReduceOp.SUM, self.device), _all(g0, op, self.device)
 
 
 # ---- one pair on its workers -----------------------------------------------------------------

@@ -206,14 +206,17 @@ class Native:
                 "interleaved_1f1b": pp.ScheduleInterleaved1F1B, "interleaved_zb": pp.ScheduleInterleavedZeroBubble,
                 "fsdp_looped_bfs": pp.ScheduleLoopedBFS}[p.native]
         single = kind in (pp.ScheduleGPipe, pp.Schedule1F1B)
-        self.sched = kind(self.stages[0] if single else self.stages, n_microbatches=n_mb, loss_fn=mse)
+        self.sched = kind(self.stages[0] if single else self.stages, n_microbatches=n_mb, loss_fn=self.loss_fn)
         self.n_mb = n_mb
+
+    #: the loss both sides compute (vs_native_transformer's side sets its model's own)
+    loss_fn = staticmethod(mse)
 
     def step(self, fingerprint: bool = False) -> tuple[float, float]:
         p = self.p
         value = g0 = 0.0
         if self.sched is None:
-            loss = mse(self.model(self.x), self.t)
+            loss = self.loss_fn(self.model(self.x), self.t)
             loss.backward()
             if fingerprint:
                 value = float(loss.detach()) / p.B  # this rank's micro-batch's share of the mean
