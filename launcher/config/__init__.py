@@ -5,7 +5,8 @@ config with Hydra.
 """
 
 from .schema import LauncherConf, register
+from .spec import RunSpec
 from .step import to_step
 from .validate import ConfigError, check_overrides, errors, step_errors, validate
 
-__all__ = ["LauncherConf", "register", "to_step", "ConfigError", "check_overrides", "errors", "step_errors", "validate"]
+__all__ = ["LauncherConf", "RunSpec", "register", "to_step", "ConfigError", "check_overrides", "errors", "step_errors", "validate"]

@@ -122,12 +122,27 @@ def _div(a: Any, b: Any) -> Any:
     return None
 
 
+def _scheme_size(key: str, *, _root_: Any) -> Any:
+    """``${scheme_size:G}`` (or ``R``): the size the scheme named by ``strategy.name`` fixes, from
+    the registry (:data:`launcher.schedule.SCHEMES`), so ``conf/strategy/ddp.yaml`` and the rules
+    cannot disagree; ``None`` when the scheme fixes none or a size is not an integer (validation
+    reports it)."""
+    from ..schedule.schemes import SCHEMES
+
+    named = SCHEMES.get(str(_root_.strategy.name))
+    S, B = _root_.stages, _root_.microbatches
+    sizes = named.sizes(S, B) if named is not None and all(isinstance(x, int) for x in (S, B)) else None
+    return None if sizes is None else sizes[("G", "R").index(key)]
+
+
 def register() -> None:
-    """Register the ``mul`` and ``div`` resolvers and the schema; safe to call more than once."""
+    """Register the resolvers (``mul``, ``div``, ``scheme_size``) and the schema; safe to call more than once."""
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", _mul)
     if not OmegaConf.has_resolver("div"):
         OmegaConf.register_new_resolver("div", _div)
+    if not OmegaConf.has_resolver("scheme_size"):
+        OmegaConf.register_new_resolver("scheme_size", _scheme_size)
     ConfigStore.instance().store(name=SCHEMA_NAME, node=LauncherConf)
 
 

@@ -44,7 +44,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 
-from ..config import ConfigError, LauncherConf, step_errors, to_step
+from ..config import ConfigError, LauncherConf, RunSpec, step_errors
+from ..config.spec import CUSTOM
 from ..runtime import DEFAULT_TIMEOUT, Engine
 from ..runtime.values import chunk, joined, to_device
 from ..runtime.failure import Watchdog, blocked, current_watchdog, set_current_watchdog
@@ -53,19 +54,12 @@ from ..runtime.link import measure as measure_link
 from ..runtime.nonfinite import MODES as NONFINITE_MODES
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
 from ..runtime.processes import auto_backend
-from ..schedule import Step, make_step
-from ..schedule.placement import named
-from ..schedule.rules import recompute_stages
+from ..schedule import Step
+from ..schedule.schemes import SCHEMES
 from .launcher import ForkLauncher
 from .staging import example_microbatch, split_batch, stage_module, uses_trace
 from .state import Layout, gather_module_state, gather_optimizer_state, load_stage_state, scatter_optimizer_state
 
-#: the G and R each named scheme implies when they are not given
-DEFAULT_GR: dict[str, Callable[[int, int], tuple[int, int]]] = {
-    "ddp": lambda S, B: (B, 1),
-    "fsdp": lambda S, B: (B, 1),
-    "gpipe": lambda S, B: (1, S),
-}
 PLACEHOLDER = "_launcher_nothing_owned"
 
 
@@ -84,10 +78,13 @@ class _Elsewhere(nn.Module):
         return f"on workers {self.owners}"
 
 
-def launcher_config(scheme: str, G: int | None, R: int | None, stages: int, microbatches: int, order: str,
-                    extra: Mapping[str, Any]) -> Any:
-    """The launcher config (:class:`LauncherConf`) these keywords describe; raises
-    :class:`ConfigError` with one sentence per broken rule."""
+def keyword_spec(scheme: str | Callable, G: int | None, R: int | None, stages: int, microbatches: int,
+                 order: str | Callable, extra: Mapping[str, Any]) -> RunSpec:
+    """The :class:`RunSpec` ``UnifiedStrategy``'s keywords describe, checked by the config's rules
+    (:func:`launcher.config.step_errors`) as the command line's are; raises :class:`ConfigError`
+    with one sentence per broken rule. A callable placement or order is checked as a custom one."""
+    from dataclasses import replace
+
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.structured(LauncherConf)
@@ -96,22 +93,31 @@ def launcher_config(scheme: str, G: int | None, R: int | None, stages: int, micr
         raise ConfigError([f"UnifiedStrategy got {unknown[0]}={extra[unknown[0]]!r}, which is not a launcher config "
                            f"key; use one of {', '.join(k for k in cfg.keys() if k not in ('mode', 'W'))}."])
     extra = dict(extra)
-    cfg.strategy.name = scheme
+    cfg.strategy.name = CUSTOM if callable(scheme) else scheme
     if "ownership" in extra:  # FSLPP's owner formula: a key of the strategy node
         cfg.strategy.ownership = extra.pop("ownership")
     cfg.stages, cfg.microbatches = stages, microbatches
-    dG, dR = DEFAULT_GR.get(scheme, lambda S, B: (1, 1))(stages, microbatches)
+    # the G and R a named scheme fixes, when they are not given
+    registered = SCHEMES.get(scheme) if isinstance(scheme, str) else None
+    dG, dR = (registered.sizes(stages, microbatches) if registered is not None else None) or (1, 1)
     cfg.G = dG if G is None else G
     cfg.R = dR if R is None else R
-    cfg.order.name = order
+    cfg.order.name = CUSTOM if callable(order) else order
     try:
         cfg = OmegaConf.merge(cfg, dict(extra))
     except Exception as e:  # noqa: BLE001 - omegaconf's type check of a keyword: one sentence
         raise ConfigError([f"UnifiedStrategy got an invalid value: {' '.join(str(e).split())}."]) from e
-    found = step_errors(cfg)
+    checked = cfg.copy()
+    # a callable is checked as a custom node of the config is (no rule of a named scheme or order applies)
+    if callable(scheme):
+        checked.strategy.placement = {"_target_": getattr(scheme, "__name__", CUSTOM)}
+    if callable(order):
+        checked.order.n = {"_target_": getattr(order, "__name__", CUSTOM)}
+    found = step_errors(checked)
     if found:
         raise ConfigError(found)
-    return cfg
+    spec = RunSpec.from_config(cfg, check=False)
+    return replace(spec, placement=scheme if callable(scheme) else None, order_fn=order if callable(order) else None)
 
 
 class UnifiedStrategy(ParallelStrategy):
@@ -172,7 +178,7 @@ class UnifiedStrategy(ParallelStrategy):
         self.step_skipped = False  # the last training step was dropped (nonfinite=skip)
         self._backend = process_group_backend
         self._num_nodes = 1
-        self.cfg: Any = None
+        self.spec: RunSpec | None = None  # the step's settings, once the stage count is known
         if stages is not None:
             self._configure(stages)
         self.engine: Engine | None = None
@@ -186,35 +192,36 @@ class UnifiedStrategy(ParallelStrategy):
     # ---- configuration -------------------------------------------------------------------
     def _configure(self, stages: int) -> None:
         a = self._args
-        scheme = "lpp" if self.placement is not None else self.scheme
-        order = "1f1b" if self.order_fn is not None else a["order"]
-        self.cfg = launcher_config(scheme, a["G"], a["R"], stages, a["microbatches"], order, a["config"])
-        if self.placement is not None:
-            self.cfg.strategy.name = "custom"
+        self.spec = keyword_spec(self.placement or self.scheme, a["G"], a["R"], stages, a["microbatches"],
+                                 self.order_fn or a["order"], a["config"])
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec, **kwargs: Any) -> UnifiedStrategy:
+        """The strategy for settings already checked (the command line's :class:`RunSpec`): it
+        trusts them. ``kwargs``: the keywords that are not settings of the step (``split``,
+        ``timeout``, ``nonfinite``, ...)."""
+        strategy = cls(spec.placement or spec.scheme, G=spec.G, R=spec.R, microbatches=spec.microbatches,
+                       order=spec.order_fn or spec.order, **kwargs)
+        strategy.spec = spec
+        return strategy
+
+    @property
+    def cfg(self) -> RunSpec:
+        """The step's settings (set once the stage count is known)."""
+        assert self.spec is not None, "the strategy is configured when its module's stages are known"
+        return self.spec
 
     @property
     def W(self) -> int:
-        return int(self.cfg.G * self.cfg.R)
+        return self.cfg.W
 
     @property
     def B(self) -> int:
-        return int(self.cfg.microbatches)
+        return self.cfg.microbatches
 
     def make_step(self) -> Step:
         """The schedule this strategy runs (the same every worker derives)."""
-        c = self.cfg
-        if self.placement is None and self.order_fn is None:
-            return self._timed(to_step(c, check=False, graph=self.graph))
-        from omegaconf import OmegaConf
-
-        place = self.placement or named(c.strategy.name, c.G, c.R, c.strategy.get("ownership", "seed"))
-        ml = OmegaConf.to_container(c.memory_limit) if OmegaConf.is_list(c.memory_limit) else c.memory_limit
-        step = make_step(place, c.stages, c.microbatches, order=self.order_fn or c.order.name, warmup=c.warmup,
-                         durations=dict(c.durations), comm=float(c.comm), split_backward=bool(c.split_backward),
-                         memory_limit=ml, graph=self.graph,
-                         recompute=OmegaConf.to_container(rc) if OmegaConf.is_list(rc := c.get("recompute", "none")) else rc)
-        step.workers = self.W
-        return self._timed(step)
+        return self._timed(self.cfg.step(self.graph))
 
     def _timed(self, step: Step) -> Step:
         """``step`` with the profiled stages' own durations (``partition=time``/``memory``), in the
@@ -227,14 +234,14 @@ class UnifiedStrategy(ParallelStrategy):
 
     @property
     def partition(self) -> str:
-        return str(self.cfg.get("partition", "params"))
+        return self.cfg.partition
 
     @property
     def memory_cap(self) -> float | None:
         """Per-worker bytes a stage may hold under ``partition=time``: ``plan.memory``, when set."""
         from ..plan.profile import parse_bytes
 
-        memory = self.cfg.plan.get("memory") if self.cfg.get("plan") is not None else None
+        memory = self.cfg.plan_memory
         return float(parse_bytes(memory)) if memory is not None else None
 
     # ---- processes -----------------------------------------------------------------------
@@ -324,12 +331,12 @@ class UnifiedStrategy(ParallelStrategy):
                              f"UnifiedStrategy: it accumulates over microbatches={self.B} itself; leave it at 1.")
         stages = getattr(module, "stages", None)
         traced = uses_trace(module, self.split)
-        if self.cfg is None:
+        if self.spec is None:
             if traced and not isinstance(self.split, list):
                 raise ValueError(f"{type(module).__name__} is traced and cut into stages: give UnifiedStrategy(stages=...) "
                                  f"or split=[module paths where stages begin]")
             self._configure(len(stages) if not traced else len(self.split) + 1)
-        S = int(self.cfg.stages)
+        S = self.cfg.stages
         if self.W > self.world_size:
             raise ValueError(f"the scheme needs W=G*R={self.W} workers but {self.world_size} processes were started")
         self.precision_plugin.convert_module(module)
@@ -342,9 +349,9 @@ class UnifiedStrategy(ParallelStrategy):
                 staging = stage_module(module, S, self.split, example, groups, costs)
         self.traced, self.graph = staging.traced, staging.model.graph
         self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
-        self.engine = Engine(staging.model, self.make_step(), None, prefetch=int(self.cfg.prefetch),
-                             weight_cache=str(self.cfg.weight_cache), device=self.root_device,
-                             recompute=recompute_stages(self.cfg.get("recompute", "none"), S),
+        self.engine = Engine(staging.model, self.make_step(), None, prefetch=self.cfg.prefetch,
+                             weight_cache=self.cfg.weight_cache, device=self.root_device,
+                             recompute=self.cfg.recompute_stages,
                              compute_dtype=compute_dtype(self.precision_plugin))
         # every job's values are marked, and the step's first NaN or infinity agreed, before any update;
         # under a GradScaler (16-mixed) overflowing gradients are the scaler's to skip
@@ -381,9 +388,9 @@ class UnifiedStrategy(ParallelStrategy):
             with self.model_sharded_context():
                 module.configure_model()
         self.meta = has_meta(module)
-        if self.cfg is None and not uses_trace(module, self.split):
+        if self.spec is None and not uses_trace(module, self.split):
             self._configure(len(module.stages))
-        S = int(self.cfg.stages) if self.cfg is not None else len(self.split) + 1 if isinstance(self.split, list) else None
+        S = self.spec.stages if self.spec is not None else len(self.split) + 1 if isinstance(self.split, list) else None
         if S is None:
             raise ModelError([f"{type(module).__name__} is traced and cut into stages: give UnifiedStrategy(stages=...) "
                               f"or split=[module paths where stages begin]."])

@@ -116,7 +116,7 @@ class SeededData(LightningDataModule):
         """``(epoch, samples of it trained on)`` now: the next training batch starts there."""
         epoch, samples, at = self._resume or (0, 0, 0)
         trained = self._trained()
-        if at is None:  # a checkpoint from before batches were saved: it holds where training resumes
+        if at is None:  # a data state without a ``batches`` count: it holds where training resumes
             at = trained
             self._resume = (epoch, samples, at)
         done = samples + max(0, trained - at) * self.batch_size

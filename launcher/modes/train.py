@@ -247,14 +247,14 @@ def _run_info(cfg: DictConfig) -> dict[str, Any]:
             "point": point()}
 
 
-def _plannable(step: Any, cfg: DictConfig) -> None:
+def _plannable(spec: Any) -> None:
     """Simulate and lower the step once here: a memory limit it cannot finish under, or a
     placement the runtime cannot run, is refused before any worker starts."""
     from ..runtime.plan import PlanError, lower
     from ..schedule import ScheduleError, simulate
 
     try:
-        lower(simulate(step), str(cfg.weight_cache), int(cfg.prefetch))
+        lower(simulate(spec.step()), spec.weight_cache, spec.prefetch)
     except (ScheduleError, PlanError) as e:
         raise ConfigError([str(e).rstrip(".") + "."]) from e
     except ConfigError:
@@ -330,24 +330,16 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
         strategy: Any = "auto"
         devices: dict[str, Any] = {"devices": 1}
     else:
-        from ..config import to_step
+        from ..config import RunSpec
 
-        step = to_step(cfg, check=False)  # builds (and so checks) a custom placement or order
-        _plannable(step, cfg)
-        scheme = step.placement if cfg.strategy.get("placement") is not None else cfg.strategy.name
-        order = step.order.n if cfg.order.get("n") is not None else cfg.order.name
-        ml = cfg.memory_limit
-        strategy = UnifiedStrategy(
-            scheme, G=cfg.G, R=cfg.R, stages=cfg.stages, microbatches=cfg.microbatches, order=order,
-            timeout=float(cfg.timeout), memory_limit=OmegaConf.to_container(ml) if OmegaConf.is_list(ml) else ml,
-            warmup=cfg.warmup, split_backward=cfg.split_backward, weight_cache=cfg.weight_cache,
-            prefetch=cfg.prefetch, durations=dict(cfg.durations), comm=cfg.comm,
-            ownership=cfg.strategy.get("ownership", "seed"), partition=cfg.get("partition", "params"),
-            plan={"memory": cfg.plan.get("memory")},
-            recompute=OmegaConf.to_container(rc) if OmegaConf.is_list(rc := cfg.get("recompute", "none")) else rc,
-            split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split,
-            nonfinite=cfg.get("nonfinite", "stop"))
-        devices = _devices(cfg.G * cfg.R)
+        # the settings checked above, as the strategy and its workers will trust them; a custom
+        # placement or order is built (and so checked) here, once
+        spec = RunSpec.from_config(cfg, check=False)
+        _plannable(spec)
+        strategy = UnifiedStrategy.from_spec(
+            spec, timeout=float(cfg.timeout), nonfinite=cfg.get("nonfinite", "stop"),
+            split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
+        devices = _devices(spec.W)
     run = _run_info(cfg)
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(cfg.trainer, resolve=True) or {})
     kwargs.update(devices, strategy=strategy, logger=False, enable_checkpointing=False)

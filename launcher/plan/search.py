@@ -55,7 +55,7 @@ from ..schedule import ScheduleError, make_step, simulate
 from ..schedule.cores import job_work, replay
 from ..schedule.link import end_of_step, exchanges, step_time as link_step_time
 from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
-from ..schedule.placement import named
+from ..schedule.schemes import named
 from ..schedule.simulate import Timeline, place_all
 from . import memory
 from .partition import PARTITIONS, PartitionError, cut, group_sums, stage_durations

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from ..schedule.placement import OWNERSHIPS
+from ..schedule.schemes import SCHEMES
+
 #: (order, warmup) pairs: 1f1b with and without its warm-up, breadth_first, depth_first, zb_h1
 ORDERS: tuple[tuple[str, str], ...] = (
     ("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"), ("zb_h1", "classic"),
@@ -20,8 +23,9 @@ CACHES = ("step", "job")
 
 
 @dataclass(frozen=True)
-class Scheme:
-    """A named scheme on a compute placement ``(G, R)``; ``ownership`` only for FSLPP."""
+class Variant:
+    """A named scheme (of :data:`launcher.schedule.SCHEMES`) with its ``ownership``, FSLPP's only
+    choice; the planner tries each variant that computes at a ``(G, R)``."""
 
     name: str
     ownership: str = "seed"
@@ -31,14 +35,12 @@ class Scheme:
         return f"fslpp/{self.ownership}" if self.name == "fslpp" else self.name
 
 
-def schemes_at(G: int, R: int, S: int, B: int) -> list[Scheme]:
-    """The named schemes whose compute placement is ``h(s, b)`` with this ``(G, R)``."""
-    out = [Scheme("lpp"), Scheme("fslpp", "seed"), Scheme("fslpp", "balanced")]
-    if (G, R) == (B, 1):
-        out += [Scheme("ddp"), Scheme("fsdp")]
-    if (G, R) == (1, S):
-        out.append(Scheme("gpipe"))
-    return out
+def schemes_at(G: int, R: int, S: int, B: int) -> list[Variant]:
+    """The named schemes (and FSLPP's ownerships) whose compute placement is ``h(s, b)`` with this
+    ``(G, R)``, the looped schemes first."""
+    found = [s for s in SCHEMES.values() if s.computes_at(G, R, S, B)]
+    found.sort(key=lambda s: s.W_equals is not None)  # stable: the looped schemes, then the fixed ones
+    return [Variant(s.name, own) for s in found for own in (OWNERSHIPS if s.name == "fslpp" else ("seed",))]
 
 
 def placements(workers: int, S: int, B: int) -> Iterator[tuple[int, int]]:
@@ -52,7 +54,7 @@ def placements(workers: int, S: int, B: int) -> Iterator[tuple[int, int]]:
 class Point:
     """One point of the space: everything ``mode=simulate`` needs to reproduce it."""
 
-    scheme: Scheme
+    scheme: Variant
     G: int
     R: int
     stages: int

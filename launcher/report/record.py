@@ -1,11 +1,12 @@
-"""``simulation.json``: the resolved config, the simulated metrics and the seeds' closed forms.
+"""``simulation.json``: the resolved config, the simulated metrics and the reference closed forms
+(docs/design.md, "Closed forms").
 
 Keys (read by other tools; see README): ``config``, ``latency`` (duration units), ``latency_fb``
 (units of F + B), ``utilization`` (busy time / (W * latency)), ``bubble_fraction``
 (1 - utilization), ``rho`` (S*B / (latency_fb * W)), ``workers``, ``jobs``, ``per_worker``
-(lists indexed by worker), ``totals``, ``closed_form`` (per seed version: metric -> value or null,
-and the ``regime`` row used) and ``simulated`` (the simulated counterpart of each closed-form
-metric).
+(lists indexed by worker), ``totals``, ``closed_form`` (per reference table, ``000`` and
+``001``: metric -> value or null, and the ``regime`` row used) and ``simulated`` (the simulated
+counterpart of each closed-form metric).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..schedule.closed_form import closed_forms, simulated_counterparts
+from ..schedule.schemes import SCHEMES
 
 
 def comparison(summary: Mapping[str, Any], scheme: str, S: int, B: int, G: int, R: int) -> dict[str, Any]:
     """``{"closed_form": {seed: {metric: value}}, "simulated": {metric: value}}``; the closed
-    forms are empty for a custom placement (the seeds give none)."""
-    cf = closed_forms(scheme, S, B, G, R) if scheme in ("ddp", "fsdp", "gpipe", "lpp", "fslpp") else {}
+    forms are empty for a custom placement (the reference tables give none)."""
+    cf = closed_forms(scheme, S, B, G, R) if scheme in SCHEMES else {}
     return {"closed_form": cf, "simulated": simulated_counterparts(dict(summary))}
 
 

@@ -59,7 +59,8 @@ def per_worker_table(summary: Mapping[str, Any], title: str = "per worker") -> T
 
 
 def closed_form_table(rec: Mapping[str, Any], title: str = "simulated vs closed form (units of F + B)") -> Table:
-    """One row per closed-form metric: the simulated value beside each seed's formula; a note
+    """One row per closed-form metric: the simulated value beside each reference table's formula
+    (``seed 000``, ``seed 001``: docs/design.md, "Closed forms"); a note
     where a formula exists and differs."""
     cf, sim = rec["closed_form"], rec["simulated"]
     t = Table(title=title, title_justify="left")

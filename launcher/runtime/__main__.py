@@ -19,7 +19,7 @@ def main() -> None:
                                               "--package", "--shell-completion", "--experimental-rerun")
            for a in sys.argv[1:]):
         flag = next(a for a in sys.argv[1:] if a.startswith("--"))
-        print(f"error: {flag.split('=')[0]} is not an option: python -m launcher.runtime is now an alias of "
+        print(f"error: {flag.split('=')[0]} is not an option: python -m launcher.runtime is an alias of "
               f"python -m launcher and takes its keys as overrides, e.g. strategy=fslpp G=2 R=2 stages=4 "
               f"microbatches=4 (see python -m launcher --help).", file=sys.stderr)
         sys.exit(2)

@@ -1,7 +1,7 @@
 """Point-to-point messages of one step over ``torch.distributed``, issued in the plan's pair order.
 
 Every operation is asynchronous (``isend``/``irecv``); the communication backend moves data on its
-own threads while the worker computes, which is the seeds' prefetch thread without a Python thread
+own threads while the worker computes: a prefetch running beside the compute, without a Python thread
 fighting the compute for the GIL. A receive is *wanted* once its consuming job is within the
 prefetch window; a send is *ready* once its data exists. Per peer, operations are issued strictly
 in the plan's order (what NCCL needs): issuing stops at the first send whose data is not ready,

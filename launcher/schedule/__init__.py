@@ -2,11 +2,12 @@
 
 from .graph import Job, JobSpace, StageGraph
 from .order import Order, make_order
-from .placement import Placement, h, named
+from .placement import Placement, h
 from .rules import StepError
+from .schemes import SCHEMES, named
 from .simulate import ScheduleError, Step, Timeline, make_step, simulate
 
 __all__ = [
-    "Job", "JobSpace", "StageGraph", "Order", "make_order", "Placement", "h", "named",
+    "Job", "JobSpace", "StageGraph", "Order", "make_order", "Placement", "h", "named", "SCHEMES",
     "ScheduleError", "StepError", "Step", "Timeline", "make_step", "simulate",
 ]

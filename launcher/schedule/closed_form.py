@@ -1,10 +1,11 @@
-"""The seeds' Table 1 closed forms, as data, beside the simulated quantities they approximate.
+"""The reference closed forms (docs/design.md, "Closed forms"), as data, beside the simulated
+quantities they approximate.
 
-Units as in the seeds: a forward plus a backward of one stage takes 1 (``latency_fb``); a stage's
-weights and one activation each count 1. The two seed versions disagree (seed 000 gives LPP's
-latency as ``S + B/G - 1``, seed 001 as ``B + S/G - 1``); both are approximations, each stated for
-a regime. The simulator is the source of truth; ``docs/closed-forms.md`` says where each formula
-holds.
+Units as in docs/design.md, "Traffic and memory": a forward plus a backward of one stage takes 1
+(``latency_fb``); a stage's weights and one activation each count 1. The two tables, ``000`` and
+``001``, disagree (``000`` gives LPP's latency as ``S + B/G - 1``, ``001`` as ``B + S/G - 1``); both
+are approximations, each stated for a regime. The simulator is the source of truth;
+``docs/closed-forms.md`` says where each formula holds.
 
 Simulated counterparts, per worker and then the worst worker (the tables are "per worker"):
 
@@ -28,7 +29,7 @@ Formula = Callable[[int, int, int, int], float]  # (S, B, G, R) -> value
 
 @dataclass(frozen=True)
 class Row:
-    """One row of a seed's table: the regime it claims, and a formula per metric."""
+    """One row of a reference table: the regime it claims, and a formula per metric."""
 
     regime: str
     applies: Callable[[int, int, int, int], bool]
@@ -43,7 +44,7 @@ def _row(regime: str, applies: Callable[[int, int, int, int], bool], *fs: Formul
     return Row(regime, applies, dict(zip(METRICS, fs)))
 
 
-# seed 000, Table 1 (its GPipe row is empty)
+# table 000 (its GPipe row is empty)
 _T000: dict[str, list[Row]] = {
     "ddp": [_row("W = B", _always,
                  lambda S, B, G, R: S, lambda S, B, G, R: 0, lambda S, B, G, R: 0,
@@ -60,7 +61,7 @@ _T000: dict[str, list[Row]] = {
                    lambda S, B, G, R: S / R * min(S, B / G), lambda S, B, G, R: 1)],
 }
 
-# seed 001, its table (big-O in the text, compared here as exact values); DDP and FSDP as in 000
+# table 001 (big-O in the text, compared here as exact values); DDP and FSDP as in 000
 _T001: dict[str, list[Row]] = {
     "ddp": _T000["ddp"],
     "fsdp": _T000["fsdp"],
@@ -97,7 +98,7 @@ def row_for(seed: str, scheme: str, S: int, B: int, G: int, R: int) -> Row | Non
 
 
 def closed_forms(scheme: str, S: int, B: int, G: int, R: int) -> dict[str, dict[str, Any]]:
-    """Each seed's closed forms for this configuration; ``None`` where the seed gives none.
+    """Each reference table's closed forms for this configuration; ``None`` where the table gives none.
 
     ``regime`` names the row used (``None`` when no row of that seed covers the configuration).
     """

@@ -56,8 +56,8 @@ def replay(
 
     ``durations`` (per job kind, or per job id) and ``comm`` (default: the step's) time the
     programs: the runtime runs the programs of the timeline it was given, whatever durations
-    chose that order, so a measured run is replayed as it ran. Weight fetches wait for nothing: owners hand copies over ahead
-    of the job that needs them (:mod:`launcher.runtime.plan`)."""
+    chose that order, so a measured run is replayed as it ran. Weight fetches wait for nothing:
+    owners hand copies over ahead of the job that needs them (:mod:`launcher.runtime.plan`)."""
     step, space = tl.step, tl.step.space
     W = step.workers
     programs, compute = tl.program, tl.compute
@@ -98,32 +98,37 @@ def replay(
         return r + delays[w]
 
     while not all(ended):
-        running, wake = [], math.inf
+        running: list[int] = []
+        in_hand: list[float] = []  # left[w] of each running worker, in the same order
+        wake = math.inf
         for w in range(W):
             if ended[w]:
                 continue
-            if left[w] is None:
+            x = left[w]
+            if x is None:
                 r = ready_at(w)
                 if r > t:
                     wake = min(wake, r)
                     continue
-                left[w] = work[programs[w][pos[w]]] if pos[w] < len(programs[w]) else tails[w]
+                x = left[w] = work[programs[w][pos[w]]] if pos[w] < len(programs[w]) else tails[w]
                 if pos[w] < len(programs[w]):
                     start[programs[w][pos[w]]] = t
             running.append(w)
+            in_hand.append(x)
         if not running:
             if wake == math.inf:  # cannot happen for a timeline the simulator produced
                 raise ValueError("the programs wait on one another: not a simulated timeline")
             t = wake
             continue
         rate = min(1.0, cores / len(running))
-        dt = min(min(left[w] for w in running) / rate, wake - t)  # type: ignore[type-var]
+        dt = min(min(in_hand) / rate, wake - t)
         t += dt
-        for w in running:
+        for w, x in zip(running, in_hand):
             if pos[w] < len(programs[w]):
                 busy[w] += dt
-            left[w] -= dt * rate  # type: ignore[operator]
-            if left[w] <= 1e-12 * max(1.0, t):  # type: ignore[operator]
+            x -= dt * rate
+            left[w] = x
+            if x <= 1e-12 * max(1.0, t):
                 left[w] = None
                 if pos[w] < len(programs[w]):
                     finish[programs[w][pos[w]]] = t
@@ -136,7 +141,7 @@ def replay(
 
 
 def _longest_paths(tl: Timeline, work: list[float], comm: float, tails: list[float],
-                   sync: list[list[int]], delays: list[float]) -> Replayed:
+                   sync: Sequence[Sequence[int]], delays: list[float]) -> Replayed:
     """:func:`replay` with a core per worker, without events: each job starts at
     ``max(its worker's previous finish, its inputs' finish + comm)``; the same times as the
     processor-sharing loop at a rate of 1, without its events."""
@@ -191,4 +196,4 @@ def job_work(tl: Timeline, durations: Mapping[str, float], message_s: float | No
     # the step's own per-stage times apply to its own durations (a replay by other times is by kind)
     table = tl.step.duration_table(None if durations is tl.step.durations else durations)
     moved = crossings(tl) if message_s else None
-    return [table[j // B] + (message_s * moved[j] if moved else 0.0) for j in range(tl.step.space.N)]
+    return [table[j // B] + (message_s * moved[j] if message_s and moved else 0.0) for j in range(tl.step.space.N)]

@@ -1,8 +1,9 @@
-"""Text pipeline diagrams, as in the seeds: one row per worker, one column per time slot.
+"""Text pipeline diagrams: one row per worker, one column per time slot (docs/design.md, "The greedy
+simulator").
 
 A cell names the job's direction (``f``, ``b``, ``i``, ``w``) and stage, and shows the micro-batch:
-``cells="both"`` writes ``f3:5`` (forward of stage 3 on micro-batch 5), ``"stage"`` writes the
-seeds' ``f3`` (they show the micro-batch as a colour), ``"microbatch"`` writes ``f5``.
+``cells="both"`` writes ``f3:5`` (forward of stage 3 on micro-batch 5), ``"stage"`` writes ``f3``
+(the micro-batch left out, for a picture that shows it as a colour), ``"microbatch"`` writes ``f5``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
-F, B, I, W = "F", "B", "I", "W"
+F, B, I, W = "F", "B", "I", "W"  # noqa: E741 (I: the input-gradient job kind, the paper's name)
 KINDS_JOINT: tuple[str, ...] = (F, B)
 KINDS_SPLIT: tuple[str, ...] = (F, I, W)
 

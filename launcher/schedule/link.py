@@ -1,7 +1,7 @@
 """What a step's gradient exchange adds to the simulated compute: a latency-bandwidth link model.
 
 The simulator's timeline ends with each worker's last job; the runtime then finishes the step
-(DESIGN.md section 4, and the lowering in :mod:`launcher.runtime.plan`):
+(docs/design.md, "Placement and data movement", and the lowering in :mod:`launcher.runtime.plan`):
 
 - every worker sends its weight-gradient sum of stage ``s`` to each other owner it computed for,
   and each owner receives them: one message of ``grad_bytes[s]`` per ``(s, sender, owner)``, all
@@ -90,9 +90,9 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
         sends[w] = 1
         receives[o] = 1
     sets: dict[tuple[int, ...], float] = {}
-    for s, group in enumerate(owners):
-        if len(group) > 1:
-            key = tuple(sorted(group))
+    for s, stage_owners in enumerate(owners):
+        if len(stage_owners) > 1:
+            key = tuple(sorted(stage_owners))
             sets[key] = sets.get(key, 0.0) + grad_bytes[s]
     for group, nbytes in sets.items():
         n = len(group)

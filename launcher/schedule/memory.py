@@ -49,7 +49,8 @@ def activation_peaks(tl: Timeline, inputs: Bytes, saved: Bytes | None = None,
 def _peak(events: list[tuple[float, int, float]]) -> float:
     """The most bytes live at once: events ``(time, 1 acquire / 0 release, +-bytes)``, a release
     at time t before an acquisition at t."""
-    live = peak = 0
+    live: float = 0
+    peak: float = 0
     for _, _, n in sorted(events):
         live += n
         peak = max(peak, live)
@@ -138,7 +139,8 @@ def gradient_peaks(tl: Timeline, grads: Callable[[int], float], cache: str = "jo
     for h in sum_handovers(tl):
         prog, g = tl.program[h.sender], grads(h.stage)
         if cache == "job":
-            live(h.sender, tl.start[prog[h.first]], tl.start[prog[h.deliver]] if h.deliver is not None else tl.latency, g)
+            end = tl.start[prog[h.deliver]] if h.deliver is not None else tl.latency
+            live(h.sender, tl.start[prog[h.first]], end, g)
             if h.post is not None:
                 j = tl.program[h.owner][h.post]
                 live(h.owner, tl.start[j], tl.finish[j], g)

@@ -1,6 +1,7 @@
 """Metrics of a simulated step, per worker and in total, read off the timeline and the placement.
 
-Traffic is derived from ``w(s, b, d)`` alone (DESIGN.md section 2):
+Traffic is derived from ``w(s, b, d)`` alone (docs/design.md, "Placement and data movement" and
+"Traffic and memory"):
 
 - ``act_recv``: forward activations received, one per edge ``F(p,b) -> F(s,b)`` that crosses workers;
 - ``grad_recv``: gradients received, one per backward edge ``B(c,b) -> B(s,b)`` that crosses workers;
@@ -154,8 +155,9 @@ def summarize(tl: Timeline, weight_cache: str = "step") -> dict[str, Any]:
     """Latency, utilization, throughput and the per-worker metrics of one simulated step.
 
     ``latency`` is in duration units; ``latency_fb`` in units where a forward plus a backward is 1,
-    as in the seeds' Table 1; ``rho = S * B / (latency_fb * W)`` is the seeds' throughput per
-    worker, equal to ``utilization`` when every job kind takes the same time per stage.
+    as in the closed forms (docs/design.md, "Closed forms"); ``rho = S * B / (latency_fb * W)`` is
+    the throughput per worker, equal to ``utilization`` when every job kind takes the same time per
+    stage.
     """
     step = tl.step
     S, B, W = step.S, step.B, step.workers

@@ -6,13 +6,14 @@ same time.
 - ``1f1b``: backward before forward, then the older micro-batch first. By default it also applies
   the classic warm-up limit (a worker whose lowest stage is ``s`` keeps at most ``S - s``
   micro-batches in flight), which is where 1F1B's low memory comes from; ``warmup="none"`` gives
-  the seeds' pure tie-break.
+  the pure tie-break.
 - ``breadth_first``: forward before backward; every micro-batch of a lower stage before the next
   stage (GPipe's fill-drain; looped breadth-first for LPP).
 - ``depth_first``: the job that has waited longest since it became ready (ties as ``1f1b``).
 - ``zb_h1``: ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), on the split
   backward: 1F1B's classic warm-up, then each stage alternating ``F`` and ``I`` (ranks from the
-  paper's per-stage sequence, :func:`_zb_h1_keys`), and the weight-gradient jobs ``W`` deferred. A worker whose lowest stage is ``s`` keeps up to ``height(0) - height(s)`` (``s`` on a
+  paper's per-stage sequence, :func:`_zb_h1_keys`), and the weight-gradient jobs ``W`` deferred.
+  A worker whose lowest stage is ``s`` keeps up to ``height(0) - height(s)`` (``s`` on a
   chain) ready ``W`` jobs waiting; one more, and the oldest runs before anything else; once the
   worker has no ``F`` or ``I`` left, the rest are flushed. Every worker then has the same number
   of micro-batches in flight counting deferred ``W`` (the paper's memory argument), and the ``W``

@@ -12,19 +12,19 @@ The named schemes, with ``W = G * R`` workers and the looped hash ``h``:
     LPP    w(s, b, d) = (h(s, b), h(s, b))
     FSLPP  w(s, b, d) = (h(s, s), h(s, b))     weights: the batch id replaced by the stage id
 
-The seeds print FSLPP's tuple the other way round from their own prose; the prose is right.
+The order of the tuple is weights first, then compute (docs/design.md, "Placements").
 
 FSLPP's owner ``h(s, s)`` sits in group ``s mod G``, so when ``S > G`` the owners crowd into few
 workers (with ``G = 1`` every stage is owned inside the only group, and with ``S = G R`` most workers
 own nothing). ``ownership="balanced"`` uses ``h(s, floor(s / R))`` instead: the owner is still one of
 stage ``s``'s compute workers (group ``floor(s / R) mod G``), and with ``S = G R`` every worker owns
-exactly one stage. ``"seed"`` (the seeds' formula) stays the default.
+exactly one stage. ``"seed"``, the reference formula ``h(s, s)``, is the default.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 Worker = int
 
@@ -96,24 +96,3 @@ class FSLPP:
 
     def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
         return (self.owner(s), h(s, b, self.G, self.R))
-
-
-#: name -> factory(G, R); W = G * R for every scheme (DDP/FSDP use G = B, R = 1; GPipe G = 1, R = S).
-NAMED: dict[str, Callable[[int, int], Placement]] = {
-    "ddp": lambda G, R: DDP(),
-    "fsdp": lambda G, R: FSDP(G * R),
-    "gpipe": lambda G, R: GPipe(),
-    "lpp": lambda G, R: LPP(G, R),
-    "fslpp": lambda G, R: FSLPP(G, R),
-}
-
-
-def named(name: str, G: int, R: int, ownership: str = "seed") -> Placement:
-    """The named placement ``name`` for ``G`` groups of ``R`` workers; ``ownership`` picks FSLPP's
-    owner formula (only FSLPP has a choice: every other scheme's owner is fixed)."""
-    if name == "fslpp":
-        return FSLPP(G, R, ownership)
-    try:
-        return NAMED[name](G, R)
-    except KeyError:
-        raise ValueError(f"strategy={name!r} is not a known scheme; choose one of {sorted(NAMED)}") from None

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, TypeGuard
 
 from .order import BUILTIN as ORDERS
 from .order import WARMUPS
-from .placement import NAMED
+from .schemes import SCHEMES
 
 #: the sizes of a step; each must be a positive integer
 SIZES = ("G", "R", "stages", "microbatches")
-STRATEGIES = tuple(sorted(NAMED))
-#: strategies whose worker count is fixed by the step, and what fixes it
-W_EQUALS = {"ddp": "microbatches", "fsdp": "microbatches", "gpipe": "stages"}
+STRATEGIES = tuple(sorted(SCHEMES))
 DURATION_KINDS = ("F", "B", "I", "W")
 WEIGHT_CACHES = ("step", "job")
 #: ``recompute``: which stages' backward recomputes their forward (activation checkpointing)
@@ -45,7 +43,7 @@ class StepError(ValueError):
         super().__init__("\n".join(self.sentences))
 
 
-def is_size(v: Any) -> bool:
+def is_size(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
@@ -135,32 +133,32 @@ def step_errors(values: Mapping[str, Any]) -> list[str]:
     for k in SIZES:
         if k in values and (e := value_error(k, values[k])):
             out.append(e)
-    sizes_ok = all(is_size(values.get(k)) for k in SIZES)
     G, R, S, B = (values.get(k) for k in SIZES)
+    workers: int | None = None  # G * R, once every size is valid
 
     strategy = values.get("strategy")
-    if "strategy" in values and not callable(strategy) and strategy not in NAMED:
+    if "strategy" in values and not callable(strategy) and strategy not in SCHEMES:
         out.append(unknown_option("strategy", strategy))
     order = values.get("order")
     if "order" in values and not callable(order) and order not in ORDERS:
         out.append(unknown_option("order", order))
 
-    if sizes_ok:
+    if is_size(G) and is_size(R) and is_size(S) and is_size(B):
+        workers = G * R
         if "W" in values and values["W"] != G * R:
             out.append(f"W={shown(values['W'])} is invalid: W must equal G*R = {G}*{R} = {G * R}.")
         if R > S:
             out.append(f"R={R} is invalid: R must not exceed stages={S}, or some of a group's workers get no stage.")
         if G > B:
             out.append(f"G={G} is invalid: G must not exceed microbatches={B}, or some groups get no micro-batch.")
-        if isinstance(strategy, str) and strategy in W_EQUALS:
-            key = W_EQUALS[strategy]
-            want = S if key == "stages" else B
-            if G * R != want:
-                fit = f"G={B} R=1" if key == "microbatches" else f"G=1 R={S}"
-                out.append(
-                    f"strategy={strategy} needs W = {key}, but W=G*R={G * R} and {key}={want}; "
-                    f"set {fit} (the {strategy} layout) or {key}={G * R}."
-                )
+        named = SCHEMES.get(strategy) if isinstance(strategy, str) else None
+        fixed = named.sizes(S, B) if named is not None else None
+        if named is not None and named.W_equals is not None and fixed is not None and G * R != fixed[0] * fixed[1]:
+            key, want = named.W_equals, fixed[0] * fixed[1]
+            out.append(
+                f"strategy={strategy} needs W = {key}, but W=G*R={G * R} and {key}={want}; "
+                f"set G={fixed[0]} R={fixed[1]} (the {strategy} layout) or {key}={G * R}."
+            )
         kinds = 3 if values.get("split_backward") is True else 2
         jobs = S * B * kinds
         if jobs > MAX_JOBS:
@@ -176,16 +174,19 @@ def step_errors(values: Mapping[str, Any]) -> list[str]:
         else:
             known = [f"durations.{k}" for k in DURATION_KINDS]
             for k, v in durations.items():
-                key = f"durations.{k}"
-                out.append(value_error(key, v) if key in known else unknown_key(key, v, known))
-            out = [e for e in out if e]
+                dkey = f"durations.{k}"
+                if e := (value_error(dkey, v) if dkey in known else unknown_key(dkey, v, known)):
+                    out.append(e)
     for k in ("comm", "memory_limit"):
         if k in values and (e := value_error(k, values[k])):
             out.append(e)
     ml = values.get("memory_limit")
-    if isinstance(ml, (list, tuple)) and sizes_ok and not value_error("memory_limit", ml) and len(ml) != G * R:
+    if (
+        isinstance(ml, (list, tuple)) and workers is not None
+        and not value_error("memory_limit", ml) and len(ml) != workers
+    ):
         out.append(
-            f"memory_limit={list(ml)} is invalid: it has {len(ml)} entries but there are W={G * R} workers "
+            f"memory_limit={list(ml)} is invalid: it has {len(ml)} entries but there are W={workers} workers "
             f"(memory_limit must be null, a positive integer, or a list of positive integers, one per worker)."
         )
     for k in ("warmup", "weight_cache", "prefetch", "split_backward"):

@@ -1,9 +1,9 @@
-"""The greedy list scheduler of the seeds, as a discrete-event simulation.
+"""The greedy list scheduler (docs/design.md, "The greedy simulator"), as a discrete-event simulation.
 
 Repeatedly take, among the jobs whose predecessors are done, the one that can start soonest (its
 worker free, its inputs finished, plus ``comm`` when an input crosses workers); ties on a worker
 are broken by the order ``n``. Because every duration is positive, the soonest start never goes
-back in time, so the seeds' ``argmin`` over the frontier is the same as popping worker decision
+back in time, so an ``argmin`` of start times over the frontier is the same as popping worker decision
 points from a heap in time order. Each worker keeps a heap of jobs waiting for their inputs
 (keyed by ready time) and heaps of jobs already available (keyed by ``n``), one per memory class,
 so a step costs ``O(log)`` per job, not a scan of the frontier.
@@ -30,8 +30,9 @@ from typing import Mapping, Sequence
 
 from .graph import JobSpace, StageGraph
 from .order import Order, make_order
-from .placement import Placement, named
+from .placement import Placement
 from .rules import StepError, check, recompute_stages, value_error
+from .schemes import named
 
 DEFAULT_DURATIONS = {"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}
 
@@ -112,8 +113,9 @@ def make_step(
     (:mod:`launcher.schedule.rules`); raises :class:`~launcher.schedule.rules.StepError`, one
     sentence per broken rule.
     """
-    values = dict(strategy=strategy, stages=stages, microbatches=microbatches, G=G, R=R, warmup=warmup,
-                  comm=comm, memory_limit=memory_limit, split_backward=split_backward)
+    values: dict[str, object] = dict(strategy=strategy, stages=stages, microbatches=microbatches, G=G, R=R,
+                                     warmup=warmup, comm=comm, memory_limit=memory_limit,
+                                     split_backward=split_backward)
     if not isinstance(order, Order):
         values["order"] = order
     if durations is not None:
@@ -146,7 +148,8 @@ def unchecked_step(
     recompute: str | Sequence[int] | None = None,
 ) -> Step:
     """:func:`make_step` without the rules a config must meet: for analyses that study steps the
-    launcher refuses on purpose (seed 000's ``R = 2S/M`` leaves workers without a stage)."""
+    launcher refuses on purpose (the LPP configuration ``G = B/2, R = 2S/M`` of docs/design.md,
+    "Closed forms", leaves workers without a stage)."""
     graph = graph or StageGraph.chain(stages)
     placement = named(strategy, G, R, ownership) if isinstance(strategy, str) else strategy
     o = order if isinstance(order, Order) else make_order(order, warmup)
@@ -290,7 +293,9 @@ def simulate(step: Step) -> Timeline:
     defer = step.order.defer_w
     if defer:
         if space.K != 3:
-            raise ScheduleError(f"order={step.order.name} defers the weight-gradient jobs W, so it needs split_backward=true")
+            raise ScheduleError(
+                f"order={step.order.name} defers the weight-gradient jobs W, so it needs split_backward=true"
+            )
         slack, fi_left = deferral(step, compute)
         wq: list[list] = [[] for _ in range(W)]  # ready W jobs per worker, by key
 

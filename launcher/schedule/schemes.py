@@ -1,0 +1,75 @@
+"""The one registry of named schemes: placement, worker-count rule, default ``(G, R)``, description.
+
+Everything that lists schemes reads it: the rules (:mod:`launcher.schedule.rules`), the simulator's
+:func:`~launcher.schedule.make_step`, the Lightning strategy's defaults, the planner's space, the
+closed-form report, and the YAML of ``conf/strategy/`` (through the ``scheme_default`` resolver of
+:mod:`launcher.config.schema`). Adding a scheme is one entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from .placement import DDP, FSDP, FSLPP, LPP, GPipe, Placement
+
+#: which size fixes a scheme's worker count, when one does
+Fixed = Literal["microbatches", "stages"]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A named scheme. ``W_equals``: the size its worker count must equal (DDP and FSDP put one
+    worker per micro-batch, GPipe one per stage), or ``None`` when any ``G * R`` works."""
+
+    name: str
+    description: str
+    build: Callable[[int, int, str], Placement]  # (G, R, ownership) -> placement
+    W_equals: Fixed | None = None
+
+    def sizes(self, stages: int, microbatches: int) -> tuple[int, int] | None:
+        """The ``(G, R)`` the scheme fixes, or ``None`` when ``G`` and ``R`` are free."""
+        if self.W_equals == "microbatches":
+            return microbatches, 1
+        if self.W_equals == "stages":
+            return 1, stages
+        return None
+
+    def sizes_or(self, G: int, R: int, stages: int, microbatches: int) -> tuple[int, int]:
+        """``(G, R)`` as the scheme uses them: its fixed sizes, else the given ones."""
+        return self.sizes(stages, microbatches) or (G, R)
+
+    def computes_at(self, G: int, R: int, stages: int, microbatches: int) -> bool:
+        """Whether the scheme's compute placement is the looped hash ``h(s, b)`` with this ``(G, R)``."""
+        return self.sizes_or(G, R, stages, microbatches) == (G, R)
+
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("ddp", "one worker per micro-batch, every worker holds every stage (W = microbatches)",
+               lambda G, R, own: DDP(), "microbatches"),
+        Scheme("fsdp", "one worker per micro-batch, stage s's weights owned by worker s mod W (W = microbatches)",
+               lambda G, R, own: FSDP(G * R), "microbatches"),
+        Scheme("gpipe", "one worker per stage, micro-batches flow through them (W = stages)",
+               lambda G, R, own: GPipe(), "stages"),
+        Scheme("lpp", "looped pipeline: G groups of R workers, stage s of micro-batch b on h(s, b)",
+               lambda G, R, own: LPP(G, R)),
+        Scheme("fslpp", "fully sharded looped pipeline: computes as LPP, each stage's weights owned once",
+               lambda G, R, own: FSLPP(G, R, own)),
+    )
+}
+
+
+def scheme(name: str) -> Scheme:
+    """The registered scheme ``name``; a ``ValueError`` naming the choices otherwise."""
+    try:
+        return SCHEMES[name]
+    except KeyError:
+        raise ValueError(f"strategy={name!r} is not a known scheme; choose one of {sorted(SCHEMES)}") from None
+
+
+def named(name: str, G: int, R: int, ownership: str = "seed") -> Placement:
+    """The named placement ``name`` for ``G`` groups of ``R`` workers; ``ownership`` picks FSLPP's
+    owner formula (only FSLPP has a choice: every other scheme's owner is fixed)."""
+    return scheme(name).build(G, R, ownership)
