@@ -37,14 +37,25 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 
+from .failure import (
+    ABORT_KEY,
+    DEFAULT_TIMEOUT,
+    HangMonitor,
+    Stop,
+    Watchdog,
+    WorkerAborted,
+    WorkerFailed,
+    failure_message,
+    is_transport_error,
+    set_current_watchdog,
+    transport_reason,
+)
 from .model import warm_up_meta
-from .failure import (ABORT_KEY, DEFAULT_TIMEOUT, HangMonitor, Stop, Watchdog, WorkerAborted, WorkerFailed,
-                      failure_message, is_transport_error, set_current_watchdog, transport_reason)
 
 #: how long a blocking collective may take before the backend itself gives up; failure detection
 #: is the watchdog's job (a slow but healthy peer keeps beating), so this is generous
@@ -77,10 +88,9 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
-def _child(
-    rank: int, world: int, backend: str, timeout: float, start_timeout: float, conn, slot, fn: Callable, args: tuple,
-    kwargs: dict,
-) -> None:
+def _reporter(rank: int, conn: mp.connection.Connection) -> Callable[[str, Any], None]:
+    """``report(kind, payload)``: one message to the launcher over this rank's pipe."""
+
     def report(kind: str, payload: Any) -> None:
         # plain pickle copies tensors by value; the connection's own pickler would hand over
         # shared-memory handles that die with this process before the launcher reads them
@@ -93,6 +103,54 @@ def _child(
         except OSError:
             pass  # the launcher is gone; nobody to tell
 
+    return report
+
+
+def _connect(world: int, start_timeout: float, conn: mp.connection.Connection) -> tuple[dist.TCPStore, dist.TCPStore]:
+    """Two clients of the launcher's store, once it sends the port: the group's, and the watchdog's."""
+    if not conn.poll(start_timeout):
+        raise TimeoutError(f"the launcher sent no store address within {start_timeout:g} s")
+    port = conn.recv()
+    store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
+    # the watchdog gets its own connection: a blocking store call of the group must not delay it
+    wd_store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
+    return store, wd_store
+
+
+def _join_group(rank: int, world: int, backend: str, store: dist.TCPStore) -> None:
+    """Join the ``torch.distributed`` group through the launcher's store; return once every rank has."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+                            timeout=PG_TIMEOUT)
+    # everyone has finished gloo's full-mesh connect before anyone can exit and close a pair
+    dist.barrier()
+
+
+def _report_failure(rank: int, e: BaseException, wd: Watchdog | None, report: Callable[[str, Any], None]) -> None:
+    """Tell the launcher why this rank stops: its own failure, or a peer's. Call inside ``except``."""
+    # a broken connection is a peer's failure seen from here: fail() waits for it to be named
+    transport = is_transport_error(e)
+    if wd is not None:
+        msg = wd.fail(e)
+    else:
+        msg = failure_message(rank, "", f"it lost its connection to another rank ({transport_reason(e)})"
+                              if transport else str(e) if isinstance(e, Stop) else f"{type(e).__name__}: {e}")
+    own = msg.startswith(f"rank {rank} ")
+    if own:
+        report("transport" if transport else "failed", msg)
+    else:
+        report("aborted", f"rank {rank} stopped because {msg}")
+    if own and not transport and not isinstance(e, Stop):  # the culprit's traceback only; never C++ text
+        traceback.print_exc()
+
+
+def _child(
+    rank: int, world: int, backend: str, timeout: float, start_timeout: float, conn, slot, fn: Callable, args: tuple,
+    kwargs: dict,
+) -> None:
+    """One forked rank: join the group, start the watchdog, run ``fn``, report, and exit without teardown."""
+    report = _reporter(rank, conn)
     code = 0
     wd = None
     # Ctrl-C reaches the whole foreground process group: the launcher alone handles it (and
@@ -102,23 +160,13 @@ def _child(
     _name_process(f"launcher-rank{rank}")
     try:
         torch.set_num_threads(1)
-        if not conn.poll(start_timeout):
-            raise TimeoutError(f"the launcher sent no store address within {start_timeout:g} s")
-        port = conn.recv()
-        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
-        # the watchdog gets its own connection: a blocking store call of the group must not delay it
-        wd_store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
+        store, wd_store = _connect(world, start_timeout, conn)
         # the launcher looks for silent and hung ranks itself (it sees who died and who is stopped)
         wd = Watchdog(dist.PrefixStore("watchdog", wd_store), rank, world, timeout, job_slot=slot,
                       on_hard_exit=lambda msg: report("aborted", msg), detect=False)
         wd.start()
         set_current_watchdog(wd)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
-                                timeout=PG_TIMEOUT)
-        # everyone has finished gloo's full-mesh connect before anyone can exit and close a pair
-        dist.barrier()
+        _join_group(rank, world, backend, store)
         report("started", None)
         result = fn(*args, **kwargs)
         wd.stop(done=True)
@@ -127,26 +175,276 @@ def _child(
         report("aborted", f"rank {rank} stopped because {e}")
         code = 1
     except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
-        # a broken connection is a peer's failure seen from here: fail() waits for it to be named
-        transport = is_transport_error(e)
-        if wd is not None:
-            msg = wd.fail(e)
-        else:
-            msg = failure_message(rank, "", f"it lost its connection to another rank ({transport_reason(e)})"
-                                  if transport else str(e) if isinstance(e, Stop) else f"{type(e).__name__}: {e}")
-        own = msg.startswith(f"rank {rank} ")
-        if own:
-            report("transport" if transport else "failed", msg)
-        else:
-            report("aborted", f"rank {rank} stopped because {msg}")
-        if own and not transport and not isinstance(e, Stop):  # the culprit's traceback only; never C++ text
-            traceback.print_exc()
+        _report_failure(rank, e, wd, report)
         code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         # no interpreter teardown: no atexit of the parent's objects, no waiting on a broken group
         os._exit(code)
+
+
+#: what :class:`Supervisor` is doing: forking and serving the store, watching the workers, stopping
+#: them, or finished (the outcome is known)
+Phase = Literal["start", "running", "stopping", "done"]
+
+
+class Supervisor:
+    """The parent's side of :func:`launch`: forks the workers, hosts their store, watches them, stops them.
+
+    One pass through its phases: :meth:`start` (fork, then serve the store), :meth:`supervise`
+    (:meth:`poll_once` until every worker has ended or a bound has passed, then :meth:`stop`), and
+    :meth:`outcome` (the results, or the error). The first failure seen is written to the store's
+    ``abort`` key, where every worker's watchdog reads it.
+    """
+
+    def __init__(
+        self, fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, backend: str, timeout: float,
+        deadline: float | None, start_timeout: float,
+    ) -> None:
+        self.fn, self.world_size, self.args, self.kwargs = fn, world_size, args, kwargs
+        self.backend, self.timeout, self.deadline, self.start_timeout = backend, timeout, deadline, start_timeout
+        # after a failure: the watchdogs see it within an interval, stop within their grace
+        self.interval, self.grace = min(0.2, timeout / 10), min(2.0, timeout / 4)
+        self.phase: Phase = "start"
+        self.slots: list[Any] = []  # per rank: the job it is running (shared memory the child writes)
+        self.procs: list[Any] = []
+        self.conns: list[mp.connection.Connection] = []
+        self.results: list[Any] = [None] * world_size
+        self.reports: dict[int, tuple[str, Any]] = {}
+        self.failure: str | None = None
+        self.causes: list[str] = []  # what the launcher itself saw fail (deaths, hangs), in order
+        self.interrupted: Interrupted | None = None
+        self.started: set[int] = set()
+        self.killed: set[int] = set()
+        self.alive = set(range(world_size))
+        self.monitor = HangMonitor(timeout)
+        self.open_conns: dict[mp.connection.Connection, int] = {}  # pipes not yet drained -> rank
+        self.sentinels: dict[int, int] = {}  # process sentinel -> rank
+        self.store: dist.TCPStore | None = None
+        self.wstore: dist.PrefixStore | None = None
+        # time.monotonic() bounds; the first three are set once every worker has its port
+        self.next_look = 0.0
+        self.start_by: float | None = None
+        self.end_by: float | None = None
+        self.stop_by: float | None = None
+        self._previous_term: Any = None
+
+    # ---- start -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Fork every worker, then host the store and send each its port; the clocks start after."""
+        warm_up_meta()  # once here, inherited by every child, instead of W concurrent imports
+        self._fork()
+        self._serve_store()
+        now = time.monotonic()
+        self.next_look = now
+        self.end_by = now + self.deadline if self.deadline is not None else None
+        self.start_by = now + self.start_timeout
+        self.phase = "running"
+
+    def _fork(self) -> None:
+        """One child per rank, each with its pipe and job slot; SIGTERM stops them like Ctrl-C from here on."""
+        ctx = mp.get_context("fork")
+        self.slots = [ctx.RawArray("c", 256) for _ in range(self.world_size)]
+        # fork before the store exists: forking while its server thread holds a lock can leave a child
+        # stuck for ever inside gloo's set-up (seen about once in a hundred launches)
+        # Children must never garbage-collect what they inherit: a store or process group left over
+        # from an earlier launch in this process would join threads that do not exist in the child
+        # and abort it. Collect here, where destructors are safe, then freeze the rest across fork.
+        gc.collect()
+        gc.freeze()
+        self._previous_term = _raise_on_sigterm()
+        try:
+            for r in range(self.world_size):
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=_child, args=(r, self.world_size, self.backend, self.timeout, self.start_timeout,
+                                                     child_end, self.slots[r], self.fn, self.args, self.kwargs),
+                                name=f"launcher-worker-{r}", daemon=True)
+                p.start()
+                child_end.close()
+                self.procs.append(p)
+                self.conns.append(parent_end)
+        finally:
+            gc.unfreeze()
+        self.open_conns = {self.conns[r]: r for r in range(self.world_size)}
+        self.sentinels = {self.procs[r].sentinel: r for r in range(self.world_size)}
+
+    def _serve_store(self) -> None:
+        """Host the store (only now that no fork is to come) and send every child its port."""
+        self.store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, True, timedelta(seconds=60),
+                                   wait_for_workers=False)
+        self.wstore = dist.PrefixStore("watchdog", self.store)
+        for c in self.conns:
+            try:
+                c.send(self.store.port)
+            except OSError:
+                pass  # that child already died; the loop below reports it
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def supervise(self) -> None:
+        """Watch until every worker has ended, one failed and the rest had their grace, or the deadline
+        passed; Ctrl-C or SIGTERM ends the watch as :class:`Interrupted`. Stops every worker before returning."""
+        try:
+            while self.alive and self.poll_once():
+                pass
+        except (KeyboardInterrupt, Interrupted) as e:
+            signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+            self.interrupted = Interrupted(signum, _where({r: self._job(r) for r in sorted(self.alive)}, signum))
+        finally:
+            self.stop()
+
+    def poll_once(self) -> bool:
+        """Wait for a message, an exit or the next check, and act on it; False once a bound has passed."""
+        ready = mp.connection.wait([self.procs[r].sentinel for r in self.alive] + list(self.open_conns),
+                                   timeout=self._wait_timeout(time.monotonic()))
+        for obj in ready:
+            if obj in self.open_conns:
+                self._receive(obj)
+                continue
+            r = self.sentinels.get(obj)
+            if r is None or r not in self.alive:
+                continue  # a pipe already drained when its process ended
+            self._on_exit(r)
+        return self._check(time.monotonic())
+
+    def _wait_timeout(self, now: float) -> float | None:
+        """Until the nearest bound, or the next look at the heartbeats while every rank runs."""
+        watching = self.failure is None and self.start_by is None  # every rank started, none failed
+        limit = [t - now for t in (self.stop_by, self.end_by, self.start_by, self.next_look if watching else None)
+                 if t is not None]
+        return max(0.0, min(limit)) if limit else None
+
+    def _receive(self, conn: mp.connection.Connection) -> None:
+        """One message from a running rank: it joined the group, or its report."""
+        r = self.open_conns[conn]
+        try:
+            kind, payload = conn.recv()
+            if kind == "started":
+                self.started.add(r)
+                if len(self.started) == self.world_size:
+                    self.start_by = None
+            else:
+                self.reports[r] = (kind, payload)
+        except (EOFError, OSError):
+            self.open_conns.pop(conn, None)
+
+    def _on_exit(self, r: int) -> None:
+        """Rank ``r``'s process ended: keep its result, or name the failure its report (or silence) tells of."""
+        self.procs[r].join()
+        self.alive.discard(r)
+        self._take(r)
+        kind, payload = self.reports.get(r, ("died", None))
+        if kind == "ok":
+            self.results[r] = payload
+        elif kind in ("failed", "transport"):  # a lost connection is blamed last (see outcome())
+            self._set_failure(payload)
+        elif kind == "died":
+            code = self.procs[r].exitcode
+            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            msg = failure_message(r, self._job(r), f"the process died ({how})")
+            self.reports[r] = ("died", msg)
+            self.causes.append(msg)
+            self._set_failure(msg)
+        else:  # aborted because of someone else: that one is (or will be) the failure
+            if self.failure is None and self.wstore.check([ABORT_KEY]):
+                self._set_failure(self.wstore.get(ABORT_KEY).decode())
+
+    def _check(self, now: float) -> bool:
+        """The timed decisions: a hang, ranks late to start, the grace or the deadline spent (False)."""
+        if self.failure is None and self.start_by is None and self.alive and now >= self.next_look:
+            self.next_look = now + self.interval
+            self._look_for_hangs(now)
+        if self.start_by is not None and now >= self.start_by and self.failure is None:
+            late = sorted(set(range(self.world_size)) - self.started)
+            self._set_failure(failure_message(
+                late[0], "", f"ranks {late} did not join the process group within {self.start_timeout:g} s"))
+        if self.alive and ((self.stop_by is not None and now >= self.stop_by)
+                           or (self.end_by is not None and now >= self.end_by)):
+            if self.failure is None:
+                self._set_failure(f"the run exceeded its deadline of {self.deadline} s")
+            return False
+        return True
+
+    def _look_for_hangs(self, now: float) -> None:
+        """Every rank's heartbeat: a stuck one is named, and killed (it cannot stop itself)."""
+        running = [r for r in sorted(self.alive) if r not in self.reports]
+        try:
+            beats = {r: self.wstore.get(f"hb/{r}").decode() for r in running}
+        except Exception:  # noqa: BLE001 - a store hiccup: look again next time
+            return
+        found = self.monitor.update(beats, now, jobs={r: self._job(r) for r in running},
+                                    stopped=lambda r: _is_stopped(self.procs[r].pid))
+        if found is None:
+            return
+        r, msg = found
+        self._set_failure(msg)
+        if self.failure == msg:  # nobody failed before it: it is the cause
+            self.causes.append(msg)
+            self.reports[r] = ("failed", msg)
+            try:
+                os.kill(self.procs[r].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _set_failure(self, msg: str) -> None:
+        """The first failure wins, here and in the store (a worker's watchdog may have named one first)."""
+        if self.failure is None:
+            self.failure = self.wstore.compare_set(ABORT_KEY, "", msg).decode()
+            self.stop_by = time.monotonic() + self.grace + 2 * self.interval + 2.0
+
+    def _take(self, r: int) -> None:
+        """Whatever rank ``r`` sent before its pipe closed."""
+        c = self.conns[r]
+        try:
+            while c.poll():
+                kind, payload = pickle.loads(c.recv_bytes())
+                if kind != "started":
+                    self.reports[r] = (kind, payload)
+        except (EOFError, OSError):
+            pass
+        self.open_conns.pop(c, None)
+
+    def _job(self, r: int) -> str:
+        """What rank ``r`` is running (its slot), or ``""`` between jobs."""
+        return self.slots[r].value.decode()
+
+    # ---- stopping, done ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Kill every worker still running, then join them all and close the pipes."""
+        self.phase = "stopping"
+        if self._previous_term is not None:
+            signal.signal(signal.SIGTERM, self._previous_term)
+        # stragglers past the bound, or an interrupted parent: kill them all before joining any,
+        # so none has time to see a peer's connection drop and print a traceback about it
+        started = [r for r in sorted(self.alive) if r < len(self.procs)]  # all of them, unless the fork failed
+        for r in started:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGKILL)
+                self.killed.add(r)
+        for r in started:
+            self.procs[r].join()
+            self._take(r)
+        for c in self.conns:
+            c.close()
+        self.phase = "done"
+
+    def outcome(self) -> list[Any]:
+        """Each rank's result; raises :class:`Interrupted`, or :class:`WorkerFailed` naming the culprit."""
+        if self.interrupted is not None:
+            raise self.interrupted
+        if self.failure is None:
+            return self.results
+        failure = self.failure
+        # a lost connection is the last thing to blame: a death or a hang seen meanwhile comes first
+        if failure in {p for k, p in self.reports.values() if k == "transport"} and self.causes:
+            failure = self.causes[0]
+        errors = {r: str(p) for r, (k, p) in self.reports.items() if k != "ok"}
+        for r in self.killed:
+            errors.setdefault(r, f"rank {r} was killed after not stopping within the bound")
+        raise WorkerFailed(failure, errors)
 
 
 def launch(
@@ -167,175 +465,15 @@ def launch(
     about a second. ``deadline``: optional bound on the whole run. Raises :class:`WorkerFailed`
     naming the failed rank and job.
     """
-    backend = auto_backend(backend)
-    warm_up_meta()  # once here, inherited by every child, instead of W concurrent imports
-    ctx = mp.get_context("fork")
-    slots = [ctx.RawArray("c", 256) for _ in range(world_size)]
-    procs, conns = [], []
-    # fork before the store exists: forking while its server thread holds a lock can leave a child
-    # stuck for ever inside gloo's set-up (seen about once in a hundred launches)
-    # Children must never garbage-collect what they inherit: a store or process group left over
-    # from an earlier launch in this process would join threads that do not exist in the child
-    # and abort it. Collect here, where destructors are safe, then freeze the rest across fork.
-    gc.collect()
-    gc.freeze()
-    previous_term = _raise_on_sigterm()
+    supervisor = Supervisor(fn, world_size, args, kwargs, backend=auto_backend(backend), timeout=timeout,
+                            deadline=deadline, start_timeout=start_timeout)
     try:
-        for r in range(world_size):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_child, args=(r, world_size, backend, timeout, start_timeout, child_end, slots[r],
-                                                 fn, args, kwargs), name=f"launcher-worker-{r}", daemon=True)
-            p.start()
-            child_end.close()
-            procs.append(p)
-            conns.append(parent_end)
-    finally:
-        gc.unfreeze()
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timedelta(seconds=60), wait_for_workers=False)
-    wstore = dist.PrefixStore("watchdog", store)
-    for c in conns:
-        try:
-            c.send(store.port)
-        except OSError:
-            pass  # that child already died; the loop below reports it
-
-    results: list[Any] = [None] * world_size
-    reports: dict[int, tuple[str, Any]] = {}
-    failure: str | None = None
-    causes: list[str] = []  # what the launcher itself saw fail (deaths, hangs), in order
-    stop_by: float | None = None
-    # after a failure: the watchdogs see it within an interval, stop within their grace
-    interval, grace = min(0.2, timeout / 10), min(2.0, timeout / 4)
-    monitor = HangMonitor(timeout)
-    next_look = time.monotonic()
-    end_by = time.monotonic() + deadline if deadline is not None else None
-    start_by: float | None = time.monotonic() + start_timeout
-    started: set[int] = set()
-    killed: set[int] = set()
-    alive = set(range(world_size))
-    open_conns = {conns[r]: r for r in range(world_size)}
-    sentinels = {procs[r].sentinel: r for r in range(world_size)}
-
-    def take(r: int) -> None:
-        c = conns[r]
-        try:
-            while c.poll():
-                kind, payload = pickle.loads(c.recv_bytes())
-                if kind != "started":
-                    reports[r] = (kind, payload)
-        except (EOFError, OSError):
-            pass
-        open_conns.pop(c, None)
-
-    def set_failure(msg: str) -> None:
-        nonlocal failure, stop_by
-        if failure is None:
-            failure = wstore.compare_set(ABORT_KEY, "", msg).decode()
-            stop_by = time.monotonic() + grace + 2 * interval + 2.0
-
-    def look_for_hangs(now: float) -> None:
-        """Every rank's heartbeat: a stuck one is named, and killed (it cannot stop itself)."""
-        running = [r for r in sorted(alive) if r not in reports]
-        try:
-            beats = {r: wstore.get(f"hb/{r}").decode() for r in running}
-        except Exception:  # noqa: BLE001 - a store hiccup: look again next time
-            return
-        found = monitor.update(beats, now, jobs={r: slots[r].value.decode() for r in running},
-                               stopped=lambda r: _is_stopped(procs[r].pid))
-        if found is None:
-            return
-        r, msg = found
-        set_failure(msg)
-        if failure == msg:  # nobody failed before it: it is the cause
-            causes.append(msg)
-            reports[r] = ("failed", msg)
-            try:
-                os.kill(procs[r].pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    interrupted: Interrupted | None = None
-    try:
-        while alive:
-            now = time.monotonic()
-            wait_for = [procs[r].sentinel for r in alive] + list(open_conns)
-            watching = failure is None and start_by is None  # every rank started, none failed
-            limit = [t - now for t in (stop_by, end_by, start_by, next_look if watching else None) if t is not None]
-            ready = mp.connection.wait(wait_for, timeout=max(0.0, min(limit)) if limit else None)
-            for obj in ready:
-                if obj in open_conns:
-                    r = open_conns[obj]
-                    try:
-                        kind, payload = obj.recv()
-                        if kind == "started":
-                            started.add(r)
-                            if len(started) == world_size:
-                                start_by = None
-                        else:
-                            reports[r] = (kind, payload)
-                    except (EOFError, OSError):
-                        open_conns.pop(obj, None)
-                    continue
-                r = sentinels.get(obj)
-                if r is None or r not in alive:
-                    continue  # a pipe already drained when its process ended
-                procs[r].join()
-                alive.discard(r)
-                take(r)
-                kind, payload = reports.get(r, ("died", None))
-                if kind == "ok":
-                    results[r] = payload
-                elif kind in ("failed", "transport"):  # a lost connection is blamed last (see the end)
-                    set_failure(payload)
-                elif kind == "died":
-                    code = procs[r].exitcode
-                    how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-                    msg = failure_message(r, slots[r].value.decode(), f"the process died ({how})")
-                    reports[r] = ("died", msg)
-                    causes.append(msg)
-                    set_failure(msg)
-                else:  # aborted because of someone else: that one is (or will be) the failure
-                    if failure is None and wstore.check([ABORT_KEY]):
-                        set_failure(wstore.get(ABORT_KEY).decode())
-            now = time.monotonic()
-            if failure is None and start_by is None and alive and now >= next_look:
-                next_look = now + interval
-                look_for_hangs(now)
-            if start_by is not None and now >= start_by and failure is None:
-                late = sorted(set(range(world_size)) - started)
-                set_failure(failure_message(late[0], "", f"ranks {late} did not join the process group within {start_timeout:g} s"))
-            if alive and ((stop_by is not None and now >= stop_by) or (end_by is not None and now >= end_by)):
-                if failure is None:
-                    set_failure(f"the run exceeded its deadline of {deadline} s")
-                break
-    except (KeyboardInterrupt, Interrupted) as e:
-        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-        interrupted = Interrupted(signum, _where({r: slots[r].value.decode() for r in sorted(alive)}, signum))
-    finally:
-        if previous_term is not None:
-            signal.signal(signal.SIGTERM, previous_term)
-        # stragglers past the bound, or an interrupted parent: kill them all before joining any,
-        # so none has time to see a peer's connection drop and print a traceback about it
-        for r in list(alive):
-            if procs[r].is_alive():
-                os.kill(procs[r].pid, signal.SIGKILL)
-                killed.add(r)
-        for r in list(alive):
-            procs[r].join()
-            take(r)
-        for c in conns:
-            c.close()
-    if interrupted is not None:
-        raise interrupted
-    if failure is not None:
-        # a lost connection is the last thing to blame: a death or a hang seen meanwhile comes first
-        if failure in {p for k, p in reports.values() if k == "transport"} and causes:
-            failure = causes[0]
-        errors = {r: str(p) for r, (k, p) in reports.items() if k != "ok"}
-        for r in killed:
-            errors.setdefault(r, f"rank {r} was killed after not stopping within the bound")
-        raise WorkerFailed(failure, errors)
-    return results
+        supervisor.start()
+    except BaseException:  # a stop (SIGTERM, Ctrl-C) or a store that failed between the fork and the watch
+        supervisor.stop()
+        raise
+    supervisor.supervise()
+    return supervisor.outcome()
 
 
 class Interrupted(BaseException):
@@ -391,7 +529,8 @@ def init_from_env(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> Wa
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=PG_TIMEOUT)
     dist.barrier()  # as in launch(): no rank leaves while another is still connecting
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timedelta(seconds=60))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                          timedelta(seconds=60))
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run") + "/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     wd = Watchdog(dist.PrefixStore(f"launcher/{run}/watchdog", store), rank, world, timeout).start()
     set_current_watchdog(wd)
