@@ -47,7 +47,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         profile = root / "profile"
-        launcher(["strategy=lpp", "G=2", "R=4", f"trainer.max_steps={args.steps}", *RUN, f"hydra.run.dir={profile}"], root)
+        launcher(["strategy=lpp", "G=2", "R=4", f"trainer.max_steps={args.steps}", *RUN, f"hydra.run.dir={profile}"],
+                 root)
         for budget in budgets:
             out = root / budget.replace("=", "_")
             launcher(["mode=plan", f"plan.workers={args.workers}", budget, f"plan.top={args.top}",
@@ -67,7 +68,8 @@ def main() -> None:
             limit = int(budget.split("=")[1]) if "max_activations" in budget else None
             t = Table(title=f"{budget} (plan.workers={args.workers}): the planner's top {len(rows)} trained for "
                             f"{args.steps} steps x {args.rounds} rounds", title_justify="left")
-            for col in ("#", "overrides", "predicted (ms)", "measured (ms)", "measured / fastest", "peak act (pred / meas)"):
+            for col in ("#", "overrides", "predicted (ms)", "measured (ms)", "measured / fastest",
+                        "peak act (pred / meas)"):
                 t.add_column(col, justify="left" if col == "overrides" else "right")
             for i, (c, measured, peak) in enumerate(rows):
                 pred = c.get("peak_activations")
@@ -80,7 +82,8 @@ def main() -> None:
             within = pick[1] <= 1.10 * fastest
             fits = limit is None or pick[2] <= limit
             con.print(f"pick within 10% of the fastest measured: {'yes' if within else 'NO'} "
-                      f"({pick[1] / fastest:.3f}); measured peak {pick[2]} within the budget: {'yes' if fits else 'NO'}")
+                      f"({pick[1] / fastest:.3f}); measured peak {pick[2]} within the budget: "
+                      f"{'yes' if fits else 'NO'}")
 
 
 if __name__ == "__main__":

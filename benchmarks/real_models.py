@@ -55,7 +55,8 @@ def main() -> None:
                 continue
             print(name, flush=True)
             times = {s: run(overrides, s, args.steps, Path(tmp) / f"{len(rows)}-{s}") for s in SCHEMES}
-            rows[name] = {"overrides": overrides, "lines": lines, "step_ms": {s: t and 1e3 * t for s, t in times.items()}}
+            rows[name] = {"overrides": overrides, "lines": lines,
+                          "step_ms": {s: t and 1e3 * t for s, t in times.items()}}
     print("\n| model | command (add strategy=...) | lines of user code | " + " | ".join(SCHEMES) + " |")
     print("| --- | --- | ---: | " + " | ".join("---:" for _ in SCHEMES) + " |")
     for name, r in rows.items():

@@ -51,14 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         for order in ORDERS:
             step = make_step("lpp", S, B, G, R, order=order)
             secs, tl = best_of(lambda: simulate(step), args.repeats)
-            ssecs, summary = best_of(lambda: summarize(tl), args.repeats)
+            ssecs, summary = best_of(lambda tl=tl: summarize(tl), args.repeats)
             ok = secs < target
             failed += not ok
             rows.append((f"S={S} B={B} LPP G={G} R={R}", order, f"{step.space.N:,}", f"{secs:.3f}",
                          f"< {target:g}", "yes" if ok else "NO", f"{ssecs:.3f}", f"{summary['latency_fb']:g}"))
             del tl, summary
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    line = lambda r: "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    def line(r: tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     print(line(header))
     print("  ".join("-" * w for w in widths))
     for r in rows:

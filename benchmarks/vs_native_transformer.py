@@ -220,7 +220,8 @@ class NativeT(Native):
             model = nn.Sequential(*stages)
             if p.native == "ddp":
                 from torch.nn.parallel import DistributedDataParallel
-                self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+                self.model = DistributedDataParallel(model,
+                                                     device_ids=[device.index] if device.type == "cuda" else None)
             else:  # fully_shard per transformer block, then the root (embedding and head)
                 from torch.distributed.device_mesh import init_device_mesh
                 from torch.distributed.fsdp import fully_shard
@@ -301,13 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [p for p in PAIRS if not args.pairs or p.name in args.pairs.split(",")]
     if args.quick:
         pairs = [p for p in pairs if p.W <= 4]
-    sizes = [Size(m, int(d), args.layers, args.seq, args.mb) for m in args.models.split(",") for d in args.sizes.split(",")]
+    sizes = [Size(m, int(d), args.layers, args.seq, args.mb)
+             for m in args.models.split(",") for d in args.sizes.split(",")]
     console = Console(width=260)
-    table = Table(title=f"ours vs PyTorch native on transformers ({args.backend}, {os.cpu_count()} cores, one thread per "
-                        f"process; median of {args.reps} x {args.steps} steps; L={args.layers}, T={args.seq}, "
-                        f"mb={args.mb})")
+    table = Table(title=f"ours vs PyTorch native on transformers ({args.backend}, {os.cpu_count()} cores, "
+                        f"one thread per process; median of {args.reps} x {args.steps} steps; L={args.layers}, "
+                        f"T={args.seq}, mb={args.mb})")
     for col in ("model", "d", "pair", "native", "W", "ours ms (med / min)", "native ms (med / min)", "ours/native",
-                "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native", "|g0| ours / native", "agree"):
+                "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native", "|g0| ours / native",
+                "agree"):
         table.add_column(col, justify="left" if col in ("model", "pair", "native") else "right")
     rows, failed, started = [], False, time.perf_counter()
     for size in sizes:

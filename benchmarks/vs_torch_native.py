@@ -168,7 +168,8 @@ class Native:
             model = nn.Sequential(*stages)
             if p.native == "ddp":
                 from torch.nn.parallel import DistributedDataParallel
-                self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+                self.model = DistributedDataParallel(model,
+                                                     device_ids=[device.index] if device.type == "cuda" else None)
                 self.stage0 = list(model[0].parameters())
             else:
                 from torch.distributed.device_mesh import init_device_mesh
@@ -183,7 +184,8 @@ class Native:
             self._pipeline(p, stages, x, t, device)
         self.optimizer = sgd(self.params)
 
-    def _pipeline(self, p: Pair, stages: list[nn.Module], x: torch.Tensor, t: torch.Tensor, device: torch.device) -> None:
+    def _pipeline(self, p: Pair, stages: list[nn.Module], x: torch.Tensor, t: torch.Tensor,
+                  device: torch.device) -> None:
         from torch.distributed import pipelining as pp
         n_mb, group, pp_rank, pp_size = p.B, None, self.rank, p.W
         if p.native == "fsdp_looped_bfs":  # a (dp, pp) mesh: FSDP over dp, the loop over pp
@@ -317,8 +319,9 @@ def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> di
 def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:
     """Our step as the simulator predicts it from what our workers measured (the profile): the
     programs the workers ran, timed by the job seconds per kind they measured (CPU seconds on CPU
-    workers, plus the communication threads' CPU per message the job moves) and what a message took, each worker's end of step (its CPU, and its all-reduce's
-    rounds of messages) and optimizer step, on the cores the workers shared
+    workers, plus the communication threads' CPU per message the job moves) and what a message
+    took, each worker's end of step (its CPU, and its all-reduce's rounds of messages) and
+    optimizer step, on the cores the workers shared
     (:func:`launcher.schedule.cores.replay`), plus the timing's own two barriers (measured with
     nothing between them)."""
     ranks = result["per_rank"][: p.W]
@@ -358,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"ours vs PyTorch native ({args.backend}, {os.cpu_count()} cores, one thread per process; "
                         f"median of {args.reps} x {args.steps} steps)")
     for col in ("pair", "native", "H", "W", "ours ms (med / min)", "native ms (med / min)", "ours/native",
-                "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native", "|g0| ours / native", "agree"):
+                "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native", "|g0| ours / native",
+                "agree"):
         table.add_column(col, justify="left" if col in ("pair", "native") else "right")
     rows, failed = [], False
     for H, mb in sizes:

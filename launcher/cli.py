@@ -124,11 +124,11 @@ def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
     argv to hand Hydra and the check. In a multirun each value of a sweep is checked on its own
     and an invalid one is taken out of the argv (:func:`check_sweep_overrides`). Nothing is
     checked when Hydra is only asked to show something (``--help``, ``--cfg``, ``--info``)."""
-    from hydra._internal.utils import get_args_parser
+    from .config.hydra_private import args_parser
 
     nothing = SweepCheck([], [], [])
     try:
-        args, _ = get_args_parser().parse_known_args(argv)
+        args, _ = args_parser().parse_known_args(argv)
     except SystemExit:
         return argv, nothing  # argparse has printed its usage error; Hydra will repeat it
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
@@ -162,10 +162,10 @@ def _preflight(argv: list[str]) -> tuple[list[str], SweepCheck]:
 def _config_args(argv: list[str]) -> tuple[list[str], str, list[str]]:
     """The options of ``argv`` that choose the config (for a command that reproduces a run of
     it), the primary config's name and the ``--config-dir``."""
-    from hydra._internal.utils import get_args_parser
+    from .config.hydra_private import args_parser
 
     try:
-        args, _ = get_args_parser().parse_known_args(argv)
+        args, _ = args_parser().parse_known_args(argv)
     except SystemExit:
         return [], "config", []
     given = [f"--config-dir={args.config_dir}"] if args.config_dir else []
@@ -183,15 +183,16 @@ def _import_from_cwd() -> None:
 
 def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> list[str]:
     """A single training run is checked whole before Hydra starts (composed here with Hydra's
-    compose API, then built by :func:`launcher.modes.train.prepare` without starting anything), so
+    compose API, then built by :func:`launcher.modes.train.check` without starting anything; the run
+    takes over what it built), so
     an invalid one leaves no run directory behind. Simulations keep reporting from their run."""
     from pathlib import Path
+
+    from omegaconf import open_dict
 
     from .config import ConfigError
     from .config.validate import errors as config_errors
     from .modes import train
-
-    from omegaconf import open_dict
 
     try:
         cfg = _compose(config_name, overrides, dirs)
@@ -223,7 +224,7 @@ def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> 
     if busy:  # another run holds the directory: say so at once, before building anything
         return [busy]
     try:
-        train.prepare(cfg, None)
+        train.check(cfg)
     except ConfigError as e:
         return e.sentences
     RUN_DIR["dir"] = Path(run_dir) if run_dir is not None else None  # held by _main before Hydra starts

@@ -288,19 +288,20 @@ def _guard() -> None:
     command says so in one sentence (:func:`summarize`)."""
     import functools
 
+    from .config.hydra_private import optuna_sweeper_impl
+
     logging.getLogger("alembic").setLevel(logging.WARNING)  # optuna's storage imports it: a line per plugin
-    try:
-        from hydra_plugins.hydra_optuna_sweeper import _impl
-    except ImportError:  # Hydra reports the missing plugin itself
+    impl = optuna_sweeper_impl()
+    if impl is None:  # Hydra reports the missing plugin itself
         return
-    cls = _impl.OptunaSweeperImpl
+    cls = impl.OptunaSweeperImpl
     if getattr(cls.sweep, "_launcher_guard", False):
         return
     original = cls.sweep
 
     @functools.wraps(original)
     def sweep(self: Any, arguments: list[str]) -> Any:
-        log, lines = logging.getLogger(_impl.__name__), _PluginLines()
+        log, lines = logging.getLogger(impl.__name__), _PluginLines()
         log.addFilter(lines)
         try:
             return original(self, arguments)

@@ -1,6 +1,6 @@
-"""Configuration errors that used to be found only after the workers had started (issue 19, items 7
-and 8): each is now one sentence naming the key, the value and the rule, exit 2, before any
-worker, W&B run or run directory exists.
+"""Configuration errors that used to be found only after the workers had started: each is now one
+sentence naming the key, the value and the rule, exit 2, before any worker, W&B run or run
+directory exists.
 
 Each case runs the command's own entry point, ``launcher.cli.main()`` with the user's argv, in a
 forked copy of this process (the same code as ``python -m launcher ...`` without paying for the
@@ -11,23 +11,24 @@ real ``python -m launcher`` subprocess.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from helpers.cli import SMALL_RUN, run_launcher
+
 pytestmark = pytest.mark.timeout(120)
 
-SMALL = ["stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000", "model.d_model=16",
-         "model.n_head=2", "model.n_layer=2", "logger=none"]
+SMALL = [*SMALL_RUN, "logger=none"]
 
 BROKEN_YAML = "_target_: launcher.models.GPT\nd_model: [16\nn_head: 2\n"
 
 CASES = [
     (["model.n_head=5"],
-     "model.n_head=5 is invalid: it must divide model.d_model=16 (each attention head takes d_model / n_head features)."),
+     "model.n_head=5 is invalid: it must divide model.d_model=16 (each attention head takes d_model / n_head "
+     "features)."),
     (["model.d_model=0"], "model.d_model=0 is invalid: it must be a positive integer."),
     (["model.vocab_size=16"],
      "model.vocab_size=16 is invalid: the data (launcher.models.CharCorpus) has an alphabet of 128 symbols, but the "
@@ -54,15 +55,17 @@ CASES = [
      "no weights are fetched and none are cached; leave weight_cache at step (it matters under fsdp, fslpp and custom "
      "placements)."),
     (["strategy=single", "model.n_head=5"],
-     "model.n_head=5 is invalid: it must divide model.d_model=16 (each attention head takes d_model / n_head features)."),
+     "model.n_head=5 is invalid: it must divide model.d_model=16 (each attention head takes d_model / n_head "
+     "features)."),
     (["--config-dir", "{conf}", "model=bad"],
      "--config-dir={conf}: model/bad.yaml is not valid YAML: expected ',' or ']', but got ':' at line 3, column 7 "
      "(while parsing a flow sequence)."),
-    # Hydra's own answers advised a next step that only led to another error (issue: misleading advice)
+    # Hydra's own answers advised a next step that only led to another error (misleading advice)
     (["trainer.max_step=10"],  # Hydra: "To append to your config use +trainer.max_step=10"
      "trainer.max_step=10 is invalid: max_step is not an argument of lightning's Trainer; did you mean "
      "trainer.max_steps?"),
-    (["--multirun", "trainer.max_step=10", "G=1,2"],  # a sweep: Hydra's "Key 'max_step' is not in struct" from every point
+    # a sweep: Hydra's "Key 'max_step' is not in struct" from every point
+    (["--multirun", "trainer.max_step=10", "G=1,2"],
      "trainer.max_step=10 is invalid: max_step is not an argument of lightning's Trainer; did you mean "
      "trainer.max_steps?"),
     (["trainer.devices=2"],  # Hydra: "+trainer.devices=2", then "remove trainer.devices"
@@ -77,7 +80,8 @@ CASES = [
     (["memory_limit=2,3"],
      "memory_limit=2,3 is a sweep over 2 values: add -m (multirun) to run each, or write memory_limit=[2,3] for one "
      "list value."),
-    (["model=custom", "model._target_=mymod.MyModel"],  # Hydra: three lines, "Are you sure that module 'mymod' is installed?"
+    # Hydra: three lines, "Are you sure that module 'mymod' is installed?"
+    (["model=custom", "model._target_=mymod.MyModel"],
      "model._target_=mymod.MyModel could not be built: there is no module mymod in the working directory ({cwd}) or "
      "on PYTHONPATH; run from the directory that holds mymod.py (or the package mymod/), or add that directory to "
      "PYTHONPATH."),
@@ -151,14 +155,12 @@ def test_bad_config_is_one_sentence_exit_2_and_nothing_made(tmp_path, conf_dir, 
 
 
 def test_broken_yaml_as_the_user_types_it(tmp_path, conf_dir):
-    env = dict(os.environ, COLUMNS="200")
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "launcher", "--config-dir", str(conf_dir), "model=bad",
-                        f"hydra.run.dir={run}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    p = run_launcher("--config-dir", str(conf_dir), "model=bad", f"hydra.run.dir={run}", cwd=tmp_path)
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr.strip().splitlines() == [
-        f"error: --config-dir={conf_dir}: model/bad.yaml is not valid YAML: expected ',' or ']', but got ':' at line 3, "
-        f"column 7 (while parsing a flow sequence)."]
+        f"error: --config-dir={conf_dir}: model/bad.yaml is not valid YAML: expected ',' or ']', but got ':' at line "
+        f"3, column 7 (while parsing a flow sequence)."]
     assert not run.exists()
 
 

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+
+from helpers.cli import run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 PER_WORKER = ("busy", "act_recv", "grad_recv", "weight_fetch_stages", "weight_fetch_jobs", "peak_activations",
               "weights_owned", "weights_peak_resident")
 
 
-def launcher(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HYDRA_FULL_ERROR="0", COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+launcher = partial(run_launcher, hydra_full_error="0")
 
 
 def test_simulate_prints_tables_and_diagram_and_writes_png_and_json(tmp_path):
@@ -60,7 +57,9 @@ def test_invalid_config_is_one_sentence_and_exit_2(tmp_path):
     p = launcher("strategy=foo", cwd=tmp_path)  # rejected before Hydra starts
     assert p.returncode == 2
     assert p.stderr.splitlines() == [
-        "error: strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto (the planner chooses) and strategy=single (Lightning's default strategy on one device)."]
+        "error: strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement "
+        "callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
+        "(the planner chooses) and strategy=single (Lightning's default strategy on one device)."]
     # in a sweep, a typo in a plain override, or in every value of a sweep, stops it before any point runs
     for bad in (["strategy=ddp,lpp", "G=2.5"], ["strategy=foo,bar"]):
         p = launcher("-m", "mode=simulate", *bad, f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
@@ -68,8 +67,9 @@ def test_invalid_config_is_one_sentence_and_exit_2(tmp_path):
         assert p.stderr.splitlines() == {
             "G=2.5": ["error: G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."],
             "strategy=foo,bar": [
-                f"error: strategy={s} is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement "
-                f"callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
+                f"error: strategy={s} is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a "
+                f"placement callable (strategy=custom with strategy.placement._target_); the launcher also takes "
+                f"strategy=auto "
                 f"(the planner chooses) and strategy=single (Lightning's default strategy on one device)."
                 for s in ("foo", "bar")],
         }[bad[-1]]
@@ -77,10 +77,13 @@ def test_invalid_config_is_one_sentence_and_exit_2(tmp_path):
 
 def test_multirun_skips_an_invalid_sweep_value_and_runs_the_others(tmp_path):
     sweep = tmp_path / "sweep"
-    p = launcher("-m", "mode=simulate", "strategy=lpp,foo", "stages=8", "microbatches=8", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    p = launcher("-m", "mode=simulate", "strategy=lpp,foo", "stages=8", "microbatches=8", f"hydra.sweep.dir={sweep}",
+                 cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     assert p.stderr.splitlines() == [
-        "error: strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto (the planner chooses) and strategy=single (Lightning's default strategy on one device).",
+        "error: strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement "
+        "callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
+        "(the planner chooses) and strategy=single (Lightning's default strategy on one device).",
         "skipped: strategy=foo (invalid config; the other points still run)",
         "error: 1 invalid sweep value was skipped before the sweep started: strategy=foo",
     ]

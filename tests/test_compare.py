@@ -5,28 +5,28 @@ Debian's chromium is installed; .ci/run installs it)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from launcher.compare import charts, page as page_mod
+from helpers.cli import SMALL_RUN, run_launcher
+from launcher.compare import charts
+from launcher.compare import page as page_mod
 from launcher.compare.runs import Run, label
 
 pytestmark = pytest.mark.timeout(240)
 
-SMALL = ["stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000", "model.d_model=16",
-         "model.n_head=2", "model.n_layer=2", "trainer.max_steps=4", "trainer.val_check_interval=2"]
+SMALL = [*SMALL_RUN, "trainer.max_steps=4", "trainer.val_check_interval=2"]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=200,
-                          env=dict(os.environ, COLUMNS="200"))
+#: ``python <args>``: the launcher's sweeps (-m launcher) and the comparison page (-m launcher.compare)
+run = partial(run_launcher, command=(sys.executable,), timeout=200)
 
 
 def hand_trace(W: int, B: int, measured_ms: float, predicted_ms: float) -> dict:
@@ -152,6 +152,7 @@ def test_best_and_coinciding():
     assert not charts.all_reduces(owned([1] * 8))
 
 
+@pytest.mark.slow
 def test_page_has_the_table_charts_and_diagrams(page, sweep):
     html = page.read_text()
     rows = re.findall(r'<tr class="(\w+)">', html)
@@ -189,6 +190,7 @@ def test_page_has_the_table_charts_and_diagrams(page, sweep):
         assert "Its time axis is in seconds and ends where the last predicted job does" in html
 
 
+@pytest.mark.slow
 def test_timeline_of_a_trace(traced, sweep):
     html = traced.read_text()
     assert [row[0] for row in cells(html)] == ["gpipe seed=0", "fslpp seed=0", "gpipe seed=1"]
@@ -209,6 +211,7 @@ def test_timeline_of_a_trace(traced, sweep):
     assert 'w15' in hand and "waiting for a message" in hand and "outside the engine" in hand
 
 
+@pytest.mark.slow
 def test_an_unreadable_trace_falls_back_to_the_diagram(sweep, tmp_path):
     shutil.copytree(sweep / "1", tmp_path / "run", ignore=shutil.ignore_patterns("wandb", "checkpoints"))
     bad = {"traceEvents": [{"ph": "X", "cat": "job", "name": "F(0,0)", "pid": 1, "tid": 0, "ts": None, "dur": 1}]}
@@ -223,6 +226,7 @@ CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                 "--enable-logging=stderr", "--v=0"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
 def test_page_renders_in_headless_chromium(page, traced, tmp_path):
     def chromium(*args: str) -> subprocess.CompletedProcess:

@@ -6,20 +6,13 @@ from __future__ import annotations
 import os
 
 import pytest
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
-from launcher.modes.simulate import simulate_config
 from launcher.config import ConfigError, check_overrides, errors, to_step
 from launcher.config.validate import check_sweep_overrides
+from launcher.modes.simulate import simulate_config
 from launcher.schedule import make_step, simulate
-
-
-@pytest.fixture(scope="module")
-def cfg_of():
-    with initialize_config_module("launcher.conf", version_base="1.3"):
-        yield lambda *overrides: compose("config", overrides=list(overrides))
 
 
 def test_defaults_compose_and_are_valid(cfg_of):
@@ -108,9 +101,13 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["strategy=foo"], ["strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto (the planner chooses) and strategy=single (Lightning's default strategy on one device)."]),
+        (["strategy=foo"], [
+            "strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement "
+            "callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
+            "(the planner chooses) and strategy=single (Lightning's default strategy on one device)."]),
         (["-m", "strategy=ddp,foo"], None),  # "-m" is not an override: parsed away by the CLI
-        (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, depth_first, zb_h1, or an order callable (order=custom with order.n._target_)."]),
+        (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, depth_first, zb_h1, or "
+                          "an order callable (order=custom with order.n._target_)."]),
         (["G=2.5"], ["G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["R=1,x"], ["R=x is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["comm=abc"], ["comm=abc is invalid: the communication delay must be a finite number >= 0."]),
@@ -121,7 +118,9 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
 def test_command_line_precheck(overrides, expected):
     if expected is None:
         assert check_overrides(["strategy=ddp,foo"]) == [
-            "strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto (the planner chooses) and strategy=single (Lightning's default strategy on one device)."]
+            "strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement "
+            "callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
+            "(the planner chooses) and strategy=single (Lightning's default strategy on one device)."]
     else:
         assert check_overrides(overrides) == expected
 

@@ -1,4 +1,4 @@
-"""Issue 19, items 5 and 6: a fault names the right rank, and a hang stops within the timeout.
+"""A fault names the right rank, and a hang stops within the timeout.
 
 - ``kill -9`` of a worker names that worker, every time, never a peer's "Connection reset by peer"
   (gloo's C++ text never reaches the user);
@@ -20,7 +20,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,6 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.cli import start_launcher, survivors
+from helpers.training import load_checkpoint
 from launcher.runtime import Engine, Interrupted, WorkerFailed, launch, mlp_batches, staged_mlp
 from launcher.runtime.failure import HangMonitor, Watchdog, is_transport_error, transport_reason
 from launcher.schedule import make_step
@@ -42,10 +43,8 @@ NOISE = re.compile(r"gloo|GLHF|pair\.cc|Connection (reset|closed) by peer|\.cpp|
 
 
 def launcher(run: Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, HYDRA_FULL_ERROR="0", COLUMNS="200")
-    env.pop("PYTHONPATH", None)
-    return subprocess.Popen([sys.executable, "-m", "launcher", *SMALL, *args, f"hydra.run.dir={run}"], cwd=run.parent,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return start_launcher(*SMALL, *args, f"hydra.run.dir={run}", cwd=run.parent, hydra_full_error="0",
+                          pythonpath="drop")
 
 
 def workers(pid: int) -> dict[int, int]:
@@ -54,12 +53,6 @@ def workers(pid: int) -> dict[int, int]:
                          check=False).stdout
     found = (re.fullmatch(r"\s*(\d+)\s+launcher-rank(\d+)\s*", line) for line in out.splitlines())
     return {int(m[2]): int(m[1]) for m in found if m}
-
-
-def survivors(marker: str) -> list[str]:
-    """Processes still running whose command line mentions ``marker`` (the test's own directory)."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=False).stdout
-    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
 
 
 def gone(pids) -> bool:
@@ -76,7 +69,7 @@ def checkpoints_load(folder: Path, pattern: str) -> list[str]:
     """Every checkpoint under its final name loads; returns their names."""
     names = []
     for path in sorted(folder.glob(pattern)):
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = load_checkpoint(path)
         assert ckpt.get("state_dict") or ckpt.get("stages"), path
         names.append(path.name)
     return names
@@ -105,9 +98,10 @@ def finish(p: subprocess.Popen) -> tuple[float, str]:
 # ---- the command line -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kill_9_of_a_worker_names_it_every_time(tmp_path):
-    """Issue 19 item 5: ``kill -9`` of worker 1 under strategy=lpp, five times: rank 1 is named,
+    """``kill -9`` of worker 1 under strategy=lpp, five times: rank 1 is named,
     never a peer's "Connection reset by peer"."""
     rng = random.Random(19)
     named = []
@@ -131,9 +125,10 @@ def test_kill_9_of_a_worker_names_it_every_time(tmp_path):
     assert len(named) == 5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_stopped_worker_is_named_and_the_run_stops_within_the_timeout(tmp_path):
-    """Issue 19 item 6: ``kill -STOP`` of a worker with timeout=10 stops the run within the timeout
+    """``kill -STOP`` of a worker with timeout=10 stops the run within the timeout
     plus a few seconds (it took 29 s), naming the stopped rank and its job on one line."""
     run = tmp_path / "run"
     p, ws = start_and_wait(run, "timeout=10", checkpoint=True)
@@ -193,6 +188,7 @@ def _train(tmp: str, victim: int, fault: str, delay: float) -> None:
             engine.save_checkpoint(Path(tmp, f"ckpt-{i + 1}.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_seeded_fault_injection(tmp_path):
     """24 trials: kill -9, SIGSTOP and SIGTERM of a random worker, SIGTERM and Ctrl-C to the
@@ -285,10 +281,13 @@ def test_a_worker_whose_connection_broke_names_the_peer_that_failed():
 
 
 def test_the_launchers_hang_rules():
-    hb = lambda n, progress, waiting, job: f"{n}|{progress}|{int(waiting)}|{job}"
+    def hb(n, progress, waiting, job):
+        return f"{n}|{progress}|{int(waiting)}|{job}"
+
     m = HangMonitor(3.0)
     # rank 1 freezes (its heartbeat stops) while 0, 2 and 3 keep beating, waiting for it
-    assert m.update({0: hb(1, 5, 0, "F(0,0)"), 1: hb(1, 4, 0, "F(1,0)"), 2: hb(1, 3, 0, ""), 3: hb(1, 3, 0, "")}, 0.0) is None
+    assert m.update({0: hb(1, 5, 0, "F(0,0)"), 1: hb(1, 4, 0, "F(1,0)"), 2: hb(1, 3, 0, ""), 3: hb(1, 3, 0, "")},
+                    0.0) is None
     for t in range(1, 8):
         beats = {0: hb(1 + t, 6, 1, "F(0,1)"), 1: hb(1, 4, 0, "F(1,0)"), 2: hb(1 + t, 3, 1, "B(2,0)"),
                  3: hb(1 + t, 3, 1, "")}

@@ -4,27 +4,26 @@ the config groups and where to look next; quick (it imports no torch)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 
+from helpers.cli import run_launcher
 from launcher.config.validate import group_options
 from launcher.modes import MODES
 
 pytestmark = pytest.mark.timeout(120)
 
 #: prints whether torch was imported, as the process ends (--help exits through sys.exit)
-PROBE = ("import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)); "
+PROBE = ("import atexit, sys; "
+         "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)); "
          "sys.argv = ['launcher', '--help']; from launcher.cli import main; main()")
 
 
 @pytest.fixture(scope="module")
 def helped(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("help")
-    return subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, capture_output=True, text=True, timeout=100,
-                          env=dict(os.environ, COLUMNS="200"))
+    return run_launcher(cwd=cwd, command=(sys.executable, "-c", PROBE), timeout=100)
 
 
 def test_help_says_what_the_launcher_does(helped):

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-
-from launcher.models import HFCausalLM  # noqa: E402
-from launcher.models.hf import FAMILIES  # noqa: E402
+from helpers.training import run_stages
+from launcher.models import HFCausalLM
+from launcher.models.hf import FAMILIES
 
 pytestmark = [pytest.mark.timeout(60),
               # the steps are called without a Trainer: self.log() has nowhere to log
@@ -29,15 +29,6 @@ EXTRA: dict[str, dict[str, Any]] = {
     "gemma": {"num_key_value_heads": 1},  # tied, scaled embedding
 }
 B, T = 3, 12
-
-
-def run_stages(stages: torch.nn.ModuleList, inp: Any) -> Any:
-    """The engine's calling convention: a dict is keyword arguments, a tuple or list positional
-    arguments, a tensor one argument; each stage's output is the next stage's input."""
-    x = inp
-    for stage in stages:
-        x = stage(**x) if isinstance(x, dict) else stage(*x) if isinstance(x, (tuple, list)) else stage(x)
-    return x
 
 
 def tiny(arch: str, **kw: Any) -> HFCausalLM:
@@ -179,7 +170,8 @@ def test_a_vocabulary_smaller_than_the_datas_is_one_sentence(tmp_path) -> None:
 
 
 def test_config_keys_are_checked() -> None:
-    with pytest.raises(ValueError, match=r"^model.config.n_layer=2 is invalid: llama's LlamaConfig has no field n_layer\.$"):
+    with pytest.raises(ValueError,
+                       match=r"^model.config.n_layer=2 is invalid: llama's LlamaConfig has no field n_layer\.$"):
         HFCausalLM("llama", config={"n_layer": 2})
     with pytest.raises(ValueError, match=r"set the same field of gpt2's GPT2Config; give one of them\.$"):
         HFCausalLM("gpt2", config={"num_hidden_layers": 3, "n_layer": 2})

@@ -7,13 +7,13 @@ trial runs."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
-import sys
+from functools import partial
 
 import pytest
 import yaml
+
+from helpers.cli import run_launcher
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,11 +22,10 @@ SMALL = ["strategy=gpipe", "stages=2", "data.batch_size=8", "data.seq_len=8", "d
          "model.n_head=2", "model.n_layer=2", "trainer.max_steps=2", "trainer.val_check_interval=2", "logger=none"]
 
 
-def launcher(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=200, env=dict(os.environ, COLUMNS="250"))
+launcher = partial(run_launcher, timeout=200, columns=250)
 
 
+@pytest.mark.slow
 def test_a_study_goes_on_past_an_invalid_trial_and_prints_its_best_trial(tmp_path):
     sweep = tmp_path / "study"
     # no -m: hparams_search=optuna sets hydra.mode: MULTIRUN. Its seeded TPE sampler draws
@@ -79,6 +78,7 @@ def test_optunas_sweep_syntax_passes_the_command_line_check(argv):
     assert (new, found.fatal, found.skipped) == (argv, [], [])
 
 
+@pytest.mark.slow
 def test_a_multi_objective_search_prints_its_pareto_front(tmp_path):
     sweep = tmp_path / "study"
     p = launcher("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "model.lr=interval(0.001,0.01)",
@@ -99,6 +99,7 @@ def test_a_multi_objective_search_prints_its_pareto_front(tmp_path):
     assert "hydra.mode=RUN" not in p.stdout  # a -m search: its trials' overrides already run once
 
 
+@pytest.mark.slow
 def test_a_study_in_which_every_trial_fails_ends_in_one_sentence(tmp_path):
     p = launcher("hparams_search=optuna", "hydra.sweeper.n_trials=2", *SMALL, "microbatches=3",
                  f"hydra.sweep.dir={tmp_path / 'study'}", cwd=tmp_path)

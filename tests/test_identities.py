@@ -13,10 +13,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.schedules import check_timeline
 from launcher.schedule import ScheduleError, make_step, simulate
 from launcher.schedule.diagram import ascii_diagram, grid
 from launcher.schedule.metrics import summarize
-from test_schedule_invariants import check_timeline
 
 ORDERS = [("1f1b", None), ("1f1b", "none"), ("breadth_first", None), ("depth_first", None),
           ("breadth_first", "classic"), ("depth_first", "classic")]

@@ -11,8 +11,9 @@ import lightning as L
 import pytest
 import torch
 
+from helpers.training import char_data, max_diff, quiet_trainer, tiny_gpt
 from launcher.lightning import UnifiedStrategy
-from launcher.models import GPT, CharCorpus
+from launcher.models import GPT
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -20,36 +21,24 @@ STEPS = 3
 TOL = 1e-10
 
 
-def data(batch_size: int = 8) -> CharCorpus:
-    return CharCorpus(batch_size=batch_size, seq_len=8, chars=20_000, shuffle=True, seed=3)
-
-
 def trainer(strategy, devices: int, **kw) -> L.Trainer:
-    args = dict(accelerator="cpu", precision="64-true", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2,
-                val_check_interval=STEPS, gradient_clip_val=0.05)
-    args.update(kw)
-    return L.Trainer(strategy=strategy, devices=devices, **args)
+    args = dict(precision="64-true", max_steps=STEPS, limit_val_batches=2, val_check_interval=STEPS,
+                gradient_clip_val=0.05)
+    return quiet_trainer(strategy, devices, **{**args, **kw})
 
 
 @pytest.fixture(scope="module")
 def base() -> GPT:
     torch.manual_seed(0)
-    return GPT(seq_len=8, d_model=16, n_head=2, n_layer=4, max_steps=STEPS)  # 6 modules
+    return tiny_gpt(n_layer=4, max_steps=STEPS)  # 6 modules
 
 
 @pytest.fixture(scope="module")
 def reference(base):
     model = copy.deepcopy(base)
     tr = trainer("auto", 1)
-    tr.fit(model, datamodule=data())
+    tr.fit(model, datamodule=char_data())
     return model, float(tr.callback_metrics["val_loss"])
-
-
-def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
 
 
 CASES = [
@@ -70,7 +59,7 @@ def test_equals_default_strategy(base, reference, scheme, G, R, S, B, order, ext
     model = copy.deepcopy(base)
     st = UnifiedStrategy(scheme, G=G, R=R, stages=S, microbatches=B, order=order, **extra)
     tr = trainer(st, st.W)
-    tr.fit(model, datamodule=data())
+    tr.fit(model, datamodule=char_data())
     assert max_diff(ref, model) < TOL  # the launching process holds the trained weights
     assert abs(float(tr.callback_metrics["val_loss"]) - ref_val) < TOL
     assert abs(float(tr.callback_metrics["train_loss"]) - float(tr.callback_metrics["train_loss"])) == 0
@@ -81,7 +70,7 @@ def test_clipping_is_active_and_global(base, reference):
     ref, _ = reference
     model = copy.deepcopy(base)
     st = UnifiedStrategy("fslpp", G=2, R=2, stages=4, microbatches=4)
-    trainer(st, st.W, gradient_clip_val=None).fit(model, datamodule=data())
+    trainer(st, st.W, gradient_clip_val=None).fit(model, datamodule=char_data())
     assert max_diff(ref, model) > 1e-6
 
 
@@ -94,7 +83,7 @@ def test_custom_placement_callable(base, reference):
 
     model = copy.deepcopy(base)
     st = UnifiedStrategy(two_groups, G=2, R=2, stages=4, microbatches=4)
-    trainer(st, st.W).fit(model, datamodule=data())
+    trainer(st, st.W).fit(model, datamodule=char_data())
     assert max_diff(ref, model) < TOL
 
 
@@ -102,13 +91,13 @@ def test_predict_and_test_match(base, reference):
     ref, _ = reference
     st = UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4)
     tr = trainer(st, st.W)
-    preds = tr.predict(copy.deepcopy(ref), datamodule=data())
-    single = trainer("auto", 1).predict(copy.deepcopy(ref), datamodule=data())
+    preds = tr.predict(copy.deepcopy(ref), datamodule=char_data())
+    single = trainer("auto", 1).predict(copy.deepcopy(ref), datamodule=char_data())
     assert len(preds) == len(single) > 0
     assert max((a - b).abs().max().item() for a, b in zip(preds, single)) < TOL
-    got = trainer(UnifiedStrategy("gpipe", stages=4, microbatches=4), 4).test(copy.deepcopy(ref), datamodule=data(),
-                                                                               verbose=False)
-    want = trainer("auto", 1).test(copy.deepcopy(ref), datamodule=data(), verbose=False)
+    got = trainer(UnifiedStrategy("gpipe", stages=4, microbatches=4), 4).test(copy.deepcopy(ref),
+                                                                               datamodule=char_data(), verbose=False)
+    want = trainer("auto", 1).test(copy.deepcopy(ref), datamodule=char_data(), verbose=False)
     assert abs(got[0]["test_loss"] - want[0]["test_loss"]) < TOL
 
 
@@ -118,7 +107,7 @@ def test_batch_that_does_not_divide_is_one_clear_error(base):
     st = UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4)
     # found on the first batch before any worker starts
     with pytest.raises(ModelError, match="cannot be cut into microbatches=4 equal micro-batches"):
-        trainer(st, st.W).fit(copy.deepcopy(base), datamodule=data(batch_size=6))
+        trainer(st, st.W).fit(copy.deepcopy(base), datamodule=char_data(batch_size=6))
 
 
 def test_bad_keywords_are_one_sentence():

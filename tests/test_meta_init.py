@@ -12,15 +12,12 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from helpers.training import char_data, load_checkpoint, max_diff, quiet_trainer, tiny_gpt
 from launcher.lightning import UnifiedStrategy
-from launcher.models import GPT, CharCorpus, HFCausalLM
+from launcher.models import GPT, HFCausalLM
 from launcher.runtime.init import empty_init, has_meta, init_units
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def tiny_gpt() -> GPT:
-    return GPT(vocab_size=128, seq_len=8, d_model=16, n_head=2, n_layer=2)
 
 
 def test_a_unit_starts_the_same_whoever_holds_it_and_however_the_units_are_grouped() -> None:
@@ -86,18 +83,12 @@ def fit(model: L.LightningModule, strategy, devices: int, tmp_path: Path | None 
     callbacks = list(callbacks)
     if tmp_path is not None:
         callbacks.append(ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2))
-    tr = L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", precision="64-true", max_steps=2,
-                   logger=False, enable_checkpointing=tmp_path is not None, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
-    tr.fit(model, datamodule=CharCorpus(batch_size=8, seq_len=8, chars=20_000, seed=3))
+    tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=2, enable_checkpointing=tmp_path is not None,
+                       limit_val_batches=0, callbacks=callbacks)
+    tr.fit(model, datamodule=char_data())
     if tmp_path is None:
         return model.state_dict()
-    return torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    return load_checkpoint(tmp_path / "last.ckpt")["state_dict"]
 
 
 def test_configure_model_builds_on_meta_and_workers_hold_only_their_stages(tmp_path: Path) -> None:

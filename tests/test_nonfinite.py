@@ -1,4 +1,4 @@
-"""A NaN or an infinity in a training step is caught before the optimizer step (issue 19, item 2).
+"""A NaN or an infinity in a training step is caught before the optimizer step.
 
 ``nonfinite=stop`` (the default) stops the run with one sentence naming the step, the micro-batch
 and the stage where the first non-finite value appeared (the same under every scheme), exit 1,
@@ -10,14 +10,14 @@ before any worker starts."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.cli import finished, start_launcher, survivors
+from helpers.training import load_checkpoint
 from launcher.cli import _preflight
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,23 +70,7 @@ SMALL = ["model=custom", "model._target_=nanmodel.NanGPT", "+model.seq_len=8", "
 
 def launcher(*args: str, cwd: Path) -> subprocess.Popen:
     (cwd / "nanmodel.py").write_text(NAN_MODEL)
-    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(cwd))
-    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def finished(p: subprocess.Popen) -> tuple[int, str, str]:
-    out, err = p.communicate(timeout=240)
-    return p.returncode, out, err
-
-
-def survivors(marker: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
-
-
-def load(path: Path) -> dict:
-    return torch.load(path, weights_only=False, map_location="cpu")
+    return start_launcher(*args, cwd=cwd, pythonpath="cwd")
 
 
 def all_finite(ckpt: dict) -> bool:
@@ -96,6 +80,7 @@ def all_finite(ckpt: dict) -> bool:
     return all(torch.isfinite(t).all() for t in tensors)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme,where,sentence", [
     (["strategy=gpipe", "G=1", "R=4"], [], "step 3: the loss of micro-batch 0 (at stage 3) is nan"),
     (["strategy=lpp", "G=2", "R=2"], ["+model.where=grad"],
@@ -110,13 +95,14 @@ def test_stop_names_step_microbatch_stage_and_keeps_the_last_finite_checkpoint(t
     assert len(errors) == 1 and "Traceback" not in err and "NonFiniteError" not in err, err[-3000:]
     assert sentence + ", so training stopped before the step's update (nonfinite=stop; nonfinite=skip drops such " \
                       "steps and goes on)." in errors[0], errors[0]
-    last = load(run / "checkpoints" / "last.ckpt")
+    last = load_checkpoint(run / "checkpoints" / "last.ckpt")
     assert last["global_step"] == 2  # the checkpoint of step 2, the last finite one
-    assert all(all_finite(load(p)) for p in (run / "checkpoints").glob("*.ckpt"))
+    assert all(all_finite(load_checkpoint(p)) for p in (run / "checkpoints").glob("*.ckpt"))
     assert (run / "failed.json").exists() and not (run / "metrics.json").exists()
     assert not survivors(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_skip_drops_the_step_and_goes_on(tmp_path):
     lpp = ["strategy=lpp", "G=1", "R=2", "trainer.precision=64-true"]
     jobs = {name: launcher(*lpp, *SMALL, f"trainer.max_steps={steps}", *extra, f"hydra.run.dir={tmp_path / name}",
@@ -127,7 +113,8 @@ def test_skip_drops_the_step_and_goes_on(tmp_path):
     for name, (code, _, err) in done.items():
         assert code == 0, (name, err[-3000:])
     # step 3 (nan loss) was dropped: no parameter and no optimizer state moved
-    two, three = load(tmp_path / "two/checkpoints/last.ckpt"), load(tmp_path / "three/checkpoints/last.ckpt")
+    two = load_checkpoint(tmp_path / "two/checkpoints/last.ckpt")
+    three = load_checkpoint(tmp_path / "three/checkpoints/last.ckpt")
     assert three["global_step"] == 3
     assert all(torch.equal(two["state_dict"][k], three["state_dict"][k]) for k in two["state_dict"])
     s2, s3 = two["optimizer_states"][0]["state"], three["optimizer_states"][0]["state"]
@@ -139,7 +126,7 @@ def test_skip_drops_the_step_and_goes_on(tmp_path):
     assert m["skipped_steps"] == 1
     assert [s.get("skipped", False) for s in m["steps"]] == [False, False, True, False, False]
     assert all(s["loss"] == s["loss"] for i, s in enumerate(m["steps"]) if i != 2)  # finite around the skip
-    assert all_finite(load(tmp_path / "five/checkpoints/last.ckpt"))
+    assert all_finite(load_checkpoint(tmp_path / "five/checkpoints/last.ckpt"))
     assert not survivors(str(tmp_path))
 
 

@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from launcher.plan.partition import (PartitionError, balanced_groups, memory_groups, scaled, stage_durations,
-                                     time_groups)
+from launcher.plan.partition import PartitionError, balanced_groups, memory_groups, scaled, stage_durations, time_groups
 
 
 def cuts(n: int, S: int):

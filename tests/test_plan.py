@@ -6,10 +6,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from launcher.runtime.plan import ACT, GRAD, WEIGHTS, WGRAD, Plan, PlanError, lower, predicted_receives, resident_peaks
 from launcher.schedule import ScheduleError, make_step, simulate
 from launcher.schedule.metrics import per_worker
-from launcher.runtime.plan import (ACT, GRAD, WEIGHTS, WGRAD, Plan, PlanError, lower, predicted_receives,
-                                   resident_peaks)
 
 SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("lpp", 2, 2, 4, 4),
            ("fslpp", 2, 2, 4, 4), ("lpp", 2, 2, 8, 8), ("fslpp", 4, 2, 8, 8)]
@@ -174,8 +173,10 @@ def test_identities_lower_alike():
     """LPP with G=1, R=S is GPipe and LPP with G=B, R=1 is DDP: same messages."""
     def sig(plan: Plan):
         return [(m.kind, m.src, m.dst, m.stage, m.microbatch) for m in plan.messages]
-    assert sig(lower(simulate(make_step("lpp", 4, 6, G=1, R=4)))) == sig(lower(simulate(make_step("gpipe", 4, 6, G=1, R=4))))
-    assert sig(lower(simulate(make_step("lpp", 3, 4, G=4, R=1)))) == sig(lower(simulate(make_step("ddp", 3, 4, G=4, R=1))))
+    assert (sig(lower(simulate(make_step("lpp", 4, 6, G=1, R=4))))
+            == sig(lower(simulate(make_step("gpipe", 4, 6, G=1, R=4)))))
+    assert (sig(lower(simulate(make_step("lpp", 3, 4, G=4, R=1))))
+            == sig(lower(simulate(make_step("ddp", 3, 4, G=4, R=1)))))
 
 
 def test_ddp_all_reduces_every_stage_among_all_workers():

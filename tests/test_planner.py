@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
+import os
+from functools import partial
 
 import pytest
-from hydra import compose, initialize_config_module
 
 import launcher.config  # noqa: F401  (registers the schema)
+from helpers.cli import run_launcher
 from launcher.config import errors
 from launcher.modes.simulate import simulate_config
-from launcher.plan import Budget, ProfileError, load, parse_bytes, search, unit
-from launcher.plan.search import job_cache_time, shared_cores_time
-from launcher.plan import memory
+from launcher.plan import Budget, ProfileError, load, memory, parse_bytes, search, unit
 from launcher.plan.profile import from_dict
+from launcher.plan.search import job_cache_time, shared_cores_time
 from launcher.schedule import ScheduleError, make_step, simulate
 from launcher.schedule.link import step_time as link_step_time
 from launcher.schedule.metrics import per_worker
@@ -26,7 +25,8 @@ from launcher.schedule.metrics import per_worker
 PROFILE = {"durations_s": {"F": 1.0, "B": 2.2, "I": 1.3, "W": 0.9}, "comm_s": 0.1,
            "bytes": {"params": [10, 20, 20, 10], "grads": [10, 20, 20, 10], "optimizer": [20, 40, 40, 20],
                      "activation": [5, 8, 8, 3]}}
-ORDERS = [("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"), ("zb_h1", "classic")]
+ORDERS = [("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"),
+          ("zb_h1", "classic")]
 
 
 def fits(tl, prof, budget: Budget, caches=("step", "job")) -> bool:
@@ -100,20 +100,15 @@ CASES = [  # S, B, workers, profile (None: unit costs), budget
 ]
 
 
-@pytest.fixture(scope="module")
-def compose_cfg():
-    with initialize_config_module("launcher.conf", version_base="1.3"):
-        yield lambda overrides: compose("config", overrides=list(overrides))
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"S{c[0]}B{c[1]}w{c[2]}-{'link' if c[3] is LINKED else 'cores' if c[3] is SHARED else ''}{c[4]}")
-def test_best_reproduces_fits_and_beats_the_brute_force(case, compose_cfg, tmp_path):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: (
+    f"S{c[0]}B{c[1]}w{c[2]}-{'link' if c[3] is LINKED else 'cores' if c[3] is SHARED else ''}{c[4]}"))
+def test_best_reproduces_fits_and_beats_the_brute_force(case, cfg_of, tmp_path):
     S, B, workers, profile, budget = case
     prof = from_dict(profile) if profile else unit({"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}, 0.0)
     best = search(S, [B], workers, prof, budget, top=5).best
     assert best is not None
     # re-simulate from the planner's own overrides, through Hydra
-    cfg = compose_cfg(best.overrides)
+    cfg = cfg_of(best.overrides)
     assert errors(cfg) == []
     tl, summary = simulate_config(cfg)
     assert step_time(tl, prof, cfg.weight_cache) == pytest.approx(best.step_time, rel=1e-12)
@@ -188,13 +183,14 @@ def test_sizes_parse():
             parse_bytes(bad)
 
 
-def test_plan_keys_are_validated(compose_cfg, tmp_path):
-    bad = compose_cfg(["mode=plan", "plan.memory=2GB"])
-    assert errors(bad) == ["plan.memory=2GB needs plan.profile with bytes (params, grads, optimizer, activation per stage)."]
-    assert errors(compose_cfg(["mode=plan", "plan.microbatches=[4,0]"]))[0].startswith("plan.microbatches=[4, 0] is invalid")
-    assert errors(compose_cfg(["mode=plan", "plan.memory=lots", f"plan.profile={tmp_path}/none.json"]))[:1] == [
+def test_plan_keys_are_validated(cfg_of, tmp_path):
+    bad = cfg_of(["mode=plan", "plan.memory=2GB"])
+    assert errors(bad) == [
+        "plan.memory=2GB needs plan.profile with bytes (params, grads, optimizer, activation per stage)."]
+    assert errors(cfg_of(["mode=plan", "plan.microbatches=[4,0]"]))[0].startswith("plan.microbatches=[4, 0] is invalid")
+    assert errors(cfg_of(["mode=plan", "plan.memory=lots", f"plan.profile={tmp_path}/none.json"]))[:1] == [
         "plan.memory=lots is invalid: give a size such as 2GB, 512MiB or a number of bytes."]
-    assert errors(compose_cfg(["mode=plan", "plan.max_activations=4", "plan.workers=16"])) == []
+    assert errors(cfg_of(["mode=plan", "plan.max_activations=4", "plan.workers=16"])) == []
 
 
 def test_plan_and_auto_on_the_command_line(tmp_path):
@@ -203,7 +199,7 @@ def test_plan_and_auto_on_the_command_line(tmp_path):
     prof = tmp_path / "metrics.json"
     prof.write_text(json.dumps({"profile": PROFILE}))
     common = ["stages=4", "microbatches=4", "plan.workers=4", "plan.memory=150", f"plan.profile={prof}"]
-    run = lambda *args: subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True)
+    run = partial(run_launcher, cwd=tmp_path, env=os.environ, timeout=None)
     out = run("mode=plan", *common, f"hydra.run.dir={tmp_path / 'plan'}")
     assert out.returncode == 0, out.stderr
     rec = json.loads((tmp_path / "plan" / "plan.json").read_text())

@@ -25,8 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.training import char_data, quiet_trainer, tiny_gpt
 from launcher.lightning import UnifiedStrategy
-from launcher.models import GPT, CharCorpus
+from launcher.models import GPT
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,10 +43,6 @@ SCHEMES = {
     "lpp": ("lpp", 1, 2, 4, 2),
     "fslpp": ("fslpp", 2, 2, 4, 4),
 }
-
-
-def data() -> CharCorpus:
-    return CharCorpus(batch_size=8, seq_len=8, chars=20_000, shuffle=True, seed=3)
 
 
 class Keep(L.Callback):
@@ -72,17 +69,15 @@ class Keep(L.Callback):
 
 def fit(base: GPT, strategy, devices: int, precision: str, out: Path | None = None) -> tuple[GPT, Keep]:
     model, keep = copy.deepcopy(base), Keep(out)
-    L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", precision=precision, max_steps=STEPS,
-              logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=0.05, callbacks=[keep],
-              ).fit(model, datamodule=data())
+    quiet_trainer(strategy, devices, precision=precision, max_steps=STEPS, limit_val_batches=0, gradient_clip_val=0.05,
+                  callbacks=[keep]).fit(model, datamodule=char_data())
     return model, keep
 
 
 @pytest.fixture(scope="module")
 def base() -> GPT:
     torch.manual_seed(0)
-    return GPT(seq_len=8, d_model=16, n_head=2, n_layer=2, max_steps=STEPS)
+    return tiny_gpt(max_steps=STEPS)
 
 
 def update(base: GPT, model: GPT) -> torch.Tensor:

@@ -14,13 +14,12 @@ validation loss within 1e-10).
 
 from __future__ import annotations
 
-
 import lightning as L
 import pytest
 import torch
-
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from helpers.training import char_data, load_checkpoint, max_diff, quiet_trainer, tiny_gpt
 from launcher.lightning import UnifiedStrategy
 from launcher.models import CharCorpus, HFCausalLM, ShapesImages, TimmClassifier
 
@@ -29,10 +28,6 @@ pytestmark = pytest.mark.timeout(600)
 STEPS = 3
 TOL = 1e-10
 SCHEMES = {"ddp": (None, None), "fsdp": (None, None), "gpipe": (None, None), "lpp": (2, 2), "fslpp": (2, 2)}
-
-
-def chars() -> CharCorpus:
-    return CharCorpus(batch_size=8, seq_len=8, chars=20_000, shuffle=True, seed=3)
 
 
 def images() -> ShapesImages:
@@ -45,10 +40,8 @@ B = 4  # micro-batches
 def trainer(strategy, devices: int, micro: bool = False) -> L.Trainer:
     """``micro``: the micro-batched oracle (batches of one micro-batch, gradients accumulated over ``B``)."""
     k = B if micro else 1
-    return L.Trainer(strategy=strategy, devices=devices, accelerator="cpu", precision="64-true", max_steps=STEPS,
-                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, limit_val_batches=2 * k, val_check_interval=STEPS * k,
-                     accumulate_grad_batches=k)
+    return quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, limit_val_batches=2 * k,
+                         val_check_interval=STEPS * k, accumulate_grad_batches=k)
 
 
 def no_dropout(module: torch.nn.Module) -> torch.nn.Module:
@@ -82,16 +75,19 @@ MICRO = {"resnet-bn"}  # BatchNorm: the micro-batched oracle
 
 MODELS = {
     # name: (build, data, extra strategy keywords)
-    "gpt2-tied": (lambda: HFCausalLM(arch="gpt2", config=dict(n_layer=2, n_embd=32, n_head=4), max_steps=STEPS), chars, {}),
-    "llama": (lambda: HFCausalLM(arch="llama", config=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                                                          num_attention_heads=4, num_key_value_heads=2), max_steps=STEPS),
-              chars, {}),
-    "qwen2-tied": (lambda: HFCausalLM(arch="qwen2", config=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                                                               num_attention_heads=4, num_key_value_heads=2,
-                                                               tie_word_embeddings=True), max_steps=STEPS),
-                   chars, {}),
+    "gpt2-tied": (lambda: HFCausalLM(arch="gpt2", config=dict(n_layer=2, n_embd=32, n_head=4), max_steps=STEPS),
+                  char_data, {}),
+    "llama": (lambda: HFCausalLM(arch="llama", config=dict(num_hidden_layers=2, hidden_size=32,
+                                                          intermediate_size=64, num_attention_heads=4,
+                                                          num_key_value_heads=2), max_steps=STEPS),
+              char_data, {}),
+    "qwen2-tied": (lambda: HFCausalLM(arch="qwen2", config=dict(num_hidden_layers=2, hidden_size=32,
+                                                               intermediate_size=64, num_attention_heads=4,
+                                                               num_key_value_heads=2, tie_word_embeddings=True),
+                                      max_steps=STEPS),
+                   char_data, {}),
     "resnet-bn": (lambda: sgd(TimmClassifier(name="resnet10t", num_classes=4, max_steps=STEPS)), images, {}),
-    "lightning-demo": (demo, chars, {"split": "auto"}),
+    "lightning-demo": (demo, char_data, {"split": "auto"}),
 }
 
 
@@ -117,11 +113,7 @@ def references() -> dict:
     return out
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
+@pytest.mark.slow  # the references: five models trained on one device first
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_real_model_equals_single_device(name: str, scheme: str, references: dict) -> None:
@@ -141,12 +133,12 @@ def test_tied_embedding_stays_one_parameter_in_the_checkpoint(tmp_path) -> None:
     and it loads into one process and resumes under another scheme."""
     model = build("gpt2-tied")
     tr = L.Trainer(strategy=UnifiedStrategy("fsdp", stages=4, microbatches=4), devices=4, accelerator="cpu",
-                   precision="64-true", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0, limit_val_batches=0,
+                   precision="64-true", max_steps=2, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                    callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)])
-    tr.fit(model, datamodule=chars())
+    tr.fit(model, datamodule=char_data())
     ckpt = tmp_path / "last.ckpt"
-    state = torch.load(ckpt, weights_only=False)["state_dict"]
+    state = load_checkpoint(ckpt)["state_dict"]
     single = build("gpt2-tied").double()
     assert state.keys() == single.state_dict().keys()
     tied = [k for k in state if k.endswith("lm_head.weight")]
@@ -160,15 +152,14 @@ def test_trainer_fit_names_a_broken_stage_before_any_worker_starts() -> None:
     raised in this process (no worker was forked, so no worker's traceback precedes it)."""
     from torch import nn
 
-    from launcher.models import GPT
     from launcher.runtime.model import ModelError
 
-    model = GPT(seq_len=8, d_model=16, n_head=2, n_layer=2)
+    model = tiny_gpt()
     model.stages[1] = nn.Sequential(nn.Linear(16, 16), nn.Flatten(0), nn.Linear(3, 3))
     tr = L.Trainer(strategy=UnifiedStrategy("gpipe", stages=4, microbatches=4), devices=4, accelerator="cpu",
                    max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ModelError, match=r"^stage 1 \(Sequential\) raised RuntimeError on an input of shape \(2, 8\)"):
-        tr.fit(model, datamodule=chars())
+        tr.fit(model, datamodule=char_data())
 
 
 class EncodedChars(CharCorpus):

@@ -6,9 +6,7 @@ default single-device strategy in this process (float64, within 1e-10)."""
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -18,12 +16,14 @@ from hydra import compose, initialize_config_module
 from hydra.utils import get_class, instantiate
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
+from helpers.cli import run_launcher
+from helpers.training import last_state, quiet_trainer
 from launcher.runtime.init import empty_init, has_meta, init_units
 
 pytestmark = pytest.mark.timeout(400)
 
-COMMON = ["stages=4", "microbatches=4", "trainer.max_steps=3", "trainer.precision=64-true", "trainer.gradient_clip_val=0",
-          "trainer.val_check_interval=3", "logger=none"]
+COMMON = ["stages=4", "microbatches=4", "trainer.max_steps=3", "trainer.precision=64-true",
+          "trainer.gradient_clip_val=0", "trainer.val_check_interval=3", "logger=none"]
 CHARS = ["data.batch_size=8", "data.seq_len=8", "data.chars=20000"]
 CASES = {
     # name: (scheme, overrides of the model and data)
@@ -31,7 +31,8 @@ CASES = {
                            "model.config.n_head=4", *CHARS]),
     "llama": ("fslpp", ["model=hf", "model.arch=llama", "model.config.num_hidden_layers=2",
                         "model.config.hidden_size=32", "model.config.intermediate_size=64",
-                        "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "G=2", "R=2", *CHARS]),
+                        "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "G=2", "R=2",
+                        *CHARS]),
     "qwen2-tied": ("gpipe", ["model=hf", "model.arch=qwen2", "model.config.num_hidden_layers=2",
                              "model.config.hidden_size=32", "model.config.intermediate_size=64",
                              "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
@@ -67,10 +68,7 @@ def demo_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
-def launcher(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=380)
+launcher = partial(run_launcher, timeout=380)
 
 
 def single_device(overrides: list[str], micro: bool) -> dict:
@@ -93,21 +91,20 @@ def single_device(overrides: list[str], micro: bool) -> dict:
     k = 4 if micro else 1
     if micro:
         data.batch_size //= k
-    tr = L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=3, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0, limit_val_batches=2 * k, val_check_interval=3 * k,
-                   accumulate_grad_batches=k)
+    tr = quiet_trainer(precision="64-true", max_steps=3, limit_val_batches=2 * k, val_check_interval=3 * k,
+                       accumulate_grad_batches=k)
     tr.fit(model, datamodule=data)
     return model.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_command_line_equals_single_device(name: str, tmp_path: Path) -> None:
     scheme, overrides = CASES[name]
     run = tmp_path / "run"
     p = launcher(f"strategy={scheme}", *COMMON, *overrides, f"hydra.run.dir={run}", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    got = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    got = last_state(run)
     want = single_device([*COMMON, *overrides], micro=name == "resnet-bn")
     assert got.keys() == want.keys()
     assert max((got[k].double() - want[k].double()).abs().max().item() for k in want) < 1e-10
@@ -116,9 +113,9 @@ def test_command_line_equals_single_device(name: str, tmp_path: Path) -> None:
 def test_a_stage_that_fails_is_named_before_any_worker_starts(tmp_path: Path) -> None:
     """A split point that is not a module of the model: one sentence naming it, exit 2, no run."""
     run = tmp_path / "run"
-    p = launcher("strategy=gpipe", *COMMON, "model=custom", "model._target_=lightning.pytorch.demos.LightningTransformer",
-                 "+model.vocab_size=128", "split=[model.nothing,model.decoder,model.transformer]", *CHARS,
-                 f"hydra.run.dir={run}", cwd=tmp_path)
+    p = launcher("strategy=gpipe", *COMMON, "model=custom",
+                 "model._target_=lightning.pytorch.demos.LightningTransformer", "+model.vocab_size=128",
+                 "split=[model.nothing,model.decoder,model.transformer]", *CHARS, f"hydra.run.dir={run}", cwd=tmp_path)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "model.nothing" in p.stderr and "Traceback" not in p.stderr
     assert not (run / "checkpoints").exists()

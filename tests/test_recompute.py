@@ -108,14 +108,16 @@ def test_simulator_charges_the_extra_forward():
     # stage's forward added to every backward under recompute=full: (S + B - 1)(2f + g)
     S, B, f, g = 4, 6, 1.0, 2.0
     for rc, want in [("none", (S + B - 1) * (f + g)), ("full", (S + B - 1) * (2 * f + g))]:
-        tl = simulate(make_step("gpipe", S, B, G=1, R=S, order="breadth_first", durations={"F": f, "B": g}, recompute=rc))
+        tl = simulate(make_step("gpipe", S, B, G=1, R=S, order="breadth_first", durations={"F": f, "B": g},
+                                recompute=rc))
         assert tl.latency == want, (rc, tl.latency, want)
     # only stage 1 recomputes: its backwards take f more
     step = make_step("gpipe", S, B, G=1, R=S, durations={"F": f, "B": g}, recompute=[1])
     table = step.duration_table()
     assert table[S + 1] == g + f and table[S] == table[S + 2] == g
     # split backward: I carries it
-    step = make_step("gpipe", S, B, G=1, R=S, split_backward=True, durations={"F": 1, "I": 0.5, "W": 0.5}, recompute="full")
+    step = make_step("gpipe", S, B, G=1, R=S, split_backward=True, durations={"F": 1, "I": 0.5, "W": 0.5},
+                     recompute="full")
     assert step.duration_table()[S:2 * S] == [1.5] * S and step.duration_table()[2 * S:] == [0.5] * S
 
 
@@ -123,13 +125,16 @@ def test_simulator_charges_the_extra_forward():
     ([9], "recompute=[9] is invalid: stage 9 does not exist with stages=8; use none, full (every stage) or a list of "
           "stage indices in [0, 8)."),
     ("some", "recompute=some is invalid: use none, full (every stage) or a list of stage indices."),
-    ([1, -1], "recompute=[1, -1] is invalid: -1 is not a stage index; use none, full (every stage) or a list of stage indices."),
-    ([2, 2], "recompute=[2, 2] is invalid: it names a stage twice; use none, full (every stage) or a list of stage indices."),
+    ([1, -1], "recompute=[1, -1] is invalid: -1 is not a stage index; use none, full (every stage) or a list of stage "
+              "indices."),
+    ([2, 2], "recompute=[2, 2] is invalid: it names a stage twice; use none, full (every stage) or a list of stage "
+             "indices."),
 ])
 def test_bad_values_are_one_sentence(value, says):
-    from launcher.config.validate import errors
-    from launcher.config.schema import LauncherConf
     from omegaconf import OmegaConf
+
+    from launcher.config.schema import LauncherConf
+    from launcher.config.validate import errors
 
     cfg = OmegaConf.structured(LauncherConf)
     cfg.recompute = value
@@ -141,9 +146,10 @@ def test_bad_values_are_one_sentence(value, says):
 
 
 def test_config_reaches_the_step():
+    from omegaconf import OmegaConf
+
     from launcher.config import to_step
     from launcher.config.schema import LauncherConf
-    from omegaconf import OmegaConf
 
     cfg = OmegaConf.structured(LauncherConf)
     cfg.model = cfg.data = cfg.trainer = cfg.logger = None

@@ -1,4 +1,4 @@
-"""Resuming from ``last.ckpt`` is exact, from every checkpoint a run writes (issue 19, item 1).
+"""Resuming from ``last.ckpt`` is exact, from every checkpoint a run writes.
 
 A run that stops at ``trainer.max_steps`` writes ``last.ckpt`` after Lightning has ended its epoch
 early; the data position is kept by the data module itself (:class:`launcher.models.SeededData`),
@@ -10,15 +10,14 @@ is refused in one sentence, exit 2, before any worker or run directory exists.""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from helpers.cli import finished, start_launcher
+from helpers.training import last_state, load_checkpoint, max_diff
 from launcher.cli import _preflight
 from launcher.models import CharCorpus
 
@@ -31,24 +30,7 @@ TINY = ["stages=2", "microbatches=2", "data.batch_size=8", "data.seq_len=8", "da
 GPIPE = ["strategy=gpipe", "G=1", "R=2"]
 
 
-def launcher(*args: str, cwd: Path) -> subprocess.Popen:
-    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(cwd))
-    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finished(p: subprocess.Popen) -> tuple[int, str, str]:
-    out, err = p.communicate(timeout=240)
-    return p.returncode, out, err
-
-
-def state(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")["state_dict"]
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+launcher = partial(start_launcher, pythonpath="cwd", start_new_session=False)
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +53,20 @@ def runs(tmp_path_factory) -> SimpleNamespace:
     return r
 
 
+@pytest.mark.slow
 def test_last_ckpt_at_max_steps_saves_where_the_data_stands(runs):
-    ckpt = torch.load(runs.first / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    ckpt = load_checkpoint(runs.first / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 4
     assert ckpt["CharCorpus"] == {"epoch": 0, "samples": 32, "batches": 4}  # not Lightning's epoch 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["same", "other"])
 def test_resume_equals_the_uninterrupted_run(runs, which):
     code, _, err = runs.resumed[0 if which == "same" else 1]
     assert code == 0, err[-3000:]
     run = getattr(runs, which)
-    assert max_diff(state(run), state(runs.whole)) < 1e-10
+    assert max_diff(last_state(run), last_state(runs.whole)) < 1e-10
     got = json.loads((run / "metrics.json").read_text())["steps"]
     want = json.loads((runs.whole / "metrics.json").read_text())["steps"]
     assert [s["step"] for s in got] == list(range(1, 10))
@@ -96,6 +80,7 @@ def _fatal(*overrides: str) -> list[str]:
     return found.fatal
 
 
+@pytest.mark.slow
 def test_a_finished_checkpoint_names_the_key_to_raise(runs):
     ckpt = runs.first / "checkpoints" / "last.ckpt"
     assert _fatal(*GPIPE, *TINY, "trainer.max_steps=4", f"ckpt_path={ckpt}") == [
@@ -103,6 +88,7 @@ def test_a_finished_checkpoint_names_the_key_to_raise(runs):
         f"trainer.max_steps above 4 to train on from it."]
 
 
+@pytest.mark.slow
 def test_another_schedule_length_is_refused_unless_asked_for(runs):
     ckpt = runs.first / "checkpoints" / "last.ckpt"
     found = _fatal(*GPIPE, *TINY, "trainer.max_steps=12", f"ckpt_path={ckpt}")
@@ -112,6 +98,7 @@ def test_another_schedule_length_is_refused_unless_asked_for(runs):
     assert not _fatal(*GPIPE, *TINY, "trainer.max_steps=12", "model.max_steps=9", f"ckpt_path={ckpt}")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused(runs):
     ckpt = runs.first / "checkpoints" / "last.ckpt"
     found = _fatal(*GPIPE, *[a for a in TINY if not a.startswith("model.d_model")], "model.d_model=32",
@@ -122,6 +109,7 @@ def test_a_checkpoint_of_another_model_is_refused(runs):
                                f"[128, 32]"), found
 
 
+@pytest.mark.slow
 def test_a_truncated_checkpoint_is_one_sentence_before_anything_runs(runs):
     whole = (runs.first / "checkpoints" / "last.ckpt").read_bytes()
     cut = runs.tmp / "cut.ckpt"

@@ -1,4 +1,4 @@
-"""Issue 10, the command line and the Python API: every bad input is one sentence naming the key,
+"""The command line and the Python API: every bad input is one sentence naming the key,
 the value and the rule (exit 2), before anything runs; huge steps are refused or bounded; the
 console script finds the user's modules; a reused run directory keeps only its latest outcome.
 
@@ -13,12 +13,13 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
+from helpers.cli import launcher_env, run_launcher
 from launcher.config import check_overrides, errors
 from launcher.config.paths import dir_error, file_error
 from launcher.modes.simulate import simulate_config
@@ -32,18 +33,14 @@ SIZES = "the sizes G, R, stages and microbatches must be positive integers."
 LAUNCHER = Path(sys.executable).with_name("launcher")  # the console script of this environment
 
 
-def run(*args: str, cwd: Path, script: bool = False) -> subprocess.CompletedProcess:
-    cmd = [str(LAUNCHER)] if script else [sys.executable, "-m", "launcher"]
-    env = dict(os.environ, HYDRA_FULL_ERROR="0", COLUMNS="200")
-    env.pop("PYTHONPATH", None)
-    return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+#: the command in an environment without PYTHONPATH (``command=(str(LAUNCHER),)``: the console script)
+run = partial(run_launcher, hydra_full_error="0", pythonpath="drop")
 
 
 def run_with_peak(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int]:
     """`run`, and the peak resident bytes of that one process (RUSAGE_CHILDREN would give the
     largest of every child this test session has started)."""
-    env = dict(os.environ, HYDRA_FULL_ERROR="0", COLUMNS="200")
-    env.pop("PYTHONPATH", None)
+    env = launcher_env(hydra_full_error="0", pythonpath="drop")
     cmd = [sys.executable, "-m", "launcher", *args]
     with open(cwd / "out.txt", "w+") as out, open(cwd / "err.txt", "w+") as err:
         child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
@@ -52,12 +49,6 @@ def run_with_peak(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, i
         out.seek(0), err.seek(0)
         done = subprocess.CompletedProcess(cmd, child.returncode, out.read(), err.read())
     return done, usage.ru_maxrss * 1024
-
-
-@pytest.fixture(scope="module")
-def cfg_of():
-    with initialize_config_module("launcher.conf", version_base="1.3"):
-        yield lambda *overrides: compose("config", overrides=list(overrides))
 
 
 # ---- the command line's values ------------------------------------------------------------------
@@ -111,7 +102,8 @@ def test_the_api_checks_what_the_command_line_checks(cfg_of):
         (dict(microbatches=-1), ["microbatches=-1"], f"microbatches=-1 is invalid: {SIZES}"),
         (dict(durations={"F": math.inf}), ["durations.F=inf"],
          "durations.F=inf is invalid: job durations must be positive finite numbers."),
-        (dict(comm=math.nan), ["comm=nan"], "comm=nan is invalid: the communication delay must be a finite number >= 0."),
+        (dict(comm=math.nan), ["comm=nan"],
+         "comm=nan is invalid: the communication delay must be a finite number >= 0."),
         (dict(memory_limit=[1, 2]), ["memory_limit=[1,2]"],
          "memory_limit=[1, 2] is invalid: it has 2 entries but there are W=8 workers (memory_limit must be null, a "
          "positive integer, or a list of positive integers, one per worker)."),
@@ -199,14 +191,14 @@ def test_console_script_imports_from_the_working_directory_and_a_run_dir_keeps_o
         "def my_placement(s, b, d, G, R):\n    w = R * (b % G) + (s % R)\n    return (w, w)\n")
     run_dir = tmp_path / "run"
     p = run("mode=simulate", "strategy=custom", "strategy.placement._target_=mymodule.nope", f"hydra.run.dir={run_dir}",
-            cwd=tmp_path, script=True)
+            cwd=tmp_path, command=(str(LAUNCHER),))
     assert p.returncode == 2
     assert p.stderr.splitlines() == [
         "error: strategy.placement._target_=mymodule.nope could not be built: module mymodule has no attribute nope."]
     assert (run_dir / "invalid.json").exists()
-    p = run("mode=simulate", "strategy=custom", "strategy.placement._target_=mymodule.my_placement", "+strategy.placement.G=${G}",
-            "+strategy.placement.R=${R}", "stages=4", "microbatches=4", "png=false", f"hydra.run.dir={run_dir}",
-            cwd=tmp_path, script=True)
+    p = run("mode=simulate", "strategy=custom", "strategy.placement._target_=mymodule.my_placement",
+            "+strategy.placement.G=${G}", "+strategy.placement.R=${R}", "stages=4", "microbatches=4", "png=false",
+            f"hydra.run.dir={run_dir}", cwd=tmp_path, command=(str(LAUNCHER),))
     assert p.returncode == 0, p.stderr
     assert not (run_dir / "invalid.json").exists()  # the stale verdict of the last run is gone
     assert json.loads((run_dir / "simulation.json").read_text())["workers"] == 8

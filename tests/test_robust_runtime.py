@@ -1,4 +1,4 @@
-"""Issue 10, the runtime's edges: a hung worker is named within the timeout, ranks given different
+"""The runtime's edges: a hung worker is named within the timeout, ranks given different
 micro-batches are refused, a bad model is one sentence per problem before any worker starts, and
 the engine computes with the caller's own stage modules without touching the caller's list."""
 

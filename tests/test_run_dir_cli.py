@@ -1,5 +1,5 @@
-"""What a run leaves in its directory when something goes wrong around it (issue 19, items 3, 4
-and 8), as the user types the commands:
+"""What a run leaves in its directory when something goes wrong around it, as the user types the
+commands:
 
 - one run per directory: a run holds ``hydra.run.dir``; a second run there is refused in one
   sentence naming the holder's PID (exit 2) and touches nothing; a lock left by a dead process is
@@ -18,29 +18,20 @@ import os
 import resource
 import signal
 import subprocess
-import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.cli import SMALL_RUN, start_launcher, survivors
+
 pytestmark = pytest.mark.timeout(240)
 
-SMALL = ["stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000", "model.d_model=16",
-         "model.n_head=2", "model.n_layer=2", "logger=none"]
+SMALL = [*SMALL_RUN, "logger=none"]
 
-
-def launcher(*args: str, cwd: Path, preexec_fn=None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(cwd), COLUMNS="200")
-    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=preexec_fn is None,
-                            preexec_fn=preexec_fn)
-
-
-def _survivors(marker: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+launcher = partial(start_launcher, pythonpath="cwd")
 
 
 def _errors(err: str) -> list[str]:
@@ -60,6 +51,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
+@pytest.mark.slow
 def test_one_run_per_directory_and_an_interrupted_run_keeps_its_metrics(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -99,7 +91,7 @@ def test_one_run_per_directory_and_an_interrupted_run_keeps_its_metrics(tmp_path
     assert all(isinstance(s["loss"], float) and s["loss"] > 0 for s in metrics["steps"])
     assert metrics["run"]["scheme"] == "lpp" and metrics["latency_s"]["measured"] > 0
     assert not (run / "progress.jsonl").exists() and not (run / ".launcher.lock").exists()
-    assert not _survivors(str(tmp_path))
+    assert not survivors(str(tmp_path))
 
 
 LIMIT = 100_000  # bytes: the run's small files fit, a checkpoint (~170 kB) does not
@@ -113,6 +105,7 @@ def _small_disk() -> None:
     os.setsid()
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_sentence_and_keeps_what_was_written(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -120,7 +113,8 @@ def test_full_disk_is_one_sentence_and_keeps_what_was_written(tmp_path):
     torch.save(before, run / "checkpoints" / "last.ckpt")  # a previous run's: must stay as it was
     old = (run / "checkpoints" / "last.ckpt").read_bytes()
     p = launcher("strategy=fslpp", "G=2", "R=2", *SMALL, "trainer.max_steps=4", "trainer.val_check_interval=2",
-                 "timeout=10", f"hydra.run.dir={run}", cwd=tmp_path, preexec_fn=_small_disk)
+                 "timeout=10", f"hydra.run.dir={run}", cwd=tmp_path, preexec_fn=_small_disk,
+                 start_new_session=False)  # _small_disk starts the session
     try:
         _, err = p.communicate(timeout=180)
     finally:
@@ -139,7 +133,7 @@ def test_full_disk_is_one_sentence_and_keeps_what_was_written(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").read_bytes() == old
     assert torch.equal(torch.load(run / "checkpoints" / "last.ckpt")["state_dict"]["w"], before["state_dict"]["w"])
     assert not [f.name for f in run.iterdir() if f.name.startswith(".") and f.name != ".hydra"]
-    assert not _survivors(str(tmp_path))
+    assert not survivors(str(tmp_path))
 
 
 def _write_past_the_limit(path: Path) -> str:

@@ -25,7 +25,8 @@ SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("l
 ORDERS = ["1f1b", "breadth_first", "depth_first"]
 
 CASES_W4 = (
-    [Case(n, G, R, S, B, order=o, optimizer=opt) for n, G, R, S, B in SCHEMES for o in ORDERS for opt in ("sgd", "adam")]
+    [Case(n, G, R, S, B, order=o, optimizer=opt)
+     for n, G, R, S, B in SCHEMES for o in ORDERS for opt in ("sgd", "adam")]
     # S = 8 stages on 4 workers
     + [Case(n, G, R, 8, 4, order=o, optimizer="adam") for n, G, R in [("fsdp", 4, 1), ("lpp", 2, 2), ("fslpp", 2, 2)]
        for o in ("1f1b", "breadth_first")]
@@ -36,7 +37,8 @@ CASES_W4 = (
        Case("fslpp", 2, 2, 4, 4, weight_cache="job", split=True), Case("fslpp", 2, 2, 8, 4, prefetch=0),
        Case("lpp", 2, 2, 8, 8, prefetch=6, order="breadth_first"),
        # peak resident copies under cache job depend on the lookahead (and on I keeping its copy for W)
-       Case("fsdp", 4, 1, 4, 4, weight_cache="job", prefetch=2), Case("fsdp", 4, 1, 4, 4, weight_cache="job", prefetch=0, split=True),
+       Case("fsdp", 4, 1, 4, 4, weight_cache="job", prefetch=2),
+       Case("fsdp", 4, 1, 4, 4, weight_cache="job", prefetch=0, split=True),
        Case("fslpp", 2, 2, 8, 4, weight_cache="job", prefetch=3, split=True, order="breadth_first")]
     # FSLPP's balanced ownership h(s, floor(s/R)): every worker owns a stage (S = G R) or two (S = 2 G R)
     + [Case("fslpp_balanced", 2, 2, 4, 4, optimizer="adam", placement=FSLPP(2, 2, "balanced"), W=4),

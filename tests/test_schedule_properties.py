@@ -4,87 +4,21 @@ Random S, B, G, R, every named placement plus random custom ones, every order (a
 one), random durations, communication delay, split backward, stage DAGs and memory limits. On every
 timeline: each job runs exactly once, no job starts before its predecessors end (plus ``comm``
 across workers), no worker runs two jobs at once, and no worker ever holds more activations than
-its limit (see :mod:`test_schedule_invariants` for the checks, recomputed from the timeline).
+its limit (see :mod:`helpers.schedules` for the random steps and the checks, recomputed from the
+timeline).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launcher.schedule import ScheduleError, StageGraph, make_step, simulate
-from test_schedule_invariants import check_greedy, check_timeline
+from helpers.schedules import SCHEMES, check_greedy, check_timeline, steps
+from launcher.schedule import ScheduleError, make_step, simulate
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-SCHEMES = ("ddp", "fsdp", "gpipe", "lpp", "fslpp")
-ORDERS = ("1f1b", "1f1b/none", "breadth_first", "depth_first", "custom")
-HALVES = st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0])  # exact in binary: comparisons stay exact
-
-
-@st.composite
-def graphs(draw, S):
-    """A chain most of the time, else a random DAG on S stages (edges go upward)."""
-    if S == 1 or draw(st.booleans()):
-        return StageGraph.chain(S)
-    preds = [()]
-    for s in range(1, S):
-        ps = draw(st.sets(st.integers(0, s - 1), min_size=1, max_size=min(2, s)))
-        preds.append(tuple(sorted(ps)))
-    return StageGraph(tuple(preds))
-
-
-@st.composite
-def placements(draw, S, B):
-    """``(strategy, G, R)``: a named scheme with its worker count, or a random table on W workers."""
-    which = draw(st.sampled_from(SCHEMES + ("random",)))
-    if which in ("ddp", "fsdp"):
-        return which, B, 1
-    if which == "gpipe":
-        return which, 1, S
-    if which in ("lpp", "fslpp"):  # within the rules every entry point checks: G <= B, R <= S
-        return which, draw(st.integers(1, min(5, B))), draw(st.integers(1, min(5, S)))
-    W = draw(st.integers(1, min(6, B)))
-    kinds = ("F", "B", "I", "W")
-    table = {
-        (s, b, d): (draw(st.integers(0, W - 1)), draw(st.integers(0, W - 1)))
-        for s in range(S) for b in range(B) for d in kinds
-    }
-
-    def random_placement(s, b, d):
-        return table[(s, b, d)]
-
-    return random_placement, W, 1
-
-
-@st.composite
-def steps(draw, max_S=10, max_B=10):
-    S = draw(st.integers(1, max_S))
-    B = draw(st.integers(1, max_B))
-    strategy, G, R = draw(placements(S, B))
-    split = draw(st.booleans())
-    graph = draw(graphs(S))
-    o = draw(st.sampled_from(ORDERS))
-    warmup = None
-    if o == "1f1b/none":
-        o, warmup = "1f1b", "none"
-    elif o == "custom":
-        keys = draw(st.permutations(range(3 * S * B)))
-
-        def n(s, b, d):
-            return keys[("FBIW".index(d) % 3 * S + s) * B + b]
-
-        o = n
-    durations = {"F": draw(HALVES), "B": draw(HALVES), "I": draw(HALVES), "W": draw(HALVES)}
-    comm = draw(st.sampled_from([0.0, 0.0, 0.5, 1.0]))
-    W = G * R
-    limit = draw(st.one_of(
-        st.none(),
-        st.integers(1, S + 2),
-        st.lists(st.integers(1, S + 2), min_size=W, max_size=W),
-    ))
-    return make_step(strategy, S, B, G, R, order=o, warmup=warmup, durations=durations, comm=comm,
-                     memory_limit=limit, split_backward=split, graph=graph)
 
 
 @SETTINGS
@@ -104,7 +38,7 @@ def test_every_timeline_is_valid(step):
 @given(steps())
 def test_without_limits_no_worker_idles_while_a_job_of_its_own_is_ready(step):
     step.memory_limit = None
-    step.order = type(step.order)(step.order.name, step.order.n, step.order.by_ready_time, "none")
+    step.order = dataclasses.replace(step.order, warmup="none")
     tl = simulate(step)
     check_timeline(tl)
     check_greedy(tl)

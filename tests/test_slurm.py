@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+from helpers.cli import LAUNCHER, run_launcher, start_launcher
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 HERE = Path(__file__).parent / "slurm"
 SMALL = ["G=2", "R=2", "stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000",
@@ -70,9 +72,9 @@ def slurm_env() -> dict[str, str]:
     return dict(os.environ, PATH=f"{HERE / 'bin'}:{os.environ['PATH']}", COLUMNS="250")
 
 
-def launcher(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher", "-m", "hydra/launcher=slurm", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=280)
+#: a sweep through hydra/launcher=slurm; each call passes the Slurm environment (``env=``)
+SLURM = (*LAUNCHER, "-m", "hydra/launcher=slurm")
+launcher = partial(run_launcher, command=SLURM, timeout=280)
 
 
 def test_sweep_trains_as_one_job_array(slurm_env, tmp_path):
@@ -118,8 +120,7 @@ def test_slurm_tasks_join_one_group_and_train_like_the_forked_run(slurm_env, tmp
     p = launcher("hydra.launcher.tasks_per_node=2", *args, f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=slurm_env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "#SBATCH --ntasks-per-node=2" in next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
-    q = subprocess.run([sys.executable, "-m", "launcher", *args, f"hydra.run.dir={local}"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=200)
+    q = run_launcher(*args, f"hydra.run.dir={local}", cwd=tmp_path, env=os.environ, timeout=200)
     assert q.returncode == 0, q.stderr[-3000:]
     assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == ["last.ckpt"]
     a = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
@@ -142,9 +143,8 @@ def test_a_signalled_task_checkpoints_is_requeued_and_ends_like_an_uninterrupted
             "G=2", "R=1", "stages=4", "microbatches=2", "data.batch_size=4", "data.seq_len=8", "data.chars=20000",
             "trainer.max_steps=12", "trainer.precision=64-true", "logger=none"]
     sweep, local = tmp_path / "sweep", tmp_path / "local"
-    sweeping = subprocess.Popen([sys.executable, "-m", "launcher", "-m", "hydra/launcher=slurm", *args,
-                                 f"hydra.launcher.tasks_per_node={tasks}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    sweeping = start_launcher(*args, f"hydra.launcher.tasks_per_node={tasks}", f"hydra.sweep.dir={sweep}",
+                              cwd=tmp_path, env=env, command=SLURM, start_new_session=False)
     try:
         deadline = time.monotonic() + 120
         while "step 3" not in (progress.read_text() if progress.exists() else ""):
@@ -172,9 +172,8 @@ def test_a_signalled_task_checkpoints_is_requeued_and_ends_like_an_uninterrupted
     assert not list((sweep / "0").glob("hpc_ckpt_*.ckpt"))  # finished: nothing left to resume from
     steps = json.loads((sweep / "0" / "metrics.json").read_text())["steps"]
     assert [s["step"] for s in steps] == list(range(1, 13))  # the whole run's curve, across the requeue
-    q = subprocess.run([sys.executable, "-m", "launcher", *args, f"hydra.run.dir={local}"], cwd=tmp_path,
-                       env=dict(env, PROGRESS=str(tmp_path / "local-progress")), capture_output=True, text=True,
-                       timeout=200)
+    q = run_launcher(*args, f"hydra.run.dir={local}", cwd=tmp_path,
+                     env=dict(env, PROGRESS=str(tmp_path / "local-progress")), timeout=200)
     assert q.returncode == 0, q.stderr[-3000:]
     assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == ["last.ckpt"]
     a = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", weights_only=False)

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from helpers.training import quiet_trainer, run_stages
 from launcher.models import ShapesImages, TimmClassifier
 
 pytestmark = [pytest.mark.timeout(60),
@@ -25,12 +26,6 @@ def model() -> TimmClassifier:
     pytest.importorskip("timm")
     torch.manual_seed(0)
     return TimmClassifier("resnet10t", num_classes=5).double()
-
-
-def run_stages(stages: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-    for stage in stages:
-        x = stage(x)
-    return x
 
 
 @pytest.mark.parametrize("train", [True, False])
@@ -121,9 +116,7 @@ def fit(steps: int, ckpt: str | None = None, save: str | None = None) -> list[li
     there, as a run's own checkpoints are written (inside the loop), named ``step=N.ckpt``."""
     model = Recorder()
     callbacks = [ModelCheckpoint(dirpath=save, filename="{step}", every_n_train_steps=1, save_top_k=-1)] if save else []
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=bool(save),
-                        callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0)
+    trainer = quiet_trainer(max_steps=steps, enable_checkpointing=bool(save), callbacks=callbacks, limit_val_batches=0)
     trainer.fit(model, datamodule=small(n=40), ckpt_path=ckpt)  # 35 training images: 8 batches an epoch
     return model.seen
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from collections import Counter, defaultdict
 
 import pytest
 
+from helpers.cli import SMALL_RUN, run_launcher
 from launcher.report import trace
 from launcher.schedule import make_step, simulate
 
@@ -47,7 +45,8 @@ def problems(t: dict) -> list[str]:
         if ph == "M":
             key = META.get(e["name"])
             v = (e.get("args") or {}).get(key) if key else None
-            if key is None or (key == "name" and not isinstance(v, str)) or (key == "sort_index" and not isinstance(v, int)):
+            if (key is None or (key == "name" and not isinstance(v, str))
+                    or (key == "sort_index" and not isinstance(v, int))):
                 out.append(f"event {i}: bad metadata {e}")
             if e["name"] == "process_name":
                 named_pids.add(e["pid"])
@@ -128,8 +127,10 @@ def test_trace_layout_is_a_valid_chrome_trace():
     assert list(o) == list(trace.OTHER_KEYS) and o["clock"] == "shared monotonic" and o["step"] == 3
     assert o["measured_step_ms"] == pytest.approx(12.0) and o["predicted_step_ms"] == pytest.approx(9.0)
     meta = {(e["pid"], e["tid"], e["name"]): e["args"] for e in t["traceEvents"] if e["ph"] == "M"}
-    assert meta[(1, 0, "process_name")] == {"name": "measured"} and meta[(2, 0, "process_name")] == {"name": "predicted"}
-    assert meta[(1, 1, "thread_name")] == {"name": "worker 1"} and meta[(2, 1, "thread_sort_index")] == {"sort_index": 1}
+    assert (meta[(1, 0, "process_name")] == {"name": "measured"}
+            and meta[(2, 0, "process_name")] == {"name": "predicted"})
+    assert (meta[(1, 1, "thread_name")] == {"name": "worker 1"}
+            and meta[(2, 1, "thread_sort_index")] == {"sort_index": 1})
     want = [(0, "F", 0, 0), (0, "B", 0, 0), (1, "F", 1, 0), (1, "B", 1, 0)]
     assert sorted(_jobs(t, 1)) == sorted(want) and sorted(_jobs(t, 2)) == sorted(want)
     x = {(e["pid"], e["tid"], e["name"]): e for e in t["traceEvents"] if e["ph"] == "X"}
@@ -174,22 +175,22 @@ def test_the_validator_catches_partial_overlap_and_unpaired_flows():
     assert any("no process_name or thread_name" in p for p in found)
 
 
-SMALL = ["stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000", "model.d_model=16",
-         "model.n_head=2", "model.n_layer=2", "trainer.val_check_interval=1000", "logger=none"]
+SMALL = [*SMALL_RUN, "trainer.val_check_interval=1000", "logger=none"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_gpipe_run_writes_its_last_step_as_a_trace(tmp_path):
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "launcher", "strategy=gpipe", "G=1", "R=4", *SMALL, "trainer.max_steps=2",
-                        f"hydra.run.dir={run}"], cwd=tmp_path, capture_output=True, text=True, timeout=230,
-                       env=dict(os.environ, COLUMNS="200"))
+    p = run_launcher("strategy=gpipe", "G=1", "R=4", *SMALL, "trainer.max_steps=2", f"hydra.run.dir={run}",
+                     cwd=tmp_path, timeout=230)
     assert p.returncode == 0, p.stderr[-3000:]
     t, m = json.loads((run / "trace.json").read_text()), json.loads((run / "metrics.json").read_text())
     assert problems(t) == []
     o = t["otherData"]
     assert {k: o[k] for k in ("scheme", "G", "R", "W", "stages", "microbatches", "step", "clock")} == {
-        "scheme": "gpipe", "G": 1, "R": 4, "W": 4, "stages": 4, "microbatches": 4, "step": 2, "clock": "shared monotonic"}
+        "scheme": "gpipe", "G": 1, "R": 4, "W": 4, "stages": 4, "microbatches": 4, "step": 2,
+        "clock": "shared monotonic"}
     # every job of the plan exactly once, on its worker (gpipe: stage s on worker s), measured and predicted
     want = sorted((s, k, s, b) for s in range(4) for b in range(4) for k in "FB")
     assert sorted(_jobs(t, 1)) == want and sorted(_jobs(t, 2)) == want

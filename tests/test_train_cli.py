@@ -5,27 +5,24 @@ scheme."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.cli import SMALL_RUN, run_launcher
+from helpers.training import last_state
 from launcher.report.wandb_read import find_runs, read_run
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 #: a small model and data, so each run takes seconds
-SMALL = ["stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000", "model.d_model=16",
-         "model.n_head=2", "model.n_layer=2"]
+SMALL = SMALL_RUN
 
 
-def launcher(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(cwd))
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+launcher = partial(run_launcher, timeout=240, pythonpath="cwd")
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +99,11 @@ def test_wandb_offline_run_read_back(fslpp_run):
 RESUME = [*SMALL, "model.max_steps=6", "trainer.precision=64-true", "trainer.val_check_interval=3", "logger=none"]
 
 
-def _params(ckpt: Path) -> dict[str, torch.Tensor]:
-    return torch.load(ckpt, weights_only=False)["state_dict"]
-
-
 def test_resume_equals_uninterrupted_and_across_schemes(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for d, steps, extra in ((a, 6, []), (b, 3, [])):
-        p = launcher("strategy=fslpp", "G=2", "R=2", *RESUME, f"trainer.max_steps={steps}", f"hydra.run.dir={d}", *extra,
-                     cwd=tmp_path)
+        p = launcher("strategy=fslpp", "G=2", "R=2", *RESUME, f"trainer.max_steps={steps}", f"hydra.run.dir={d}",
+                     *extra, cwd=tmp_path)
         assert p.returncode == 0, p.stderr[-3000:]
     ckpt = b / "checkpoints" / "last.ckpt"
     p = launcher("strategy=fslpp", "G=2", "R=2", *RESUME, "trainer.max_steps=6", f"ckpt_path={ckpt}",
@@ -119,7 +112,7 @@ def test_resume_equals_uninterrupted_and_across_schemes(tmp_path):
     # a new run directory is what resuming into another run means: no warning from each worker about it
     assert "dirpath has changed" not in p.stderr, p.stderr[-3000:]
     assert " 6/6 " in p.stdout and "Epoch" not in p.stdout, p.stdout[:500]  # the run's steps, not 6/3
-    want, got = _params(a / "checkpoints" / "last.ckpt"), _params(c / "checkpoints" / "last.ckpt")
+    want, got = last_state(a), last_state(c)
     assert want.keys() == got.keys()
     assert max((want[k] - got[k]).abs().max().item() for k in want) == 0.0
 
@@ -130,7 +123,7 @@ def test_resume_equals_uninterrupted_and_across_schemes(tmp_path):
         p = launcher(*strategy, *RESUME, "trainer.max_steps=6", f"ckpt_path={ckpt}", f"hydra.run.dir={d}", cwd=tmp_path)
         assert p.returncode == 0, p.stderr[-3000:]
         assert "dirpath has changed" not in p.stderr, (strategy, p.stderr[-3000:])
-        other = _params(d / "checkpoints" / "last.ckpt")
+        other = last_state(d)
         assert max((want[k] - other[k]).abs().max().item() for k in want) < 1e-10, strategy
 
     # and loads into the same LightningModule on one process (whose parameters are float32)

@@ -8,21 +8,19 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
+from functools import partial
 
 import pytest
-
 import torch
 
+from helpers.cli import SMALL_RUN, start_launcher, survivors
 from launcher.cli import _preflight
 from launcher.models import GPT
 
 pytestmark = pytest.mark.timeout(240)
 
-SMALL = ["stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000", "model.d_model=16",
-         "model.n_head=2", "model.n_layer=2", "logger=none"]
+SMALL = [*SMALL_RUN, "logger=none"]
 
 class BadGPT(GPT):
     """A stage that cannot take what the stage before it returns."""
@@ -86,10 +84,7 @@ def test_the_defaults_and_the_flagship_are_valid():
         assert not found.fatal, (overrides, found.fatal)
 
 
-def launcher(*args: str, cwd: Path, **kw) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(cwd), COLUMNS="200")
-    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+launcher = partial(start_launcher, pythonpath="cwd")
 
 
 def test_invalid_run_exits_2_and_leaves_nothing(tmp_path):
@@ -101,12 +96,6 @@ def test_invalid_run_exits_2_and_leaves_nothing(tmp_path):
         "error: data.batch_size=30 is invalid: each batch is cut into microbatches=16 equal micro-batches, so the "
         "batch size must be a multiple of 16 (e.g. 16)."]
     assert not run.exists()
-
-
-def _survivors(marker: str) -> list[str]:
-    """Processes still running whose command line mentions ``marker`` (the test's own directory)."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
 
 
 BOOM = '''
@@ -139,6 +128,7 @@ class BoomGPT(GPT):
 '''
 
 
+@pytest.mark.slow
 def test_raising_worker_stops_the_others(tmp_path):
     (tmp_path / "boom.py").write_text(BOOM)
     p = launcher("model=custom", "model._target_=boom.BoomGPT", "+model.seq_len=8", "+model.d_model=16",
@@ -149,9 +139,10 @@ def test_raising_worker_stops_the_others(tmp_path):
     line = [x for x in err.splitlines() if x.startswith("error: ")][0]
     assert "rank 0 failed while running F(2," in line and "ValueError: boom in user code" in line, line
     assert (tmp_path / "run" / "failed.json").exists()
-    assert not _survivors(str(tmp_path))
+    assert not survivors(str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupt_stops_every_worker_with_one_line(tmp_path, sig, code):
     run = tmp_path / "run"
@@ -174,7 +165,7 @@ def test_interrupt_stops_every_worker_with_one_line(tmp_path, sig, code):
     errors = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and f"stopped by {sig.name}" in errors[0] and "workers stopped" in errors[0], err[-2000:]
     assert "Traceback" not in err
-    assert not _survivors(str(tmp_path))
+    assert not survivors(str(tmp_path))
 
 
 def _workers_running(pid: int) -> int:

@@ -5,15 +5,13 @@ says whether every point ran, and the runs of the sweep share one W&B group."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from helpers.cli import run_launcher
 from launcher.report.wandb_read import find_runs, read_run
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 BOOM = '''
 from launcher.models import GPT
@@ -37,11 +35,9 @@ SMALL = ["data.batch_size=8", "data.seq_len=8", "data.chars=20000", "+model.seq_
 def test_sweep_records_every_point_and_shares_a_wandb_group(tmp_path):
     (tmp_path / "boom.py").write_text(BOOM)
     sweep = tmp_path / "sweep"
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), COLUMNS="250")
-    p = subprocess.run([sys.executable, "-m", "launcher", "-m", "strategy=fslpp", "G=2", "R=2", "model=custom",
-                        "model._target_=boom.MaybeBoom", "+model.d_model=16,24,32", "stages=4,9", *SMALL,
-                        f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=280)
+    p = run_launcher("-m", "strategy=fslpp", "G=2", "R=2", "model=custom", "model._target_=boom.MaybeBoom",
+                     "+model.d_model=16,24,32", "stages=4,9", *SMALL, f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+                     pythonpath="cwd", columns=250, timeout=280)
     assert p.returncode == 1, p.stderr[-3000:]  # a point failed while training
     assert "sweep: 6 points" in p.stdout
     table = p.stdout[p.stdout.index("sweep: 6 points"):]

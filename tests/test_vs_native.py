@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_quick_benchmark_agrees_with_native(tmp_path):
     out = tmp_path / "vs_native.json"

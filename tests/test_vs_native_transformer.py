@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_quick_transformer_benchmark_agrees_with_native(tmp_path):
     pytest.importorskip("transformers")

@@ -34,29 +34,31 @@ ROWS = [
 TOL = 5e-5
 
 
-def bubble_rate(p: int, m: int, F: float, I: float, W: float, comm: float, order: str) -> float:
+def bubble_rate(p: int, m: int, tf: float, tb: float, tw: float, comm: float, order: str) -> float:
+    """``tf``, ``tb``, ``tw``: the paper's ``T_F``, ``T_B`` (the job ``I``) and ``T_W``."""
     split = order == "zb_h1"
-    durations = {"F": F, "I": I, "W": W} if split else {"F": F, "B": I + W}
+    durations = {"F": tf, "I": tb, "W": tw} if split else {"F": tf, "B": tb + tw}
     tl = simulate(make_step("gpipe", p, m, 1, p, order=order, split_backward=split, durations=durations, comm=comm))
-    return (tl.latency - m * (F + I + W)) / tl.latency
+    return (tl.latency - m * (tf + tb + tw)) / tl.latency
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[f"{r[0]}-p{r[1]}-m{r[2]}" for r in ROWS])
 def test_zb_h1_reproduces_the_papers_bubble_rates(row):
-    _, p, m, F, I, W, comm, rate_1f1b, rate_zb = row
-    assert abs(bubble_rate(p, m, F, I, W, comm, "zb_h1") - rate_zb) < TOL
-    assert abs(bubble_rate(p, m, F, I, W, comm, "1f1b") - rate_1f1b) < TOL
+    _, p, m, tf, tb, tw, comm, rate_1f1b, rate_zb = row
+    assert abs(bubble_rate(p, m, tf, tb, tw, comm, "zb_h1") - rate_zb) < TOL
+    assert abs(bubble_rate(p, m, tf, tb, tw, comm, "1f1b") - rate_1f1b) < TOL
 
 
-@pytest.mark.parametrize("F, I, W", [(1, 1, 1), (3, 2, 1), (18.522, 18.086, 9.337)])
-def test_without_communication_the_bubble_is_the_papers_closed_form(F, I, W):
+@pytest.mark.parametrize("tf, tb, tw", [(1, 1, 1), (3, 2, 1), (18.522, 18.086, 9.337)])
+def test_without_communication_the_bubble_is_the_papers_closed_form(tf, tb, tw):
     """Table 2 of the paper: per stage ``(p-1)(T_F + T_B - T_W)`` for ZB-H1, ``(p-1)(T_F + T_B + T_W)``
     for 1F1B (``m >= p``)."""
     p, m = 4, 8
-    zb = simulate(make_step("gpipe", p, m, 1, p, order="zb_h1", split_backward=True, durations={"F": F, "I": I, "W": W}))
-    one = simulate(make_step("gpipe", p, m, 1, p, order="1f1b", durations={"F": F, "B": I + W}))
-    assert zb.latency - m * (F + I + W) == pytest.approx((p - 1) * (F + I - W))
-    assert one.latency - m * (F + I + W) == pytest.approx((p - 1) * (F + I + W))
+    zb = simulate(make_step("gpipe", p, m, 1, p, order="zb_h1", split_backward=True,
+                            durations={"F": tf, "I": tb, "W": tw}))
+    one = simulate(make_step("gpipe", p, m, 1, p, order="1f1b", durations={"F": tf, "B": tb + tw}))
+    assert zb.latency - m * (tf + tb + tw) == pytest.approx((p - 1) * (tf + tb - tw))
+    assert one.latency - m * (tf + tb + tw) == pytest.approx((p - 1) * (tf + tb + tw))
 
 
 def test_zb_h1_keeps_1f1bs_activations_and_defers_w_by_the_stage_index():

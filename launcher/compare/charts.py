@@ -357,7 +357,7 @@ def timeline(run: Run, tr: Trace) -> Any:
     (grey) and the framework's time outside the engine (beige), one time axis in ms from the
     step's start; a dashed line at each side's step time. Job names are in the hover, and in a bar
     only where it is wide enough to hold one."""
-    go, make_subplots = _go()
+    _, make_subplots = _go()
     other = tr.other
     W = max(1, tr.workers)
     step_ms = {"measured": other.get("measured_step_ms"), "predicted": other.get("predicted_step_ms")}
@@ -365,55 +365,79 @@ def timeline(run: Run, tr: Trace) -> Any:
               for side in ("measured", "predicted")]
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1 if W <= 8 else 0.06,
                         subplot_titles=titles)
-    legend: set[str] = set()
+    legend: set[str] = set()  # the legend groups shown so far: each once, for both panels
     for row, side in enumerate(("measured", "predicted"), start=1):
-        evs = tr.other_events["outside"][side]
-        if evs:
-            fig.add_trace(go.Bar(
-                orientation="h", y=[e["worker"] for e in evs], base=[e["start"] for e in evs],
-                x=[e["dur"] for e in evs], width=0.5, name=OTHER_NAMES["outside"], legendgroup="outside",
-                showlegend="outside" not in legend, marker=dict(color=OUTSIDE_COLOUR),
-                customdata=[[e["name"], e["start"], e["dur"]] for e in evs],
-                hovertemplate="<b>%{customdata[0]}</b> on w%{y}<br>start %{customdata[1]:.3f} ms, duration"
-                              f" %{{customdata[2]:.3f}} ms<extra>{side}</extra>"), row=row, col=1)
-            legend.add("outside")
-        by_kind: dict[str, list[dict]] = {}
-        for e in tr.jobs[side]:
-            by_kind.setdefault(e["kind"], []).append(e)
-        for kind in sorted(by_kind, key=lambda k: ("FBIW".find(k) % 5, k)):
-            # stage 0 first: the legend shows a trace's first colour, the kind's darkest
-            evs = sorted(by_kind[kind], key=lambda e: (e["stage"] if isinstance(e["stage"], int) else 0, e["start"]))
-            name = f"{kind} ({KIND_NAMES.get(kind, kind)})"
-            fig.add_trace(go.Bar(
-                orientation="h", y=[e["worker"] for e in evs], base=[e["start"] for e in evs],
-                x=[e["dur"] for e in evs], width=0.8, name=name, legendgroup=kind, showlegend=kind not in legend,
-                marker=dict(color=[_shade(kind, e["stage"] if isinstance(e["stage"], int) else 0, tr.stages)
-                                   for e in evs], line=dict(width=0.5, color="rgba(0,0,0,0.45)")),
-                text=[f"{kind.lower()}{e['stage']}" for e in evs], textposition="inside", insidetextanchor="middle",
-                textangle=0, textfont=dict(size=9, color="#111"),
-                customdata=[[e["name"], e["stage"], e["microbatch"], e["start"], e["dur"], e["end"]] for e in evs],
-                hovertemplate="<b>%{customdata[0]}</b> on w%{y}<br>stage %{customdata[1]}, micro-batch "
-                              "%{customdata[2]}<br>start %{customdata[3]:.3f} ms, duration %{customdata[4]:.3f} ms"
-                              f"<extra>{side}</extra>"), row=row, col=1)
-            legend.add(kind)
-        # a wait: a strip along the bottom of the job it held up (the job's label stays readable)
-        for cat, colour, width, offset in (("sync", SYNC_COLOUR, 0.5, None), ("wait", WAIT_COLOUR, 0.16, 0.22)):
-            evs = tr.other_events[cat][side]
-            if not evs:
-                continue
-            fig.add_trace(go.Bar(
-                orientation="h", y=[e["worker"] for e in evs], base=[e["start"] for e in evs],
-                x=[e["dur"] for e in evs], width=width, offset=offset, name=OTHER_NAMES[cat], legendgroup=cat,
-                showlegend=cat not in legend, marker=dict(color=colour),
-                customdata=[[e["name"], e["start"], e["dur"], e["detail"]] for e in evs],
-                hovertemplate="<b>%{customdata[0]}</b> on w%{y}%{customdata[3]}<br>start %{customdata[1]:.3f} ms,"
-                              f" duration %{{customdata[2]:.3f}} ms<extra>{side}</extra>"), row=row, col=1)
-            legend.add(cat)
+        _outside_bars(fig, row, side, tr, legend)
+        _job_bars(fig, row, side, tr, legend)
+        _strips(fig, row, side, tr, legend)
         ms = step_ms[side]
         if isinstance(ms, (int, float)):
             fig.add_vline(x=ms, row=row, col=1, line=dict(dash="dash", color="#444", width=1))
     xmax = max([tr.end("measured"), tr.end("predicted")]
                + [v for v in step_ms.values() if isinstance(v, (int, float))]) * 1.02 or 1.0
+    return _timeline_layout(fig, run, W, xmax)
+
+
+def _outside_bars(fig: Any, row: int, side: str, tr: Trace, legend: set[str]) -> None:
+    """The side's time outside the engine, a bar per stretch on its worker's row."""
+    go, _ = _go()
+    evs = tr.other_events["outside"][side]
+    if not evs:
+        return
+    fig.add_trace(go.Bar(
+        orientation="h", y=[e["worker"] for e in evs], base=[e["start"] for e in evs],
+        x=[e["dur"] for e in evs], width=0.5, name=OTHER_NAMES["outside"], legendgroup="outside",
+        showlegend="outside" not in legend, marker=dict(color=OUTSIDE_COLOUR),
+        customdata=[[e["name"], e["start"], e["dur"]] for e in evs],
+        hovertemplate="<b>%{customdata[0]}</b> on w%{y}<br>start %{customdata[1]:.3f} ms, duration"
+                      f" %{{customdata[2]:.3f}} ms<extra>{side}</extra>"), row=row, col=1)
+    legend.add("outside")
+
+
+def _job_bars(fig: Any, row: int, side: str, tr: Trace, legend: set[str]) -> None:
+    """The side's jobs, a trace per kind (F, B, I, W first): a bar per job, shaded by its stage."""
+    go, _ = _go()
+    by_kind: dict[str, list[dict]] = {}
+    for e in tr.jobs[side]:
+        by_kind.setdefault(e["kind"], []).append(e)
+    for kind in sorted(by_kind, key=lambda k: ("FBIW".find(k) % 5, k)):
+        # stage 0 first: the legend shows a trace's first colour, the kind's darkest
+        evs = sorted(by_kind[kind], key=lambda e: (e["stage"] if isinstance(e["stage"], int) else 0, e["start"]))
+        name = f"{kind} ({KIND_NAMES.get(kind, kind)})"
+        fig.add_trace(go.Bar(
+            orientation="h", y=[e["worker"] for e in evs], base=[e["start"] for e in evs],
+            x=[e["dur"] for e in evs], width=0.8, name=name, legendgroup=kind, showlegend=kind not in legend,
+            marker=dict(color=[_shade(kind, e["stage"] if isinstance(e["stage"], int) else 0, tr.stages)
+                               for e in evs], line=dict(width=0.5, color="rgba(0,0,0,0.45)")),
+            text=[f"{kind.lower()}{e['stage']}" for e in evs], textposition="inside", insidetextanchor="middle",
+            textangle=0, textfont=dict(size=9, color="#111"),
+            customdata=[[e["name"], e["stage"], e["microbatch"], e["start"], e["dur"], e["end"]] for e in evs],
+            hovertemplate="<b>%{customdata[0]}</b> on w%{y}<br>stage %{customdata[1]}, micro-batch "
+                          "%{customdata[2]}<br>start %{customdata[3]:.3f} ms, duration %{customdata[4]:.3f} ms"
+                          f"<extra>{side}</extra>"), row=row, col=1)
+        legend.add(kind)
+
+
+def _strips(fig: Any, row: int, side: str, tr: Trace, legend: set[str]) -> None:
+    """The side's end-of-step exchange (grey bars) and waits for messages (dark strips)."""
+    go, _ = _go()
+    # a wait: a strip along the bottom of the job it held up (the job's label stays readable)
+    for cat, colour, width, offset in (("sync", SYNC_COLOUR, 0.5, None), ("wait", WAIT_COLOUR, 0.16, 0.22)):
+        evs = tr.other_events[cat][side]
+        if not evs:
+            continue
+        fig.add_trace(go.Bar(
+            orientation="h", y=[e["worker"] for e in evs], base=[e["start"] for e in evs],
+            x=[e["dur"] for e in evs], width=width, offset=offset, name=OTHER_NAMES[cat], legendgroup=cat,
+            showlegend=cat not in legend, marker=dict(color=colour),
+            customdata=[[e["name"], e["start"], e["dur"], e["detail"]] for e in evs],
+            hovertemplate="<b>%{customdata[0]}</b> on w%{y}%{customdata[3]}<br>start %{customdata[1]:.3f} ms,"
+                          f" duration %{{customdata[2]:.3f}} ms<extra>{side}</extra>"), row=row, col=1)
+        legend.add(cat)
+
+
+def _timeline_layout(fig: Any, run: Run, W: int, xmax: float) -> Any:
+    """One time axis up to ``xmax`` ms, a row per worker, and a height that fits ``W`` rows per panel."""
     fig.update_xaxes(range=[0, xmax], showgrid=True)
     fig.update_xaxes(title_text="time from the step's start (ms)", row=2, col=1)
     ticks = list(range(W)) if W <= 32 else list(range(0, W, max(1, W // 16)))

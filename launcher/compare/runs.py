@@ -14,7 +14,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..report.wandb_read import find_runs as find_wandb, read_run
+from ..report.wandb_read import find_runs as find_wandb
+from ..report.wandb_read import read_run
 
 OUTCOMES = ("metrics.json", "failed.json", "invalid.json")
 

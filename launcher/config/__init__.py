@@ -9,4 +9,5 @@ from .spec import RunSpec
 from .step import to_step
 from .validate import ConfigError, check_overrides, errors, step_errors, validate
 
-__all__ = ["LauncherConf", "RunSpec", "register", "to_step", "ConfigError", "check_overrides", "errors", "step_errors", "validate"]
+__all__ = ["LauncherConf", "RunSpec", "register", "to_step", "ConfigError", "check_overrides", "errors", "step_errors",
+           "validate"]

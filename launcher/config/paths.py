@@ -50,7 +50,8 @@ def file_error(key: str, path: str | os.PathLike) -> str | None:
         return f"{key}={path} is invalid: it is a directory; give a file name."
     if p.exists():
         ok = os.access(p, os.W_OK)
-        return None if ok else f"{key}={path} is invalid: the file is not writable, so the run could not save its results."
+        return None if ok else (f"{key}={path} is invalid: the file is not writable, so the run could not save its "
+                                f"results.")
     why = _problem(p.parent, p)
     return f"{key}={path} is invalid: {why}." if why else None
 

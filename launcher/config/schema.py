@@ -22,7 +22,6 @@ SCHEMA_NAME = "launcher_schema"
 #: the sizes of a step; each must be a positive integer
 SIZES = ("G", "R", "stages", "microbatches")
 MODES = ("train", "simulate", "plan")
-LATER_MODES: tuple[str, ...] = ()  # modes a later issue adds; rejected with a clear sentence until then
 
 
 @dataclass
@@ -50,7 +49,7 @@ class DurationsConf:
 
     F: float = 1.0
     B: float = 1.0
-    I: float = 0.5
+    I: float = 0.5  # noqa: E741 - the input-gradient job kind, a config key (durations.I)
     W: float = 0.5
 
 

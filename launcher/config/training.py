@@ -67,10 +67,10 @@ def argument_errors(node: Any, key: str) -> list[str]:
     with the closest argument it has."""
     import typing
 
-    from hydra._internal.utils import _locate  # get_object's lookup, without its error log line
+    from .hydra_private import locate  # get_object's lookup, without its error log line
 
     try:
-        fn = _locate(str(node.get("_target_")))
+        fn = locate(str(node.get("_target_")))
         hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
     except Exception:  # noqa: BLE001 - a target that cannot be found or read: building it says why
         return []
@@ -162,7 +162,8 @@ def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
         out.append(f"seed={seed} is invalid: the seed must be an integer from 0 to {MAX_SEED} (numpy's range, which "
                    f"seed_everything seeds too).")
     timeout = _get(cfg, "timeout")
-    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout > 0):
+    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
+            and timeout > 0):
         out.append(f"timeout={timeout} is invalid: the failure timeout must be a positive number of seconds.")
     nonfinite = _get(cfg, "nonfinite", "stop")
     if nonfinite not in ("stop", "skip"):
@@ -221,7 +222,8 @@ def _trainer_errors(cfg: Any, single: bool) -> list[str]:
                        f"{'; did you mean ' + ' or '.join('trainer.' + k for k in close) + '?' if close else '.'}")
     steps, epochs = _get(cfg, "trainer.max_steps", -1), _get(cfg, "trainer.max_epochs", None)
     if not (isinstance(steps, int) and not isinstance(steps, bool) and (steps >= 1 or steps == -1)):
-        out.append(f"trainer.max_steps={steps} is invalid: it must be a positive integer, or -1 with trainer.max_epochs set.")
+        out.append(f"trainer.max_steps={steps} is invalid: it must be a positive integer, or -1 with "
+                   f"trainer.max_epochs set.")
     elif steps == -1 and not (isinstance(epochs, int) and epochs >= 1):
         out.append(f"trainer.max_steps=-1 with trainer.max_epochs={epochs} never ends: set trainer.max_steps to a "
                    f"positive integer or trainer.max_epochs to one.")
@@ -237,7 +239,8 @@ def _trainer_errors(cfg: Any, single: bool) -> list[str]:
 
         W = 1 if single else _get(cfg, "W")
         if not torch.cuda.is_available():
-            out.append(f"trainer.accelerator={accel} is invalid here: no CUDA GPU is available; use trainer.accelerator=cpu.")
+            out.append(f"trainer.accelerator={accel} is invalid here: no CUDA GPU is available; use "
+                       f"trainer.accelerator=cpu.")
         elif isinstance(W, int) and W > torch.cuda.device_count() and "RANK" not in os.environ:
             out.append(f"trainer.accelerator={accel} needs one GPU per worker, but W={W} and this machine has "
                        f"{torch.cuda.device_count()}; use fewer workers or trainer.accelerator=cpu.")
@@ -249,9 +252,9 @@ def _precisions() -> tuple[Any, ...]:
     """Every ``precision`` lightning's Trainer takes (its own list, legacy spellings included)."""
     import typing
 
-    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+    from ..lightning.lightning_private import precision_input_type
 
-    return tuple(v for lit in typing.get_args(_PRECISION_INPUT) for v in typing.get_args(lit))
+    return tuple(v for lit in typing.get_args(precision_input_type()) for v in typing.get_args(lit))
 
 
 def precision_errors(precision: Any, accel: Any) -> list[str]:

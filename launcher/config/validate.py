@@ -30,16 +30,17 @@ from omegaconf import BooleanNode, DictConfig, FloatNode, IntegerNode, ListConfi
 from omegaconf.errors import OmegaConfBaseException
 
 from ..schedule import rules
-from ..schedule.rules import DURATION_KINDS, StepError
 from ..schedule.order import SPLIT_ONLY
 from ..schedule.placement import OWNERSHIPS
+from ..schedule.rules import DURATION_KINDS, StepError
 from .paths import dir_error
-from .schema import LATER_MODES, MODES, SIZES, LauncherConf
+from .schema import MODES, SIZES, LauncherConf
 
 GROUPS = ("strategy", "order", "model", "data", "trainer", "logger", "hparams_search")
 #: strategies only the launcher has (no schedule of their own), and how the sentences name them
 LAUNCHER_STRATEGIES = ("auto", "single")
-LAUNCHER_STRATEGIES_TEXT = "the launcher also takes strategy=auto (the planner chooses) and strategy=single (Lightning's default strategy on one device)"
+LAUNCHER_STRATEGIES_TEXT = ("the launcher also takes strategy=auto (the planner chooses) and strategy=single "
+                            "(Lightning's default strategy on one device)")
 #: the directories Hydra creates for a run and a sweep
 OUTPUT_DIRS = ("hydra.run.dir", "hydra.sweep.dir")
 DEFAULT_RUN_DIR = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
@@ -78,12 +79,7 @@ def errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     """One sentence per rule ``cfg`` breaks; empty when the config is valid."""
     out: list[str] = []
     mode = _get(cfg, "mode")
-    if mode in LATER_MODES:
-        out.append(
-            f"mode={mode} is not available from this command yet; use mode=simulate, or train on real "
-            f"workers with python -m launcher.runtime."
-        )
-    elif mode not in MODES:
+    if mode not in MODES:
         out.append(f"mode={mode} is not a known mode; use {' or '.join('mode=' + m for m in MODES)}.")
     png = _get(cfg, "png", "auto")
     if not (isinstance(png, bool) or png == "auto"):  # not `in (True, False)`: 0 == False
@@ -103,7 +99,8 @@ def plan_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
         if not (v is None and k != "top") and not rules.is_size(v):
             out.append(f"plan.{k}={v} is invalid: it must be a positive integer{'' if k == 'top' else ' or null'}.")
     mb = _plain(_get(cfg, "plan.microbatches"))
-    if mb is not None and not (rules.is_size(mb) or (isinstance(mb, list) and mb and all(rules.is_size(x) for x in mb))):
+    if mb is not None and not (rules.is_size(mb)
+                               or (isinstance(mb, list) and mb and all(rules.is_size(x) for x in mb))):
         out.append(f"plan.microbatches={mb} is invalid: use null (microbatches), a positive integer or a list of them.")
     memory, path = _get(cfg, "plan.memory"), _get(cfg, "plan.profile")
     if memory is not None:
@@ -118,7 +115,8 @@ def plan_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
         except ProfileError as e:
             out.append(f"{e}.")
     if memory is not None and (path is None or (prof is not None and not prof.bytes)):
-        out.append(f"plan.memory={memory} needs plan.profile with bytes (params, grads, optimizer, activation per stage).")
+        out.append(f"plan.memory={memory} needs plan.profile with bytes (params, grads, optimizer, activation per "
+                   f"stage).")
     return out
 
 
@@ -321,13 +319,15 @@ def group_options(group: str, config_dirs: Iterable[str | Path] = ()) -> list[st
 def _values(override: Any) -> list[tuple[Any, str]] | None:
     """The values an override takes (several for a sweep), each with its command-line spelling;
     ``None`` when they cannot be listed (interval and glob sweeps: left to Hydra)."""
-    from hydra.core.override_parser.types import ChoiceSweep, Override, RangeSweep
+    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 
-    raw = override._value
+    from .hydra_private import element_value_and_text
+
     if not override.is_sweep_override():
         return [(override.value(), override.get_value_element_as_str())]
+    raw = override.value()  # a sweep's value: the sweep as parsed
     if isinstance(raw, ChoiceSweep):
-        return [(Override._convert_value(x), Override._get_value_element_as_str(x)) for x in raw.list]
+        return [element_value_and_text(x) for x in raw.list]
     if isinstance(raw, RangeSweep):
         return [(x, str(x)) for x in raw.range()]
     return None
@@ -448,7 +448,7 @@ def sweeps_without_multirun(overrides: Sequence[str]) -> list[str]:
             values = None
         text = o.input_line
         count = f" over {len(values)} value{'s' if len(values) != 1 else ''}" if values is not None else ""
-        listed = isinstance(o._value, ChoiceSweep) and key not in GROUPS and _field_type(key)[0] is _ANY
+        listed = isinstance(o.value(), ChoiceSweep) and key not in GROUPS and _field_type(key)[0] is _ANY
         as_list = f", or write {o.get_key_element()}=[{','.join(s for _, s in values or [])}] for one list value" \
             if listed and values else ""
         out.append(f"{text} is a sweep{count}: add -m (multirun) to run {'each' if count else 'it'}{as_list}.")
@@ -469,7 +469,7 @@ class SweepCheck:
 
 def _sweep_text(o: Any, kept: list[str]) -> str:
     """The override ``o`` with only the values ``kept`` (their command-line spellings)."""
-    sweep = o._value
+    sweep = o.value()  # a sweep as parsed (its choices, shuffle and tags)
     body = ",".join(kept)
     shuffle, tags = getattr(sweep, "shuffle", False), sorted(getattr(sweep, "tags", None) or ())
     if len(kept) > 1 and shuffle:

@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities import move_data_to_device
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..runtime.processes import launch
+from .lightning_private import Launcher, WorkerOutput
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -32,7 +31,7 @@ if TYPE_CHECKING:
     from .strategy import UnifiedStrategy
 
 
-class ForkLauncher(_Launcher):
+class ForkLauncher(Launcher):
     """Forks ``strategy.num_processes`` workers and runs the trainer's function on each.
 
     Not a subclass of Lightning's ``_MultiProcessingLauncher``: Lightning refuses to return
@@ -80,7 +79,7 @@ class ForkLauncher(_Launcher):
             return move_data_to_device(results, "cpu") if dist.get_rank() == 0 else None
         return self._collect(trainer, results)
 
-    def _collect(self, trainer: "pl.Trainer", results: Any) -> _WorkerOutput | None:
+    def _collect(self, trainer: "pl.Trainer", results: Any) -> WorkerOutput | None:
         strategy: UnifiedStrategy = self._strategy  # type: ignore[assignment]
         fitting = trainer.state.fn == TrainerFn.FITTING
         # every stage from its owner: collective, so every rank takes part. A module built on the
@@ -98,10 +97,10 @@ class ForkLauncher(_Launcher):
             strategy.checkpoint_io.save_checkpoint(state, weights_path)
         buffer = io.BytesIO()
         torch.save({k: v.cpu() if torch.is_tensor(v) else v for k, v in trainer.callback_metrics.items()}, buffer)
-        return _WorkerOutput(best, weights_path, trainer.state, move_data_to_device(results, "cpu"),
+        return WorkerOutput(best, weights_path, trainer.state, move_data_to_device(results, "cpu"),
                              {"callback_metrics_bytes": buffer.getvalue()})
 
-    def _recover_results_in_main_process(self, output: _WorkerOutput, trainer: "pl.Trainer") -> None:
+    def _recover_results_in_main_process(self, output: WorkerOutput, trainer: "pl.Trainer") -> None:
         """What Lightning's multiprocessing launcher hands back: best checkpoint path, trained
         weights, trainer state and callback metrics."""
         if trainer.checkpoint_callback is not None and hasattr(trainer.checkpoint_callback, "best_model_path"):

@@ -22,6 +22,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
 from ..report import metrics as report
+from .lightning_private import started_experiment
 from .strategy import UnifiedStrategy
 
 
@@ -97,7 +98,8 @@ class RunMetrics(Callback):
             from ..report.png import save_png
 
             save_png(tl, self.out_dir / "pipeline.png",
-                     title=f"{self.run.get('scheme')} G={self.run.get('G')} R={self.run.get('R')} (predicted from the profiled step)",
+                     title=f"{self.run.get('scheme')} G={self.run.get('G')} R={self.run.get('R')} "
+                           f"(predicted from the profiled step)",
                      unit="seconds")
             _write_trace(self.out_dir, gathered, tl, self.run, len(self.walls), self.metrics["latency_s"]["predicted"])
         else:
@@ -119,8 +121,9 @@ class RunMetrics(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.global_rank == 0:
             for logger in trainer.loggers:
-                if isinstance(logger, WandbLogger) and logger._experiment is not None:
-                    logger._experiment.finish()
+                run = started_experiment(logger) if isinstance(logger, WandbLogger) else None
+                if run is not None:
+                    run.finish()
 
     def _steps(self, walls: list[float]) -> list[dict[str, float]]:
         skipped = set(self.skipped)

@@ -12,24 +12,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.callbacks import RichProgressBar
+from .lightning_private import RichProgressBarBase
 
 
-class StepProgressBar(RichProgressBar):
+class StepProgressBar(RichProgressBarBase):
     """:class:`~lightning.pytorch.callbacks.RichProgressBar` counting steps of ``max_steps`` when
     ``max_epochs`` is -1 (or unset)."""
 
     def _by_steps(self) -> bool:
-        t = self._trainer
+        t = self.attached_trainer
         return t is not None and t.max_epochs in (None, -1) and (t.max_steps or 0) > 0
 
     @property
     def total_train_batches(self) -> int | float:
         return self.trainer.max_steps if self._by_steps() else super().total_train_batches
 
-    def _get_train_description(self, current_epoch: int) -> str:
+    def train_title(self, current_epoch: int) -> str:
         if not self._by_steps():
-            return super()._get_train_description(current_epoch)
+            return super().train_title(current_epoch)
         # no epoch: Lightning counts one more when max_steps ends the run, so a run resumed from its
         # last.ckpt would say epoch 1 while its data is still in the first one
         text = "Step"
@@ -39,13 +39,13 @@ class StepProgressBar(RichProgressBar):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         if self._by_steps() and not self.is_disabled:  # Lightning resets the bar to 0 each epoch
-            self._update(self.train_progress_bar_id, trainer.global_step)
+            self.set_train_bar(trainer.global_step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self._by_steps():
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if not self.is_disabled and self.train_progress_bar_id is None:  # resumed mid-epoch
-            self._initialize_train_progress_bar_id()
-        self._update(self.train_progress_bar_id, trainer.global_step)
-        self._update_metrics(trainer, pl_module)
+            self.start_train_bar()
+        self.set_train_bar(trainer.global_step)
+        self.show_metrics(trainer, pl_module)
         self.refresh()

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 
+from .lightning_private import hpc_save_path
+
 #: the HPC checkpoints Lightning writes and resumes from (``hpc_ckpt_<N>.ckpt``)
 HPC = re.compile(r"hpc_ckpt_(\d+)\.ckpt$")
 
@@ -96,7 +98,7 @@ class RequeueOnSignal(Callback):
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all stop after the same step, or none does
         if flag.item() > 0:
-            path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+            path = hpc_save_path(trainer, trainer.default_root_dir)
             trainer.save_checkpoint(path)  # collective: every stage from its owner
             trainer.should_stop = True
             # stopping ends the epoch early, and checkpoint callbacks would save this step as the

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import ConfigError
 from ..config.step import one_line
+from .lightning_private import save_last_checkpoint, skips_saving
 
 #: the hyperparameter holding the length of the built-in models' learning-rate schedule
 SCHEDULE_KEY = "max_steps"
@@ -74,7 +75,8 @@ def _model_errors(key: str, ckpt: dict[str, Any], model: Any) -> list[str]:
     missing = [k for k in want if k not in have]
     extra = [k for k in have if k not in want]
     if missing or extra:
-        what = (f"lacks {missing[0]}" + (f" (and {len(missing) - 1} more of the model's entries)" if len(missing) > 1 else "")
+        what = (f"lacks {missing[0]}"
+                + (f" (and {len(missing) - 1} more of the model's entries)" if len(missing) > 1 else "")
                 if missing else
                 f"has {extra[0]}, which the model lacks" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
         return [f"{key} holds another model{because}: it {what}; resume with the model it was trained with, "
@@ -91,7 +93,8 @@ def _schedule_errors(key: str, ckpt: dict[str, Any], cfg: DictConfig, model: Any
     now = _hparams(model).get(SCHEDULE_KEY, OmegaConf.select(cfg, f"model.{SCHEDULE_KEY}"))
     if now == saved or not OmegaConf.is_interpolation(node, SCHEDULE_KEY):
         return []  # the same schedule, or one the command line asks for
-    follows = str(node._get_node(SCHEDULE_KEY)._value()).strip("${}")  # type: ignore[union-attr]
+    raw: Any = OmegaConf.to_container(node, resolve=False)  # the interpolation as written: ${...}
+    follows = str(raw[SCHEDULE_KEY]).strip("${}")
     return [f"{key} was trained on a learning-rate schedule of model.{SCHEDULE_KEY}={saved} steps, but here "
             f"model.{SCHEDULE_KEY} follows {follows}={now}, which would change its learning rate: set "
             f"model.{SCHEDULE_KEY}={saved} to keep its schedule, or model.{SCHEDULE_KEY}={now} to change it."]
@@ -162,8 +165,8 @@ class LastCheckpoint(ModelCheckpoint):
         super().__init__(save_last=True, **kwargs)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.save_last and not skips_saving(self, trainer):
+            save_last_checkpoint(self, trainer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A run resumed with ``ckpt_path=<other run>/checkpoints/last.ckpt`` writes into its own run

@@ -37,7 +37,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -47,16 +46,18 @@ from torch import nn
 from ..config import ConfigError, LauncherConf, RunSpec, step_errors
 from ..config.spec import CUSTOM
 from ..runtime import DEFAULT_TIMEOUT, Engine
-from ..runtime.values import chunk, joined, to_device
 from ..runtime.failure import Watchdog, blocked, current_watchdog, set_current_watchdog
 from ..runtime.init import empty_init, has_meta
 from ..runtime.link import measure as measure_link
 from ..runtime.nonfinite import MODES as NONFINITE_MODES
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
 from ..runtime.processes import auto_backend
+from ..runtime.torch_private import FoundInfHookScaler, default_store, retype_grad_scaler
+from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.schemes import SCHEMES
 from .launcher import ForkLauncher
+from .lightning_private import init_dist_connection, retype_precision_plugin, sync_ddp_if_available
 from .staging import example_microbatch, split_batch, stage_module, uses_trace
 from .state import Layout, gather_module_state, gather_optimizer_state, load_stage_state, scatter_optimizer_state
 
@@ -287,9 +288,9 @@ class UnifiedStrategy(ParallelStrategy):
 
     def setup_distributed(self) -> None:
         self.set_world_ranks()
-        if not _distributed_is_initialized():  # torchrun or Slurm started us; the fork launcher did it already
-            _init_dist_connection(self.cluster_environment, self.backend, timeout=default_pg_timeout)
-            store = dist.distributed_c10d._get_default_store()
+        if not _process_group_up():  # torchrun or Slurm started us; the fork launcher did it already
+            init_dist_connection(self.cluster_environment, self.backend, timeout=default_pg_timeout)
+            store = default_store()
             self._watchdog = Watchdog(dist.PrefixStore("launcher/watchdog", store), self.global_rank,
                                       self.world_size, self.timeout).start()
             set_current_watchdog(self._watchdog)
@@ -301,11 +302,11 @@ class UnifiedStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
+        if _process_group_up():
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not _process_group_up():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -313,7 +314,7 @@ class UnifiedStrategy(ParallelStrategy):
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def model_to_device(self) -> None:
@@ -333,8 +334,8 @@ class UnifiedStrategy(ParallelStrategy):
         traced = uses_trace(module, self.split)
         if self.spec is None:
             if traced and not isinstance(self.split, list):
-                raise ValueError(f"{type(module).__name__} is traced and cut into stages: give UnifiedStrategy(stages=...) "
-                                 f"or split=[module paths where stages begin]")
+                raise ValueError(f"{type(module).__name__} is traced and cut into stages: "
+                                 f"give UnifiedStrategy(stages=...) or split=[module paths where stages begin]")
             self._configure(len(stages) if not traced else len(self.split) + 1)
         S = self.cfg.stages
         if self.W > self.world_size:
@@ -392,8 +393,8 @@ class UnifiedStrategy(ParallelStrategy):
             self._configure(len(module.stages))
         S = self.spec.stages if self.spec is not None else len(self.split) + 1 if isinstance(self.split, list) else None
         if S is None:
-            raise ModelError([f"{type(module).__name__} is traced and cut into stages: give UnifiedStrategy(stages=...) "
-                              f"or split=[module paths where stages begin]."])
+            raise ModelError([f"{type(module).__name__} is traced and cut into stages: "
+                              f"give UnifiedStrategy(stages=...) or split=[module paths where stages begin]."])
         batch = None
         if datamodule is not None:
             try:
@@ -405,6 +406,11 @@ class UnifiedStrategy(ParallelStrategy):
         with self.precision_plugin.train_step_context():  # as the workers will trace and run it
             staging = check_staging(module, S, self.split, batch, self.B, self.partition, self.memory_cap)
         self._staged = (module, staging)
+
+    def adopt(self, other: UnifiedStrategy) -> None:
+        """Take over the staging another strategy of the same settings made of its module
+        (:meth:`check_before_fork`), instead of staging the module again."""
+        self._staged, self.meta = other._staged, other.meta
 
     def _shared_partition(self, trainer: Any, module: Any, S: int) -> tuple[list[list[int]], list[Any]]:
         """Processes started outside (torchrun, Slurm) were not staged before a fork: rank 0
@@ -418,7 +424,8 @@ class UnifiedStrategy(ParallelStrategy):
         if self.global_rank == 0:
             try:
                 dm = getattr(trainer, "datamodule", None)
-                batch = self.precision_plugin.convert_input(next(iter(dm.train_dataloader()))) if dm is not None else None
+                batch = (self.precision_plugin.convert_input(next(iter(dm.train_dataloader())))
+                         if dm is not None else None)
                 with self.precision_plugin.train_step_context():
                     found = ("ok",) + profiled_partition(module, S, self.partition, batch, self.B, self.memory_cap)
             except ModelError as e:
@@ -662,6 +669,12 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
     return sq.sqrt()
 
 
+def _process_group_up() -> bool:
+    """Whether the default process group is started (``torch.distributed`` may be built without
+    it: ``is_initialized`` exists only where ``is_available``)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def _all_reduce(t: torch.Tensor) -> None:
     """Sum ``t`` over the workers, marked as waiting on them: a rank that hangs meanwhile is named
     by the hang check (its peers are waiting here, not making progress)."""
@@ -669,18 +682,17 @@ def _all_reduce(t: torch.Tensor) -> None:
         dist.all_reduce(t)
 
 
-class _SyncedScaler(torch.amp.GradScaler):
+class _SyncedScaler(FoundInfHookScaler):
     """A ``GradScaler`` whose inf/NaN check spans every worker (as FSDP's ``ShardedGradScaler``):
     each owner sees only its stages' gradients, so all must skip a step, or none, and update the
     scale alike; a worker that owns no gradient still takes part."""
 
-    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+    def combine_found_inf(self, per_device: dict[torch.device, torch.Tensor],
+                          found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
         total = torch.zeros_like(found_inf)
         for v in per_device.values():
             total += v.to(total.device)
-        if _distributed_is_initialized():
+        if _process_group_up():
             _all_reduce(total)
         return {total.device: total}
 
@@ -689,7 +701,7 @@ def _with_synced_scaler(plugin: Any) -> None:
     """16-mixed: make the precision plugin's GradScaler agree across workers (:class:`_SyncedScaler`)."""
     scaler = getattr(plugin, "scaler", None)
     if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, _SyncedScaler):
-        scaler.__class__ = _SyncedScaler
+        retype_grad_scaler(scaler, _SyncedScaler)
 
 
 _CLIPPING: dict[type, type] = {}
@@ -709,8 +721,9 @@ def _with_global_clipping(strategy: UnifiedStrategy) -> None:
     if cls not in _CLIPPING.values():
         if cls not in _CLIPPING:
             _CLIPPING[cls] = type(f"GlobalNorm{cls.__name__}", (cls,), {"clip_grad_by_norm": _clip_grad_by_norm})
-        plugin.__class__ = _CLIPPING[cls]
+        retype_precision_plugin(plugin, _CLIPPING[cls])
     plugin.unified_strategy = strategy
 
-StrategyRegistry.register("unified", UnifiedStrategy, description="the schedule engine: ddp, fsdp, gpipe, lpp, fslpp or a custom placement",
+StrategyRegistry.register("unified", UnifiedStrategy,
+                          description="the schedule engine: ddp, fsdp, gpipe, lpp, fslpp or a custom placement",
                           override=True)

@@ -171,9 +171,10 @@ class CharCorpus(SeededData):
                 raise ValueError(f"val_fraction={self.val_fraction} is invalid here: it holds out {n_val} of the {n} "
                                  f"windows of seq_len+1={self.seq_len + 1} characters, leaving fewer than one batch "
                                  f"(batch_size={self.batch_size}) to train on; lower val_fraction.")
-            raise ValueError(f"chars={self.chars} is invalid here: it makes {n} windows of seq_len+1={self.seq_len + 1} "
-                             f"characters, fewer than one batch (batch_size={self.batch_size}) plus one held out for "
-                             f"validation; raise chars or lower seq_len or batch_size.")
+            raise ValueError(f"chars={self.chars} is invalid here: it makes {n} windows of "
+                             f"seq_len+1={self.seq_len + 1} characters, fewer than one batch "
+                             f"(batch_size={self.batch_size}) plus one held out for validation; raise chars or lower "
+                             f"seq_len or batch_size.")
         x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         self.train_set = TensorDataset(x[n_val:], y[n_val:])
         self.val_set = TensorDataset(x[:n_val], y[:n_val])

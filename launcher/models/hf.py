@@ -57,7 +57,8 @@ class Embeddings(nn.Module):
     """Token embedding (GPT-2: plus learned positions, then dropout); passes the positions and the
     2-D mask on to the decoder layers."""
 
-    def __init__(self, tokens: nn.Embedding, positions: nn.Embedding | None = None, drop: nn.Module | None = None) -> None:
+    def __init__(self, tokens: nn.Embedding, positions: nn.Embedding | None = None,
+                 drop: nn.Module | None = None) -> None:
         super().__init__()
         self.tokens = tokens
         self.positions = positions

@@ -11,4 +11,6 @@ from omegaconf import DictConfig
 
 from . import plan, simulate, train
 
-MODES: dict[str, Callable[[DictConfig], dict[str, Any]]] = {"train": train.run, "simulate": simulate.run, "plan": plan.run}
+MODES: dict[str, Callable[[DictConfig], dict[str, Any]]] = {
+    "train": train.run, "simulate": simulate.run, "plan": plan.run,
+}

@@ -38,7 +38,8 @@ def chosen(cfg: DictConfig) -> tuple[DictConfig, Candidate]:
     except ProfileError as e:
         raise ConfigError([f"{e}."]) from e
     if best is None:
-        raise ConfigError([f"strategy=auto found no schedule that fits {_budget_text(cfg)}; raise the budget or plan.workers."])
+        raise ConfigError([f"strategy=auto found no schedule that fits {_budget_text(cfg)}; raise the budget or "
+                           f"plan.workers."])
     return apply(cfg, best), best
 
 

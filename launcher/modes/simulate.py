@@ -11,10 +11,10 @@ from omegaconf import DictConfig, OmegaConf
 from ..config import ConfigError, to_step
 from ..config.step import one_line
 from ..config.validate import errors as config_errors
+from ..report.png import AUTO_MAX_JOBS as PNG_AUTO_MAX_JOBS
 from ..schedule import ScheduleError, Timeline, simulate
 from ..schedule.diagram import ascii_diagram, legend
 from ..schedule.metrics import summarize
-from ..report.png import AUTO_MAX_JOBS as PNG_AUTO_MAX_JOBS
 from .common import clear_outcomes, console, in_sweep, output_dir, phase, point, reject, write_invalid
 
 
@@ -101,7 +101,8 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     if draw:
         con.print(f"wrote {json_path} and {png_path}", highlight=False, soft_wrap=True)
     else:
-        why = "png=false" if cfg.get("png", "auto") is False else f"{jobs:,} jobs > {PNG_AUTO_MAX_JOBS:,}; png=true draws it anyway"
+        why = ("png=false" if cfg.get("png", "auto") is False
+               else f"{jobs:,} jobs > {PNG_AUTO_MAX_JOBS:,}; png=true draws it anyway")
         con.print(f"wrote {json_path} (pipeline.png skipped: {why})", highlight=False, soft_wrap=True)
     return rec
 

@@ -23,14 +23,26 @@ from omegaconf import DictConfig, OmegaConf
 from ..config import ConfigError
 from ..config.step import one_line
 from ..config.training import is_single, train_errors
-from .common import HELD, DirInUse, console, hold, in_sweep, joined_rank, let_go, output_dir, point, reject, write_invalid
+from .common import (
+    HELD,
+    DirInUse,
+    console,
+    hold,
+    in_sweep,
+    joined_rank,
+    let_go,
+    output_dir,
+    point,
+    reject,
+    write_invalid,
+)
 
 #: what a run directory holds about how the run ended; a new run removes the old ones
 OUTCOMES = ("metrics.json", "failed.json", "invalid.json")
 
 
 @dataclass
-class Job:
+class Prepared:
     """Everything ``trainer.fit`` needs, built and checked."""
 
     model: Any
@@ -39,6 +51,7 @@ class Job:
     strategy: Any
     run: dict[str, Any]
     chosen: list[str] | None = None  # strategy=auto: the planner's overrides
+    built: Any = None  # what was built before the Trainer (_Built)
 
 
 def _build(node: Any, key: str, want: type, what: str) -> Any:
@@ -111,7 +124,8 @@ def _check_model(strategy: Any, model: Any, data: Any, cfg: DictConfig) -> None:
     except ModelError as e:
         # a sentence about a key of the run (stages=9) names it already; the others are the model's
         raise ConfigError([s if s.startswith(("stages=", "split=")) else
-                           f"model._target_={target} cannot be trained by the schedule: {s}" for s in e.sentences]) from e
+                           f"model._target_={target} cannot be trained by the schedule: {s}"
+                           for s in e.sentences]) from e
 
 
 #: argument names that say what an embedding is indexed by: the data's symbols, or positions
@@ -302,9 +316,64 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
 
 
-def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
-    """Validate ``cfg`` and build the model, data, strategy and trainer (and, with ``out_dir``, the
-    logger and callbacks writing there); raise :class:`ConfigError` with one sentence per problem."""
+@dataclass
+class _Built:
+    """What a config builds before its Trainer: checked, and kept by :func:`check` for the run."""
+
+    cfg: DictConfig  # the config as run (strategy=auto: with the planner's pick applied)
+    chosen: list[str] | None
+    model: Any
+    data: Any
+    spec: Any  # the step's RunSpec; None for strategy=single
+    checked: Any = None  # the strategy that staged the model as the workers will run it (check_before_fork)
+    rng: Any = None  # the random state after the check, which the run goes on from
+
+
+#: the command line's check of a single training run (:func:`check`): its config and what it built
+_CHECKED: dict[str, Any] = {}
+
+
+def check(cfg: DictConfig) -> None:
+    """Check a single training run whole before Hydra starts it (raises :class:`ConfigError`), and
+    keep what was built: the run of the same config takes it over rather than build the model,
+    data and staging a second time."""
+    job = prepare(cfg, None)
+    if _key(cfg) is not None:
+        job.built.checked = job.strategy if job.built.spec is not None else None
+        job.built.rng = _random_state()
+        _CHECKED.update(key=_key(cfg), built=job.built)
+
+
+def _key(cfg: DictConfig) -> str | None:
+    try:
+        return OmegaConf.to_yaml(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - an interpolation only the run resolves: no reuse
+        return None
+
+
+def _random_state() -> Any:
+    """Python's, numpy's and torch's generators, as :func:`lightning.pytorch.seed_everything` seeds them."""
+    import random
+
+    import numpy as np
+    import torch
+
+    return random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+
+
+def _set_random_state(state: Any) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.random.set_rng_state(state[2])
+
+
+def _build_job(cfg: DictConfig) -> _Built:
+    """Validate ``cfg``; build and check its data, model and step settings (nothing is started)."""
     chosen = None
     if cfg.strategy.name == "auto" and cfg.strategy.get("placement") is None:
         from .plan import chosen as plan_choice
@@ -314,31 +383,53 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
     found = train_errors(cfg)
     if found:
         raise ConfigError(found)
-    from lightning.pytorch import LightningDataModule, LightningModule, Trainer, seed_everything
-
-    from ..lightning import UnifiedStrategy
+    from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
 
     _quiet()
     seed_everything(int(cfg.seed), verbose=False)
-    single = is_single(cfg)
     data = _build(cfg.data, "data", LightningDataModule, "LightningDataModule")
     with _model_context(cfg.model):
         model = _build(cfg.model, "model", LightningModule, "LightningModule")
     _data_hooks_of(model)
     _check_inputs(model, data, _first_batch(data, cfg), cfg)  # the data's output against the model
-    if single:
-        strategy: Any = "auto"
-        devices: dict[str, Any] = {"devices": 1}
-    else:
+    spec = None
+    if not is_single(cfg):
         from ..config import RunSpec
 
         # the settings checked above, as the strategy and its workers will trust them; a custom
         # placement or order is built (and so checked) here, once
         spec = RunSpec.from_config(cfg, check=False)
         _plannable(spec)
+    return _Built(cfg, chosen, model, data, spec)
+
+
+def prepare(cfg: DictConfig, out_dir: Path | None) -> Prepared:
+    """Validate ``cfg`` and build the model, data, strategy and trainer (and, with ``out_dir``, the
+    logger and callbacks writing there); raise :class:`ConfigError` with one sentence per problem.
+    A config the command line's :func:`check` built already is taken over from it."""
+    key = _CHECKED.pop("key", None)
+    built: _Built | None = _CHECKED.pop("built", None) if key is not None and key == _key(cfg) else None
+    _CHECKED.clear()
+    if built is None:
+        built = _build_job(cfg)
+    else:  # as if built again: the same generators' state, on the same objects
+        _quiet()
+        _set_random_state(built.rng)
+    from lightning.pytorch import Trainer
+
+    from ..lightning import UnifiedStrategy
+
+    cfg, model, data, spec = built.cfg, built.model, built.data, built.spec
+    single = spec is None
+    if single:
+        strategy: Any = "auto"
+        devices: dict[str, Any] = {"devices": 1}
+    else:
         strategy = UnifiedStrategy.from_spec(
             spec, timeout=float(cfg.timeout), nonfinite=cfg.get("nonfinite", "stop"),
             split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
+        if built.checked is not None:
+            strategy.adopt(built.checked)
         devices = _devices(spec.W)
     run = _run_info(cfg)
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(cfg.trainer, resolve=True) or {})
@@ -365,7 +456,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Job:
     from ..lightning.resume import check_resume
 
     check_resume(cfg, model)  # ckpt_path: loads, fits the model, has steps left, keeps its LR schedule
-    return Job(model, data, trainer, strategy, run, chosen)
+    return Prepared(model, data, trainer, strategy, run, built.chosen, built)
 
 
 def _atomic_checkpoints(kwargs: dict[str, Any], strategy: Any) -> None:
@@ -387,12 +478,11 @@ def _model_context(node: Any) -> Any:
     and each worker materialises only the stages it owns (:mod:`launcher.runtime.init`)."""
     import contextlib
 
-    from hydra._internal.utils import _locate  # get_class's lookup, without its error log line
-
+    from ..config.hydra_private import locate  # get_class's lookup, without its error log line
     from ..runtime.init import empty_init
 
     try:
-        cls = _locate(str(node.get("_target_")))
+        cls = locate(str(node.get("_target_")))
     except Exception:  # noqa: BLE001 - _build reports a target that cannot be found, in one sentence
         return contextlib.nullcontext()
     return empty_init() if callable(getattr(cls, "reset_stage", None)) else contextlib.nullcontext()

@@ -7,7 +7,7 @@ config's ``plan.*`` keys (its ``overrides`` reproduce it under ``mode=simulate``
 
 from .from_config import choose, plan
 from .profile import Profile, ProfileError, load, parse_bytes, unit
-from .search import Budget, Candidate, Plan, search
+from .search import Budget, Candidate, Ranking, search
 
-__all__ = ["choose", "plan", "Profile", "ProfileError", "load", "parse_bytes", "unit", "Budget", "Candidate", "Plan",
+__all__ = ["choose", "plan", "Profile", "ProfileError", "load", "parse_bytes", "unit", "Budget", "Candidate", "Ranking",
            "search"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .profile import Profile, load, parse_bytes, unit
-from .search import Budget, Candidate, Plan, search
+from .search import Budget, Candidate, Ranking, search
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -45,7 +45,7 @@ def microbatches_of(cfg: Mapping[str, Any]) -> list[int]:
     return [int(mb)] if isinstance(mb, int) else [int(x) for x in mb]
 
 
-def plan(cfg: Mapping[str, Any]) -> Plan:
+def plan(cfg: Mapping[str, Any]) -> Ranking:
     """Search the space the config's ``plan.*`` keys describe (the config must be valid)."""
     workers = _get(cfg, "plan.workers") or int(_get(cfg, "G")) * int(_get(cfg, "R"))
     return search(int(_get(cfg, "stages")), microbatches_of(cfg), int(workers), profile_of(cfg), budget_of(cfg),

@@ -18,9 +18,10 @@ For worker ``w`` (``p_s``, ``g_s``, ``o_s``: parameter, gradient and optimizer-s
 
 Under cache ``step`` a fetched stage's gradient buffer lives to the end of the step, so it is
 counted for every fetched stage the worker computes; under ``job`` the owner takes each sum in
-during the step and the sender frees it (:func:`launcher.schedule.memory.sum_handovers`). Live activations are swept exactly:
-``x_s^b`` is held on ``F(s,b)``'s worker from that job's start to the end of the backward that
-consumes it, a release at time t before an acquisition at t (as in the simulator).
+during the step and the sender frees it (:func:`launcher.schedule.memory.sum_handovers`). Live
+activations are swept exactly: ``x_s^b`` is held on ``F(s,b)``'s worker from that job's start to
+the end of the backward that consumes it, a release at time t before an acquisition at t (as in the
+simulator).
 """
 
 from __future__ import annotations

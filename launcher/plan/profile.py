@@ -145,7 +145,8 @@ def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
     return Profile({k: (float(dur[k]) if dur.get(k) is not None else None) for k in ("F", "B", "I", "W")},
                    float(comm), table, seconds=True, link=link, cores=cores, outside=float(outside),
                    message_cpu=float(msg) if msg is not None else None,
-                   stage_durations=tuple({k: float(v) for k, v in x.items() if v is not None} for x in per) if per else None,
+                   stage_durations=(tuple({k: float(v) for k, v in x.items() if v is not None} for x in per)
+                                    if per else None),
                    modules=tuple({k: float(m[k]) for k in keys} for m in mods) if mods else None)
 
 

@@ -53,7 +53,8 @@ from typing import Any, Mapping, Sequence
 
 from ..schedule import ScheduleError, make_step, simulate
 from ..schedule.cores import job_work, replay
-from ..schedule.link import end_of_step, exchanges, step_time as link_step_time
+from ..schedule.link import end_of_step, exchanges
+from ..schedule.link import step_time as link_step_time
 from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
 from ..schedule.schemes import named
 from ..schedule.simulate import Timeline, place_all
@@ -119,7 +120,7 @@ class Candidate:
 
 
 @dataclass
-class Plan:
+class Ranking:
     """The ranked candidates that fit (best first) and what the search did."""
 
     candidates: list[Candidate]
@@ -191,14 +192,14 @@ def _limits(budget: Budget, prof: Profile, owned: list[set[int]], fetched: list[
 
 
 def search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, budget: Budget,
-           top: int = 20) -> Plan:
+           top: int = 20) -> Ranking:
     """The fastest fitting points of the space, best first (see the module docstring). With a
     profile of the model's modules (``prof.modules``) the cut of the modules into ``S`` stages is
     searched too: each partition (:mod:`launcher.plan.partition`) gives its stages their own
     durations and bytes, and its candidates carry ``partition=...``."""
     if not prof.modules:
         return _search(S, microbatches, workers, prof, budget, top)
-    merged = Plan([])
+    merged = Ranking([])
     seen: list[list[list[int]]] = []
     for by, staged in partitioned(prof, S, max(microbatches), budget.bytes):
         if staged[0] in seen:
@@ -240,9 +241,9 @@ def partitioned(prof: Profile, S: int, inflight: int,
 
 
 def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, budget: Budget,
-            top: int = 20) -> Plan:
+            top: int = 20) -> Ranking:
     """:func:`search` for one cut of the model into stages (the profile's)."""
-    plan = Plan([])
+    plan = Ranking([])
     kept: list[list] = []  # a max-heap of [negated key, serial, candidate]: the top ``top`` candidates
     listed: dict[tuple, list] = {}  # schedule -> its entry in ``kept``
     serial = itertools.count()
@@ -313,7 +314,7 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
     return plan
 
 
-def _keep(kept: list[list], listed: dict[tuple, list], cand: Candidate, top: int, serial: int, plan: Plan) -> None:
+def _keep(kept: list[list], listed: dict[tuple, list], cand: Candidate, top: int, serial: int, plan: Ranking) -> None:
     """Enter ``cand`` into the top ``top`` unless a plainer setting of the same schedule is there."""
     old = listed.get(cand.same_as)
     if old is not None and old in kept:
@@ -360,7 +361,8 @@ def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget) -> tu
                 continue  # cannot fit under either cache, whatever the order
             lim = _limits(budget, prof, owned, fetched, S)
             if lim is not None and budget.activations is not None:
-                lim = min(lim, budget.activations) if isinstance(lim, int) else tuple(min(x, budget.activations) for x in lim)
+                lim = (min(lim, budget.activations) if isinstance(lim, int)
+                       else tuple(min(x, budget.activations) for x in lim))
             if lim is not None and lim not in limits:
                 limits.append(lim)
         per_scheme.append((sch, weights[: S * B], owned, fetched))  # direction-free: one (s, b) each
@@ -368,7 +370,7 @@ def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget) -> tu
 
 
 def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str, warmup: str, split: bool,
-              ml: Any, d: dict[str, float], prof: Profile, budget: Budget, plan: Plan,
+              ml: Any, d: dict[str, float], prof: Profile, budget: Budget, plan: Ranking,
               moves: dict, worst: float = math.inf) -> list[Candidate]:
     """Every scheme, ownership and cache on one simulated timeline, keeping those that fit.
     ``moves`` caches each scheme's traffic: it depends on the placement and the split only.
@@ -405,7 +407,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
         if prof.cores is not None:  # CPU workers: they share the cores
             step_time[sch] = shared_cores_time(view, prof, grads, work)
         else:
-            step_time[sch] = (link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency) + prof.outside
+            step_time[sch] = ((link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency)
+                              + prof.outside)
         recompute = step_time[sch]
         # cache "job" (backwards on fetched weights recompute their forward) lasts at least as long
         # where every worker has a core; on shared cores more work can reorder who waits for whom
@@ -422,9 +425,11 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
                 fetch, _, held = _job_cache(view)
                 resident = [o + h for o, h in zip(t["weights_owned"], held)]
             else:
-                fetch, resident = t["weight_fetch_stages"], [o + f for o, f in zip(t["weights_owned"], t["weight_fetch_stages"])]
+                fetch, resident = (t["weight_fetch_stages"],
+                                   [o + f for o, f in zip(t["weights_owned"], t["weight_fetch_stages"])])
             act_c = memory.activation_bytes(view, prof, cache) if cache == "job" and job_act and any(fetched) else act
-            peak_bytes = memory.worker_bytes(view, prof, cache, resident, owned, fetched, act_c) if act is not None else None
+            peak_bytes = (memory.worker_bytes(view, prof, cache, resident, owned, fetched, act_c)
+                          if act is not None else None)
             if budget.bytes is not None and peak_bytes is not None and max(peak_bytes) > budget.bytes:
                 plan.did_not_fit += 1
                 continue

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from .search import Candidate, Plan
+from .search import Candidate, Ranking
 
 
 def _si(x: float | None, unit: str) -> str:
@@ -19,7 +19,7 @@ def _si(x: float | None, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
-def candidates_table(plan: Plan, seconds: bool, rows: int = 10, title: str = "plan") -> Table:
+def candidates_table(plan: Ranking, seconds: bool, rows: int = 10, title: str = "plan") -> Table:
     """Top ``rows`` candidates: predicted step time, throughput, bubble, peak memory, traffic."""
     t = Table(title=title, title_justify="left")
     unit = "s" if seconds else "units"
@@ -39,7 +39,7 @@ def candidates_table(plan: Plan, seconds: bool, rows: int = 10, title: str = "pl
     return t
 
 
-def plan_record(plan: Plan, config: dict[str, Any], seconds: bool) -> dict[str, Any]:
+def plan_record(plan: Ranking, config: dict[str, Any], seconds: bool) -> dict[str, Any]:
     """``plan.json``: ``best``, ``candidates`` (best first, each with its ``overrides``) and how
     the search went."""
     return {

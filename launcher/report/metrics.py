@@ -39,18 +39,24 @@ Keys (the comparison dashboard reads them):
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..runtime.plan import KINDS, Plan
-from ..schedule import Timeline
-from ..schedule import memory
-from ..schedule.cores import job_work, replay
+from ..schedule import Timeline, memory
+from ..schedule.cores import Replayed, job_work, replay
 from ..schedule.link import Link, exchanges
 from ..schedule.simulate import Step
-from .profile import (end_seconds, job_seconds, message_cpu_seconds, message_seconds, outside_seconds, shared_cores,
-                      stage_job_seconds)
+from .profile import (
+    end_seconds,
+    job_seconds,
+    message_cpu_seconds,
+    message_seconds,
+    outside_seconds,
+    shared_cores,
+    stage_job_seconds,
+)
 
 
 def _median_after_first(xs: Sequence[float]) -> float:
@@ -104,7 +110,43 @@ def build(
     """
     W = plan.workers
     ranks = [r for r in per_rank if r["rank"] < W]
-    step: Step = plan.timeline.step
+    measured = _measure(ranks, plan.timeline.step, act_bytes)
+    replayed, tl = _predict(plan, ranks, measured, stage_bytes["grads"])
+    predicted_s = replayed.seconds
+    measured_s = _median_after_first([s["step_s"] for s in steps])
+    bubble, bubble_per_worker = _bubble_fractions(replayed.busy, predicted_s, W, _measured_bubbles(ranks, steps))
+    return {
+        "run": dict(run),
+        "config": dict(config),
+        "status": "ok",
+        "steps": [dict(s) for s in steps],
+        "val": [dict(v) for v in val],
+        "latency_s": {"predicted": predicted_s, "measured": measured_s},
+        "throughput_samples_per_s": {"predicted": samples_per_step / predicted_s if predicted_s else None,
+                                     "measured": samples_per_step / measured_s if measured_s else None},
+        "bubble_fraction": bubble,
+        "profile": _profile(measured, module_costs, stage_bytes),
+        "per_worker": _per_worker(plan, ranks, tl, msg_bytes, act_bytes, saved_bytes, recomputed, bubble_per_worker),
+        "memory_kind": ranks[0]["memory_kind"] if ranks else None,
+        "diagram": "pipeline.png",
+    }, tl
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What this run's own workers measured: the prediction's inputs, reported as the ``profile``."""
+
+    durations: dict[str, float]  # seconds per job kind
+    per_stage: list[dict[str, float]]  # the same, per stage
+    link: Link | None  # a ping-pong between workers 0 and 1
+    comm_s: float  # what a message between workers took
+    cores: int | None  # the cores the workers shared
+    outside_s: list[float]  # per worker, a step's seconds outside the engine
+    message_cpu: float | None  # on CPU workers, the communication threads' CPU per message
+
+
+def _measure(ranks: Sequence[Mapping[str, Any]], step: Step, act_bytes: Sequence[Sequence[int]]) -> _Measured:
+    """The times the prediction takes from the workers' records."""
     kinds = step.space.kinds
     durations = job_seconds(ranks, kinds)
     # each stage's own measured times: an uneven cut has uneven stages, and the prediction follows it
@@ -116,79 +158,96 @@ def build(
     comm_s = message_seconds(ranks)
     if comm_s is None:
         comm_s = link.seconds(act_mean) if link else 0.0
-    # the programs the workers ran, timed by what they measured
-    # (measured backwards include any recomputation: the replay adds none)
-    tl = replace(plan.timeline, step=replace(step, stage_durations=per_stage, recompute=frozenset()))
-    timed = {k: max(v, 1e-9) for k, v in durations.items()} | {k: 1.0 for k in "FBIW" if k not in kinds}
-    cores = shared_cores(ranks)
-    outside_s = outside_seconds(ranks)
-    delays = [e.rounds * comm_s for e in exchanges(tl, stage_bytes["grads"])]
+    return _Measured(durations, per_stage, link, comm_s, shared_cores(ranks), outside_seconds(ranks),
+                     message_cpu_seconds(ranks))
+
+
+def _predict(plan: Plan, ranks: Sequence[Mapping[str, Any]], measured: _Measured,
+             grad_bytes: Sequence[int]) -> tuple[Replayed, Timeline]:
+    """The programs the workers ran, timed by what they measured and replayed on the cores they
+    shared: the replay, and its timeline (drawn and reported: what ran, as predicted)."""
+    W = plan.workers
+    step = plan.timeline.step
+    # measured backwards include any recomputation: the replay adds none
+    tl = replace(plan.timeline, step=replace(step, stage_durations=measured.per_stage, recompute=frozenset()))
+    timed = ({k: max(v, 1e-9) for k, v in measured.durations.items()}
+             | {k: 1.0 for k in "FBIW" if k not in step.space.kinds})
+    delays = [e.rounds * measured.comm_s for e in exchanges(tl, grad_bytes)]
     # after its jobs a worker finishes the step's exchange, then the framework's work around the
     # step (the loss is summed over every worker there, so each waits for all)
-    tails = [e + o for e, o in zip(end_seconds(ranks), outside_s)]
-    message_cpu = message_cpu_seconds(ranks)
-    replayed = replay(tl, cores or W, tails, [list(range(W))] * W, delays, durations=job_work(tl, timed, message_cpu),
-                      comm=comm_s)
-    predicted_s = replayed.seconds
-    tl = replayed.timeline(tl)  # drawn and reported: what ran, as predicted
-    measured_s = _median_after_first([s["step_s"] for s in steps])
+    tails = [e + o for e, o in zip(end_seconds(ranks), measured.outside_s)]
+    replayed = replay(tl, measured.cores or W, tails, [list(range(W))] * W, delays,
+                      durations=job_work(tl, timed, measured.message_cpu), comm=measured.comm_s)
+    return replayed, replayed.timeline(tl)
 
-    busy_pred = replayed.busy  # wall seconds running jobs, slowed where workers share cores
-    # measured busy time per worker and step: the sum of its jobs' wall times
-    busy_meas = []
+
+def _measured_bubbles(ranks: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]]) -> list[float | None]:
+    """Per worker, the share of a step it spent outside its jobs (the sum of their wall times), the
+    median over the steps after the first; ``None`` for a worker without records."""
+    out: list[float | None] = []
     for r in ranks:
         recs = [x for x in r["records"] if x]
         per_step = [sum(j[3] for j in rec["measured_only"]["jobs"]) / max(s["step_s"], 1e-12)
                     for rec, s in zip(recs, steps)]
-        busy_meas.append(1.0 - _median_after_first(per_step) if per_step else None)
+        out.append(1.0 - _median_after_first(per_step) if per_step else None)
+    return out
+
+
+def _bubble_fractions(busy: list[float], step_s: float, W: int,
+                      measured: list[float | None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The step's bubble fraction and each worker's, ``{"predicted", "measured"}``: predicted from
+    the replay's ``busy`` wall seconds (slowed where workers share cores) in a step of ``step_s``;
+    the step's measured one is the mean over the workers with records."""
+    total = 1.0 - sum(busy) / (W * step_s) if step_s else 0.0
+    known = [b for b in measured if b is not None]
+    return ({"predicted": max(0.0, total), "measured": sum(known) / len(known) if known else None},
+            {"predicted": [max(0.0, 1.0 - b / step_s) if step_s else 0.0 for b in busy], "measured": measured})
+
+
+def _profile(measured: _Measured, module_costs: Sequence[Mapping[str, float]] | None,
+             stage_bytes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+    """The record's ``profile``: what the prediction was fed, the input the planner reads."""
+    m = measured
+    return {"durations_s": {k: m.durations.get(k) for k in ("F", "B", "I", "W")},
+            "stage_durations_s": [{k: d.get(k) for k in ("F", "B", "I", "W")} for d in m.per_stage],
+            "modules": [dict(c) for c in module_costs] if module_costs else None, "comm_s": m.comm_s,
+            "message_cpu_s": m.message_cpu, "link": m.link.to_json() if m.link else None, "cores": m.cores,
+            "outside_s": sum(m.outside_s) / len(m.outside_s) if m.outside_s else 0.0,
+            "bytes": {k: list(v) for k, v in stage_bytes.items()}}
+
+
+def _per_worker(plan: Plan, ranks: Sequence[Mapping[str, Any]], tl: Timeline, msg_bytes: Sequence[int],
+                act_bytes: Sequence[Sequence[int]], saved_bytes: Sequence[Sequence[int]] | None,
+                recomputed: Sequence[bool] | None, bubble_fraction: dict[str, Any]) -> dict[str, Any]:
+    """The record's ``per_worker``: the plan's (or the predicted timeline's) counts beside each
+    worker's last record."""
     last = [next((x for x in reversed(r["records"]) if x), None) for r in ranks]
 
     def pw(key: str) -> dict[str, list]:
         return {"predicted": list(plan.predicted[key]),
                 "measured": [rec["per_worker"][key]["measured"] if rec else None for rec in last]}
 
+    def received(key: str, planned: dict[str, list[int]]) -> dict[str, dict[str, list]]:
+        """Per message kind, what the plan sends each worker beside the ``key`` it counted."""
+        return {k: {"predicted": planned[k],
+                    "measured": [rec["measured_only"][key].get(k, 0) if rec else None for rec in last]}
+                for k in KINDS}
+
     counts, nbytes = traffic(plan, msg_bytes)
-    traffic_count = {k: {"predicted": counts[k],
-                         "measured": [rec["measured_only"]["recv_count"].get(k, 0) if rec else None for rec in last]}
-                     for k in KINDS}
-    traffic_bytes = {k: {"predicted": nbytes[k],
-                         "measured": [rec["measured_only"]["recv_bytes"].get(k, 0) if rec else None for rec in last]}
-                     for k in KINDS}
+    traffic_count, traffic_bytes = received("recv_count", counts), received("recv_bytes", nbytes)
     peak_bytes_meas = [max((x["measured_only"]["peak_activation_bytes"] for x in r["records"] if x), default=None)
                        for r in ranks]
-    bubble_pred_total = 1.0 - sum(busy_pred) / (W * predicted_s) if predicted_s else 0.0
-    meas_bubbles = [b for b in busy_meas if b is not None]
     return {
-        "run": dict(run),
-        "config": dict(config),
-        "status": "ok",
-        "steps": [dict(s) for s in steps],
-        "val": [dict(v) for v in val],
-        "latency_s": {"predicted": predicted_s, "measured": measured_s},
-        "throughput_samples_per_s": {"predicted": samples_per_step / predicted_s if predicted_s else None,
-                                     "measured": samples_per_step / measured_s if measured_s else None},
-        "bubble_fraction": {"predicted": max(0.0, bubble_pred_total),
-                            "measured": sum(meas_bubbles) / len(meas_bubbles) if meas_bubbles else None},
-        "profile": {"durations_s": {k: durations.get(k) for k in ("F", "B", "I", "W")},
-                    "stage_durations_s": [{k: d.get(k) for k in ("F", "B", "I", "W")} for d in per_stage],
-                    "modules": [dict(c) for c in module_costs] if module_costs else None, "comm_s": comm_s,
-                    "message_cpu_s": message_cpu, "link": link.to_json() if link else None, "cores": cores,
-                    "outside_s": sum(outside_s) / len(outside_s) if outside_s else 0.0,
-                    "bytes": {k: list(v) for k, v in stage_bytes.items()}},
-        "per_worker": {
-            "bubble_fraction": {"predicted": [max(0.0, 1.0 - b / predicted_s) if predicted_s else 0.0 for b in busy_pred],
-                                "measured": busy_meas},
-            "peak_activations": pw("peak_activations"),
-            "peak_activation_bytes": {"predicted": activation_peaks(tl, act_bytes, saved_bytes, recomputed), "measured": peak_bytes_meas},
-            "weights_owned": pw("weights_owned"),
-            "weights_peak_resident": pw("weights_peak_resident"),
-            "traffic_count": traffic_count,
-            "traffic_bytes": traffic_bytes,
-            "peak_memory_bytes": {"predicted": None, "measured": [r["peak_memory_bytes"] for r in ranks]},
-        },
-        "memory_kind": ranks[0]["memory_kind"] if ranks else None,
-        "diagram": "pipeline.png",
-    }, tl
+        "bubble_fraction": bubble_fraction,
+        "peak_activations": pw("peak_activations"),
+        "peak_activation_bytes": {"predicted": activation_peaks(tl, act_bytes, saved_bytes, recomputed),
+                                  "measured": peak_bytes_meas},
+        "weights_owned": pw("weights_owned"),
+        "weights_peak_resident": pw("weights_peak_resident"),
+        "traffic_count": traffic_count,
+        "traffic_bytes": traffic_bytes,
+        "peak_memory_bytes": {"predicted": None, "measured": [r["peak_memory_bytes"] for r in ranks]},
+    }
 
 
 def single_device(*, config: Mapping[str, Any], run: Mapping[str, Any], steps: Sequence[Mapping[str, Any]],
@@ -200,7 +259,8 @@ def single_device(*, config: Mapping[str, Any], run: Mapping[str, Any], steps: S
         "run": dict(run), "config": dict(config), "status": "ok",
         "steps": [dict(s) for s in steps], "val": [dict(v) for v in val],
         "latency_s": {"predicted": None, "measured": measured_s},
-        "throughput_samples_per_s": {"predicted": None, "measured": samples_per_step / measured_s if measured_s else None},
+        "throughput_samples_per_s": {"predicted": None,
+                                     "measured": samples_per_step / measured_s if measured_s else None},
         "bubble_fraction": {"predicted": None, "measured": None},
         "per_worker": {"peak_memory_bytes": {"predicted": None, "measured": [peak_memory_bytes]}},
         "memory_kind": memory_kind,

@@ -102,7 +102,8 @@ def sweep_table(points: Sequence[Mapping[str, Any]], title: str = "sweep") -> Ta
                 fmt(tot["weight_fetch_stages"]), fmt(max(pw["weights_owned"])), "ok",
             )
         else:
-            t.add_row(str(i), p["point"], *[""] * (len(cols) - 3), "ok (plan.json)" if p.get("ok") else "skipped: invalid")
+            t.add_row(str(i), p["point"], *[""] * (len(cols) - 3),
+                      "ok (plan.json)" if p.get("ok") else "skipped: invalid")
     return t
 
 
@@ -137,7 +138,8 @@ def train_sweep_table(points: Sequence[Mapping[str, Any]], title: str = "sweep")
         steps = m.get("steps") or [{}]
         t.add_row(str(i), p["point"], str(m["run"]["W"]),
                   f"{fmt(lat['predicted'] and lat['predicted'] * 1e3)} / {fmt(lat['measured'] * 1e3)}",
-                  f"{fmt(thr['predicted'])} / {fmt(thr['measured'])}", f"{fmt(bub['predicted'])} / {fmt(bub['measured'])}",
+                  f"{fmt(thr['predicted'])} / {fmt(thr['measured'])}",
+                  f"{fmt(bub['predicted'])} / {fmt(bub['measured'])}",
                   _mib(max(act) if None not in act else None), _mib(max(mem)), fmt(steps[-1].get("loss")), "ok")
     return t
 
@@ -184,8 +186,10 @@ def metrics_tables(m: Mapping[str, Any]) -> list[Table]:
 
         for i in range(n):
             w.add_row(str(i), both("bubble_fraction", i), both("peak_activations", i),
-                      both("peak_activation_bytes", i, _mib), both("weights_owned", i), both("weights_peak_resident", i),
-                      f"{fmt(kinds(tc, ('act', 'grad'), 'predicted', i))} / {fmt(kinds(tc, ('act', 'grad'), 'measured', i))}",
+                      both("peak_activation_bytes", i, _mib), both("weights_owned", i),
+                      both("weights_peak_resident", i),
+                      f"{fmt(kinds(tc, ('act', 'grad'), 'predicted', i))} / "
+                      f"{fmt(kinds(tc, ('act', 'grad'), 'measured', i))}",
                       f"{fmt(kinds(tc, ('weights',), 'predicted', i))} / {fmt(kinds(tc, ('weights',), 'measured', i))}",
                       f"{_mib(kinds(tb, tuple(tb), 'predicted', i))} / {_mib(kinds(tb, tuple(tb), 'measured', i))}",
                       _mib(pw["peak_memory_bytes"]["measured"][i]))

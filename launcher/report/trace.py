@@ -133,82 +133,23 @@ def build(
     hosts = {w.get("host") for w in traced.values()}
     shared = len(hosts) <= 1
     first = min((_bounds(w)[0] for w in traced.values()), default=0.0)
-    events: list[dict[str, Any]] = []
-    tracks: list[_Track] = []
-    flows: list[dict[str, Any]] = []
     sent: dict[int, tuple[int, int, str, int]] = {}  # message id -> (rank, ns, kind, bytes)
     got: dict[int, tuple[int, int]] = {}  # message id -> (rank, ns the receiver had it)
-
-    for r, w in sorted(traced.items()):
-        origin = first if shared else _bounds(w)[0]
-
-        def ns(t: float, origin: float = origin) -> int:
-            return round((t - origin) * 1e9)
-
-        tr = _Track(MEASURED, r)
-        tracks.append(tr)
-        s0, s1 = _bounds(w)
-        tr.add(ns(s0), ns(s1), f"step {step}", "step", {"step": step, "dur_ms": 0.0})
-        if w.get("span"):
-            if w["start"] > s0:
-                tr.add(ns(s0), ns(w["start"]), OUTSIDE, "outside", {"dur_ms": 0.0})
-            if s1 > w["end"]:
-                tr.add(ns(w["end"]), ns(s1), OUTSIDE, "outside", {"dur_ms": 0.0})
-        for s, b, kind, t0, t1, work in w["jobs"]:
-            a, e = ns(t0), ns(t1)
-            args = _job_args(s, b, kind, a, e)
-            args["work_ms"] = work * 1e3
-            args["wait_ms"] = max(0.0, args["dur_ms"] - args["work_ms"])
-            tr.add(a, e, f"{kind}({s},{b})", "job", args)
-        for kind, peer, nbytes, s, b, t0, t1, mid in w["waits"]:
-            if t1 - t0 >= MIN_WAIT_S:
-                tr.add(ns(t0), ns(t1), f"wait {kind} from {peer}", "wait",
-                       {"kind": kind, "from": peer, "bytes": nbytes, "stage": s, "microbatch": b, "dur_ms": 0.0})
-            got[mid] = (r, ns(t1))
-        for mid, kind, nbytes, at in w["sends"]:
-            sent[mid] = (r, ns(at), kind, nbytes)
-        if w.get("sync"):
-            tr.add(ns(w["sync"][0]), ns(w["sync"][1]), EXCHANGE, "sync", {"dur_ms": 0.0})
-        if w.get("allreduce"):
-            tr.add(ns(w["allreduce"][0]), ns(w["allreduce"][1]), ALLREDUCE, "sync", {"dur_ms": 0.0})
-    if shared:
-        for mid in sorted(set(sent) & set(got)):
-            src, at, kind, nbytes = sent[mid]
-            dst, to = got[mid]
-            common = {"cat": "message", "name": kind, "id": mid, "pid": MEASURED}
-            flows.append({"ph": "s", **common, "tid": src, "ts": at / 1e3, "args": {"bytes": nbytes, "to": dst}})
-            flows.append({"ph": "f", "bp": "e", **common, "tid": dst, "ts": max(at, to) / 1e3})
+    tracks = [_measured_track(r, w, first if shared else _bounds(w)[0], step, sent, got)
+              for r, w in sorted(traced.items())]
+    flows = _flows(sent, got) if shared else []  # only one host's clocks agree
     if measured_step_s is None and traced:
         measured_step_s = max(_bounds(w)[1] - _bounds(w)[0] for w in traced.values())
 
     pred_ranks: list[int] = []
     if timeline is not None:
-        space = timeline.step.space
         last = max((timeline.finish[j] for prog in timeline.program for j in prog), default=0.0)
         if predicted_step_s is None:
             predicted_step_s = last
-        P = round(predicted_step_s * 1e9)
-        for r, prog in enumerate(timeline.program):
-            pred_ranks.append(r)
-            tr = _Track(PREDICTED, r)
-            tracks.append(tr)
-            tr.add(0, P, f"step {step}", "step", {"step": step, "dur_ms": 0.0})
-            for j in prog:
-                s, b, kind = space.job(j)
-                a, e = round(timeline.start[j] * 1e9), round(timeline.finish[j] * 1e9)
-                tr.add(a, e, f"{kind}({s},{b})", "job", _job_args(s, b, kind, a, e))
-            end0 = round(last * 1e9)
-            if P > end0:
-                tr.add(end0, P, END_OF_STEP, "sync", {"dur_ms": 0.0})
+        tracks += _predicted_tracks(timeline, step, round(predicted_step_s * 1e9), round(last * 1e9))
+        pred_ranks = list(range(len(timeline.program)))
 
-    for pid, name, ranks in ((MEASURED, "measured", sorted(traced)), (PREDICTED, "predicted", pred_ranks)):
-        if not ranks:
-            continue
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
-        for r in ranks:
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": r, "args": {"name": f"worker {r}"}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": r, "args": {"sort_index": r}})
+    events = _metadata([(MEASURED, "measured", sorted(traced)), (PREDICTED, "predicted", pred_ranks)])
     for tr in tracks:
         events.extend(tr.events())
     events.extend(flows)
@@ -218,6 +159,86 @@ def build(
              "predicted_step_ms": predicted_step_s * 1e3 if predicted_step_s is not None else None,
              "clock": "shared monotonic" if shared else "per-worker"}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _measured_track(r: int, w: Mapping[str, Any], origin: float, step: int,
+                    sent: dict[int, tuple[int, int, str, int]], got: dict[int, tuple[int, int]]) -> _Track:
+    """Worker ``r``'s measured track, in nanoseconds from ``origin`` on its clock; the messages it
+    handed over go into ``sent``, those it received into ``got`` (by message id)."""
+
+    def ns(t: float) -> int:
+        return round((t - origin) * 1e9)
+
+    tr = _Track(MEASURED, r)
+    s0, s1 = _bounds(w)
+    tr.add(ns(s0), ns(s1), f"step {step}", "step", {"step": step, "dur_ms": 0.0})
+    if w.get("span"):
+        if w["start"] > s0:
+            tr.add(ns(s0), ns(w["start"]), OUTSIDE, "outside", {"dur_ms": 0.0})
+        if s1 > w["end"]:
+            tr.add(ns(w["end"]), ns(s1), OUTSIDE, "outside", {"dur_ms": 0.0})
+    for s, b, kind, t0, t1, work in w["jobs"]:
+        a, e = ns(t0), ns(t1)
+        args = _job_args(s, b, kind, a, e)
+        args["work_ms"] = work * 1e3
+        args["wait_ms"] = max(0.0, args["dur_ms"] - args["work_ms"])
+        tr.add(a, e, f"{kind}({s},{b})", "job", args)
+    for kind, peer, nbytes, s, b, t0, t1, mid in w["waits"]:
+        if t1 - t0 >= MIN_WAIT_S:
+            tr.add(ns(t0), ns(t1), f"wait {kind} from {peer}", "wait",
+                   {"kind": kind, "from": peer, "bytes": nbytes, "stage": s, "microbatch": b, "dur_ms": 0.0})
+        got[mid] = (r, ns(t1))
+    for mid, kind, nbytes, at in w["sends"]:
+        sent[mid] = (r, ns(at), kind, nbytes)
+    if w.get("sync"):
+        tr.add(ns(w["sync"][0]), ns(w["sync"][1]), EXCHANGE, "sync", {"dur_ms": 0.0})
+    if w.get("allreduce"):
+        tr.add(ns(w["allreduce"][0]), ns(w["allreduce"][1]), ALLREDUCE, "sync", {"dur_ms": 0.0})
+    return tr
+
+
+def _flows(sent: Mapping[int, tuple[int, int, str, int]], got: Mapping[int, tuple[int, int]]) -> list[dict[str, Any]]:
+    """A flow per message both ends traced: from its hand-over to the receiver having it."""
+    flows: list[dict[str, Any]] = []
+    for mid in sorted(set(sent) & set(got)):
+        src, at, kind, nbytes = sent[mid]
+        dst, to = got[mid]
+        common = {"cat": "message", "name": kind, "id": mid, "pid": MEASURED}
+        flows.append({"ph": "s", **common, "tid": src, "ts": at / 1e3, "args": {"bytes": nbytes, "to": dst}})
+        flows.append({"ph": "f", "bp": "e", **common, "tid": dst, "ts": max(at, to) / 1e3})
+    return flows
+
+
+def _predicted_tracks(timeline: Any, step: int, step_ns: int, last_ns: int) -> list[_Track]:
+    """A track per worker of the predicted ``timeline`` (seconds): its jobs in a step of
+    ``step_ns``, and the end of the step after the last job of any worker (``last_ns``)."""
+    space = timeline.step.space
+    tracks = []
+    for r, prog in enumerate(timeline.program):
+        tr = _Track(PREDICTED, r)
+        tracks.append(tr)
+        tr.add(0, step_ns, f"step {step}", "step", {"step": step, "dur_ms": 0.0})
+        for j in prog:
+            s, b, kind = space.job(j)
+            a, e = round(timeline.start[j] * 1e9), round(timeline.finish[j] * 1e9)
+            tr.add(a, e, f"{kind}({s},{b})", "job", _job_args(s, b, kind, a, e))
+        if step_ns > last_ns:
+            tr.add(last_ns, step_ns, END_OF_STEP, "sync", {"dur_ms": 0.0})
+    return tracks
+
+
+def _metadata(processes: Sequence[tuple[int, str, Sequence[int]]]) -> list[dict[str, Any]]:
+    """Names and sort indices of each ``(pid, name, ranks)`` process with ranks, and of its threads."""
+    events: list[dict[str, Any]] = []
+    for pid, name, ranks in processes:
+        if not ranks:
+            continue
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        for r in ranks:
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": r, "args": {"name": f"worker {r}"}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": r, "args": {"sort_index": r}})
+    return events
 
 
 def write(trace: Mapping[str, Any], directory: str | Path, name: str = "trace.json") -> Path:

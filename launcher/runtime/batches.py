@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 from .failure import Watchdog, blocked
+from .torch_private import pytree
 
 
 class BatchMismatch(ValueError):

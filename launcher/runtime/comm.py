@@ -209,7 +209,8 @@ class Comm:
             self._pump(peer)
             if self.next[peer] != len(self.queue[peer]):
                 pending = [self.msgs[m] for m in self.queue[peer][self.next[peer] :]]
-                raise RuntimeError(f"worker {self.me} ends its step with messages to/from {peer} not issued: {pending[:3]}")
+                raise RuntimeError(f"worker {self.me} ends its step with messages to/from {peer} not issued: "
+                                   f"{pending[:3]}")
         for work, _ in self.sends.values():
             self._check()
             try:

@@ -191,10 +191,12 @@ class Watchdog:
             cause = self.wait_abort(self.timeout + self.grace)
             if cause is not None:
                 return cause
-            msg = failure_message(self.rank, self.job, f"it lost its connection to another rank ({transport_reason(exc)}) "
-                                                       f"and no rank reported a failure within {self.timeout + self.grace:g} s")
+            msg = failure_message(self.rank, self.job,
+                                  f"it lost its connection to another rank ({transport_reason(exc)}) "
+                                  f"and no rank reported a failure within {self.timeout + self.grace:g} s")
         else:
-            msg = failure_message(self.rank, self.job, str(exc) if isinstance(exc, Stop) else f"{type(exc).__name__}: {exc}")
+            msg = failure_message(self.rank, self.job,
+                                  str(exc) if isinstance(exc, Stop) else f"{type(exc).__name__}: {exc}")
         try:
             return self.store.compare_set(ABORT_KEY, "", msg).decode()
         except Exception:  # the store may be gone with the group; the launcher still sees our exit
@@ -283,7 +285,8 @@ class Watchdog:
         except Exception as e:  # the store went away: whoever hosted it is gone
             if self._stop.is_set():
                 return
-            self.aborted = f"the group's store became unreachable ({type(e).__name__}: {e}); a worker or the launcher died"
+            self.aborted = (f"the group's store became unreachable ({type(e).__name__}: {e}); a worker or the "
+                            f"launcher died")
         if self.aborted is None or self._stop.is_set():
             return
         # give the compute thread a chance to raise on its own, then stop the process ourselves
@@ -324,7 +327,8 @@ def hang_culprit(state: dict[int, tuple[int, bool, str]], timeout: float) -> tup
     hung = sorted(r for r, (_, w, _) in state.items() if not w)
     if not hung:  # impossible by construction of the plan; say so rather than wait for gloo
         r = waiting[0]
-        return r, failure_message(r, state[r][2], f"every rank ({waiting}) has waited for another for {timeout:g} s (deadlock)")
+        return r, failure_message(r, state[r][2],
+                                  f"every rank ({waiting}) has waited for another for {timeout:g} s (deadlock)")
     r = hung[0]
     return r, failure_message(r, state[r][2], f"it hung: no progress for {timeout:g} s while {_waited(waiting)}")
 

@@ -24,6 +24,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from .torch_private import parameter_dict
+
 Reset = Callable[[nn.Module], None]
 _REGISTER = nn.Module.register_parameter  # torch's own, whatever context is active
 
@@ -68,19 +70,21 @@ def unit_seed(seed: int, index: int) -> int:
     return (int(seed) * 1_000_003 + 7_919 * (index + 1)) % (2**63 - 1)
 
 
-def materialize(module: nn.Module, device: torch.device | str = "cpu", memo: dict[int, nn.Parameter] | None = None) -> None:
+def materialize(module: nn.Module, device: torch.device | str = "cpu",
+                memo: dict[int, nn.Parameter] | None = None) -> None:
     """Give every meta parameter of ``module`` uninitialised storage on ``device``, in place; a
     parameter met twice (shared, also across calls through ``memo``) becomes one parameter.
     Buffers are left as they are (``Module.to_empty`` would empty them too)."""
     memo = {} if memo is None else memo
     for m in module.modules():
-        for name, p in list(m._parameters.items()):
+        own = parameter_dict(m)
+        for name, p in list(own.items()):
             if p is None or not p.is_meta:
                 continue
             new = memo.get(id(p))
             if new is None:
                 new = memo[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-            m._parameters[name] = new
+            own[name] = new
 
 
 def default_reset(module: nn.Module) -> None:

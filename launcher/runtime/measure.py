@@ -128,7 +128,8 @@ def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, o
 def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-worker records of one step -> one record with a list per key, indexed by worker."""
     records = sorted((r for r in records if r), key=lambda r: r["worker"])
-    out: dict[str, Any] = {"step": records[0]["step"] if records else 0, "per_worker": {}, "measured_only": defaultdict(list)}
+    out: dict[str, Any] = {"step": records[0]["step"] if records else 0, "per_worker": {},
+                           "measured_only": defaultdict(list)}
     for k in PER_WORKER_KEYS:
         out["per_worker"][k] = {
             "predicted": [r["per_worker"][k]["predicted"] for r in records],

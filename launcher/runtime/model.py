@@ -26,6 +26,7 @@ from torch.func import functional_call
 
 from launcher.schedule.graph import StageGraph
 
+from .torch_private import autograd_run_backward, import_dynamo
 from .values import Signature, arguments, describe, pick, to_device, unsupported
 
 Batch = tuple[Any, Any]  # (input, target) of one micro-batch: tensors, or tuples/lists/dicts of them
@@ -160,7 +161,7 @@ def meta_errors(model: StagedModel, example: Any) -> str | None:
 
 
 def as_meta(value: Any) -> Any:
-    from torch.utils import _pytree as pytree
+    from .torch_private import pytree
 
     return pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
                            if isinstance(x, torch.Tensor) else x, value)
@@ -231,7 +232,8 @@ def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module
                     if meta and _is_meta_failure(e):
                         raise NoMeta(str(e)) from e
                     raise ModelError([f"stage {s} ({type(model.stages[s]).__name__}) raised "
-                                      f"{type(e).__name__} on an input of {_shapes(x)}: {_one_line(e).rstrip('.')}."]) from e
+                                      f"{type(e).__name__} on an input of {_shapes(x)}: "
+                                      f"{_one_line(e).rstrip('.')}."]) from e
                 err = returns_error(s, y, f"on an input of {_shapes(x)}", model.stages[s])
                 if err:
                     raise ModelError([err])
@@ -245,7 +247,7 @@ def signatures(model: StagedModel, inputs: Sequence[Any], copies: list[nn.Module
 
 def _cut(value: Any) -> Any:
     """``value`` detached from its graph, each tensor still requiring a gradient where it did."""
-    from torch.utils import _pytree as pytree
+    from .torch_private import pytree
 
     return pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad)
                            if isinstance(t, torch.Tensor) else t, value)
@@ -262,7 +264,7 @@ def _zeros_for_meta(module: nn.Module) -> dict[str, torch.Tensor] | None:
 
 
 def _shapes(x: Any) -> str:
-    from torch.utils import _pytree as pytree
+    from .torch_private import pytree
 
     return "shape " + repr(pytree.tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, x))
 
@@ -298,15 +300,13 @@ class StageLayout:
     def pack(self, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         if not tensors:
             return torch.zeros(0, dtype=self.dtype) if out is None else out
-        return torch.cat([t.reshape(-1) for t in tensors], out=out) if out is not None else torch.cat([t.reshape(-1) for t in tensors])
+        return (torch.cat([t.reshape(-1) for t in tensors], out=out) if out is not None
+                else torch.cat([t.reshape(-1) for t in tensors]))
 
 
-try:  # what torch.autograd.grad calls after its argument checks (about 40 us a call on this CPU)
-    from torch.autograd import Variable as _Variable
-
-    _run_backward = _Variable._execution_engine.run_backward
-except AttributeError:  # pragma: no cover - a torch without the engine handle: the public call
-    _run_backward = None
+# what torch.autograd.grad calls after its argument checks (about 40 us a call on this CPU); None: a
+# torch without the engine handle, which takes the public call
+_run_backward = autograd_run_backward()
 
 
 def stage_grads(roots: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
@@ -343,8 +343,9 @@ def warm_up_meta() -> None:
 
     The local launcher calls this before forking, so W workers do not import it all at once.
     """
-    import torch._dynamo  # noqa: F401  (what the meta kernels import lazily)
     import torch.nn.functional as F
+
+    import_dynamo()  # what the meta kernels import lazily
 
     with torch.no_grad():
         for dt in (torch.float32, torch.float64):

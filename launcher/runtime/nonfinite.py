@@ -5,12 +5,13 @@ The engine runs a step as jobs ``F``/``B`` of ``(stage s, micro-batch b)`` sprea
 each worker marks what its own jobs produced (:class:`Finite`): the output of every forward, the
 loss of every loss stage's forward, and the gradients of every backward (inputs' and weights'),
 then each owned stage's gradient once summed over the micro-batches and the workers. A mark is a
-sum taken on the device (:func:`_total`); nothing is read back until the step's end, where one look at all of them finds this worker's
-first non-finite value. "First" is an order every scheme shares, not the time a job ran: the
-lowest micro-batch, and within it forwards by stage, then the loss, then backwards from the
-last stage down (how a NaN travels), then the summed gradients. The workers agree on it within
-the step's existing loss all-reduce (:func:`agree`: one extra element, and a second tiny
-all-reduce only in a step that has a non-finite value), so every rank stops, or skips, together.
+sum taken on the device (:func:`_total`); nothing is read back until the step's end, where one look
+at all of them finds this worker's first non-finite value. "First" is an order every scheme shares,
+not the time a job ran: the lowest micro-batch, and within it forwards by stage, then the loss,
+then backwards from the last stage down (how a NaN travels), then the summed gradients. The workers
+agree on it within the step's existing loss all-reduce (:func:`agree`: one extra element, and a
+second tiny all-reduce only in a step that has a non-finite value), so every rank stops, or skips,
+together.
 
 Under a GradScaler (``16-mixed``) gradients are not checked: an overflow there is the scaler's
 to handle (it skips the step and lowers the scale); losses and activations still are.
@@ -23,9 +24,9 @@ from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 from .failure import Stop
+from .torch_private import pytree
 
 #: the values of the ``nonfinite`` key
 MODES = ("stop", "skip")
@@ -44,7 +45,8 @@ def _total(value: Any) -> torch.Tensor | None:
     as reading the tensor, and only values near 1e38 / numel could overflow it."""
     with torch.no_grad():
         sums = [torch.sum(t, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-                for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+                for t in pytree.tree_leaves(value)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
         if len(sums) < 2:
             return sums[0] if sums else None
         return torch.stack(sums).sum()

@@ -4,10 +4,11 @@ the stage's input ``x_s^b``), counted the same way when measured and when predic
 :class:`SavedBytes` wraps a forward in :func:`torch.autograd.graph.saved_tensors_hooks` and counts
 each distinct storage a saved tensor lives in once, except the storages it is told to skip: the
 stage's parameters (or its fetched flat copy of them), its buffers, its own inputs (``x_s^b``,
-counted already) and, on a loss stage, the target (data, like the input). :func:`stage_saved_bytes` finds the same number per stage once, before anything
-runs, by running the stages on fake tensors of the engine's device (no memory, but the device's own
-kernels: a CPU attention saves what the CPU kernel saves, which a meta-device run would not), and,
-for a stage that cannot run on fake tensors, by one real forward with gradients.
+counted already) and, on a loss stage, the target (data, like the input). :func:`stage_saved_bytes`
+finds the same number per stage once, before anything runs, by running the stages on fake tensors
+of the engine's device (no memory, but the device's own kernels: a CPU attention saves what the CPU
+kernel saves, which a meta-device run would not), and, for a stage that cannot run on fake tensors,
+by one real forward with gradients.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils import _pytree as pytree
+
+from .torch_private import fake_tensor_mode, pytree, storage_key
 
 
 def storage_id(t: torch.Tensor) -> int:
     """Identity of the storage ``t`` lives in (views share it); meta and fake tensors included."""
-    return t.untyped_storage()._cdata
+    return storage_key(t)
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
@@ -73,9 +75,7 @@ def stage_saved_bytes(model: Any, x: Any, y: Any, copies: Sequence[nn.Module], d
 
 
 def _fake_run(model: Any, x: Any, y: Any, copies: Sequence[nn.Module], device: torch.device) -> list[int]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode()
+    mode = fake_tensor_mode()
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device=device)

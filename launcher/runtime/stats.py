@@ -23,16 +23,17 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from .torch_private import BatchNormBase
 
 
-def tracked(module: nn.Module) -> list[_BatchNorm]:
+def tracked(module: nn.Module) -> list[BatchNormBase]:
     """``module``'s BatchNorm layers that keep running statistics, in module order."""
-    return [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats
+    return [m for m in module.modules() if isinstance(m, BatchNormBase) and m.track_running_stats
             and m.running_mean is not None]
 
 
-def _set(bn: _BatchNorm, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
+def _set(bn: BatchNormBase, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
     """Give ``bn`` new statistics tensors. New ones, not an in-place copy: a forward's autograd
     graph holds the tensors it ran with and checks that they were not changed since."""
     bn.running_mean = mean
@@ -53,7 +54,7 @@ class RunningStats:
         self.r0: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self.sums: dict[int, list[list[torch.Tensor]]] = {}
 
-    def _factor(self, bn: _BatchNorm, n0: int, b: int) -> float:
+    def _factor(self, bn: BatchNormBase, n0: int, b: int) -> float:
         return bn.momentum if bn.momentum is not None else 1.0 / (n0 + b + 1)
 
     def begin(self) -> None:
@@ -67,7 +68,7 @@ class RunningStats:
                               for bn in holders[0]]
                 self.sums[s] = [[torch.zeros_like(m), torch.zeros_like(v)] for m, v, _ in self.r0[s]]
 
-    def _layers_of(self, s: int, module: nn.Module) -> list[_BatchNorm]:
+    def _layers_of(self, s: int, module: nn.Module) -> list[BatchNormBase]:
         for m, layers in zip(self.modules[s], self.layers[s]):
             if m is module:
                 return layers

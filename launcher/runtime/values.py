@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch.utils import _pytree as pytree  # the pytree utilities torch's own pipelining uses
+
+from .torch_private import pytree  # the pytree utilities torch's own pipelining uses
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 

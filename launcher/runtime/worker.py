@@ -36,24 +36,39 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.memory import activation_peaks
+from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.simulate import Step, Timeline, simulate
 
-from .comm import Comm
-from .groups import BUCKET_BYTES, Replicas, warm_pairs
-from .failure import Watchdog, blocked, current_watchdog
-from .measure import HOST, Meter, worker_record
 from .batches import check_same_batches
-from .model import (Batch, ModelError, NoMeta, OptimizerFactory, StagedModel, StageLayout, as_meta, meta_copy,
-                    model_errors, real_signatures, run_stage, signatures, skeleton, stage_grads)
-from .plan import ACT, GRAD, TAG_LIMIT, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
+from .comm import Comm
+from .failure import Watchdog, blocked, current_watchdog
+from .groups import BUCKET_BYTES, Replicas, warm_pairs
 from .init import has_meta, init_units
-from .saved import SavedBytes, stage_saved_bytes, tensors as saved_tensors
+from .measure import HOST, Meter, worker_record
+from .model import (
+    Batch,
+    ModelError,
+    NoMeta,
+    OptimizerFactory,
+    StagedModel,
+    StageLayout,
+    as_meta,
+    meta_copy,
+    model_errors,
+    real_signatures,
+    run_stage,
+    signatures,
+    skeleton,
+    stage_grads,
+)
+from .plan import ACT, GRAD, TAG_LIMIT, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
+from .saved import SavedBytes, stage_saved_bytes
+from .saved import tensors as saved_tensors
 from .stats import RunningStats
-from .values import Signature, detach_inputs, item_leaves, nbytes as value_bytes, pick, to_device
-from torch.utils import _pytree as pytree
-
+from .torch_private import foreach_add_, pytree
+from .values import Signature, detach_inputs, item_leaves, pick, to_device
+from .values import nbytes as value_bytes
 
 #: steps whose messages are timed (what a message takes, :class:`~launcher.runtime.comm.Clock`):
 #: enough for a profile, and a long run's records do not grow with every message of every step
@@ -965,7 +980,7 @@ class _StepState:
                 views = self.views.get(key)
                 if views is None:
                     views = self.views[key] = list(layout.views(total).values())
-                torch._foreach_add_(views, gs)
+                foreach_add_(views, gs)
             return
         total = self.e.replicas.buffer(op.stage) if op.owner == self.e.worker else None
         if total is not None:  # a replicated stage: the total lives in its bucket's buffer

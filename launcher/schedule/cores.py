@@ -22,7 +22,7 @@ when every worker has a core.
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from .simulate import Timeline
 
@@ -58,9 +58,8 @@ def replay(
     programs: the runtime runs the programs of the timeline it was given, whatever durations
     chose that order, so a measured run is replayed as it ran. Weight fetches wait for nothing:
     owners hand copies over ahead of the job that needs them (:mod:`launcher.runtime.plan`)."""
-    step, space = tl.step, tl.step.space
+    step = tl.step
     W = step.workers
-    programs, compute = tl.program, tl.compute
     d = step.durations if durations is None else durations
     work = job_work(tl, d) if isinstance(d, Mapping) else [float(x) for x in d]
     comm = float(step.comm if comm is None else comm)
@@ -69,34 +68,25 @@ def replay(
     delays = list(delays) if delays is not None else [0.0] * W
     if cores >= W:  # nobody shares a core: each job starts when its worker and its inputs are ready
         return _longest_paths(tl, work, comm, tails, sync, delays)
-    finish = [math.nan] * space.N
-    start = [math.nan] * space.N
+    return _processor_sharing(tl, cores, work, comm, tails, sync, delays)
+
+
+def _processor_sharing(tl: Timeline, cores: int, work: list[float], comm: float, tails: list[float],
+                       sync: Sequence[Sequence[int]], delays: list[float]) -> Replayed:
+    """:func:`replay` on fewer cores than workers: from event to event (a piece of work ends, or one
+    can start), the workers with work in hand share the cores. One loop, written inline: it runs
+    once per event, and the planner replays every candidate on a CPU profile."""
+    W, programs = tl.step.workers, tl.program
+    finish = [math.nan] * tl.step.space.N
+    start = [math.nan] * tl.step.space.N
     pos = [0] * W  # next job of each worker (len(program): its tail)
     left: list[float | None] = [None] * W  # work left of what the worker runs now
     jobs_done = [0.0] * W  # when the worker's last job ended
     ended = [False] * W
     end = [0.0] * W
     busy = [0.0] * W
+    ready_at = _readiness(tl, comm, sync, delays, pos, finish, jobs_done)
     t = 0.0
-
-    def ready_at(w: int) -> float:
-        """When the worker's next piece of work can start (inf: it waits on something unfinished)."""
-        prog = programs[w]
-        if pos[w] < len(prog):
-            j = prog[pos[w]]
-            r = 0.0
-            for p in space.pred(j):
-                if math.isnan(finish[p]):
-                    return math.inf
-                r = max(r, finish[p] + (comm if compute[p] != w else 0.0))
-            return r
-        r = jobs_done[w]
-        for o in sync[w]:
-            if pos[o] < len(programs[o]):
-                return math.inf
-            r = max(r, jobs_done[o])
-        return r + delays[w]
-
     while not all(ended):
         running: list[int] = []
         in_hand: list[float] = []  # left[w] of each running worker, in the same order
@@ -138,6 +128,32 @@ def replay(
                 else:
                     ended[w], end[w] = True, t
     return Replayed(max(end, default=0.0), busy, start, finish)
+
+
+def _readiness(tl: Timeline, comm: float, sync: Sequence[Sequence[int]], delays: list[float], pos: list[int],
+               finish: list[float], jobs_done: list[float]) -> Callable[[int], float]:
+    """``ready_at(w)``: when worker ``w``'s next piece of work can start (inf: it waits on something
+    unfinished), read from the replay's state as it goes (``pos``, ``finish``, ``jobs_done``)."""
+    space, programs, compute = tl.step.space, tl.program, tl.compute
+
+    def ready_at(w: int) -> float:
+        prog = programs[w]
+        if pos[w] < len(prog):
+            j = prog[pos[w]]
+            r = 0.0
+            for p in space.pred(j):
+                if math.isnan(finish[p]):
+                    return math.inf
+                r = max(r, finish[p] + (comm if compute[p] != w else 0.0))
+            return r
+        r = jobs_done[w]
+        for o in sync[w]:
+            if pos[o] < len(programs[o]):
+                return math.inf
+            r = max(r, jobs_done[o])
+        return r + delays[w]
+
+    return ready_at
 
 
 def _longest_paths(tl: Timeline, work: list[float], comm: float, tails: list[float],

@@ -1,4 +1,4 @@
-"""Tie-break orders ``n(s, b, d)``: which ready job a free worker takes first (smaller first).
+"""Tie-break orders, one class each (:data:`ORDERS`): which ready job a free worker takes first (smaller first).
 
 An order never overrides ``pred``; it only ranks jobs that are ready on the same worker at the
 same time.
@@ -18,13 +18,13 @@ same time.
   worker has no ``F`` or ``I`` left, the rest are flushed. Every worker then has the same number
   of micro-batches in flight counting deferred ``W`` (the paper's memory argument), and the ``W``
   jobs fill the tail of the step. :mod:`launcher.schedule.simulate` applies the deferral.
-- any callable ``n(s, b, d) -> comparable``.
+- any callable ``key(s, b, d) -> comparable`` (:class:`Custom`; ``order.n`` in the config).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from .graph import JobSpace
 
@@ -38,34 +38,94 @@ WARMUPS = ("classic", "none")
 
 @dataclass(frozen=True)
 class Order:
-    """A tie-break rule; ``by_ready_time`` puts the job's ready time ahead of ``n``."""
+    """A tie-break rule: :meth:`keys` ranks every job (smaller first) among the jobs ready on one
+    worker at one time. ``warmup="classic"`` adds 1F1B's limit of micro-batches in flight."""
 
-    name: str
-    n: Callable[[int, int, str], Any] | None  # None: one of the built-in integer keys below
-    by_ready_time: bool = False
     warmup: str = "none"
-    defer_w: bool = False  # ZB-H1's deferral of weight-gradient jobs (needs the split backward)
+    name: ClassVar[str] = ""
+    default_warmup: ClassVar[str] = "none"
+    by_ready_time: ClassVar[bool] = False  # the job's ready time goes ahead of its key
+    defer_w: ClassVar[bool] = False  # ZB-H1's deferral of weight-gradient jobs (needs the split backward)
+    integer_keys: ClassVar[bool] = True  # keys are small non-negative ints the simulator may pack
 
     def keys(self, space: JobSpace) -> list:
-        """``n`` of every job, indexed by job id."""
-        if self.n is not None:
-            return [self.n(*space.job(j)) for j in range(space.N)]
-        if self.name == "zb_h1":
-            return _zb_h1_keys(space)
-        rank = _RANK_BREADTH if self.name == "breadth_first" else _RANK_1F1B
-        S, B = space.S, space.B
-        out: list[int] = []
-        for kind in space.kinds:
-            r = rank[kind]
-            for s in range(S):
-                # forward walks stages upward, the backward downward
-                level = s if kind == "F" else S - 1 - s
-                if self.name == "breadth_first":
-                    base = (r * S + level) * B
-                    out.extend(range(base, base + B))
-                else:  # 1f1b, depth_first: kind, then older micro-batch, then stage
-                    out.extend((r * B + b) * S + level for b in range(B))
-        return out
+        """The key of every job, indexed by job id."""
+        raise NotImplementedError
+
+
+def _ranked(space: JobSpace, rank: dict[str, int], breadth: bool) -> list[int]:
+    """Keys by kind rank, then (breadth-first) stage level and micro-batch, or (depth-first)
+    micro-batch and stage level."""
+    S, B = space.S, space.B
+    out: list[int] = []
+    for kind in space.kinds:
+        r = rank[kind]
+        for s in range(S):
+            level = s if kind == "F" else S - 1 - s  # forward walks stages upward, the backward downward
+            if breadth:
+                base = (r * S + level) * B
+                out.extend(range(base, base + B))
+            else:
+                out.extend((r * B + b) * S + level for b in range(B))
+    return out
+
+
+@dataclass(frozen=True)
+class OneFOneB(Order):
+    """Backward before forward, then the older micro-batch, then the stage."""
+
+    name: ClassVar[str] = "1f1b"
+    default_warmup: ClassVar[str] = "classic"
+
+    def keys(self, space: JobSpace) -> list:
+        return _ranked(space, _RANK_1F1B, breadth=False)
+
+
+@dataclass(frozen=True)
+class BreadthFirst(Order):
+    """Forward before backward; every micro-batch of a lower stage before the next stage."""
+
+    name: ClassVar[str] = "breadth_first"
+
+    def keys(self, space: JobSpace) -> list:
+        return _ranked(space, _RANK_BREADTH, breadth=True)
+
+
+@dataclass(frozen=True)
+class LongestWaiting(OneFOneB):
+    """The job that has waited longest since it became ready; ties as 1F1B."""
+
+    name: ClassVar[str] = "depth_first"
+    default_warmup: ClassVar[str] = "none"
+    by_ready_time: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class ZBH1(Order):
+    """ZB-H1 on the split backward (:func:`_zb_h1_keys`), its ``W`` jobs deferred by the simulator."""
+
+    name: ClassVar[str] = "zb_h1"
+    default_warmup: ClassVar[str] = "classic"
+    defer_w: ClassVar[bool] = True
+
+    def keys(self, space: JobSpace) -> list:
+        return _zb_h1_keys(space)
+
+
+@dataclass(frozen=True)
+class Custom(Order):
+    """A callable ``key(s, b, d) -> comparable`` of the user's (``order.n`` in the config)."""
+
+    key: Callable[[int, int, str], Any] | None = None
+    integer_keys: ClassVar[bool] = False
+
+    @property  # a custom order is named after its callable, not by its class
+    def name(self) -> str:  # type: ignore[override]
+        return getattr(self.key, "__name__", "custom")
+
+    def keys(self, space: JobSpace) -> list:
+        assert self.key is not None, "a custom order needs its key callable"
+        return [self.key(*space.job(j)) for j in range(space.N)]
 
 
 def _zb_h1_keys(space: JobSpace) -> list[int]:
@@ -91,22 +151,23 @@ def _zb_h1_keys(space: JobSpace) -> list[int]:
     return out
 
 
-BUILTIN = ("1f1b", "breadth_first", "depth_first", "zb_h1")
+#: the built-in orders by name
+ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1)}
+BUILTIN = tuple(ORDERS)
 #: built-in orders that only exist on the split backward
-SPLIT_ONLY = ("zb_h1",)
+SPLIT_ONLY = tuple(name for name, o in ORDERS.items() if o.defer_w)
 
 
 def make_order(spec: str | Callable[[int, int, str], Any], warmup: str | None = None) -> Order:
-    """Build an order from a built-in name or a callable ``n(s, b, d)``.
+    """Build an order from a built-in name or a callable ``key(s, b, d)``.
 
     ``warmup`` defaults to ``classic`` for ``1f1b`` and ``zb_h1``, ``none`` for every other order.
     """
     if warmup is not None and warmup not in WARMUPS:
         raise ValueError(f"warmup={warmup!r} is not valid; choose one of {list(WARMUPS)}")
     if callable(spec):
-        return Order(getattr(spec, "__name__", "custom"), spec, warmup=warmup or "none")
-    if spec not in BUILTIN:
+        return Custom(warmup=warmup or "none", key=spec)
+    if spec not in ORDERS:
         raise ValueError(f"order={spec!r} is not a known order; choose one of {list(BUILTIN)}")
-    default_warmup = "classic" if spec in ("1f1b", "zb_h1") else "none"
-    return Order(spec, None, by_ready_time=spec == "depth_first", warmup=warmup or default_warmup,
-                 defer_w=spec == "zb_h1")
+    cls = ORDERS[spec]
+    return cls(warmup=warmup or cls.default_warmup)

@@ -129,77 +129,115 @@ def step_errors(values: Mapping[str, Any]) -> list[str]:
     mapping of kind to time), ``comm``, ``memory_limit``, ``split_backward``, ``weight_cache``,
     ``prefetch``, ``recompute``.
     """
-    out: list[str] = []
-    for k in SIZES:
-        if k in values and (e := value_error(k, values[k])):
-            out.append(e)
+    out = _own_errors(values, SIZES)
+    out += _option_errors(values)
     G, R, S, B = (values.get(k) for k in SIZES)
     workers: int | None = None  # G * R, once every size is valid
+    if is_size(G) and is_size(R) and is_size(S) and is_size(B):
+        workers = G * R
+        out += _size_errors(values, G, R, S, B)
+    out += _duration_errors(values)
+    out += _own_errors(values, ("comm", "memory_limit"))
+    if e := _memory_limit_length_error(values.get("memory_limit"), workers):
+        out.append(e)
+    out += _own_errors(values, ("warmup", "weight_cache", "prefetch", "split_backward"))
+    out += _recompute_errors(values, S)
+    return out
 
+
+def _own_errors(values: Mapping[str, Any], keys: Iterable[str]) -> list[str]:
+    """The rules the values of ``keys`` (those present) break on their own, in the order of ``keys``."""
+    return [e for k in keys if k in values and (e := value_error(k, values[k]))]
+
+
+def _option_errors(values: Mapping[str, Any]) -> list[str]:
+    """An unknown ``strategy`` or ``order`` name (a callable is the user's own)."""
+    out: list[str] = []
     strategy = values.get("strategy")
     if "strategy" in values and not callable(strategy) and strategy not in SCHEMES:
         out.append(unknown_option("strategy", strategy))
     order = values.get("order")
     if "order" in values and not callable(order) and order not in ORDERS:
         out.append(unknown_option("order", order))
+    return out
 
-    if is_size(G) and is_size(R) and is_size(S) and is_size(B):
-        workers = G * R
-        if "W" in values and values["W"] != G * R:
-            out.append(f"W={shown(values['W'])} is invalid: W must equal G*R = {G}*{R} = {G * R}.")
-        if R > S:
-            out.append(f"R={R} is invalid: R must not exceed stages={S}, or some of a group's workers get no stage.")
-        if G > B:
-            out.append(f"G={G} is invalid: G must not exceed microbatches={B}, or some groups get no micro-batch.")
-        named = SCHEMES.get(strategy) if isinstance(strategy, str) else None
-        fixed = named.sizes(S, B) if named is not None else None
-        if named is not None and named.W_equals is not None and fixed is not None and G * R != fixed[0] * fixed[1]:
-            key, want = named.W_equals, fixed[0] * fixed[1]
-            out.append(
-                f"strategy={strategy} needs W = {key}, but W=G*R={G * R} and {key}={want}; "
-                f"set G={fixed[0]} R={fixed[1]} (the {strategy} layout) or {key}={G * R}."
-            )
-        kinds = 3 if values.get("split_backward") is True else 2
-        jobs = S * B * kinds
-        if jobs > MAX_JOBS:
-            out.append(
-                f"stages*microbatches={S}*{B}={S * B} is too large: the step would have {jobs:,} jobs "
-                f"(about {jobs * BYTES_PER_JOB / 1e9:,.0f} GB to plan) and the limit is {MAX_JOBS:,} jobs."
-            )
 
-    durations = values.get("durations")
-    if "durations" in values:
-        if not isinstance(durations, Mapping):
-            out.append(f"durations={shown(durations)} is invalid: give a mapping of job kind (F, B, I, W) to time.")
-        else:
-            known = [f"durations.{k}" for k in DURATION_KINDS]
-            for k, v in durations.items():
-                dkey = f"durations.{k}"
-                if e := (value_error(dkey, v) if dkey in known else unknown_key(dkey, v, known)):
-                    out.append(e)
-    for k in ("comm", "memory_limit"):
-        if k in values and (e := value_error(k, values[k])):
+def _size_errors(values: Mapping[str, Any], G: int, R: int, S: int, B: int) -> list[str]:
+    """The rules that tie the (valid) sizes together: ``W``, a stage for every worker of a group,
+    a micro-batch for every group, the named scheme's own ``W``, and the most jobs a step may have."""
+    out: list[str] = []
+    if "W" in values and values["W"] != G * R:
+        out.append(f"W={shown(values['W'])} is invalid: W must equal G*R = {G}*{R} = {G * R}.")
+    if R > S:
+        out.append(f"R={R} is invalid: R must not exceed stages={S}, or some of a group's workers get no stage.")
+    if G > B:
+        out.append(f"G={G} is invalid: G must not exceed microbatches={B}, or some groups get no micro-batch.")
+    if e := _scheme_workers_error(values.get("strategy"), G, R, S, B):
+        out.append(e)
+    kinds = 3 if values.get("split_backward") is True else 2
+    jobs = S * B * kinds
+    if jobs > MAX_JOBS:
+        out.append(
+            f"stages*microbatches={S}*{B}={S * B} is too large: the step would have {jobs:,} jobs "
+            f"(about {jobs * BYTES_PER_JOB / 1e9:,.0f} GB to plan) and the limit is {MAX_JOBS:,} jobs."
+        )
+    return out
+
+
+def _scheme_workers_error(strategy: Any, G: int, R: int, S: int, B: int) -> str | None:
+    """The sentence for a named scheme whose layout fixes ``W`` (``W = stages``, say) that
+    ``G * R`` does not meet."""
+    named = SCHEMES.get(strategy) if isinstance(strategy, str) else None
+    fixed = named.sizes(S, B) if named is not None else None
+    if named is None or named.W_equals is None or fixed is None or G * R == fixed[0] * fixed[1]:
+        return None
+    key, want = named.W_equals, fixed[0] * fixed[1]
+    return (
+        f"strategy={strategy} needs W = {key}, but W=G*R={G * R} and {key}={want}; "
+        f"set G={fixed[0]} R={fixed[1]} (the {strategy} layout) or {key}={G * R}."
+    )
+
+
+def _duration_errors(values: Mapping[str, Any]) -> list[str]:
+    """``durations``: a mapping of known job kinds to valid times."""
+    if "durations" not in values:
+        return []
+    durations = values["durations"]
+    if not isinstance(durations, Mapping):
+        return [f"durations={shown(durations)} is invalid: give a mapping of job kind (F, B, I, W) to time."]
+    known = [f"durations.{k}" for k in DURATION_KINDS]
+    out: list[str] = []
+    for k, v in durations.items():
+        dkey = f"durations.{k}"
+        if e := (value_error(dkey, v) if dkey in known else unknown_key(dkey, v, known)):
             out.append(e)
-    ml = values.get("memory_limit")
+    return out
+
+
+def _memory_limit_length_error(ml: Any, workers: int | None) -> str | None:
+    """A (valid) per-worker ``memory_limit`` list whose length is not the worker count, once that is known."""
     if (
         isinstance(ml, (list, tuple)) and workers is not None
         and not value_error("memory_limit", ml) and len(ml) != workers
     ):
-        out.append(
+        return (
             f"memory_limit={list(ml)} is invalid: it has {len(ml)} entries but there are W={workers} workers "
             f"(memory_limit must be null, a positive integer, or a list of positive integers, one per worker)."
         )
-    for k in ("warmup", "weight_cache", "prefetch", "split_backward"):
-        if k in values and (e := value_error(k, values[k])):
-            out.append(e)
-    rc = values.get("recompute")
-    if "recompute" in values:
-        if e := value_error("recompute", rc):
-            out.append(e)
-        elif isinstance(rc, (list, tuple)) and is_size(S) and (over := [x for x in rc if x >= S]):
-            out.append(f"recompute={list(rc)} is invalid: stage {over[0]} does not exist with stages={S}; "
-                       f"{RECOMPUTE_RULE} in [0, {S}).")
-    return out
+    return None
+
+
+def _recompute_errors(values: Mapping[str, Any], S: Any) -> list[str]:
+    """``recompute``: a valid value on its own, and stage indices that exist (when ``stages`` is valid)."""
+    if "recompute" not in values:
+        return []
+    rc = values["recompute"]
+    if e := value_error("recompute", rc):
+        return [e]
+    if isinstance(rc, (list, tuple)) and is_size(S) and (over := [x for x in rc if x >= S]):
+        return [f"recompute={list(rc)} is invalid: stage {over[0]} does not exist with stages={S}; "
+                f"{RECOMPUTE_RULE} in [0, {S})."]
+    return []
 
 
 def recompute_stages(value: Any, stages: int) -> frozenset[int]:

@@ -272,48 +272,63 @@ def check_memory_limit(step: Step, compute: list[int], act_limit: list[float]) -
             )
 
 
-def simulate(step: Step) -> Timeline:
-    """Run the greedy list scheduler; raise :class:`ScheduleError` if the step cannot finish."""
+def _check_times(step: Step) -> None:
+    """A Step built by hand skips make_step's checks: a time that is not finite would stall it."""
     space = step.space
-    S, B, N, W = space.S, space.B, space.N, step.workers
-    # a Step built by hand skips make_step's checks: a time that is not finite would stall it
     bad = [e for e in (value_error(f"durations.{k}", step.durations.get(k)) for k in space.kinds) if e]
     bad += [e for e in [value_error("comm", step.comm)] if e]
     if bad:
         raise StepError(bad)
-    compute, weights = place_all(step)
-    act_limit, mb_limit = worker_limits(step, compute)
+
+
+def _check_limits(step: Step, compute: list[int], act_limit: list[float]) -> None:
+    """A ``memory_limit`` list needs an entry per worker, and each worker's limit room for what one
+    micro-batch holds there (:func:`check_memory_limit`)."""
+    W = step.workers
     if step.memory_limit is not None:
         if not isinstance(step.memory_limit, int) and len(act_limit) != W:
             raise ScheduleError(
                 f"memory_limit has {len(act_limit)} entries but there are W={W} workers; give one int or one per worker"
             )
         check_memory_limit(step, compute, act_limit)
-    limited = step.memory_limit is not None or step.order.warmup == "classic"
-    defer = step.order.defer_w
-    if defer:
-        if space.K != 3:
-            raise ScheduleError(
-                f"order={step.order.name} defers the weight-gradient jobs W, so it needs split_backward=true"
-            )
-        slack, fi_left = deferral(step, compute)
-        wq: list[list] = [[] for _ in range(W)]  # ready W jobs per worker, by key
 
-    keys = step.order.keys(space)
+
+def _checked_deferral(step: Step, compute: list[int]) -> tuple[list[int], list[int]]:
+    """:func:`deferral`, for an order that defers ``W`` jobs, which exist only when the backward is split."""
+    if step.space.K != 3:
+        raise ScheduleError(
+            f"order={step.order.name} defers the weight-gradient jobs W, so it needs split_backward=true"
+        )
+    return deferral(step, compute)
+
+
+def _heap_keys(step: Step) -> tuple[list, bool, bool]:
+    """Every job's tie-break key, whether the job's ready time goes ahead of it (``by_ready``) and
+    whether the keys are packed: built-in static orders give int keys, so the job id is folded in
+    and a heap entry is one int."""
+    keys = step.order.keys(step.space)
     by_ready = step.order.by_ready_time
-    # Built-in static orders give int keys: fold the job id in, so a heap entry is one int.
-    packed = not by_ready and step.order.n is None
+    packed = not by_ready and step.order.integer_keys
     if packed:
+        N = step.space.N
         keys = [n * N + j for j, n in enumerate(keys)]
+    return keys, by_ready, packed
+
+
+def _check_stage_durations(step: Step) -> None:
+    """Each stage's own times must be valid too (the first bad one is reported)."""
     bad = [e for e in (value_error(f"stage_durations.{s}.{k}", v) for s, per in enumerate(step.stage_durations or ())
                        for k, v in per.items()) if e]
     if bad:
         raise StepError(bad[:1])
-    dur = step.duration_table()  # by kind * S + stage
-    comm = float(step.comm)
-    SB = S * B
 
-    # remaining predecessor counts, from the stage graph
+
+def _predecessor_counts(space: JobSpace) -> list[int]:
+    """Per job, how many jobs it waits on (:meth:`JobSpace.pred`, counted per stage): a forward on its
+    input stages' forwards, a backward on its output stages' backwards (a loss stage's on its own
+    forward), a weight gradient on its input gradient."""
+    S, B, N = space.S, space.B, space.N
+    SB = S * B
     stage_preds, stage_succs, is_sink = space.stage_preds, space.stage_succs, space.is_sink
     npred = [0] * N
     for s in range(S):
@@ -323,37 +338,27 @@ def simulate(step: Step) -> Timeline:
         npred[SB + s * B : SB + (s + 1) * B] = [nb] * B
     if space.K == 3:
         npred[2 * SB :] = [1] * SB
+    return npred
 
-    # Admission control, per worker w and micro-batch b (key b * W + w): the forward that starts b
-    # on w reserves every activation b will hold there (need), so a micro-batch once admitted
-    # never waits for memory on that worker, and greedy admission cannot strand half-finished
-    # micro-batches that block each other. ``held`` = live activations + reserved ones not yet
-    # taken. Memory classes of ready jobs: 0 = takes no activation, 1 = forward of a micro-batch
-    # already admitted here, 2 = forward that must admit its micro-batch first.
-    need = [0] * (B * W if limited else 0)
-    if limited:
-        for j in range(SB):
-            need[(j % B) * W + compute[j]] += 1
-    mb_left = list(need)  # forwards of b on w whose stash is still live
-    admitted = bytearray(len(need))
-    C = 3 if limited else 1
 
-    ready_at = [0.0] * N
-    start = [0.0] * N
-    finish = [0.0] * N
-    program: list[list[int]] = [[] for _ in range(W)]
-    pend: list[list] = [[] for _ in range(W)]  # (ready time, job)
-    avail: list[list[list]] = [[[] for _ in range(C)] for _ in range(W)]  # (n, job) per class
-    releases: list[list] = [[] for _ in range(W)]  # (time, key, last forward of b here) from other workers
-    free_at = [0.0] * W
+def _admission_need(space: JobSpace, compute: list[int], W: int) -> list[int]:
+    """Per worker ``w`` and micro-batch ``b`` (index ``b * W + w``): the activations ``b`` holds on ``w``."""
+    B = space.B
+    need = [0] * (B * W)
+    for j in range(space.S * B):
+        need[(j % B) * W + compute[j]] += 1
+    return need
+
+
+def _first_events(
+    npred: list[int], compute: list[int], W: int
+) -> tuple[list[list], list[float], list[tuple[float, int]]]:
+    """The jobs without predecessors, pending on their workers at time 0: per worker its heap of
+    ``(ready time, job)``, when it next decides (inf: nothing to do) and the heap of decision points."""
+    pend: list[list] = [[] for _ in range(W)]
     wake = [math.inf] * W
-    live = [0] * W
-    held = [0] * W
-    live_mb = [0] * W
-    peak = [0] * W
     events: list[tuple[float, int]] = []
-
-    for j in range(N):
+    for j in range(len(npred)):
         if npred[j] == 0:
             w = compute[j]
             pend[w].append((0.0, j))
@@ -363,6 +368,74 @@ def simulate(step: Step) -> Timeline:
             wake[w] = 0.0
             events.append((0.0, w))
     heapq.heapify(events)
+    return pend, wake, events
+
+
+def _stalled(step: Step, done: int, stuck: list[int], limited: bool) -> ScheduleError:
+    """Why a step stopped after ``done`` jobs with work left on the ``stuck`` workers. With finite
+    times and no limit every job starts eventually, so only memory can stall a step."""
+    N = step.space.N
+    if not limited:
+        return ScheduleError(
+            f"the step cannot finish: after {done} of {N} jobs no job can start on workers {stuck}, "
+            f"though no memory limit applies; the placement or order is inconsistent"
+        )
+    if step.memory_limit is None:  # 1F1B's warm-up alone: its in-flight limit stranded the placement
+        return ScheduleError(
+            f"order={step.order.name} with warmup=classic cannot finish the step: after {done} of {N} jobs, "
+            f"workers {stuck} each wait for the warm-up's in-flight limit, held by micro-batches that "
+            f"wait on one another across workers; use warmup=none or another order"
+        )
+    return ScheduleError(
+        f"memory_limit={step.memory_limit} (warmup={step.order.warmup}) cannot finish the step: "
+        f"after {done} of {N} jobs, workers {stuck} each wait for activation memory held by "
+        f"micro-batches that wait on one another across workers; raise memory_limit"
+    )
+
+
+def simulate(step: Step) -> Timeline:
+    """Run the greedy list scheduler; raise :class:`ScheduleError` if the step cannot finish."""
+    space = step.space
+    S, B, N, W = space.S, space.B, space.N, step.workers
+    _check_times(step)
+    compute, weights = place_all(step)
+    act_limit, mb_limit = worker_limits(step, compute)
+    _check_limits(step, compute, act_limit)
+    limited = step.memory_limit is not None or step.order.warmup == "classic"
+    defer = step.order.defer_w
+    if defer:
+        slack, fi_left = _checked_deferral(step, compute)
+        wq: list[list] = [[] for _ in range(W)]  # ready W jobs per worker, by key
+    keys, by_ready, packed = _heap_keys(step)
+    _check_stage_durations(step)
+    dur = step.duration_table()  # by kind * S + stage
+    comm = float(step.comm)
+    SB = S * B
+    npred = _predecessor_counts(space)  # remaining predecessors
+
+    # Admission control, per worker w and micro-batch b (key b * W + w): the forward that starts b
+    # on w reserves every activation b will hold there (need), so a micro-batch once admitted
+    # never waits for memory on that worker, and greedy admission cannot strand half-finished
+    # micro-batches that block each other. ``held`` = live activations + reserved ones not yet
+    # taken. Memory classes of ready jobs: 0 = takes no activation, 1 = forward of a micro-batch
+    # already admitted here, 2 = forward that must admit its micro-batch first.
+    need = _admission_need(space, compute, W) if limited else []
+    mb_left = list(need)  # forwards of b on w whose stash is still live
+    admitted = bytearray(len(need))
+    C = 3 if limited else 1
+
+    ready_at = [0.0] * N
+    start = [0.0] * N
+    finish = [0.0] * N
+    program: list[list[int]] = [[] for _ in range(W)]
+    avail: list[list[list]] = [[[] for _ in range(C)] for _ in range(W)]  # (n, job) per class
+    releases: list[list] = [[] for _ in range(W)]  # (time, key, last forward of b here) from other workers
+    free_at = [0.0] * W
+    live = [0] * W
+    held = [0] * W
+    live_mb = [0] * W
+    peak = [0] * W
+    pend, wake, events = _first_events(npred, compute, W)  # pend: (ready time, job) per worker
 
     heappush, heappop = heapq.heappush, heapq.heappop
     # succ(j) = [base + b for base in succ_base[j // B]]: the stage graph's edges, per (kind, stage)
@@ -490,22 +563,5 @@ def simulate(step: Step) -> Timeline:
                     heappush(events, (t, wk))
 
     if done != N:
-        # With finite times and no limit every job starts eventually, so only memory can stall a step.
-        stuck = [w for w in range(W) if any(avail[w]) or pend[w]]
-        if not limited:
-            raise ScheduleError(
-                f"the step cannot finish: after {done} of {N} jobs no job can start on workers {stuck}, "
-                f"though no memory limit applies; the placement or order is inconsistent"
-            )
-        if step.memory_limit is None:  # 1F1B's warm-up alone: its in-flight limit stranded the placement
-            raise ScheduleError(
-                f"order={step.order.name} with warmup=classic cannot finish the step: after {done} of {N} jobs, "
-                f"workers {stuck} each wait for the warm-up's in-flight limit, held by micro-batches that "
-                f"wait on one another across workers; use warmup=none or another order"
-            )
-        raise ScheduleError(
-            f"memory_limit={step.memory_limit} (warmup={step.order.warmup}) cannot finish the step: "
-            f"after {done} of {N} jobs, workers {stuck} each wait for activation memory held by "
-            f"micro-batches that wait on one another across workers; raise memory_limit"
-        )
+        raise _stalled(step, done, [w for w in range(W) if any(avail[w]) or pend[w]], limited)
     return Timeline(step, compute, weights, start, finish, program, peak)

@@ -20,9 +20,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ..runtime.model import run_stage
+from ..runtime.torch_private import pytree
 from ..runtime.values import differentiable, nbytes
 
 #: optimizer-state bytes per parameter byte: AdamW keeps two moments of every parameter
@@ -158,7 +158,8 @@ def profile_chain(modules: Sequence[nn.Module], example: Any, loss: Callable[[An
                 seeds = [None] if i == n - 1 else [torch.ones_like(r) for r in roots]
                 _, b_s = _timed(lambda: torch.autograd.backward(roots, seeds) if roots else None, device)  # type: ignore[arg-type]
                 if rep == warmup:  # bytes once: the same every repetition
-                    inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)}
+                    inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(x)
+                              if isinstance(t, torch.Tensor)}
                     activation = nbytes(x) + sum(b for p, b in store.items() if p not in inputs)
                 if rep >= warmup:
                     fwd.append(f_s)

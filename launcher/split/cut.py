@@ -30,9 +30,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
-from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
-from torch.utils import _pytree as pytree
 
+from launcher.runtime.torch_private import (
+    is_op_overload,
+    non_persistent_buffers,
+    op_schema,
+    pytree,
+    pytree_codegen_info,
+    set_pytree_codegen,
+)
 from launcher.schedule.graph import StageGraph
 from launcher.split.trace import SplitError, alias_base, export_graph, node_path, written_args
 
@@ -191,8 +197,9 @@ class _Program:
         named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
         for name, t in named:
             self.aliases.setdefault(id(t), []).append(name)
-        self.persistent = {id(b) for m in module.modules() for k, b in m._buffers.items()
-                           if b is not None and k not in m._non_persistent_buffers_set}
+        self.persistent = {id(b) for m in module.modules()
+                           for k, b in m.named_buffers(recurse=False, remove_duplicate=False)
+                           if k not in non_persistent_buffers(m)}
         self.const = self._constants()
 
     def _constants(self) -> set[fx.Node]:
@@ -205,7 +212,7 @@ class _Program:
             t = n.target
             if n.op != "call_function" or n in mutated or alias_base(n) in mutated or written_args(n):
                 continue
-            if not (t is operator.getitem or (isinstance(t, torch._ops.OpOverload)
+            if not (t is operator.getitem or (is_op_overload(t)
                                               and torch.Tag.nondeterministic_seeded not in t.tags)):
                 continue
             if all(a in out or (a.op == "get_attr" and not isinstance(_attr(self.gm, a.target), nn.Parameter))
@@ -421,7 +428,7 @@ class _Program:
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         attrs: dict[str, Any] = {}
-        info = self.gm.graph._codegen.pytree_info if isinstance(self.gm.graph._codegen, _PyTreeCodeGen) else None
+        info = pytree_codegen_info(self.gm.graph)
         flat_in = info is None or (len(info.orig_args) == len(self.inputs) and all(
             info.in_spec.child(k).child(i).is_leaf() for k in range(info.in_spec.num_children)
             for i in range(info.in_spec.child(k).num_children)))
@@ -469,14 +476,13 @@ class _Program:
                 in_names, in_spec = info.orig_args, info.in_spec
             else:
                 in_names, in_spec = names, pytree.tree_structure((tuple(range(len(names))), {}))
-            g.set_codegen(_PyTreeCodeGen(_PyTreeInfo(in_names, in_spec, info.out_spec if s == S - 1 and not flat_out
-                                                     else None)))
+            set_pytree_codegen(g, in_names, in_spec, info.out_spec if s == S - 1 and not flat_out else None)
         stage = fx.GraphModule(attrs, g, class_name=f"Stage{s}")
         for target, value in attrs.items():
             constant = id(value) not in self.persistent
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and constant:
                 owner, _, field = target.rpartition(".")
-                stage.get_submodule(owner)._non_persistent_buffers_set.add(field)  # a constant, not state
+                non_persistent_buffers(stage.get_submodule(owner)).add(field)  # a constant, not state
         return stage
 
 
@@ -555,9 +561,9 @@ def _follow_device(g: fx.Graph, attrs: dict[str, Any]) -> None:
         return here[0]
 
     for n in list(g.nodes):
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        if n.op != "call_function" or not is_op_overload(n.target):
             continue
-        for i, arg in enumerate(n.target._schema.arguments):
+        for i, arg in enumerate(op_schema(n.target).arguments):
             if str(arg.type) not in ("Device", "Device?", "Optional[Device]"):
                 continue
             positional = not arg.kwarg_only and i < len(n.args)

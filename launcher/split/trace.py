@@ -25,13 +25,23 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from launcher.runtime.torch_private import (
+    buffer_dict,
+    is_op_overload,
+    non_persistent_buffers,
+    op_schema,
+    parameter_dict,
+    propagate_real_tensors,
+    runtime_assert_ops,
+)
+
 
 class SplitError(ValueError):
     """A module that cannot be split as asked; the message is one sentence naming the construct and
     the module path, and the original exception, if any, is the ``__cause__``."""
 
 
-_ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten._assert_async.msg}
+_ASSERTS = runtime_assert_ops()
 # Their schemas do not mark the running statistics they update in train mode (argument 5 true).
 _STAT_UPDATES = {torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -54,7 +64,7 @@ def export_graph(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> fx.G
         except Exception as e:
             if not _branches_on_data(e):
                 raise
-            with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
+            with propagate_real_tensors():
                 ep, data_branches = _export(module, args, kwargs), True
     except Exception as e:  # an op export cannot trace, a Python construct it rejects
         raise SplitError(_failure(module, e)) from e
@@ -113,10 +123,10 @@ def _refuse_state_updates(module: nn.Module, gm: fx.GraphModule) -> None:
 def written_args(node: fx.Node) -> list[fx.Node]:
     """The arguments an in-place op modifies."""
     t = node.target
-    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+    if node.op != "call_function" or not is_op_overload(t):
         return []
     out = []
-    for i, arg in enumerate(t._schema.arguments):
+    for i, arg in enumerate(op_schema(t).arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             v = node.args[i] if i < len(node.args) and not arg.kwarg_only else node.kwargs.get(arg.name)
             if isinstance(v, fx.Node):
@@ -128,8 +138,8 @@ def alias_base(node: fx.Node) -> fx.Node:
     """The node whose tensor ``node``'s result is a view of (itself if none)."""
     while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
         t = node.target
-        aliases = t is operator.getitem or (isinstance(t, torch._ops.OpOverload) and bool(t._schema.returns)
-                                            and t._schema.returns[0].alias_info is not None)
+        aliases = t is operator.getitem or (is_op_overload(t) and bool(op_schema(t).returns)
+                                            and op_schema(t).returns[0].alias_info is not None)
         if not aliases:
             break
         node = node.args[0]
@@ -267,31 +277,32 @@ class LossModule(nn.Module):
         object.__setattr__(self, "lightning_module", lightning_module)  # not a child: its children are ours
         for name, child in lightning_module.named_children():
             self.add_module(name, child)
-        for name, p in lightning_module._parameters.items():
-            if p is not None:
-                self.register_parameter(name, p)
-        for name, b in lightning_module._buffers.items():
-            if b is not None:
-                self.register_buffer(name, b, persistent=name not in lightning_module._non_persistent_buffers_set)
+        for name, p in lightning_module.named_parameters(recurse=False, remove_duplicate=False):
+            self.register_parameter(name, p)
+        transient = non_persistent_buffers(lightning_module)
+        for name, b in lightning_module.named_buffers(recurse=False, remove_duplicate=False):
+            self.register_buffer(name, b, persistent=name not in transient)
         self.training = lightning_module.training
 
     def forward(self, *batch: Any) -> torch.Tensor:
         lm = self.lightning_module
         saved = {k: lm.__dict__[k] for k in ("log", "log_dict") if k in lm.__dict__}
-        state = dict(lm._parameters), dict(lm._buffers)
+        params, buffers = parameter_dict(lm), buffer_dict(lm)
+        state = dict(params), dict(buffers)
         lm.log = lm.log_dict = _ignore
         # The LightningModule reads its own parameters and buffers from its own dicts: hand it ours,
         # which torch.export swaps for the traced ones (it would take the LightningModule's for
         # constants). Outside tracing they are the same tensors.
-        lm._parameters.update({k: self._parameters[k] for k in state[0] if k in self._parameters})
-        lm._buffers.update({k: self._buffers[k] for k in state[1] if k in self._buffers})
+        ours, our_buffers = parameter_dict(self), buffer_dict(self)
+        params.update({k: ours[k] for k in state[0] if k in ours})
+        buffers.update({k: our_buffers[k] for k in state[1] if k in our_buffers})
         try:
             out = lm.training_step(batch, 0)
         finally:
             del lm.log, lm.log_dict
             lm.__dict__.update(saved)
-            lm._parameters.update(state[0])
-            lm._buffers.update(state[1])
+            params.update(state[0])
+            buffers.update(state[1])
         if isinstance(out, Mapping):
             out = out.get("loss")
         if not isinstance(out, torch.Tensor):
