@@ -378,6 +378,9 @@ def main() -> None:
     import logging
 
     _import_from_cwd()
+    from .logs import show
+
+    show()  # warnings and progress notes as plain lines on stderr
     # a log file that cannot be written (a full disk) must not print a traceback per record: the
     # run reports the file it could not write, once
     logging.raiseExceptions = False

@@ -25,7 +25,7 @@ from launcher.runtime.actions import (
     format_programs,
     parse_programs,
 )
-from launcher.runtime.plan import ACT, GRAD, WEIGHTS, WGRAD, Plan, PlanError, build_plan, lower, lower_actions
+from launcher.runtime.lowering import ACT, GRAD, WEIGHTS, WGRAD, Lowered, LoweringError, assemble, lower, lower_actions
 from launcher.schedule import make_step, simulate
 
 # (scheme, S, B, G, R, order, split backward): every scheme, both backward forms, W <= 4
@@ -48,7 +48,7 @@ def _timeline(name, S, B, G, R, order, split):
     return simulate(make_step(name, S, B, G=G, R=R, order=order, split_backward=split))
 
 
-def _same(a: Plan, b: Plan) -> None:
+def _same(a: Lowered, b: Lowered) -> None:
     assert a.messages == b.messages
     assert a.programs == b.programs
     assert (a.owners, a.predicted, a.reduce_order, a.prefetch) == (b.owners, b.predicted, b.reduce_order, b.prefetch)
@@ -66,7 +66,7 @@ def test_programs_print_parse_back_and_give_the_same_plan(config, cache):
     assert parse_programs(text) == progs
     assert parse_programs(format_programs(progs, align=True)) == progs
     plan = lower(tl, cache, 2)
-    _same(build_plan(tl, parse_programs(text), cache, 2), plan)
+    _same(assemble(tl, parse_programs(text), cache, 2), plan)
     # the jobs are the timeline's, and one send action per message of each kind
     assert [[j.job for j in p.jobs] for p in plan.programs] == tl.program
     for kind, op in SENDS.items():
@@ -101,7 +101,7 @@ def test_a_placement_that_splits_a_microbatch_is_shown_marked():
 
     step = make_step(apart, 2, 2)
     step.workers = 2
-    with pytest.raises(PlanError) as e:
+    with pytest.raises(LoweringError) as e:
         lower(simulate(step))
     lines = str(e.value).splitlines()
     assert re.search(r"runs F\(0,0\) on worker 0 but B\(0,0\) on worker 1", lines[0])
@@ -122,8 +122,8 @@ def _break(tl, cache, change):
     """Lower ``tl``, edit worker programs with ``change`` and rebuild: the error's marked action."""
     progs = lower_actions(tl, cache)
     change(progs)
-    with pytest.raises(PlanError) as e:
-        build_plan(tl, progs, cache)
+    with pytest.raises(LoweringError) as e:
+        assemble(tl, progs, cache)
     marked = re.findall(r">>(.*?)<<", str(e.value))
     return str(e.value), marked
 

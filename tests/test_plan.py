@@ -6,7 +6,17 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from launcher.runtime.plan import ACT, GRAD, WEIGHTS, WGRAD, Plan, PlanError, lower, predicted_receives, resident_peaks
+from launcher.runtime.lowering import (
+    ACT,
+    GRAD,
+    WEIGHTS,
+    WGRAD,
+    Lowered,
+    LoweringError,
+    lower,
+    predicted_receives,
+    resident_peaks,
+)
 from launcher.schedule import ScheduleError, make_step, simulate
 from launcher.schedule.metrics import per_worker
 
@@ -15,7 +25,7 @@ SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("l
 ORDERS = ["1f1b", "breadth_first", "depth_first"]
 
 
-def _end_phase(plan: Plan, w: int) -> list[tuple[str, int]]:
+def _end_phase(plan: Lowered, w: int) -> list[tuple[str, int]]:
     """The engine's end-of-step operations on worker ``w``, in its order: the partial sums sent
     to its stages, then one all-reduce phase if it owns a replicated stage (``("allreduce", -1)``)."""
     out = []
@@ -27,7 +37,7 @@ def _end_phase(plan: Plan, w: int) -> list[tuple[str, int]]:
     return out
 
 
-def execute_abstract(plan: Plan) -> None:
+def execute_abstract(plan: Lowered) -> None:
     """Run every worker's program under NCCL's rules, without torch, and fail on a deadlock.
 
     NCCL: a pair's operations (both directions) complete strictly in issue order, and the k-th
@@ -108,7 +118,7 @@ def execute_abstract(plan: Plan) -> None:
             assert issued[w][p] == len(plan.programs[w].pair_order[p]), f"worker {w} left messages to {p} unissued"
 
 
-def _check_weights(plan: Plan) -> None:
+def _check_weights(plan: Lowered) -> None:
     """Weight copies: what the plan sends and the resident peak it predicts, against the simulator."""
     p, tl = plan.predicted, plan.timeline
     sim = per_worker(tl, plan.weight_cache)
@@ -139,7 +149,7 @@ def test_job_cache_peak_counts_the_lookahead():
     # an I keeps its copy until its W, which fetches none
     assert per_worker(split, "job")["weights_peak_resident"] == [4, 4, 4, 4]
     assert per_worker(split, "job")["weight_fetch_jobs"] == [6, 6, 6, 6]
-    with pytest.raises(PlanError, match="prefetch=-1"):
+    with pytest.raises(LoweringError, match="prefetch=-1"):
         lower(tl, "job", -1)
 
 
@@ -171,7 +181,7 @@ def test_plan_matches_simulator(name, G, R, S, B, order, split, cache):
 
 def test_identities_lower_alike():
     """LPP with G=1, R=S is GPipe and LPP with G=B, R=1 is DDP: same messages."""
-    def sig(plan: Plan):
+    def sig(plan: Lowered):
         return [(m.kind, m.src, m.dst, m.stage, m.microbatch) for m in plan.messages]
     assert (sig(lower(simulate(make_step("lpp", 4, 6, G=1, R=4))))
             == sig(lower(simulate(make_step("gpipe", 4, 6, G=1, R=4)))))
@@ -208,12 +218,12 @@ def test_rejects_forward_and_backward_apart():
 
     step = make_step(apart, 2, 2)
     step.workers = 2
-    with pytest.raises(PlanError, match=r"runs F\(0,0\) on worker 0 but B\(0,0\) on worker 1"):
+    with pytest.raises(LoweringError, match=r"runs F\(0,0\) on worker 0 but B\(0,0\) on worker 1"):
         lower(simulate(step))
 
 
 def test_rejects_bad_weight_cache():
-    with pytest.raises(PlanError, match="weight_cache='never'"):
+    with pytest.raises(LoweringError, match="weight_cache='never'"):
         lower(simulate(make_step("gpipe", 2, 2, G=1, R=2)), "never")
 
 

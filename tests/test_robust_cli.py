@@ -23,8 +23,8 @@ from helpers.cli import launcher_env, run_launcher
 from launcher.config import check_overrides, errors
 from launcher.config.paths import dir_error, file_error
 from launcher.modes.simulate import simulate_config
-from launcher.runtime import plan as plan_module
-from launcher.runtime.plan import PlanError, lower
+from launcher.runtime import lowering as plan_module
+from launcher.runtime.lowering import LoweringError, lower
 from launcher.schedule import ScheduleError, StepError, make_step, simulate
 from launcher.schedule.diagram import ascii_diagram
 from launcher.schedule.simulate import Step
@@ -153,7 +153,8 @@ def test_message_tags_are_checked_against_their_range(monkeypatch):
     plan = lower(tl)
     assert plan.tag_base == len(plan.messages)
     monkeypatch.setattr(plan_module, "TAG_LIMIT", len(plan.messages))
-    with pytest.raises(PlanError, match=r"^the step has \d+ messages and 4 stages, more than the \d+ point-to-point"):
+    with pytest.raises(LoweringError,
+                       match=r"^the step has \d+ messages and 4 stages, more than the \d+ point-to-point"):
         lower(tl)
 
 

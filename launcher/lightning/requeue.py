@@ -15,6 +15,7 @@ does.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -30,6 +31,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 
 from .lightning_private import hpc_save_path
+
+log = logging.getLogger(__name__)
 
 #: the HPC checkpoints Lightning writes and resumes from (``hpc_ckpt_<N>.ckpt``)
 HPC = re.compile(r"hpc_ckpt_(\d+)\.ckpt$")
@@ -110,8 +113,7 @@ class RequeueOnSignal(Callback):
 def requeue(watch: Watch, checkpoint: Path) -> NoReturn:
     """Requeue this Slurm job, which saved ``checkpoint``, and end this process without a result."""
     signum = watch.signalled or warning_signals()[0]
-    print(f"slurm: got {signal.Signals(signum).name}; saved {checkpoint.name}; requeueing the job",
-          file=sys.stderr, flush=True)
+    log.warning("slurm: got %s; saved %s; requeueing the job", signal.Signals(signum).name, checkpoint.name)
     previous: Callable | None = watch.previous.get(signum)
     if callable(previous) and type(getattr(previous, "__self__", None)).__module__.startswith("submitit"):
         previous(signum, None)  # submitit: re-dumps its submission, scontrol requeue, exits

@@ -31,6 +31,7 @@ is the model: the strategy runs the whole schedule in ``training_step`` and take
 from __future__ import annotations
 
 import contextlib
+import logging
 import resource
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -60,6 +61,8 @@ from .launcher import ForkLauncher
 from .lightning_private import init_dist_connection, retype_precision_plugin, sync_ddp_if_available
 from .staging import example_microbatch, split_batch, stage_module, uses_trace
 from .state import Layout, gather_module_state, gather_optimizer_state, load_stage_state, scatter_optimizer_state
+
+log = logging.getLogger(__name__)
 
 PLACEHOLDER = "_launcher_nothing_owned"
 
@@ -503,9 +506,7 @@ class UnifiedStrategy(ParallelStrategy):
                                  f"(nonfinite=stop; nonfinite=skip drops such steps and goes on).")
         undo_statistics(self.engine.stats)
         if self.global_rank == 0:
-            import sys
-
-            print(f"warning: step {step} skipped (nonfinite=skip): {what}.", file=sys.stderr, flush=True)
+            log.warning("warning: step %d skipped (nonfinite=skip): %s.", step, what)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The engine has run the backward already: install its reduced gradients, with the hooks

@@ -3,6 +3,7 @@ directory, and how an invalid point is reported (one sentence per rule, ``invali
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from contextlib import contextmanager
@@ -11,6 +12,8 @@ from typing import Any, Iterator
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
 
 
 def console():
@@ -267,9 +270,9 @@ def phase(what: str, jobs: int) -> Iterator[None]:
         with Console(stderr=True).status(label + " ..."):
             yield
     else:
-        print(f"{label} ...", file=sys.stderr, flush=True)
+        log.info("%s ...", label)
         yield
-    print(f"{label}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    log.info("%s: %.1f s", label, time.perf_counter() - t0)
 
 
 def outcome_of(directory: Path) -> dict[str, Any] | None:

@@ -264,12 +264,12 @@ def _run_info(cfg: DictConfig) -> dict[str, Any]:
 def _plannable(spec: Any) -> None:
     """Simulate and lower the step once here: a memory limit it cannot finish under, or a
     placement the runtime cannot run, is refused before any worker starts."""
-    from ..runtime.plan import PlanError, lower
+    from ..runtime.lowering import LoweringError, lower
     from ..schedule import ScheduleError, simulate
 
     try:
         lower(simulate(spec.step()), spec.weight_cache, spec.prefetch)
-    except (ScheduleError, PlanError) as e:
+    except (ScheduleError, LoweringError) as e:
         raise ConfigError([str(e).rstrip(".") + "."]) from e
     except ConfigError:
         raise

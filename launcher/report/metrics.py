@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..runtime.plan import KINDS, Plan
+from ..runtime.lowering import KINDS, Lowered
 from ..schedule import Timeline, memory
 from ..schedule.cores import Replayed, job_work, replay
 from ..schedule.link import Link, exchanges
@@ -73,7 +73,7 @@ def activation_peaks(tl: Timeline, act_bytes: Sequence[Sequence[int]],
     return memory.activation_peaks(tl, lambda s, b: act_bytes[s][b], saved, recomputed)
 
 
-def traffic(plan: Plan, msg_bytes: Sequence[int]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+def traffic(plan: Lowered, msg_bytes: Sequence[int]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """Messages and bytes each worker receives, per kind, as planned."""
     counts = {k: [0] * plan.workers for k in KINDS}
     nbytes = {k: [0] * plan.workers for k in KINDS}
@@ -87,7 +87,7 @@ def build(
     *,
     config: Mapping[str, Any],
     run: Mapping[str, Any],
-    plan: Plan,
+    plan: Lowered,
     per_rank: Sequence[Mapping[str, Any]],
     msg_bytes: Sequence[int],
     act_bytes: Sequence[Sequence[int]],
@@ -162,7 +162,7 @@ def _measure(ranks: Sequence[Mapping[str, Any]], step: Step, act_bytes: Sequence
                      message_cpu_seconds(ranks))
 
 
-def _predict(plan: Plan, ranks: Sequence[Mapping[str, Any]], measured: _Measured,
+def _predict(plan: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Measured,
              grad_bytes: Sequence[int]) -> tuple[Replayed, Timeline]:
     """The programs the workers ran, timed by what they measured and replayed on the cores they
     shared: the replay, and its timeline (drawn and reported: what ran, as predicted)."""
@@ -216,7 +216,7 @@ def _profile(measured: _Measured, module_costs: Sequence[Mapping[str, float]] | 
             "bytes": {k: list(v) for k, v in stage_bytes.items()}}
 
 
-def _per_worker(plan: Plan, ranks: Sequence[Mapping[str, Any]], tl: Timeline, msg_bytes: Sequence[int],
+def _per_worker(plan: Lowered, ranks: Sequence[Mapping[str, Any]], tl: Timeline, msg_bytes: Sequence[int],
                 act_bytes: Sequence[Sequence[int]], saved_bytes: Sequence[Sequence[int]] | None,
                 recomputed: Sequence[bool] | None, bubble_fraction: dict[str, Any]) -> dict[str, Any]:
     """The record's ``per_worker``: the plan's (or the predicted timeline's) counts beside each

@@ -10,15 +10,15 @@
 """
 
 from .failure import DEFAULT_TIMEOUT, Watchdog, WorkerAborted, WorkerFailed
+from .lowering import Lowered, LoweringError, lower
 from .measure import merge, mismatches
 from .model import StagedModel, mlp_batches, reference_step, staged_mlp
-from .plan import Plan, PlanError, lower
 from .processes import Interrupted, auto_backend, init_from_env, launch
 from .worker import Engine
 
 __all__ = [
     "DEFAULT_TIMEOUT", "Interrupted", "Watchdog", "WorkerAborted", "WorkerFailed", "auto_backend", "init_from_env",
     "launch",
-    "merge", "mismatches", "StagedModel", "mlp_batches", "reference_step", "staged_mlp", "Plan", "PlanError",
+    "merge", "mismatches", "StagedModel", "mlp_batches", "reference_step", "staged_mlp", "Lowered", "LoweringError",
     "lower", "Engine",
 ]

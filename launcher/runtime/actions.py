@@ -1,8 +1,8 @@
 """Per-worker action lists: the form a step takes between the timeline and the plan.
 
-Pure Python, no torch. :mod:`launcher.runtime.plan` lowers a timeline by passes over one list of
+Pure Python, no torch. :mod:`launcher.runtime.lowering` lowers a timeline by passes over one list of
 :class:`Action` per worker (its jobs in timeline order, then the messages, weight copies and
-reductions around them) and turns the finished lists into a :class:`~launcher.runtime.plan.Plan`.
+reductions around them) and turns the finished lists into a :class:`~launcher.runtime.lowering.Lowered`.
 Every action has a compact text form that :meth:`Action.from_str` reads back, and a whole step
 prints one line per worker (:func:`format_programs`, :func:`parse_programs`); GPipe, two stages,
 one micro-batch::

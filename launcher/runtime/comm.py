@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .failure import Watchdog, WorkerAborted, blocked
-from .plan import ACT, GRAD, WGRAD, Msg, Plan
+from .lowering import ACT, GRAD, WGRAD, Lowered, Msg
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
@@ -52,7 +52,7 @@ class Comm:
 
     def __init__(
         self,
-        plan: Plan,
+        plan: Lowered,
         worker: int,
         spec: Callable[[Msg], Spec],
         device: torch.device,

@@ -2,7 +2,7 @@
 
 Replicas: the owners of a replicated stage (DDP, LPP with G > 1) sum its gradient across
 themselves. Stages of one owner set are merged, in the plan's
-:attr:`~launcher.runtime.plan.Plan.reduce_order`, into buckets (DistributedDataParallel's sizes:
+:attr:`~launcher.runtime.lowering.Lowered.reduce_order`, into buckets (DistributedDataParallel's sizes:
 the first closes at 1 MiB so it starts early, the others at 25 MiB so they are few); the gradient
 is accumulated straight into its bucket's buffer (allocated once, as DDP's), so a bucket costs no
 copy. Every owner launches a bucket's all-reduce as soon as its own share is complete
@@ -45,7 +45,7 @@ from launcher.schedule.link import ROOT_BYTES
 
 from .collectives import halving_doubling, through_root
 from .failure import Watchdog, blocked
-from .plan import Plan
+from .lowering import Lowered
 
 #: buckets close once they hold this many bytes, the first one sooner: DistributedDataParallel's
 #: sizes (``bucket_cap_mb`` and its first bucket), so the first stages' transfer starts early and
@@ -81,7 +81,7 @@ class Bucket:
         return sum(self.numels)
 
 
-def plan_buckets(plan: Plan, nbytes: Sequence[int], numels: Sequence[int], dtypes: Sequence[torch.dtype],
+def plan_buckets(plan: Lowered, nbytes: Sequence[int], numels: Sequence[int], dtypes: Sequence[torch.dtype],
                  bucket_bytes: int) -> list[Bucket]:
     """Every bucket of the step, in the launch order common to all workers. Stages share a
     bucket only with stages of the same owners and dtype (one flat buffer each, as DDP's)."""
@@ -111,7 +111,7 @@ def plan_buckets(plan: Plan, nbytes: Sequence[int], numels: Sequence[int], dtype
 class Replicas:
     """This worker's all-reduces of replicated stages: buckets, launch, and the wait at the end."""
 
-    def __init__(self, plan: Plan, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,
+    def __init__(self, plan: Lowered, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,
                  layouts: Sequence, device: torch.device, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.plan, self.worker, self.ranks, self.group = plan, worker, list(ranks), group
         self.nccl = dist.get_backend(group) == "nccl"
@@ -228,7 +228,7 @@ class Replicas:
                 work.wait()
 
 
-def warm_pairs(plan: Plan, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,
+def warm_pairs(plan: Lowered, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,
                device: torch.device) -> None:
     """Open every pair communicator this worker's plan uses, in one global order (NCCL only).
 

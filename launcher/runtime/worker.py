@@ -45,6 +45,7 @@ from .comm import Comm
 from .failure import Watchdog, blocked, current_watchdog
 from .groups import BUCKET_BYTES, Replicas, warm_pairs
 from .init import has_meta, init_units
+from .lowering import ACT, GRAD, TAG_LIMIT, WEIGHTS, JobOp, Lowered, Msg, forward_only, lower
 from .measure import HOST, Meter, worker_record
 from .model import (
     Batch,
@@ -62,7 +63,6 @@ from .model import (
     skeleton,
     stage_grads,
 )
-from .plan import ACT, GRAD, TAG_LIMIT, WEIGHTS, JobOp, Msg, Plan, forward_only, lower
 from .saved import SavedBytes, stage_saved_bytes
 from .saved import tensors as saved_tensors
 from .stats import RunningStats
@@ -155,7 +155,7 @@ class Engine:
     def __init__(
         self,
         model: StagedModel,
-        schedule: Step | Timeline | Plan,
+        schedule: Step | Timeline | Lowered,
         optimizer: OptimizerFactory | None = None,
         *,
         prefetch: int = 1,
@@ -172,7 +172,7 @@ class Engine:
         found = [e for e in (value_error("prefetch", prefetch), value_error("weight_cache", weight_cache)) if e]
         if found:  # the command line's sentences
             raise StepError(found)
-        if isinstance(schedule, Plan):
+        if isinstance(schedule, Lowered):
             if schedule.prefetch != prefetch:
                 raise ValueError(f"the plan was lowered for prefetch={schedule.prefetch} but the engine got "
                                  f"prefetch={prefetch}; its predicted peak resident weights would not hold")
@@ -247,7 +247,7 @@ class Engine:
             sum(1 for c in space.stage_succs[j // B] if comp[c * B + j % B] == comp[j]) for j in range(SB)
         ]
         self._grad_kind = space.K - 1
-        self._eval_plan: Plan | None = None
+        self._eval_plan: Lowered | None = None
         # mixed precision (bf16-mixed, 16-mixed): owners keep their weights (fp32 masters) and
         # compute under the caller's autocast; fetched weights, activations and their gradients
         # cross in this dtype; weight-gradient sums and all-reduces stay in the weights' dtype.
@@ -450,7 +450,7 @@ class Engine:
             self.watchdog.set_job("")
         return meter.loss, st.predictions
 
-    def _run_program(self, plan: Plan, microbatches: Sequence[Batch], meter: Meter, train: bool) -> "_StepState":
+    def _run_program(self, plan: Lowered, microbatches: Sequence[Batch], meter: Meter, train: bool) -> "_StepState":
         """Run this worker's jobs of ``plan`` in order, with prefetch and just-in-time weight hand-over."""
         w = self.worker
         prog, msgs = plan.programs[w], plan.messages

@@ -1,18 +1,18 @@
 """Lower a simulated :class:`~launcher.schedule.Timeline` into one program per worker.
 
 Pure Python, no torch. Every worker calls :func:`lower` on the same timeline and gets the same
-:class:`Plan`, so every send has its matching receive without a coordinator.
+:class:`Lowered`, so every send has its matching receive without a coordinator.
 
 What the placement implies (docs/design.md, "Placement and data movement") is lowered by passes
 over one list of :class:`~launcher.runtime.actions.Action` per worker, each pass documenting the
 traffic it adds: the jobs in timeline order (:func:`job_actions`), then :data:`PASSES`: ``act``
 and ``grad`` messages (:func:`add_act_grad`), ``weights`` under the weight cache policy
 (:func:`add_weights`), ``wgrad`` (:func:`add_wgrad`), the replicas' all-reduces
-(:func:`add_reduces`). :func:`build_plan` then pairs every send with its receive, keys and
+(:func:`add_reduces`). :func:`assemble` then pairs every send with its receive, keys and
 numbers the messages in the order NCCL needs (:func:`messages`) and fills each worker's
 :class:`Program`. :func:`lower_actions` gives the lists themselves:
 :func:`~launcher.runtime.actions.format_programs` prints them, one line per worker, and
-:func:`build_plan` of what :func:`~launcher.runtime.actions.parse_programs` reads back is the
+:func:`assemble` of what :func:`~launcher.runtime.actions.parse_programs` reads back is the
 same plan.
 """
 
@@ -61,7 +61,7 @@ def reduce_rounds(n: int) -> int:
     return 2 * max(n.bit_length() - 1, 0) + 2
 
 
-class PlanError(ValueError):
+class LoweringError(ValueError):
     """A timeline the runtime cannot lower."""
 
 
@@ -136,7 +136,7 @@ class Program:
 
 
 @dataclass
-class Plan:
+class Lowered:
     """The step lowered for every worker, plus the counts the simulator predicts."""
 
     timeline: Timeline
@@ -181,18 +181,18 @@ Slots = list[dict[int, list[Action]]]  # per worker, job index -> actions to wea
 AROUND = 8
 
 
-def _marked(progs: Programs, mark: tuple[int, int] | None, what: str, why: str = "") -> PlanError:
-    """A :class:`PlanError`: ``what``, the grid of ``progs`` with the action at ``mark`` marked, then ``why``."""
+def _marked(progs: Programs, mark: tuple[int, int] | None, what: str, why: str = "") -> LoweringError:
+    """A :class:`LoweringError`: ``what``, the grid of ``progs`` with the action at ``mark`` marked, then ``why``."""
     jobs_only = all(a.op in JOBS for prog in progs for a in prog)
     grid = indent(format_programs(progs, mark, AROUND, align=jobs_only), "  ")
-    return PlanError(f"{what}{' (marked below)' if mark else ''}:\n{grid}" + (f"\n{why}" if why else ""))
+    return LoweringError(f"{what}{' (marked below)' if mark else ''}:\n{grid}" + (f"\n{why}" if why else ""))
 
 
 def _check_options(weight_cache: str, prefetch: int | None = None) -> None:
     if weight_cache not in WEIGHT_CACHES:
-        raise PlanError(f"weight_cache={weight_cache!r} is not valid; choose one of {list(WEIGHT_CACHES)}")
+        raise LoweringError(f"weight_cache={weight_cache!r} is not valid; choose one of {list(WEIGHT_CACHES)}")
     if prefetch is not None and not (isinstance(prefetch, int) and prefetch >= 0):
-        raise PlanError(f"prefetch={prefetch!r} is not valid; it must be an int >= 0 (jobs of lookahead)")
+        raise LoweringError(f"prefetch={prefetch!r} is not valid; it must be an int >= 0 (jobs of lookahead)")
 
 
 def _slots(tl: Timeline) -> tuple[Slots, Slots]:
@@ -367,7 +367,7 @@ def lower_actions(tl: Timeline, weight_cache: str = "step") -> Programs:
     return progs
 
 
-def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
+def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Lowered:
     """Lower ``tl`` into per-worker programs; identical on every worker.
 
     ``plan.predicted`` is the simulator's :func:`~launcher.schedule.metrics.per_worker`, except
@@ -375,7 +375,7 @@ def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Plan:
     with lookahead ``prefetch`` (:func:`resident_peaks`), which the simulator cannot know.
     """
     _check_options(weight_cache, prefetch)
-    return build_plan(tl, lower_actions(tl, weight_cache), weight_cache, prefetch, check=False)
+    return assemble(tl, lower_actions(tl, weight_cache), weight_cache, prefetch, check=False)
 
 
 # ---- from actions to the plan ----------------------------------------------------------------
@@ -408,7 +408,7 @@ def _check_actions(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> N
     beside one of that stage (and micro-batch); a message goes to another worker."""
     S, W, owners = tl.step.space.S, tl.step.workers, _owners(tl)
     if len(progs) != W:
-        raise PlanError(f"the step has {W} workers but {len(progs)} programs")
+        raise LoweringError(f"the step has {W} workers but {len(progs)} programs")
     for w, (prog, want) in enumerate(zip(progs, _jobs(tl))):
         jobs = [n for n, a in enumerate(prog) if a.op in JOBS]
         if [prog[n] for n in jobs] != want:
@@ -516,12 +516,12 @@ def _keyed(tl: Timeline, progs: Programs, belongs: list[list[int]], ident: tuple
     return (0, consumer, preds.index(stage if kind == ACT else peer)), (tl.finish[producer], 0, producer, consumer)
 
 
-def build_plan(tl: Timeline, progs: Programs, weight_cache: str = "step", prefetch: int = 1,
-               check: bool = True) -> Plan:
-    """The :class:`Plan` that the per-worker actions ``progs`` describe (:func:`lower_actions`, or
+def assemble(tl: Timeline, progs: Programs, weight_cache: str = "step", prefetch: int = 1,
+               check: bool = True) -> Lowered:
+    """The :class:`Lowered` that the per-worker actions ``progs`` describe (:func:`lower_actions`, or
     what :func:`~launcher.runtime.actions.parse_programs` reads back): messages paired, keyed and
     numbered (:func:`messages`), each worker's :class:`Program` filled in. With ``check``, an action
-    that does not fit ``tl`` raises :class:`PlanError` with the grid, that action marked (the
+    that does not fit ``tl`` raises :class:`LoweringError` with the grid, that action marked (the
     passes' own programs fit by construction: :func:`lower` skips it)."""
     _check_options(weight_cache, prefetch)
     S, W = tl.step.space.S, tl.step.workers
@@ -530,7 +530,7 @@ def build_plan(tl: Timeline, progs: Programs, weight_cache: str = "step", prefet
         _check_actions(tl, progs, belongs)
     msgs, mids = messages(tl, progs, belongs)
     if len(msgs) + 2 * S + S * reduce_rounds(W) > TAG_LIMIT:  # the step's tags, then the engine's ranges
-        raise PlanError(
+        raise LoweringError(
             f"the step has {len(msgs):,} messages and {S} stages, more than the {TAG_LIMIT:,} point-to-point "
             f"message tags torch.distributed can tell apart; use fewer stages or micro-batches"
         )
@@ -540,7 +540,7 @@ def build_plan(tl: Timeline, progs: Programs, weight_cache: str = "step", prefet
         pair[m.src].setdefault(m.dst, []).append(m.mid)
         pair[m.dst].setdefault(m.src, []).append(m.mid)
     programs = [_program(tl, w, progs[w], belongs[w], mids[w], msgs, owners, pair[w]) for w in range(W)]
-    plan = Plan(tl, weight_cache, msgs, programs, owners, per_worker(tl, weight_cache), prefetch,
+    plan = Lowered(tl, weight_cache, msgs, programs, owners, per_worker(tl, weight_cache), prefetch,
                 _reduce_order(tl, programs, owners))
     if weight_cache == "job":
         owned = plan.predicted["weights_owned"]
@@ -617,7 +617,7 @@ def _reduce_order(tl: Timeline, programs: list[Program], owners: list[list[int]]
     return sorted(ready_time, key=lambda s: (ready_time[s], tuple(owners[s]), s))
 
 
-def resident_peaks(plan: Plan, prefetch: int) -> list[int]:
+def resident_peaks(plan: Lowered, prefetch: int) -> list[int]:
     """Most fetched weight copies each worker's engine holds at once, with lookahead ``prefetch``.
 
     A copy is resident from the moment its receive buffer is posted (comm.py) until the engine
@@ -691,7 +691,7 @@ def resident_peaks(plan: Plan, prefetch: int) -> list[int]:
     return out
 
 
-def predicted_receives(plan: Plan) -> dict[str, list[int]]:
+def predicted_receives(plan: Lowered) -> dict[str, list[int]]:
     """What the simulator predicts the runtime will receive, per kind, in plan terms.
 
     ``weights`` is the distinct-stage fetch count with ``weight_cache="step"`` and the per-job
@@ -703,7 +703,7 @@ def predicted_receives(plan: Plan) -> dict[str, list[int]]:
     return {ACT: list(p["act_recv"]), GRAD: list(p["grad_recv"]), WEIGHTS: list(fetch)}
 
 
-def forward_only(plan: Plan) -> Plan:
+def forward_only(plan: Lowered) -> Lowered:
     """The forward half of ``plan``, for evaluation: each worker's ``F`` jobs in the same order,
     the activation messages between them and the weights they run on; no gradients, no
     reduction. A subsequence of a deadlock-free pair order is deadlock-free (every wait is still
@@ -730,4 +730,5 @@ def forward_only(plan: Plan) -> Plan:
             kept = [m for m in mids if m in keep]
             if kept:
                 prog.weight_release.setdefault(new_index[i], []).extend(kept)
-    return Plan(plan.timeline, plan.weight_cache, plan.messages, programs, plan.owners, plan.predicted, plan.prefetch)
+    return Lowered(plan.timeline, plan.weight_cache, plan.messages, programs, plan.owners, plan.predicted,
+                   plan.prefetch)
