@@ -149,6 +149,39 @@ def default_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _lowered(schedule: Step | Timeline | Lowered, weight_cache: str, prefetch: int) -> Lowered:
+    """The engine's program: the schedule lowered (simulated first, if need be) for ``prefetch``."""
+    found = [e for e in (value_error("prefetch", prefetch), value_error("weight_cache", weight_cache)) if e]
+    if found:  # the command line's sentences
+        raise StepError(found)
+    if isinstance(schedule, Lowered):
+        if schedule.prefetch != prefetch:
+            raise ValueError(f"the plan was lowered for prefetch={schedule.prefetch} but the engine got "
+                             f"prefetch={prefetch}; its predicted peak resident weights would not hold")
+        return schedule
+    tl = schedule if isinstance(schedule, Timeline) else simulate(schedule)
+    return lower(tl, weight_cache, prefetch)
+
+
+def _check_model(model: StagedModel, space: Any) -> None:
+    found = model_errors(model, space.S)  # what StagedModel checked, in case the stages changed since
+    if found:
+        raise ModelError(found)
+    if model.graph.preds != space.graph.preds:
+        raise ValueError(f"the model has stage graph {model.graph.preds} but the schedule has {space.graph.preds}")
+
+
+def _recompute(timeline: Timeline, recompute: Iterable[int] | None) -> frozenset[int]:
+    """Stages whose forward keeps only its input and whose backward recomputes it (activation
+    checkpointing); default: what the schedule was simulated with."""
+    S = timeline.step.space.S
+    stages = frozenset(timeline.step.recompute if recompute is None else recompute)
+    if any(not 0 <= s < S for s in stages):
+        raise StepError([f"recompute={sorted(stages)} is invalid: stage "
+                         f"{next(s for s in sorted(stages) if not 0 <= s < S)} does not exist with stages={S}."])
+    return stages
+
+
 class Engine:
     """Runs this rank's share of every training step of one schedule."""
 
@@ -169,24 +202,10 @@ class Engine:
         bucket_bytes: int = BUCKET_BYTES,
         compute_dtype: torch.dtype | None = None,
     ) -> None:
-        found = [e for e in (value_error("prefetch", prefetch), value_error("weight_cache", weight_cache)) if e]
-        if found:  # the command line's sentences
-            raise StepError(found)
-        if isinstance(schedule, Lowered):
-            if schedule.prefetch != prefetch:
-                raise ValueError(f"the plan was lowered for prefetch={schedule.prefetch} but the engine got "
-                                 f"prefetch={prefetch}; its predicted peak resident weights would not hold")
-            self.plan = schedule
-        else:
-            tl = schedule if isinstance(schedule, Timeline) else simulate(schedule)
-            self.plan = lower(tl, weight_cache, prefetch)
+        self.plan = _lowered(schedule, weight_cache, prefetch)
         self.timeline = self.plan.timeline
         space = self.timeline.step.space
-        found = model_errors(model, space.S)  # what StagedModel checked, in case the stages changed since
-        if found:
-            raise ModelError(found)
-        if model.graph.preds != space.graph.preds:
-            raise ValueError(f"the model has stage graph {model.graph.preds} but the schedule has {space.graph.preds}")
+        _check_model(model, space)
         self.model, self.space, self.prefetch = model, space, prefetch
         self.group = group
         self.rank = dist.get_rank(group) if rank is None else rank
@@ -197,6 +216,25 @@ class Engine:
         self.worker: int | None = self.rank if self.rank < W else None
         self.device = torch.device(device) if device is not None else default_device(dist.get_backend(group))
         self.watchdog = watchdog if watchdog is not None else current_watchdog()
+        self._place_stages(model, space)
+        # the batch check: on the first step, then every ``check_batches`` steps (True: every
+        # CHECK_EVERY; 1: every step; False or 0: never)
+        self.check_every = CHECK_EVERY if check_batches is True else int(check_batches)
+        self.recompute = _recompute(self.timeline, recompute)
+        self.replicas = Replicas(self.plan, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes)
+        if dist.get_backend(group) == "nccl":
+            warm_pairs(self.plan, self.worker, self.ranks, group, self.device)
+        if self.materialized:
+            self._sync_ties()
+        self._sync_replicas()
+        # a parameter several owned stages share (tied embeddings) is one parameter of the optimizer
+        params = list(dict.fromkeys(p for s in self.owned for p in self.modules[s].parameters()))
+        self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self._step_state(compute_dtype)
+
+    def _place_stages(self, model: StagedModel, space: Any) -> None:
+        """The owned stages on the device (materialised if built on the meta device), a skeleton
+        for every other one, and the running statistics over both."""
         self.layouts = [StageLayout.of(m) for m in model.stages]
         self.skeletons = [skeleton(m, self.device) for m in model.stages]
         self._metas: list[torch.nn.Module] | None = None  # meta copies, to learn shapes (never computed with)
@@ -212,25 +250,10 @@ class Engine:
         self.stages: list[torch.nn.Module] = [self.modules.get(s, self.skeletons[s]) for s in range(space.S)]
         self.stats = RunningStats([[self.modules[s], self.skeletons[s]] if s in self.modules else [self.skeletons[s]]
                                    for s in range(space.S)], space.B)
-        # the batch check: on the first step, then every ``check_batches`` steps (True: every
-        # CHECK_EVERY; 1: every step; False or 0: never)
-        self.check_every = CHECK_EVERY if check_batches is True else int(check_batches)
-        # stages whose forward keeps only its input and whose backward recomputes it (activation
-        # checkpointing); default: what the schedule was simulated with
-        self.recompute = frozenset(self.timeline.step.recompute if recompute is None else recompute)
-        if any(not 0 <= s < space.S for s in self.recompute):
-            raise StepError([f"recompute={sorted(self.recompute)} is invalid: stage "
-                             f"{next(s for s in sorted(self.recompute) if not 0 <= s < space.S)} does not exist "
-                             f"with stages={space.S}."])
-        self.replicas = Replicas(self.plan, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes)
-        if dist.get_backend(group) == "nccl":
-            warm_pairs(self.plan, self.worker, self.ranks, group, self.device)
-        if self.materialized:
-            self._sync_ties()
-        self._sync_replicas()
-        # a parameter several owned stages share (tied embeddings) is one parameter of the optimizer
-        params = list(dict.fromkeys(p for s in self.owned for p in self.modules[s].parameters()))
-        self.optimizer = optimizer(params) if optimizer is not None and params else None
+
+    def _step_state(self, compute_dtype: torch.dtype | None) -> None:
+        """What the engine keeps from step to step, and what it derives once from the schedule."""
+        space = self.space
         self.last_grads: dict[int, torch.Tensor] = {}  # owned stage -> reduced flat gradient of the last step
         # (stage, owner) -> this worker's gradient sum, a buffer reused every step (replicated
         # stages sum into their all-reduce bucket instead): the last step's totals are valid until
