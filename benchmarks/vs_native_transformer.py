@@ -215,36 +215,11 @@ class NativeT(Native):
         stages, self.loss_fn, blocks = build(size, p.S, device)
         x, t = build_batch(size, p.B, device)
         self.sched = None
-        if p.native in ("ddp", "fsdp"):  # W = B: rank r trains micro-batch r; gradients averaged
-            self.x, self.t = x.chunk(p.B)[self.rank], t.chunk(p.B)[self.rank]
-            model = nn.Sequential(*stages)
-            if p.native == "ddp":
-                from torch.nn.parallel import DistributedDataParallel
-                self.model = DistributedDataParallel(model,
-                                                     device_ids=[device.index] if device.type == "cuda" else None)
-            else:  # fully_shard per transformer block, then the root (embedding and head)
-                from torch.distributed.device_mesh import init_device_mesh
-                from torch.distributed.fsdp import fully_shard
-                mesh = init_device_mesh(device.type, (p.W,))
-                for m in model.modules():
-                    if isinstance(m, blocks):
-                        fully_shard(m, mesh=mesh)
-                self.model = fully_shard(model, mesh=mesh)
-            self.stage0 = list(stages[0].parameters())
-            self.params = list(self.model.parameters())
-        else:
-            from torch.distributed import pipelining as pp
-            mine = list(range(self.rank, p.S, p.W))  # looped: stage s on rank s mod W
-            self.pipe = [pp.PipelineStage(stages[s], s, p.S, device) for s in mine]
-            self.first, self.last = 0 in mine, p.S - 1 in mine
-            self.x, self.t = x, t
-            self.params = [q for s in mine for q in stages[s].parameters()]
-            self.stage0 = list(stages[0].parameters()) if self.first else []
-            kind = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "looped_bfs": pp.ScheduleLoopedBFS,
-                    "interleaved_1f1b": pp.ScheduleInterleaved1F1B,
-                    "interleaved_zb": pp.ScheduleInterleavedZeroBubble}[p.native]
-            single = kind in (pp.ScheduleGPipe, pp.Schedule1F1B)
-            self.sched = kind(self.pipe[0] if single else self.pipe, n_microbatches=p.B, loss_fn=self.loss_fn)
+        if p.native in ("ddp", "fsdp"):  # FSDP: fully_shard per transformer block, then the root
+            self._data_parallel(stages, x, t, device,
+                                units=[m for s in stages for m in s.modules() if isinstance(m, blocks)])
+        else:  # stage s on rank s mod W, torch.distributed.pipelining's schedule
+            self._pipeline(p, stages, x, t, device)
         self.optimizer = adamw(self.params)
 
 

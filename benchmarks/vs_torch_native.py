@@ -159,30 +159,35 @@ class Ours:
 # ---- the native side -------------------------------------------------------------------------
 class Native:
     def __init__(self, p: Pair, H: int, mb: int, device: torch.device) -> None:
-        self.p, self.device, self.rank, W = p, device, dist.get_rank(), p.W
+        self.p, self.device, self.rank = p, device, dist.get_rank()
         stages = build_stages(p.S, H, device)
         x, t = build_batch(p.B, mb, H, device)
         self.sched = None
-        if p.native in ("ddp", "fsdp"):  # W = B: rank r trains micro-batch r; gradients averaged
-            self.x, self.t = x.chunk(p.B)[self.rank], t.chunk(p.B)[self.rank]
-            model = nn.Sequential(*stages)
-            if p.native == "ddp":
-                from torch.nn.parallel import DistributedDataParallel
-                self.model = DistributedDataParallel(model,
-                                                     device_ids=[device.index] if device.type == "cuda" else None)
-                self.stage0 = list(model[0].parameters())
-            else:
-                from torch.distributed.device_mesh import init_device_mesh
-                from torch.distributed.fsdp import fully_shard
-                mesh = init_device_mesh(device.type, (W,))
-                for s in stages:
-                    fully_shard(s, mesh=mesh)
-                self.model = fully_shard(model, mesh=mesh)
-                self.stage0 = list(stages[0].parameters())
-            self.params = list(self.model.parameters())
+        if p.native in ("ddp", "fsdp"):
+            self._data_parallel(stages, x, t, device, units=stages)  # FSDP: fully_shard per stage
         else:
             self._pipeline(p, stages, x, t, device)
         self.optimizer = sgd(self.params)
+
+    def _data_parallel(self, stages: list[nn.Module], x: torch.Tensor, t: torch.Tensor, device: torch.device,
+                       units: list[nn.Module]) -> None:
+        """DDP, or FSDP2 (``fully_shard`` on each of ``units``, then the root); W = B: rank r trains
+        micro-batch r, gradients averaged."""
+        p = self.p
+        self.x, self.t = x.chunk(p.B)[self.rank], t.chunk(p.B)[self.rank]
+        model = nn.Sequential(*stages)
+        if p.native == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh(device.type, (p.W,))
+            for m in units:
+                fully_shard(m, mesh=mesh)
+            self.model = fully_shard(model, mesh=mesh)
+        self.stage0 = list(stages[0].parameters())
+        self.params = list(self.model.parameters())
 
     def _pipeline(self, p: Pair, stages: list[nn.Module], x: torch.Tensor, t: torch.Tensor,
                   device: torch.device) -> None:

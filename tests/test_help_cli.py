@@ -11,6 +11,7 @@ import pytest
 from helpers.cli import run_launcher
 from launcher.config.validate import group_options
 from launcher.modes import MODES
+from launcher.schedule import SCHEMES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,6 +37,8 @@ def test_help_says_what_the_launcher_does(helped):
         assert f"\n  {size}" in out, size
     for scheme in group_options("strategy"):  # every strategy the config offers
         assert f"\n  {scheme} " in out, scheme
+    for scheme in SCHEMES.values():  # the registry's line for each named scheme
+        assert f"\n  {scheme.name:<9}{scheme.description}\n" in out, scheme.name
     for example in ("python -m launcher  ", "python -m launcher strategy=gpipe G=1 R=4 stages=4",
                     "python -m launcher -m strategy=gpipe,lpp", "python -m launcher hparams_search=optuna"):
         assert example in out, example

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..schedule import Step
 from ..schedule.rules import StepError, recompute_stages
 from ..schedule.simulate import unchecked_step
+from .step import one_line, target_error
 from .validate import ConfigError, validate
 
 #: ``scheme`` and ``order`` of a spec whose placement or order is a callable of the user's
@@ -100,13 +101,6 @@ class RunSpec:
             plan_memory=plan.get("memory") if plan is not None else None,
             placement=placement, order_fn=order_fn)
 
-    @property
-    def label(self) -> tuple[str, str]:
-        """``(scheme, order)`` as reports name them: a callable's own name for a custom one."""
-        scheme = getattr(self.placement, "__name__", CUSTOM) if self.placement is not None else self.scheme
-        order = getattr(self.order_fn, "__name__", CUSTOM) if self.order_fn is not None else self.order
-        return scheme, order
-
 
 def _plain(v: Any) -> Any:
     """A list node as a tuple (a spec is frozen); anything else as it is."""
@@ -115,8 +109,6 @@ def _plain(v: Any) -> Any:
 
 def _instantiate(node: Any, key: str, what: str) -> Callable:
     from hydra.utils import instantiate
-
-    from .step import one_line, target_error
 
     target = node.get("_target_")
     missing = target_error(str(target))
@@ -134,8 +126,6 @@ def _instantiate(node: Any, key: str, what: str) -> Callable:
 def _guarded(fn: Callable, key: str, target: str, name: str, pair: bool = False) -> Callable:
     """``fn`` under the config's label, turning its failures (and, for a placement, a result that
     is not a pair of ints) into one sentence naming the job."""
-    from .step import one_line
-
     def call(s: int, b: int, d: str) -> Any:
         try:
             out = fn(s, b, d)

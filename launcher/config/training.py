@@ -13,11 +13,12 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from ..schedule.rules import is_size as _is_size
+from ..schedule.schemes import SCHEMES
 from .validate import _get, step_errors
 
 #: Trainer arguments the launcher sets itself, and from what
 RESERVED = {
-    "strategy": "strategy=... (ddp, fsdp, gpipe, lpp, fslpp, custom, single)",
+    "strategy": f"strategy=... ({', '.join([*SCHEMES, 'custom', 'single'])})",
     "devices": "W = G*R",
     "num_nodes": "the cluster environment (torchrun or Slurm)",
     "logger": "logger=wandb|none",
@@ -249,12 +250,17 @@ def _trainer_errors(cfg: Any, single: bool) -> list[str]:
 
 
 def _precisions() -> tuple[Any, ...]:
-    """Every ``precision`` lightning's Trainer takes (its own list, legacy spellings included)."""
+    """Every ``precision`` lightning's Trainer takes (its own list, legacy spellings included): the
+    literals of the annotation of ``Trainer(precision=...)``, read from its public signature."""
     import typing
 
-    from ..lightning.lightning_private import precision_input_type
+    from lightning.pytorch import Trainer
 
-    return tuple(v for lit in typing.get_args(precision_input_type()) for v in typing.get_args(lit))
+    def literals(t: Any) -> list[Any]:
+        args = typing.get_args(t)
+        return list(args) if typing.get_origin(t) is typing.Literal else [v for a in args for v in literals(a)]
+
+    return tuple(literals(inspect.signature(Trainer.__init__).parameters["precision"].annotation))
 
 
 def precision_errors(precision: Any, accel: Any) -> list[str]:

@@ -52,17 +52,6 @@ def sync_ddp_if_available(tensor: Any, group: Any = None, reduce_op: Any = None)
     return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
 
-def precision_input_type() -> Any:
-    """The type of the ``precision`` argument the Trainer takes, a ``Union`` of ``Literal`` types
-    (``lightning.fabric.plugins.precision.precision._PRECISION_INPUT``).
-
-    It is Lightning's own list of the precisions it accepts, legacy spellings included; no public
-    name lists them. Tested with Lightning 2.6 (>=2.6.6,<2.7)."""
-    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
-
-    return _PRECISION_INPUT
-
-
 def hpc_save_path(trainer: Any, folder: Any) -> str:
     """The next ``hpc_ckpt_<n>.ckpt`` path in ``folder``
     (``trainer._checkpoint_connector.hpc_save_path``).

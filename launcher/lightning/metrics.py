@@ -146,7 +146,7 @@ def _predict_memory(metrics: dict, strategy: UnifiedStrategy, gathered: list[dic
     prof = Profile({}, 0.0, bytes={k: tuple(v) for k, v in stage_bytes.items()})
     owned, fetched = memory.owned_and_fetched(plan.timeline)
     act = pw["peak_activation_bytes"]["predicted"]
-    model = memory.worker_bytes(plan.timeline, prof, strategy.cfg.weight_cache,
+    model = memory.worker_bytes(plan.timeline, prof, strategy.settings.weight_cache,
                                 list(plan.predicted["weights_peak_resident"]), owned, fetched, act)
     base = [r.get("base_memory_bytes", 0) for r in gathered if r["rank"] < plan.workers]
     pw["peak_memory_bytes"]["base"] = base

@@ -210,22 +210,22 @@ class UnifiedStrategy(ParallelStrategy):
         return strategy
 
     @property
-    def cfg(self) -> RunSpec:
+    def settings(self) -> RunSpec:
         """The step's settings (set once the stage count is known)."""
         assert self.spec is not None, "the strategy is configured when its module's stages are known"
         return self.spec
 
     @property
     def W(self) -> int:
-        return self.cfg.W
+        return self.settings.W
 
     @property
     def B(self) -> int:
-        return self.cfg.microbatches
+        return self.settings.microbatches
 
     def make_step(self) -> Step:
         """The schedule this strategy runs (the same every worker derives)."""
-        return self._timed(self.cfg.step(self.graph))
+        return self._timed(self.settings.step(self.graph))
 
     def _timed(self, step: Step) -> Step:
         """``step`` with the profiled stages' own durations (``partition=time``/``memory``), in the
@@ -238,14 +238,14 @@ class UnifiedStrategy(ParallelStrategy):
 
     @property
     def partition(self) -> str:
-        return self.cfg.partition
+        return self.settings.partition
 
     @property
     def memory_cap(self) -> float | None:
         """Per-worker bytes a stage may hold under ``partition=time``: ``plan.memory``, when set."""
         from ..plan.profile import parse_bytes
 
-        memory = self.cfg.plan_memory
+        memory = self.settings.plan_memory
         return float(parse_bytes(memory)) if memory is not None else None
 
     # ---- processes -----------------------------------------------------------------------
@@ -340,7 +340,7 @@ class UnifiedStrategy(ParallelStrategy):
                 raise ValueError(f"{type(module).__name__} is traced and cut into stages: "
                                  f"give UnifiedStrategy(stages=...) or split=[module paths where stages begin]")
             self._configure(len(stages) if not traced else len(self.split) + 1)
-        S = self.cfg.stages
+        S = self.settings.stages
         if self.W > self.world_size:
             raise ValueError(f"the scheme needs W=G*R={self.W} workers but {self.world_size} processes were started")
         self.precision_plugin.convert_module(module)
@@ -353,9 +353,9 @@ class UnifiedStrategy(ParallelStrategy):
                 staging = stage_module(module, S, self.split, example, groups, costs)
         self.traced, self.graph = staging.traced, staging.model.graph
         self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
-        self.engine = Engine(staging.model, self.make_step(), None, prefetch=self.cfg.prefetch,
-                             weight_cache=self.cfg.weight_cache, device=self.root_device,
-                             recompute=self.cfg.recompute_stages,
+        self.engine = Engine(staging.model, self.make_step(), None, prefetch=self.settings.prefetch,
+                             weight_cache=self.settings.weight_cache, device=self.root_device,
+                             recompute=self.settings.recompute_stages,
                              compute_dtype=compute_dtype(self.precision_plugin))
         # every job's values are marked, and the step's first NaN or infinity agreed, before any update;
         # under a GradScaler (16-mixed) overflowing gradients are the scaler's to skip
@@ -726,5 +726,5 @@ def _with_global_clipping(strategy: UnifiedStrategy) -> None:
     plugin.unified_strategy = strategy
 
 StrategyRegistry.register("unified", UnifiedStrategy,
-                          description="the schedule engine: ddp, fsdp, gpipe, lpp, fslpp or a custom placement",
+                          description=f"the schedule engine: {', '.join(SCHEMES)} or a custom placement",
                           override=True)

@@ -338,10 +338,11 @@ def check(cfg: DictConfig) -> None:
     keep what was built: the run of the same config takes it over rather than build the model,
     data and staging a second time."""
     job = prepare(cfg, None)
-    if _key(cfg) is not None:
+    key = _key(cfg)
+    if key is not None:
         job.built.checked = job.strategy if job.built.spec is not None else None
         job.built.rng = _random_state()
-        _CHECKED.update(key=_key(cfg), built=job.built)
+        _CHECKED.update(key=key, built=job.built)
 
 
 def _key(cfg: DictConfig) -> str | None:

@@ -19,8 +19,9 @@ Fixed = Literal["microbatches", "stages"]
 
 @dataclass(frozen=True)
 class Scheme:
-    """A named scheme. ``W_equals``: the size its worker count must equal (DDP and FSDP put one
-    worker per micro-batch, GPipe one per stage), or ``None`` when any ``G * R`` works."""
+    """A named scheme; ``description`` is its line of ``python -m launcher --help`` (a test holds
+    them equal). ``W_equals``: the size its worker count must equal (DDP and FSDP put one worker per
+    micro-batch, GPipe one per stage), or ``None`` when any ``G * R`` works."""
 
     name: str
     description: str
@@ -47,15 +48,15 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
-        Scheme("ddp", "one worker per micro-batch, every worker holds every stage (W = microbatches)",
+        Scheme("ddp", "one worker per micro-batch, every stage's weights on every worker (G = B, R = 1)",
                lambda G, R, own: DDP(), "microbatches"),
-        Scheme("fsdp", "one worker per micro-batch, stage s's weights owned by worker s mod W (W = microbatches)",
+        Scheme("fsdp", "one worker per micro-batch, each stage's weights sharded and fetched (G = B, R = 1)",
                lambda G, R, own: FSDP(G * R), "microbatches"),
-        Scheme("gpipe", "one worker per stage, micro-batches flow through them (W = stages)",
+        Scheme("gpipe", "one worker per stage, activations sent along the pipeline (G = 1, R = S)",
                lambda G, R, own: GPipe(), "stages"),
-        Scheme("lpp", "looped pipeline: G groups of R workers, stage s of micro-batch b on h(s, b)",
+        Scheme("lpp", "looped pipeline: G pipelines of R workers that loop over the S stages",
                lambda G, R, own: LPP(G, R)),
-        Scheme("fslpp", "fully sharded looped pipeline: computes as LPP, each stage's weights owned once",
+        Scheme("fslpp", "fully sharded looped pipeline: lpp with each stage's weights owned by one worker",
                lambda G, R, own: FSLPP(G, R, own)),
     )
 }
