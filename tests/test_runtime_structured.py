@@ -131,3 +131,42 @@ def test_structured_stages_equal_one_process(scheme: str, G: int, R: int, B: int
     for key, v in record["per_worker"].items():
         if isinstance(v, dict) and "predicted" in v and key in ("act_recv", "grad_recv", "weights_recv"):
             assert v["predicted"] == v["measured"], key
+
+
+class Frozen(nn.Module):
+    """A stage whose dropout the user put in eval mode while the stage itself trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D, dtype=torch.float64)
+        self.drop = nn.Dropout(0.5).eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.tanh(self.lin(x)))
+
+
+def _frozen_parts() -> dict:
+    torch.manual_seed(0)
+    stages = [Frozen(), Frozen()]
+    model = StagedModel(stages, lambda out, y: ((out - y) ** 2).mean())
+    ref = copy.deepcopy(model)
+    # fsdp: every worker computes both stages on fetched weights, with the engine's copies of them
+    engine = Engine(model, make_step("fsdp", 2, 2, G=2, R=1), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    g = torch.Generator().manual_seed(5)
+    mbs = [(torch.randn(3, D, generator=g, dtype=torch.float64), torch.randn(3, D, generator=g, dtype=torch.float64))
+           for _ in range(2)]
+    engine.train_step(mbs)
+    grads, _ = reference_step(ref, torch.optim.SGD([p for m in ref.stages for p in m.parameters()], lr=0.1), mbs)
+    err = max((engine.last_grads[s] - grads[s]).abs().max().item() for s in engine.owned)
+    engine.evaluate(mbs)
+    modes = [(m.training, m.drop.training) for m in model.stages]
+    return {"err": err, "modes": modes}
+
+
+def test_a_submodule_in_eval_mode_stays_so_on_every_copy() -> None:
+    # the engine's copies of a stage follow the user's modules submodule by submodule (a dropout
+    # in eval mode drops nothing: the gradients are one process's), and evaluate() puts every
+    # submodule back as it was, not all to the stage's own mode
+    for r in launch(_frozen_parts, 2):
+        assert r["err"] < ATOL, r
+        assert r["modes"] == [(True, False), (True, False)], r

@@ -248,6 +248,10 @@ class Engine:
         self.materialized = self._materialize()
         self.modules = {s: model.stages[s].to(self.device) for s in self.owned}
         self.stages: list[torch.nn.Module] = [self.modules.get(s, self.skeletons[s]) for s in range(space.S)]
+        # each submodule of a skeleton beside the user's (a deep copy: the same order), whose
+        # training flag it copies at every step
+        self._mirrored = [pair for m, sk in zip(model.stages, self.skeletons)
+                          for pair in zip(m.modules(), sk.modules())]
         self.stats = RunningStats([[self.modules[s], self.skeletons[s]] if s in self.modules else [self.skeletons[s]]
                                    for s in range(space.S)], space.B)
 
@@ -385,8 +389,9 @@ class Engine:
         meter = Meter(spans=[])  # every training step is traced; only the last one's events are kept
         self.replicas.reset()
         self.stats.begin()
-        for s, m in enumerate(self.model.stages):  # the engine's copies train as the user's modules do
-            self.skeletons[s].train(m.training)
+        for mine, copy in self._mirrored:  # the engine's copies train as the user's modules do, submodule
+            if copy.training != mine.training:  # by submodule (a frozen part in eval mode stays so)
+                copy.training = mine.training
         st = self._run_program(plan, microbatches, meter, train=True)
         t, cpu = time.perf_counter(), time.process_time()
         totals = st.reduce(plan.programs[w])
@@ -457,7 +462,7 @@ class Engine:
         if self._eval_plan is None:
             self._eval_plan = forward_only(self.plan)
         meter = Meter()
-        modes = [m.training for m in self.stages] + [m.training for m in self.skeletons]
+        modes = [(m, m.training) for top in (*self.stages, *self.skeletons) for m in top.modules()]
         for m in (*self.stages, *self.skeletons):
             m.eval()
         try:
@@ -467,8 +472,8 @@ class Engine:
                 for mid in list(st.weights):
                     st.free(mid)
         finally:
-            for m, mode in zip((*self.stages, *self.skeletons), modes):
-                m.train(mode)
+            for m, mode in modes:  # each submodule as it was (``train(mode)`` would set them all alike)
+                m.training = mode
         if self.watchdog is not None:
             self.watchdog.set_job("")
         return meter.loss, st.predictions
