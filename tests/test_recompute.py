@@ -189,3 +189,55 @@ def old_profile(raw: dict):
     from launcher.plan.profile import from_dict
 
     return from_dict({**raw, "bytes": {k: v for k, v in raw["bytes"].items() if k != "saved"}})
+
+
+def _counted_per_step(check_batches: object) -> dict:
+    """Forwards whose saved bytes were hooked, per step, on a worker of a 2-worker looped pipeline of 4
+    stages (stage 1 recomputes, so its backward's rebuilt graph is counted too), micro-batches of 4
+    rows for three steps, then 5 rows for two; and each step's measured peak against the prediction."""
+    step = make_step("lpp", 4, 4, G=1, R=2, recompute=[1])
+    engine = Engine(staged_mlp(4, width=16), step, lambda ps: torch.optim.SGD(ps, lr=0.1), check_batches=check_batches)
+    taken, exact = [], []
+    for i, rows in enumerate([4, 4, 4, 5, 5]):
+        mbs = mlp_batches(4, size=rows, seed=i)
+        before = engine.graph_counts.taken
+        rec = engine.train_step(mbs)
+        taken.append(engine.graph_counts.taken - before)
+        exact.append(rec["measured_only"]["peak_activation_bytes"] == engine.activation_peaks(mbs)[engine.worker])
+    return {"taken": taken, "exact": exact}
+
+
+def _counted_runs() -> list[dict]:
+    return [_counted_per_step(True), _counted_per_step(1)]
+
+
+@pytest.mark.timeout(300)
+def test_saved_bytes_are_counted_once_per_shape():
+    # each worker runs 2 stages x 4 micro-batches of counted forwards (F of stage 0 or 2, the
+    # recomputing backward of stage 1, F of stage 3): all are hooked on step 1 (a check step),
+    # none on steps 2-3 (same shapes), the first two of each of its 2 keys when the micro-batch
+    # grows to 5 rows, none after; every step's peak is still the prediction, exactly
+    for cached, every in launch(_counted_runs, 2, timeout=20, deadline=240):
+        assert cached["taken"] == [8, 0, 0, 4, 0], cached
+        assert every["taken"] == [8] * 5, every  # check_batches=1: every step is a check step
+        assert all(cached["exact"]) and all(every["exact"]), (cached, every)
+
+
+def test_graph_counts_trust_two_agreeing_counts():
+    from launcher.runtime.saved import GraphCounts, Known
+
+    counts = GraphCounts()
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def forward(key: object, recount: bool = False) -> int:
+        with counts.counter(key, recount, lambda: [x]) as graph:
+            (x.exp() * 2).sum()
+        return graph.nbytes
+
+    n = forward("a")
+    assert forward("a") == n and counts.taken == 2  # the second count confirms the first
+    assert isinstance(counts.counter("a", False, lambda: [x]), Known) and forward("a") == n and counts.taken == 2
+    assert forward("a", recount=True) == n and counts.taken == 3  # a check step counts again
+    counts.record("a", n + 8)  # a recount that differs: counted again until two agree
+    assert forward("a") == n and forward("a") == n and counts.taken == 5 and forward("a") == n and counts.taken == 5
+    assert forward(None) == n and forward(None) == n and counts.taken == 7  # no key: always counted

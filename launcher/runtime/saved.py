@@ -9,6 +9,11 @@ finds the same number per stage once, before anything runs, by running the stage
 of the engine's device (no memory, but the device's own kernels: a CPU attention saves what the CPU
 kernel saves, which a meta-device run would not), and, for a stage that cannot run on fake tensors,
 by one real forward with gradients.
+
+The engine does not hook every forward: a Python hook per saved tensor costs a transformer block a
+few percent of its step. :class:`GraphCounts` keeps each count by what decides it (stage, input
+shapes and dtypes, grad mode, autocast, ...), since a graph over inputs of the same shapes saves the
+same storages; a key is counted until two counts agree, and again on the engine's check steps.
 """
 
 from __future__ import annotations
@@ -57,6 +62,66 @@ class SavedBytes:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+class Known:
+    """Stands for a :class:`SavedBytes` whose count is already known: hooks nothing."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __enter__(self) -> "Known":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _Recording(SavedBytes):
+    """A :class:`SavedBytes` that hands its count to a :class:`GraphCounts` when its forward ends."""
+
+    def __init__(self, counts: "GraphCounts", key: Any, skip: Iterable[torch.Tensor]) -> None:
+        super().__init__(skip)
+        self.counts, self.key = counts, key
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if exc[0] is None:
+            self.counts.record(self.key, self.nbytes)
+
+
+class GraphCounts:
+    """Saved bytes per forward key, so a forward seen before runs without hooks.
+
+    A key holds everything that decides which storages a stage's graph saves beyond its skipped
+    ones (its input leaves' shapes, dtypes and ``requires_grad``, the target's, grad mode, autocast,
+    training mode, ...): the skip set (weights, buffers, inputs, target) is new every call but
+    plays the same part for equal shapes, so the count is the same. A key is trusted once two counts
+    in a row agree (a first call that builds a cache, or a graph whose size depends on values,
+    such as routing, keeps being counted), and counted again whenever ``recount`` is asked for (the
+    engine's check steps); a differing recount withdraws the trust. ``key=None``: always counted."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Any, tuple[int, bool]] = {}  # key -> (bytes, trusted)
+        self.taken = 0  # forwards counted (hooked)
+
+    def counter(self, key: Any, recount: bool, skip: Any) -> "SavedBytes | Known":
+        """A context manager whose ``nbytes`` is the forward's saved bytes: the cached count, or a
+        :class:`SavedBytes` over ``skip()`` (called only then) that records what it counts."""
+        if not recount and key is not None:
+            entry = self.entries.get(key)
+            if entry is not None and entry[1]:
+                return Known(entry[0])
+        self.taken += 1
+        return _Recording(self, key, skip())
+
+    def record(self, key: Any, nbytes: int) -> None:
+        if key is None:
+            return
+        entry = self.entries.get(key)
+        self.entries[key] = (nbytes, entry is not None and entry[0] == nbytes)
 
 
 def state_of(module: nn.Module) -> list[torch.Tensor]:

@@ -19,7 +19,10 @@ from the stashed input (activation checkpointing, as FSDP does); so does every f
 in ``recompute`` (on the random state the forward ran with, so dropout draws the same mask);
 everything else keeps the graph and does not recompute, and its backward fetches nothing under
 ``"job"``. The meter counts a kept graph's saved tensors (:mod:`.saved`) with the input, until
-the backward frees it (``W`` when split), as :meth:`Engine.activation_peaks` predicts. A split backward's ``W``
+the backward frees it (``W`` when split), as :meth:`Engine.activation_peaks` predicts; it hooks a
+forward only when its key (stage, input shapes, grad mode, autocast, ...) is new or not yet
+confirmed, and on check steps (:class:`~launcher.runtime.saved.GraphCounts`: a hook per saved
+tensor costs a few percent of a transformer's step, and equal shapes save equal storages). A split backward's ``W``
 takes its gradient from its ``I``'s graph: under ``"job"`` it fetches nothing, and the copy ``I``
 fetched (if any) stays resident until ``W`` ends.
 """
@@ -63,7 +66,7 @@ from .model import (
     skeleton,
     stage_grads,
 )
-from .saved import SavedBytes, stage_saved_bytes
+from .saved import GraphCounts, stage_saved_bytes
 from .saved import tensors as saved_tensors
 from .stats import RunningStats
 from .torch_private import foreach_add_, pytree
@@ -127,6 +130,12 @@ class _Shapes:
 def _key(x: Any) -> Any:
     """What a micro-batch's input shapes are keyed by (a tensor's shape and dtype, cheaply)."""
     return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else Signature.of(x)
+
+
+def _leaves_key(values: Sequence[Any]) -> tuple:
+    """Shapes, dtypes and ``requires_grad`` of each value (a tree's: its :class:`Signature`)."""
+    return tuple((v.shape, v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else Signature.of(v)
+                 for v in values)
 
 
 def _meta_of(sig: Signature) -> Any:
@@ -268,6 +277,10 @@ class Engine:
         self._traced: dict[str, Any] | None = None  # the last training step's events (:meth:`trace`)
         self._shapes: dict[Any, _Shapes] = {}
         self._saved: dict[Any, list[int]] = {}  # input shapes -> bytes each stage's graph saves
+        # what the forwards' graphs saved, measured: hooked only for new keys and on check steps
+        # (step 1, then every ``check_every`` steps, CHECK_EVERY when the batch check is off)
+        self.graph_counts = GraphCounts()
+        self._recount = True
         comp, B, SB = self.timeline.compute, space.B, space.S * space.B
         # F(s, b)'s output feeds how many forwards on the same worker
         self._local_succ = [
@@ -381,6 +394,7 @@ class Engine:
             raise ValueError(f"the schedule has B={B} micro-batches but train_step got {len(microbatches)}")
         if self.check_every and (self.steps == 1 or self.steps % self.check_every == 0):  # every rank takes part
             check_same_batches(microbatches, self.group, self.device, self.watchdog, self.steps)
+        self._recount = self.steps == 1 or self.steps % (self.check_every or CHECK_EVERY) == 0
         if self.worker is None:
             self.stats.begin()  # idle ranks add nothing to the statistics' all-reduce, but take part
             self.stats.end(self.group, self.device, dist.get_world_size(self.group))
@@ -844,7 +858,8 @@ class _StepState:
         stats = self.e.stats
         stats.before(s, b, mod)
         rng = _rng_state(self.e.device) if recompute else None
-        with torch.set_grad_enabled(not recompute), self._counting(recompute, op, mod, targets, values) as graph:
+        with torch.set_grad_enabled(not recompute), \
+                self._counting(recompute, op, mod, targets, values, False) as graph:
             out = run_stage(mod, params, values)
             loss = self._loss(op, out)
         stats.after(s, b, mod)
@@ -866,13 +881,37 @@ class _StepState:
             self.free(op.weights)
 
     def _counting(self, off: bool, op: JobOp, mod: torch.nn.Module, targets: list[torch.Tensor],
-                  values: list[Any]) -> Any:
+                  values: list[Any], recomputing: bool) -> Any:
         """Counts what a forward's graph saves (:class:`~launcher.runtime.saved.SavedBytes`),
-        except the stage's weights, buffers, inputs and (loss stage) target; nothing when ``off``."""
+        except the stage's weights, buffers, inputs and (loss stage) target; nothing when ``off``.
+        A forward whose key was counted before (and agreed) reuses that count without hooks, except
+        on check steps (:class:`~launcher.runtime.saved.GraphCounts`): equal shapes save equal bytes."""
         if off:
             return contextlib.nullcontext()
-        y = saved_tensors(self._target(op.microbatch)) if self.e.space.is_sink[op.stage] else []
-        return SavedBytes([*targets, *mod.buffers(), *saved_tensors(values), *y])
+        sink = self.e.space.is_sink[op.stage]
+
+        def skip() -> list[torch.Tensor]:
+            y = saved_tensors(self._target(op.microbatch)) if sink else []
+            return [*targets, *mod.buffers(), *saved_tensors(values), *y]
+
+        return self.e.graph_counts.counter(self._graph_key(op, mod, targets, values, sink, recomputing),
+                                           self.e._recount, skip)
+
+    def _graph_key(self, op: JobOp, mod: torch.nn.Module, targets: list[torch.Tensor], values: list[Any],
+                   sink: bool, recomputing: bool) -> Any:
+        """What decides the storages a forward's graph saves: the stage, its inputs' and target's
+        shapes, dtypes and ``requires_grad``, its weights' (owned or fetched), training and grad
+        mode, autocast; None (always counted) when an input's constant cannot be hashed."""
+        dev = self.e.device.type
+        try:
+            key = (op.stage, recomputing, op.weights is None, mod.training, torch.is_grad_enabled(),
+                   torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
+                   tuple(t.requires_grad for t in targets), _leaves_key(values),
+                   _leaves_key([self._target(op.microbatch)]) if sink else None)
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
     def forward_eval(self, op: JobOp) -> None:
         """A forward that keeps nothing for a backward: no stash, its copy of the weights freed
@@ -898,7 +937,7 @@ class _StepState:
             mod, params, targets = self.fetch(op)
             self.e.stats.before(s, b, mod)
             with torch.enable_grad(), _replayed_rng(st.rng, self.e.device), \
-                    self._counting(False, op, mod, targets, st.values) as graph:
+                    self._counting(False, op, mod, targets, st.values, True) as graph:
                 out = run_stage(mod, params, st.values)
                 loss = self._loss(op, out)
             self.e.stats.after(s, b, mod, count=False)  # counted by the forward already
