@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 from torch.func import functional_call
 
 from launcher.schedule.graph import StageGraph
@@ -309,19 +310,20 @@ class StageLayout:
 _run_backward = autograd_run_backward()
 
 
-def stage_grads(roots: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
-                retain_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
+def stage_grads(roots: Sequence[torch.Tensor | GradientEdge], wrt: Sequence[torch.Tensor | GradientEdge],
+                grads: Sequence[torch.Tensor] | None, retain_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad(roots, wrt, grads, retain_graph=..., allow_unused=True)``.
 
     Called once per backward job, so it goes straight to the autograd engine: the public call's
     argument checks cost as much as a small stage's whole backward. ``grads=None`` means ``roots``
-    is one scalar loss (gradient 1)."""
+    is one scalar loss tensor (gradient 1). Roots and ``wrt`` may be graph edges, as for
+    ``torch.autograd.grad``."""
     if not wrt:
         return ()
     if not roots:  # nothing differentiable reaches the stage's output: every gradient is zero
         return (None,) * len(wrt)
     if grads is None:
-        if roots[0].numel() != 1:
+        if not isinstance(roots[0], torch.Tensor) or roots[0].numel() != 1:
             raise RuntimeError("grad can be implicitly created only for scalar outputs")
         grads = (torch.ones_like(roots[0]),)
     if _run_backward is None:

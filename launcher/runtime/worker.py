@@ -45,6 +45,7 @@ from launcher.schedule.simulate import Step, Timeline, simulate
 
 from .batches import check_same_batches
 from .comm import Comm
+from .deferred import input_grads
 from .failure import Watchdog, blocked, current_watchdog
 from .groups import BUCKET_BYTES, Replicas, warm_pairs
 from .init import has_meta, init_units
@@ -93,6 +94,7 @@ class _Stash:
     nbytes: int
     saved: int = 0  # bytes the forward's autograd graph holds (0 when it recomputes)
     rng: Any = None  # recompute: the random state the forward ran with, so dropout draws the same mask
+    views: list[torch.Tensor] | None = None  # a fetched copy's per-parameter views the forward used
 
 
 @dataclass
@@ -872,7 +874,8 @@ class _StepState:
         # a recomputing backward fetches the weights again: keeping ``targets`` (a fetched copy)
         # here would hold every fetched stage's weights until its backward
         self.stash[(s, b)] = _Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
-                                    [] if recompute else targets, nbytes, saved, rng)
+                                    [] if recompute else targets, nbytes, saved, rng,
+                                    None if recompute or params is None else list(params.values()))
         n = self.e._local_succ[s * self.e.space.B + b]
         if n:
             self.outs[(s, b)] = [out.detach() if isinstance(out, torch.Tensor) else _detached(out), n]
@@ -933,8 +936,10 @@ class _StepState:
     def backward(self, op: JobOp, split: bool) -> None:
         s, b = op.stage, op.microbatch
         st = self.stash.pop((s, b))
+        views = st.views
         if st.out is None:  # recompute the stage's forward on freshly fetched weights
             mod, params, targets = self.fetch(op)
+            views = None if params is None else list(params.values())
             self.e.stats.before(s, b, mod)
             with torch.enable_grad(), _replayed_rng(st.rng, self.e.device), \
                     self._counting(False, op, mod, targets, st.values, True) as graph:
@@ -953,8 +958,11 @@ class _StepState:
             grads: list[torch.Tensor] | None = None if scale == 1.0 else [torch.full_like(loss, scale)]
         else:
             roots, grads = self._output_grads(op, out)
-        want = st.leaves + ([] if split else targets)
-        res = stage_grads(roots, want, grads, retain_graph=split)
+        if split:  # I: the inputs' gradient now, the weights' (per parameter) at W from where I left off
+            weights = targets if views is None else views
+            res, deferred = input_grads(roots, grads, st.leaves, weights)
+        else:
+            res = stage_grads(roots, st.leaves + targets, grads)
         if self.e.finite is not None:
             self.e.finite.backward(s, b, res)
         self._route_input_grads(op, st, res[: len(st.leaves)])
@@ -965,7 +973,7 @@ class _StepState:
             self.meter.drop_bytes(st.saved)  # and the graph with it
         if split:
             hold = op.weights if op.free_weights else None  # I's copy lives in the graph until W
-            self.wstash[(s, b)] = (roots, grads, targets, hold, st.saved)
+            self.wstash[(s, b)] = (deferred, weights, hold, st.saved)
             if hold is not None:
                 self.weights.pop(hold, None)  # not freed yet: still counted as resident
         elif op.free_weights:
@@ -1004,12 +1012,12 @@ class _StepState:
         return [flat[k] for k in keys], [total[k] for k in keys]
 
     def weight_grad(self, op: JobOp) -> None:
-        roots, grads, targets, hold, saved = self.wstash.pop((op.stage, op.microbatch))
+        deferred, targets, hold, saved = self.wstash.pop((op.stage, op.microbatch))
         if op.weights is not None:
             # cache "step" only: W on the step's copy, counted as a job on fetched weights; the
             # gradient itself comes from I's graph (under "job" the plan sends W no copy at all)
             self.fetch(op)
-        wgrads = stage_grads(roots, targets, grads)
+        wgrads = deferred.weight_grads()
         if self.e.finite is not None:
             self.e.finite.backward(op.stage, op.microbatch, wgrads)
         self._accumulate(op, targets, wgrads)
