@@ -98,7 +98,8 @@ def message_cpu_seconds(per_rank: Records) -> float | None:
 
 
 def message_seconds(per_rank: Records) -> float | None:
-    """Median seconds from a message's hand-over to its arrival where the receiver waited for it."""
+    """Median seconds a message took where the receiver waited for it, from the later of its
+    hand-over and its receive being posted (:class:`~launcher.runtime.comm.Clock`)."""
     if len({m.get("host") for r in per_rank for m in _steps(r)}) != 1:
         return None
     by_step: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
@@ -108,7 +109,8 @@ def message_seconds(per_rank: Records) -> float | None:
     samples = []
     for ms in by_step.values():
         sent = {mid: t for m in ms for mid, t in m.get("sent_at", {}).items()}
-        samples += [t - sent[key] for m in ms for key, t in m.get("arrivals", ()) if key in sent and t >= sent[key]]
+        samples += [min(t - sent[key], *posted) for m in ms for key, t, *posted in m.get("arrivals", ())
+                    if key in sent and t >= sent[key]]
     # the median: a few messages that wait for a descheduled peer take ten times the rest
     return statistics.median(samples) if samples else None
 

@@ -39,7 +39,10 @@ class _Messages:
         return dist.isend(t, self.ranks[peer], group=self.group, tag=tag)
 
     def recv(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        return dist.irecv(t, self.ranks[peer], group=self.group, tag=tag)
+        work = dist.irecv(t, self.ranks[peer], group=self.group, tag=tag)
+        if self.clock is not None:
+            self.clock.posted((tag, self.ranks[peer]))
+        return work
 
     def wait(self, work: dist.Work, peer: int, tag: int) -> None:
         t0 = time.perf_counter()

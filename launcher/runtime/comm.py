@@ -31,20 +31,27 @@ TIMED = (ACT, GRAD, WGRAD)  # the step's dependencies, and partial sums (an exch
 class Clock:
     """When each outgoing message was handed over, and when each incoming message that had to be
     waited for arrived (on this host's monotonic clock): a sender's and a receiver's entries for
-    one message, from the same host, give what the message took while the receiver waited."""
+    one message, from the same host, give what the message took once both ends were ready (from
+    the later of its hand-over and its receive being posted: a partial sum handed over early and
+    asked for at the end of the step took only what followed the asking)."""
 
     def __init__(self, on: bool = True) -> None:
         self.on = on  # off: records nothing (a long run keeps its first steps' timings only)
         self.sent_at: dict[Any, float] = {}
-        self.arrivals: list[tuple[Any, float]] = []
+        self.posted_at: dict[Any, float] = {}
+        self.arrivals: list[tuple[Any, float, float]] = []  # (key, arrival, seconds since its receive was posted)
 
     def sent(self, key: Any) -> None:
         if self.on:
             self.sent_at[key] = time.perf_counter()
 
+    def posted(self, key: Any) -> None:
+        if self.on:
+            self.posted_at[key] = time.perf_counter()
+
     def arrived(self, key: Any, at: float, blocked_s: float) -> None:
         if self.on and blocked_s > BLOCKED_S:
-            self.arrivals.append((key, at))
+            self.arrivals.append((key, at, at - self.posted_at.get(key, at - blocked_s)))
 
 
 class Comm:
@@ -138,6 +145,8 @@ class Comm:
                     self.on_alloc(m)
                 self.buffers[mid] = buf
                 self.works[mid] = dist.irecv(buf, self.ranks[m.src], group=self.group, tag=mid)
+                if m.kind in TIMED:
+                    self.clock.posted(mid)
         except Exception as e:
             self._failed(e)
 
