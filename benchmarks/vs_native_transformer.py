@@ -57,6 +57,7 @@ from launcher.report.profile import (
     message_cpu_seconds,
     message_seconds,
     on_cpu,
+    round_seconds,
     shared_cores,
     stage_job_seconds,
 )
@@ -246,7 +247,8 @@ def predicted(p: Pair, size: Size, grads: list[int], result: dict[str, Any]) -> 
         comm = Link(**result["link"]).seconds(size.mb * size.T * size.d * 4) if result["link"] else 0.0
     which = "optimizer_cpu_s" if on_cpu(ranks) else "optimizer_s"
     tails = [end + statistics.median(r[which]) for end, r in zip(end_seconds(ranks), ranks)]
-    rounds = [e.rounds * comm for e in exchanges(tl, grads)]
+    round_s = round_seconds(ranks)  # an exchange's round: from when both ends were ready
+    rounds = [e.rounds * (comm if round_s is None else round_s) for e in exchanges(tl, grads)]
     kinds = tl.step.space.kinds
     work = job_work(tl, {k: 1.0 for k in kinds}, message_cpu_seconds(ranks))  # per-stage times over these
     return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds, durations=work,

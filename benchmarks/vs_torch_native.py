@@ -39,7 +39,15 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from launcher.report.profile import end_seconds, job_seconds, message_cpu_seconds, message_seconds, on_cpu, shared_cores
+from launcher.report.profile import (
+    end_seconds,
+    job_seconds,
+    message_cpu_seconds,
+    message_seconds,
+    on_cpu,
+    round_seconds,
+    shared_cores,
+)
 from launcher.runtime import Engine, StagedModel, launch
 from launcher.runtime.link import measure as measure_link
 from launcher.schedule import make_step, simulate
@@ -336,7 +344,8 @@ def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:
         comm = Link(**result["link"]).seconds(mb * H * 4) if result["link"] else 0.0
     which = "optimizer_cpu_s" if on_cpu(ranks) else "optimizer_s"
     tails = [end + statistics.median(r[which]) for end, r in zip(end_seconds(ranks), ranks)]
-    rounds = [e.rounds * comm for e in exchanges(tl, [(H * H + H) * 4] * p.S)]
+    round_s = round_seconds(ranks)  # an exchange's round: from when both ends were ready
+    rounds = [e.rounds * (comm if round_s is None else round_s) for e in exchanges(tl, [(H * H + H) * 4] * p.S)]
     work = job_work(tl, job_seconds(ranks, tl.step.space.kinds), message_cpu_seconds(ranks))
     return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds, durations=work,
                   comm=comm).seconds + result["barrier_s"]

@@ -54,6 +54,7 @@ from .profile import (
     message_cpu_seconds,
     message_seconds,
     outside_seconds,
+    round_seconds,
     shared_cores,
     stage_job_seconds,
 )
@@ -140,6 +141,7 @@ class _Measured:
     per_stage: list[dict[str, float]]  # the same, per stage
     link: Link | None  # a ping-pong between workers 0 and 1
     comm_s: float  # what a message between workers took
+    round_s: float  # what a round of the end-of-step exchange took
     cores: int | None  # the cores the workers shared
     outside_s: list[float]  # per worker, a step's seconds outside the engine
     message_cpu: float | None  # on CPU workers, the communication threads' CPU per message
@@ -158,8 +160,9 @@ def _measure(ranks: Sequence[Mapping[str, Any]], step: Step, act_bytes: Sequence
     comm_s = message_seconds(ranks)
     if comm_s is None:
         comm_s = link.seconds(act_mean) if link else 0.0
-    return _Measured(durations, per_stage, link, comm_s, shared_cores(ranks), outside_seconds(ranks),
-                     message_cpu_seconds(ranks))
+    round_s = round_seconds(ranks)
+    return _Measured(durations, per_stage, link, comm_s, comm_s if round_s is None else round_s, shared_cores(ranks),
+                     outside_seconds(ranks), message_cpu_seconds(ranks))
 
 
 def _predict(plan: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Measured,
@@ -172,7 +175,7 @@ def _predict(plan: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Measu
     tl = replace(plan.timeline, step=replace(step, stage_durations=measured.per_stage, recompute=frozenset()))
     timed = ({k: max(v, 1e-9) for k, v in measured.durations.items()}
              | {k: 1.0 for k in "FBIW" if k not in step.space.kinds})
-    delays = [e.rounds * measured.comm_s for e in exchanges(tl, grad_bytes)]
+    delays = [e.rounds * measured.round_s for e in exchanges(tl, grad_bytes)]
     # after its jobs a worker finishes the step's exchange, then the framework's work around the
     # step (the loss is summed over every worker there, so each waits for all)
     tails = [e + o for e, o in zip(end_seconds(ranks), measured.outside_s)]

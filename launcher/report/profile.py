@@ -98,8 +98,19 @@ def message_cpu_seconds(per_rank: Records) -> float | None:
 
 
 def message_seconds(per_rank: Records) -> float | None:
-    """Median seconds a message took where the receiver waited for it, from the later of its
-    hand-over and its receive being posted (:class:`~launcher.runtime.comm.Clock`)."""
+    """Median seconds from a job input's hand-over to its arrival where the receiver waited for it
+    (what a job waits after the one that made its input, on another worker)."""
+    return _median_latency(per_rank, "arrivals")
+
+
+def round_seconds(per_rank: Records) -> float | None:
+    """Median seconds a round of the end-of-step exchange (a partial sum, an all-reduce's message)
+    took where the receiver waited for it, from the later of its hand-over and its receive being
+    posted (:class:`~launcher.runtime.comm.Clock`)."""
+    return _median_latency(per_rank, "rounds")
+
+
+def _median_latency(per_rank: Records, which: str) -> float | None:
     if len({m.get("host") for r in per_rank for m in _steps(r)}) != 1:
         return None
     by_step: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
@@ -109,7 +120,8 @@ def message_seconds(per_rank: Records) -> float | None:
     samples = []
     for ms in by_step.values():
         sent = {mid: t for m in ms for mid, t in m.get("sent_at", {}).items()}
-        samples += [min(t - sent[key], *posted) for m in ms for key, t, *posted in m.get("arrivals", ())
+        # (key, arrival) or, for a round, (key, arrival, seconds since its receive was posted)
+        samples += [min([t - sent[key], *posted]) for m in ms for key, t, *posted in m.get(which, ())
                     if key in sent and t >= sent[key]]
     # the median: a few messages that wait for a descheduled peer take ten times the rest
     return statistics.median(samples) if samples else None

@@ -49,7 +49,7 @@ class _Messages:
         work.wait()
         if self.clock is not None:
             t1 = time.perf_counter()
-            self.clock.arrived((tag, self.ranks[peer]), t1, t1 - t0)
+            self.clock.arrived((tag, self.ranks[peer]), t1, t1 - t0, exchange=True)
 
 
 def halving_doubling(

@@ -31,15 +31,20 @@ TIMED = (ACT, GRAD, WGRAD)  # the step's dependencies, and partial sums (an exch
 class Clock:
     """When each outgoing message was handed over, and when each incoming message that had to be
     waited for arrived (on this host's monotonic clock): a sender's and a receiver's entries for
-    one message, from the same host, give what the message took once both ends were ready (from
-    the later of its hand-over and its receive being posted: a partial sum handed over early and
-    asked for at the end of the step took only what followed the asking)."""
+    one message, from the same host, give what the message took while the receiver waited.
+
+    Two kinds are kept apart. A job's input (an activation or a gradient) counts from its hand-over:
+    what a job that needs it waits after the job that made it. A round of the end-of-step exchange
+    (a partial sum, an all-reduce's) counts from the later of its hand-over and its receive being
+    posted: a partial sum handed over during the step and asked for at its end took only what
+    followed the asking, the part of the exchange the step waits for."""
 
     def __init__(self, on: bool = True) -> None:
         self.on = on  # off: records nothing (a long run keeps its first steps' timings only)
         self.sent_at: dict[Any, float] = {}
         self.posted_at: dict[Any, float] = {}
-        self.arrivals: list[tuple[Any, float, float]] = []  # (key, arrival, seconds since its receive was posted)
+        self.arrivals: list[tuple[Any, float]] = []  # job inputs: (key, arrival)
+        self.rounds: list[tuple[Any, float, float]] = []  # exchange rounds: (key, arrival, seconds since posted)
 
     def sent(self, key: Any) -> None:
         if self.on:
@@ -49,9 +54,12 @@ class Clock:
         if self.on:
             self.posted_at[key] = time.perf_counter()
 
-    def arrived(self, key: Any, at: float, blocked_s: float) -> None:
+    def arrived(self, key: Any, at: float, blocked_s: float, exchange: bool = False) -> None:
         if self.on and blocked_s > BLOCKED_S:
-            self.arrivals.append((key, at, at - self.posted_at.get(key, at - blocked_s)))
+            if exchange:
+                self.rounds.append((key, at, at - self.posted_at.get(key, at - blocked_s)))
+            else:
+                self.arrivals.append((key, at))
 
 
 class Comm:
@@ -145,7 +153,7 @@ class Comm:
                     self.on_alloc(m)
                 self.buffers[mid] = buf
                 self.works[mid] = dist.irecv(buf, self.ranks[m.src], group=self.group, tag=mid)
-                if m.kind in TIMED:
+                if m.kind == WGRAD:
                     self.clock.posted(mid)
         except Exception as e:
             self._failed(e)
@@ -182,7 +190,7 @@ class Comm:
             self.waited += t1 - t0
             m = self.msgs[mid]
             if m.kind in TIMED:
-                self.clock.arrived(mid, t1, t1 - t0)
+                self.clock.arrived(mid, t1, t1 - t0, exchange=m.kind == WGRAD)
             buf = self.buffers[mid]
             nbytes = buf.numel() * buf.element_size()
             self.recv_count[m.kind] += 1

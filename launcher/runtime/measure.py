@@ -121,6 +121,7 @@ def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, o
             "device": device,
             "sent_at": comm.clock.sent_at,
             "arrivals": comm.clock.arrivals,
+            "rounds": comm.clock.rounds,
         },
     }
 
