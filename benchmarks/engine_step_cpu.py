@@ -2,6 +2,8 @@
 
     python benchmarks/engine_step_cpu.py                       # GPT d=128, 6 blocks, T=64, 4 stages
     python benchmarks/engine_step_cpu.py --reps 6 --steps 25
+    python benchmarks/engine_step_cpu.py --size 128,6,64,1 --stages 1 --microbatches 1   # a DDP rank's share
+    python benchmarks/engine_step_cpu.py --size 256,6,64,1 --split   # the backward as I then W
     PYTHONPATH=<another checkout> python benchmarks/engine_step_cpu.py   # the same, on other code
 
 One worker (W=1, no communication) runs every job of the step, so what it spends beyond plain
@@ -32,8 +34,6 @@ import vs_native_transformer as vt  # noqa: E402 - the benchmark's own directory
 from launcher.runtime import Engine, StagedModel, launch  # noqa: E402
 from launcher.schedule import make_step  # noqa: E402
 
-S, B = 4, 4
-
 
 def _median_cpu(step, steps: int) -> tuple[float, float]:
     """The median CPU seconds of ``step()`` and the loss its first call returned."""
@@ -48,16 +48,16 @@ def _median_cpu(step, steps: int) -> tuple[float, float]:
     return statistics.median(spent), first
 
 
-def ours(size: vt.Size, steps: int) -> tuple[float, float]:
+def ours(size: vt.Size, S: int, B: int, split: bool, steps: int) -> tuple[float, float]:
     torch.set_num_threads(1)
     stages, loss, _ = vt.build(size, S, torch.device("cpu"))
-    engine = Engine(StagedModel(stages, loss), make_step("lpp", S, B, G=1, R=1), vt.adamw)
+    engine = Engine(StagedModel(stages, loss), make_step("lpp", S, B, G=1, R=1, split_backward=split), vt.adamw)
     x, y = vt.build_batch(size, B, torch.device("cpu"))
     mbs = list(zip(x.chunk(B), y.chunk(B)))
     return _median_cpu(lambda: engine.train_step(mbs)["measured_only"]["loss"], steps)
 
 
-def plain(size: vt.Size, steps: int) -> tuple[float, float]:
+def plain(size: vt.Size, S: int, B: int, steps: int) -> tuple[float, float]:
     torch.set_num_threads(1)
     stages, loss, _ = vt.build(size, S, torch.device("cpu"))
     model = torch.nn.Sequential(*stages)
@@ -82,18 +82,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="128,6,64,4", help="d,layers,T,mb of the GPT")
     ap.add_argument("--reps", type=int, default=3, help="alternated repetitions per side")
     ap.add_argument("--steps", type=int, default=25, help="timed steps per repetition")
+    ap.add_argument("--stages", type=int, default=4, help="S: the GPT's modules cut into this many stages")
+    ap.add_argument("--microbatches", type=int, default=4, help="B: micro-batches per step")
+    ap.add_argument("--split", action="store_true", help="our backward split into I and W (plain: one backward)")
     args = ap.parse_args(argv)
+    S, B = args.stages, args.microbatches
     d, layers, T, mb = (int(v) for v in args.size.split(","))
     size = vt.Size("gpt", d, layers, T, mb)
     mine, theirs, losses = [], [], set()
     for _ in range(args.reps):
-        cpu, first = launch(ours, 1, size, args.steps)[0]  # a process group of one, as a worker has
+        cpu, first = launch(ours, 1, size, S, B, args.split, args.steps)[0]  # a process group of one, as a worker has
         mine.append(cpu)
-        cpu, plain_first = plain(size, args.steps)
+        cpu, plain_first = plain(size, S, B, args.steps)
         theirs.append(cpu)
         losses.add((first, plain_first))
     a, b = statistics.median(mine), statistics.median(theirs)
-    print(f"GPT d={d} layers={layers} T={T} mb={mb}, S={S} B={B}, one worker, {args.reps} x {args.steps} steps")
+    print(f"GPT d={d} layers={layers} T={T} mb={mb}, S={S} B={B}{', split backward' if args.split else ''}, "
+          f"one worker, {args.reps} x {args.steps} steps")
     print(f"ours   {a * 1e3:8.1f} ms CPU per step  (runs: {', '.join(f'{v * 1e3:.1f}' for v in mine)})")
     print(f"plain  {b * 1e3:8.1f} ms CPU per step  (runs: {', '.join(f'{v * 1e3:.1f}' for v in theirs)})")
     print(f"ratio  {a / b:.3f}")

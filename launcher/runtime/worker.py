@@ -135,9 +135,8 @@ def _key(x: Any) -> Any:
 
 
 def _leaves_key(values: Sequence[Any]) -> tuple:
-    """Shapes, dtypes and ``requires_grad`` of each value (a tree's: its :class:`Signature`)."""
-    return tuple((v.shape, v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else Signature.of(v)
-                 for v in values)
+    """:func:`_key` of each value, with a tensor's ``requires_grad``."""
+    return tuple((_key(v), v.requires_grad) if isinstance(v, torch.Tensor) else _key(v) for v in values)
 
 
 def _meta_of(sig: Signature) -> Any:
@@ -277,6 +276,7 @@ class Engine:
         self._grad_views: dict[int, tuple] = {}  # owned stage -> (its total, its parameters, their views of it)
         self.steps = 0
         self._traced: dict[str, Any] | None = None  # the last training step's events (:meth:`trace`)
+        self.split = "I" in space.kinds  # a split backward: W takes a fetched copy's gradient per parameter
         self._shapes: dict[Any, _Shapes] = {}
         self._saved: dict[Any, list[int]] = {}  # input shapes -> bytes each stage's graph saves
         # what the forwards' graphs saved, measured: hooked only for new keys and on check steps
@@ -873,9 +873,9 @@ class _StepState:
             self.e.finite.forward(s, b, out, loss)
         # a recomputing backward fetches the weights again: keeping ``targets`` (a fetched copy)
         # here would hold every fetched stage's weights until its backward
+        views = list(params.values()) if params is not None and not recompute and self.e.split else None
         self.stash[(s, b)] = _Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
-                                    [] if recompute else targets, nbytes, saved, rng,
-                                    None if recompute or params is None else list(params.values()))
+                                    [] if recompute else targets, nbytes, saved, rng, views)
         n = self.e._local_succ[s * self.e.space.B + b]
         if n:
             self.outs[(s, b)] = [out.detach() if isinstance(out, torch.Tensor) else _detached(out), n]
