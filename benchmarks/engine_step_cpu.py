@@ -9,10 +9,11 @@
 One worker (W=1, no communication) runs every job of the step, so what it spends beyond plain
 PyTorch on the same stages is the engine itself: the per-job Python, the saved-tensor count, the
 gradient sums. Both sides train the transformer benchmark's GPT stages (``vs_native_transformer``)
-on the same 4 micro-batches with AdamW; plain PyTorch is forward and backward per micro-batch
-(gradient accumulation), then the optimizer. Measured: the compute thread's CPU seconds per step
-(``time.thread_time``), the median over ``--steps`` steps after 3 warm-up steps; repetitions
-alternate the two sides so the machine's noise falls on both alike. One intra-op thread.
+on the same ``--microbatches`` micro-batches with AdamW; plain PyTorch is forward and backward per
+micro-batch (gradient accumulation), then the optimizer. Both run in this process (the engine in a
+process group of one, as a worker's), alternated step by step so the machine's noise falls on both
+alike, after 3 steps each. Measured: the thread's CPU seconds per step (``time.thread_time``), the
+median of each repetition's ``--steps`` steps, and the median over repetitions. One intra-op thread.
 
 Exit status 1 when the two sides' first-step losses differ by more than 1e-5 relative.
 """
@@ -24,41 +25,30 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vs_native_transformer as vt  # noqa: E402 - the benchmark's own directory, put on the path above
 
-from launcher.runtime import Engine, StagedModel, launch  # noqa: E402
+from launcher.runtime import Engine, StagedModel  # noqa: E402
 from launcher.schedule import make_step  # noqa: E402
 
 
-def _median_cpu(step, steps: int) -> tuple[float, float]:
-    """The median CPU seconds of ``step()`` and the loss its first call returned."""
-    first = step()
-    for _ in range(2):
-        step()
-    spent = []
-    for _ in range(steps):
-        t = time.thread_time()
-        step()
-        spent.append(time.thread_time() - t)
-    return statistics.median(spent), first
-
-
-def ours(size: vt.Size, S: int, B: int, split: bool, steps: int) -> tuple[float, float]:
-    torch.set_num_threads(1)
+def _step_of_ours(size: vt.Size, S: int, B: int, split: bool) -> Callable[[], float]:
+    """One training step of the engine (a world of one worker), returning its loss."""
     stages, loss, _ = vt.build(size, S, torch.device("cpu"))
     engine = Engine(StagedModel(stages, loss), make_step("lpp", S, B, G=1, R=1, split_backward=split), vt.adamw)
     x, y = vt.build_batch(size, B, torch.device("cpu"))
     mbs = list(zip(x.chunk(B), y.chunk(B)))
-    return _median_cpu(lambda: engine.train_step(mbs)["measured_only"]["loss"], steps)
+    return lambda: engine.train_step(mbs)["measured_only"]["loss"]
 
 
-def plain(size: vt.Size, S: int, B: int, steps: int) -> tuple[float, float]:
-    torch.set_num_threads(1)
+def _step_of_plain(size: vt.Size, S: int, B: int) -> Callable[[], float]:
+    """One step of plain PyTorch on the same stages: gradient accumulation, then the optimizer."""
     stages, loss, _ = vt.build(size, S, torch.device("cpu"))
     model = torch.nn.Sequential(*stages)
     opt = vt.adamw(model.parameters())
@@ -74,7 +64,13 @@ def plain(size: vt.Size, S: int, B: int, steps: int) -> tuple[float, float]:
         opt.zero_grad(set_to_none=True)
         return total
 
-    return _median_cpu(step, steps)
+    return step
+
+
+def _cpu(step: Callable[[], float]) -> float:
+    t = time.thread_time()
+    step()
+    return time.thread_time() - t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,20 +85,31 @@ def main(argv: list[str] | None = None) -> int:
     S, B = args.stages, args.microbatches
     d, layers, T, mb = (int(v) for v in args.size.split(","))
     size = vt.Size("gpt", d, layers, T, mb)
-    mine, theirs, losses = [], [], set()
-    for _ in range(args.reps):
-        cpu, first = launch(ours, 1, size, S, B, args.split, args.steps)[0]  # a process group of one, as a worker has
-        mine.append(cpu)
-        cpu, plain_first = plain(size, S, B, args.steps)
-        theirs.append(cpu)
-        losses.add((first, plain_first))
+    torch.set_num_threads(1)
+    # the engine runs in this process, a world of one (as a worker's group), beside plain PyTorch
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sides = {"ours": _step_of_ours(size, S, B, args.split), "plain": _step_of_plain(size, S, B)}
+        firsts = {k: step() for k, step in sides.items()}
+        for _ in range(2):  # warm-up
+            for step in sides.values():
+                step()
+        spent: dict[str, list[float]] = {k: [] for k in sides}
+        for _ in range(args.reps * args.steps):  # alternated step by step: the noise falls on both
+            for k, step in sides.items():
+                spent[k].append(_cpu(step))
+    finally:
+        dist.destroy_process_group()
+    n = args.steps
+    mine = [statistics.median(spent["ours"][i * n:(i + 1) * n]) for i in range(args.reps)]
+    theirs = [statistics.median(spent["plain"][i * n:(i + 1) * n]) for i in range(args.reps)]
+    first, plain_first = firsts["ours"], firsts["plain"]
     a, b = statistics.median(mine), statistics.median(theirs)
     print(f"GPT d={d} layers={layers} T={T} mb={mb}, S={S} B={B}{', split backward' if args.split else ''}, "
           f"one worker, {args.reps} x {args.steps} steps")
     print(f"ours   {a * 1e3:8.1f} ms CPU per step  (runs: {', '.join(f'{v * 1e3:.1f}' for v in mine)})")
     print(f"plain  {b * 1e3:8.1f} ms CPU per step  (runs: {', '.join(f'{v * 1e3:.1f}' for v in theirs)})")
     print(f"ratio  {a / b:.3f}")
-    first, plain_first = losses.pop()
     print(f"first-step loss: ours {first:.6f}, plain {plain_first:.6f}")
     return 0 if abs(first - plain_first) <= 1e-5 * abs(plain_first) else 1
 
