@@ -331,6 +331,37 @@ def stage_grads(roots: Sequence[torch.Tensor | GradientEdge], wrt: Sequence[torc
     return _run_backward(tuple(roots), tuple(grads), retain_graph, False, tuple(wrt), True, False)
 
 
+def stage_grads_into(roots: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+                     into: Sequence[torch.Tensor],
+                     grads: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of ``leaves``, as :func:`stage_grads` gives them, while each of ``targets``'s
+    gradients is added in place into its tensor of ``into`` (same shape) during the backward.
+
+    Autograd's own accumulation (``AccumulateGrad``: ``grad += new``) adds a weight's gradient as
+    soon as it is computed, while it is still in cache; adding the returned gradients after the
+    backward reads them back from memory (a 6-block Llama stage, 8 micro-batches: 20 ms a step
+    against 6). The targets' ``.grad`` point at ``into`` only during the call."""
+    if not roots:  # nothing differentiable reaches the stage's output: nothing to add
+        return (None,) * len(leaves)
+    if grads is None:
+        grads = (torch.ones_like(roots[0]),)
+    before = [t.grad for t in targets]
+    for t, g in zip(targets, into):
+        t.grad = g
+    try:
+        if _run_backward is None:
+            torch.autograd.backward(tuple(roots), tuple(grads), inputs=[*leaves, *targets])
+        else:
+            _run_backward(tuple(roots), tuple(grads), False, False, (*leaves, *targets), True, True)
+    finally:
+        for t, g in zip(targets, before):
+            t.grad = g
+    out = tuple(leaf.grad for leaf in leaves)
+    for leaf in leaves:
+        leaf.grad = None
+    return out
+
+
 def run_stage(module: nn.Module, params: dict[str, torch.Tensor] | None, values: Sequence[Any]) -> Any:
     """Apply a stage to the values it receives, with its own parameters (``params=None``) or with
     the given tensors (its buffers are its own either way)."""

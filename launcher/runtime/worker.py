@@ -66,6 +66,7 @@ from .model import (
     signatures,
     skeleton,
     stage_grads,
+    stage_grads_into,
 )
 from .saved import GraphCounts, stage_saved_bytes
 from .saved import tensors as saved_tensors
@@ -958,15 +959,18 @@ class _StepState:
             grads: list[torch.Tensor] | None = None if scale == 1.0 else [torch.full_like(loss, scale)]
         else:
             roots, grads = self._output_grads(op, out)
+        into = None
         if split:  # I: the inputs' gradient now, the weights' (per parameter) at W from where I left off
             weights = targets if views is None else views
             res, deferred = input_grads(roots, grads, st.leaves, weights)
+        elif (into := self._into(op, targets)) is not None:  # later micro-batches: added during the backward
+            res = stage_grads_into(roots, st.leaves, targets, into, grads)
         else:
             res = stage_grads(roots, st.leaves + targets, grads)
         if self.e.finite is not None:
             self.e.finite.backward(s, b, res)
         self._route_input_grads(op, st, res[: len(st.leaves)])
-        if not split:
+        if not split and into is None:
             self._accumulate(op, targets, res[len(st.leaves) :])
         self.meter.release(st.nbytes)  # x_s^b dies with the job that consumes it
         if not split:
@@ -1042,6 +1046,25 @@ class _StepState:
                 self.comm.send(to[p], edges[(p, s)].sig.pack_grads(gl, self.e.device))
             else:
                 self.grads[(p, b)][s] = gl
+
+    def _into(self, op: JobOp, targets: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Where a backward adds ``targets``'s gradients in place: the views of the stage's total once
+        a micro-batch has started it; None where the job's gradients are needed apart (the first,
+        a non-finite check of each job's gradients) or a target has hooks run on accumulation."""
+        key = (op.stage, op.owner)
+        total = self.acc.get(key)
+        if total is None or not targets or (self.e.finite is not None and self.e.finite.grads):
+            return None
+        if any(t._post_accumulate_grad_hooks for t in targets):
+            return None
+        if total.dtype != targets[0].dtype:  # mixed precision: a low-precision copy's gradient, added up in fp32
+            return None
+        if len(targets) == 1:
+            return [total.view_as(targets[0])]
+        views = self.views.get(key)
+        if views is None:
+            views = self.views[key] = list(self.e.layouts[op.stage].views(total).values())
+        return views
 
     def _accumulate(self, op: JobOp, targets: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
         gs = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
