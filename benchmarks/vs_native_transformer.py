@@ -263,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=64, help="sequence length T")
     ap.add_argument("--mb", type=int, default=1, help="sequences per micro-batch")
     ap.add_argument("--pairs", default="", help="comma-separated pair names (default: all)")
-    ap.add_argument("--reps", type=int, default=3, help="alternated repetitions per side")
+    ap.add_argument("--reps", type=int, default=5, help="alternated repetitions per side")
     ap.add_argument("--steps", type=int, default=1, help="steps per repetition")
-    ap.add_argument("--warmup", type=int, default=1, help="steps per side before timing (the first: the fingerprints)")
+    ap.add_argument("--warmup", type=int, default=2, help="steps per side before timing (the first: the fingerprints)")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     ap.add_argument("--quick", action="store_true",
                     help=f"a smoke run: d_model 64, T=16, W=4, pairs {QUICK_PAIRS}, 1 repetition")
