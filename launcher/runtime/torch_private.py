@@ -82,6 +82,13 @@ def foreach_add_(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]
     torch._foreach_add_(tensors, others)
 
 
+def has_post_accumulate_hooks(t: torch.Tensor) -> bool:
+    """Whether hooks were registered on ``t`` with ``register_post_accumulate_grad_hook``
+    (``Tensor._post_accumulate_grad_hooks``): they run each time autograd adds into ``t.grad``.
+    Torch has no public way to ask whether a tensor has any."""
+    return bool(getattr(t, "_post_accumulate_grad_hooks", None))
+
+
 def default_store() -> Any:
     """The key-value store of the default process group
     (``torch.distributed.distributed_c10d._get_default_store``).

@@ -71,7 +71,7 @@ from .model import (
 from .saved import GraphCounts, stage_saved_bytes
 from .saved import tensors as saved_tensors
 from .stats import RunningStats
-from .torch_private import foreach_add_, pytree
+from .torch_private import foreach_add_, has_post_accumulate_hooks, pytree
 from .values import Signature, detach_inputs, item_leaves, pick, to_device
 from .values import nbytes as value_bytes
 
@@ -1055,7 +1055,7 @@ class _StepState:
         total = self.acc.get(key)
         if total is None or not targets or (self.e.finite is not None and self.e.finite.grads):
             return None
-        if any(t._post_accumulate_grad_hooks for t in targets):
+        if any(has_post_accumulate_hooks(t) for t in targets):
             return None
         if total.dtype != targets[0].dtype:  # mixed precision: a low-precision copy's gradient, added up in fp32
             return None
