@@ -52,23 +52,13 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from launcher.report.profile import (
-    end_seconds,
-    message_cpu_seconds,
-    message_seconds,
-    on_cpu,
-    round_seconds,
-    shared_cores,
-    stage_job_seconds,
-)
+from launcher.report.profile import stage_job_seconds
 from launcher.runtime import Engine, StagedModel, launch
 from launcher.schedule import make_step, simulate
-from launcher.schedule.cores import job_work, replay
-from launcher.schedule.link import Link, exchanges, partners
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # the MLP benchmark's harness
-from vs_torch_native import NATIVE, Native, Ours, Pair, _rel, alternate, pair_device, pair_link
+from vs_torch_native import NATIVE, Native, Ours, Pair, _rel, alternate, pair_device, pair_link, replayed
 
 #: as vs_torch_native's: the losses come out bit for bit equal; the stage-0 gradient sums differ by
 #: at most about 1e-9 relative (DDP's buckets and FSDP's reduce-scatter add in another order)
@@ -242,17 +232,8 @@ def predicted(p: Pair, size: Size, grads: list[int], result: dict[str, Any]) -> 
     tl = simulate(make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split))  # what ran
     per_stage = stage_job_seconds(ranks, tl.step.space.kinds, p.S)
     tl = replace(tl, step=replace(tl.step, stage_durations=per_stage))
-    comm = message_seconds(ranks)
-    if comm is None:  # no late message, or workers on several hosts: the ping-pong's link
-        comm = Link(**result["link"]).seconds(size.mb * size.T * size.d * 4) if result["link"] else 0.0
-    which = "optimizer_cpu_s" if on_cpu(ranks) else "optimizer_s"
-    tails = [end + statistics.median(r[which]) for end, r in zip(end_seconds(ranks), ranks)]
-    round_s = round_seconds(ranks)  # an exchange's round: from when both ends were ready
-    rounds = [e.rounds * (comm if round_s is None else round_s) for e in exchanges(tl, grads)]
-    kinds = tl.step.space.kinds
-    work = job_work(tl, {k: 1.0 for k in kinds}, message_cpu_seconds(ranks))  # per-stage times over these
-    return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds, durations=work,
-                  comm=comm).seconds + result["barrier_s"]
+    return replayed(p, tl, ranks, result, size.mb * size.T * size.d * 4, grads,
+                    {k: 1.0 for k in tl.step.space.kinds})  # the stages' own times, over these
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -331,22 +331,30 @@ def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> di
 
 def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:
     """Our step as the simulator predicts it from what our workers measured (the profile): the
-    programs the workers ran, timed by the job seconds per kind they measured (CPU seconds on CPU
-    workers, plus the communication threads' CPU per message the job moves) and what a message
-    took, each worker's end of step (its CPU, and its all-reduce's rounds of messages) and
-    optimizer step, on the cores the workers shared
-    (:func:`launcher.schedule.cores.replay`), plus the timing's own two barriers (measured with
-    nothing between them)."""
+    programs the workers ran, timed by the job seconds per kind they measured, replayed
+    (:func:`replayed`)."""
     ranks = result["per_rank"][: p.W]
     tl = simulate(make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split))  # what ran
+    return replayed(p, tl, ranks, result, mb * H * 4, [(H * H + H) * 4] * p.S, job_seconds(ranks, tl.step.space.kinds))
+
+
+def replayed(p: Any, tl: Any, ranks: list[dict[str, Any]], result: dict[str, Any], message_bytes: int,
+             grads: list[int], durations: dict[str, float]) -> float:
+    """The timeline ``tl`` replayed with what the workers measured: its jobs timed by
+    ``durations`` per kind (CPU seconds on CPU workers, times the stage's own durations where
+    ``tl`` carries them), plus the communication threads' CPU per message the job moves; what a
+    message took (else one of ``message_bytes`` over the ping-pong's link); each worker's end of
+    step (its CPU, and its exchange's rounds of messages, ``grads`` bytes per stage) and optimizer
+    step; on the cores the workers shared (:func:`launcher.schedule.cores.replay`), plus the
+    timing's own two barriers (measured with nothing between them)."""
     comm = message_seconds(ranks)
     if comm is None:  # no late message, or workers on several hosts: the ping-pong's link
-        comm = Link(**result["link"]).seconds(mb * H * 4) if result["link"] else 0.0
+        comm = Link(**result["link"]).seconds(message_bytes) if result["link"] else 0.0
     which = "optimizer_cpu_s" if on_cpu(ranks) else "optimizer_s"
     tails = [end + statistics.median(r[which]) for end, r in zip(end_seconds(ranks), ranks)]
-    round_s = round_seconds(ranks)  # an exchange's round: from when both ends were ready
-    rounds = [e.rounds * (comm if round_s is None else round_s) for e in exchanges(tl, [(H * H + H) * 4] * p.S)]
-    work = job_work(tl, job_seconds(ranks, tl.step.space.kinds), message_cpu_seconds(ranks))
+    round_s = round_seconds(ranks, comm)  # an exchange's round: from when both ends were ready
+    rounds = [e.rounds * round_s for e in exchanges(tl, grads)]
+    work = job_work(tl, durations, message_cpu_seconds(ranks))
     return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds, durations=work,
                   comm=comm).seconds + result["barrier_s"]
 

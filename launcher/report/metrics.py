@@ -160,8 +160,7 @@ def _measure(ranks: Sequence[Mapping[str, Any]], step: Step, act_bytes: Sequence
     comm_s = message_seconds(ranks)
     if comm_s is None:
         comm_s = link.seconds(act_mean) if link else 0.0
-    round_s = round_seconds(ranks)
-    return _Measured(durations, per_stage, link, comm_s, comm_s if round_s is None else round_s, shared_cores(ranks),
+    return _Measured(durations, per_stage, link, comm_s, round_seconds(ranks, comm_s), shared_cores(ranks),
                      outside_seconds(ranks), message_cpu_seconds(ranks))
 
 

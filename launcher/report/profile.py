@@ -103,11 +103,13 @@ def message_seconds(per_rank: Records) -> float | None:
     return _median_latency(per_rank, "arrivals")
 
 
-def round_seconds(per_rank: Records) -> float | None:
+def round_seconds(per_rank: Records, default: float) -> float:
     """Median seconds a round of the end-of-step exchange (a partial sum, an all-reduce's message)
     took where the receiver waited for it, from the later of its hand-over and its receive being
-    posted (:class:`~launcher.runtime.comm.Clock`)."""
-    return _median_latency(per_rank, "rounds")
+    posted (:class:`~launcher.runtime.comm.Clock`); ``default`` (what a message takes) where no
+    round was waited for."""
+    s = _median_latency(per_rank, "rounds")
+    return default if s is None else s
 
 
 def _median_latency(per_rank: Records, which: str) -> float | None:

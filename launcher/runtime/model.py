@@ -310,6 +310,16 @@ class StageLayout:
 _run_backward = autograd_run_backward()
 
 
+def _seeds(roots: Sequence[torch.Tensor | GradientEdge],
+           grads: Sequence[torch.Tensor] | None) -> Sequence[torch.Tensor]:
+    """The gradients a backward starts from: ``grads``, or 1 for a single scalar loss."""
+    if grads is not None:
+        return grads
+    if not isinstance(roots[0], torch.Tensor) or roots[0].numel() != 1:
+        raise RuntimeError("grad can be implicitly created only for scalar outputs")
+    return (torch.ones_like(roots[0]),)
+
+
 def stage_grads(roots: Sequence[torch.Tensor | GradientEdge], wrt: Sequence[torch.Tensor | GradientEdge],
                 grads: Sequence[torch.Tensor] | None, retain_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad(roots, wrt, grads, retain_graph=..., allow_unused=True)``.
@@ -322,10 +332,7 @@ def stage_grads(roots: Sequence[torch.Tensor | GradientEdge], wrt: Sequence[torc
         return ()
     if not roots:  # nothing differentiable reaches the stage's output: every gradient is zero
         return (None,) * len(wrt)
-    if grads is None:
-        if not isinstance(roots[0], torch.Tensor) or roots[0].numel() != 1:
-            raise RuntimeError("grad can be implicitly created only for scalar outputs")
-        grads = (torch.ones_like(roots[0]),)
+    grads = _seeds(roots, grads)
     if _run_backward is None:
         return torch.autograd.grad(tuple(roots), wrt, tuple(grads), retain_graph=retain_graph, allow_unused=True)
     return _run_backward(tuple(roots), tuple(grads), retain_graph, False, tuple(wrt), True, False)
@@ -343,8 +350,7 @@ def stage_grads_into(roots: Sequence[torch.Tensor], leaves: Sequence[torch.Tenso
     against 6). The targets' ``.grad`` point at ``into`` only during the call."""
     if not roots:  # nothing differentiable reaches the stage's output: nothing to add
         return (None,) * len(leaves)
-    if grads is None:
-        grads = (torch.ones_like(roots[0]),)
+    grads = _seeds(roots, grads)
     before = [t.grad for t in targets]
     for t, g in zip(targets, into):
         t.grad = g

@@ -959,11 +959,11 @@ class _StepState:
             grads: list[torch.Tensor] | None = None if scale == 1.0 else [torch.full_like(loss, scale)]
         else:
             roots, grads = self._output_grads(op, out)
-        into = None
+        into = None if split else self._into(op, targets)
         if split:  # I: the inputs' gradient now, the weights' (per parameter) at W from where I left off
             weights = targets if views is None else views
             res, deferred = input_grads(roots, grads, st.leaves, weights)
-        elif (into := self._into(op, targets)) is not None:  # later micro-batches: added during the backward
+        elif into is not None:  # later micro-batches: added into the total during the backward
             res = stage_grads_into(roots, st.leaves, targets, into, grads)
         else:
             res = stage_grads(roots, st.leaves + targets, grads)
@@ -1059,11 +1059,13 @@ class _StepState:
             return None
         if total.dtype != targets[0].dtype:  # mixed precision: a low-precision copy's gradient, added up in fp32
             return None
-        if len(targets) == 1:
-            return [total.view_as(targets[0])]
+        return [total.view_as(targets[0])] if len(targets) == 1 else self._views(key, total)
+
+    def _views(self, key: tuple[int, int], total: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view of the stage's total ``total`` (made once per total)."""
         views = self.views.get(key)
         if views is None:
-            views = self.views[key] = list(self.e.layouts[op.stage].views(total).values())
+            views = self.views[key] = list(self.e.layouts[key[0]].views(total).values())
         return views
 
     def _accumulate(self, op: JobOp, targets: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -1075,10 +1077,7 @@ class _StepState:
             if len(gs) == 1:
                 total += gs[0].reshape(-1)
             else:
-                views = self.views.get(key)
-                if views is None:
-                    views = self.views[key] = list(layout.views(total).values())
-                foreach_add_(views, gs)
+                foreach_add_(self._views(key, total), gs)
             return
         total = self.e.replicas.buffer(op.stage) if op.owner == self.e.worker else None
         if total is not None:  # a replicated stage: the total lives in its bucket's buffer
