@@ -5,6 +5,11 @@ Usable on its own (plain Python) in any initialized process group, one engine pe
     engine = Engine(staged_model, make_step("lpp", S, B, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
     record = engine.train_step(microbatches)   # a list of B (input, target) pairs, the same on every rank
 
+A loss that is a mean over a data-dependent count (tokens with a label, rows of unequal
+micro-batches) weighs each micro-batch by its share of the step's items, ``items=[n_0, ...]``
+(:mod:`.items`; by default the rows of each micro-batch), so the step's loss and gradient are one
+device's on the whole batch.
+
 Rank ``w`` of the group is worker ``w`` of the schedule; ranks at or above ``W`` have nothing to
 do. Every rank builds every stage, then keeps real weights (and optimizer state) only for the
 stages it owns; for every stage it also keeps a skeleton (parameters on the meta device, its own
@@ -44,11 +49,13 @@ from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.simulate import Step, Timeline, simulate
 
 from .batches import check_same_batches
-from .comm import Comm
+from .comm import Comm, irecv, isend
 from .deferred import input_grads
 from .failure import Watchdog, blocked, current_watchdog
 from .groups import BUCKET_BYTES, Replicas, warm_pairs
 from .init import has_meta, init_units
+from .items import Count
+from .items import shares as item_shares
 from .lowering import ACT, GRAD, TAG_LIMIT, WEIGHTS, JobOp, Lowered, Msg, forward_only, lower
 from .measure import HOST, Meter, worker_record
 from .model import (
@@ -376,25 +383,29 @@ class Engine:
         return activation_peaks(self.timeline, lambda s, b: act[s][b], lambda s, b: saved[s][b], self.recomputed())
 
     # ---- the step ----------------------------------------------------------------------------
-    def train_step(self, microbatches: Sequence[Batch]) -> dict[str, Any]:
+    def train_step(self, microbatches: Sequence[Batch], items: Sequence[Count] | None = None) -> dict[str, Any]:
         """Run one step (every rank calls it with the same micro-batches) and step the owners'
-        optimizer; returns this worker's record."""
-        record = self.compute_step(microbatches)
+        optimizer; returns this worker's record. ``items``: see :meth:`compute_step`."""
+        record = self.compute_step(microbatches, items)
         if self.optimizer is not None:
             self.install_grads()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return record
 
-    def compute_step(self, microbatches: Sequence[Batch]) -> dict[str, Any]:
+    def compute_step(self, microbatches: Sequence[Batch], items: Sequence[Count] | None = None) -> dict[str, Any]:
         """Every job of one step and the gradient reduction, without the optimizer step: each
-        owned stage's total gradient is left in :attr:`last_grads` (see :meth:`install_grads`)."""
+        owned stage's total gradient is left in :attr:`last_grads` (see :meth:`install_grads`).
+        ``items``: how many items each micro-batch's loss averages over (numbers or 0-d tensors,
+        the same on every rank); micro-batch ``b``'s loss weighs ``items[b] / sum(items)``
+        (:mod:`.items`). None: the rows of each micro-batch's input (equal rows: ``1 / B``)."""
         self.steps += 1
         if self.finite is not None:
             self.finite.begin()
         B = self.space.B
         if len(microbatches) != B:
             raise ValueError(f"the schedule has B={B} micro-batches but train_step got {len(microbatches)}")
+        shares = item_shares(microbatches, items)
         if self.check_every and (self.steps == 1 or self.steps % self.check_every == 0):  # every rank takes part
             check_same_batches(microbatches, self.group, self.device, self.watchdog, self.steps)
         self._recount = self.steps == 1 or self.steps % (self.check_every or CHECK_EVERY) == 0
@@ -409,7 +420,7 @@ class Engine:
         for mine, copy in self._mirrored:  # the engine's copies train as the user's modules do, submodule
             if copy.training != mine.training:  # by submodule (a frozen part in eval mode stays so)
                 copy.training = mine.training
-        st = self._run_program(plan, microbatches, meter, train=True)
+        st = self._run_program(plan, microbatches, meter, train=True, shares=shares)
         t, cpu = time.perf_counter(), time.process_time()
         totals = st.reduce(plan.programs[w])
         st.comm.finish()
@@ -465,17 +476,19 @@ class Engine:
             for p, g in zip(cached[1], cached[2]):
                 p.grad = g
 
-    def evaluate(self, microbatches: Sequence[Batch]) -> tuple[float, dict[int, torch.Tensor]]:
+    def evaluate(self, microbatches: Sequence[Batch],
+                 items: Sequence[Count] | None = None) -> tuple[float, dict[int, torch.Tensor]]:
         """A forward-only pass of the step's schedule (no gradients, no optimizer): every forward
         job where the training step runs it, with the same activation and weight messages.
 
-        Returns this worker's share of the loss (the sum of its micro-batches' losses over ``B``;
-        summed over workers it is the batch loss) and the loss stages' outputs it computed, by
-        micro-batch."""
+        Returns this worker's share of the loss (the sum of its micro-batches' losses, each
+        weighted as :meth:`compute_step` weighs it by ``items``; summed over workers it is the
+        batch loss) and the loss stages' outputs it computed, by micro-batch."""
         if self.worker is None:
             return 0.0, {}
         if len(microbatches) != self.space.B:
             raise ValueError(f"the schedule has B={self.space.B} micro-batches but evaluate got {len(microbatches)}")
+        shares = item_shares(microbatches, items)
         if self._eval_plan is None:
             self._eval_plan = forward_only(self.plan)
         meter = Meter()
@@ -484,7 +497,7 @@ class Engine:
             m.eval()
         try:
             with torch.no_grad():
-                st = self._run_program(self._eval_plan, microbatches, meter, train=False)
+                st = self._run_program(self._eval_plan, microbatches, meter, train=False, shares=shares)
                 st.comm.finish()
                 for mid in list(st.weights):
                     st.free(mid)
@@ -495,8 +508,10 @@ class Engine:
             self.watchdog.set_job("")
         return meter.loss, st.predictions
 
-    def _run_program(self, plan: Lowered, microbatches: Sequence[Batch], meter: Meter, train: bool) -> "_StepState":
-        """Run this worker's jobs of ``plan`` in order, with prefetch and just-in-time weight hand-over."""
+    def _run_program(self, plan: Lowered, microbatches: Sequence[Batch], meter: Meter, train: bool,
+                     shares: list[float] | None = None) -> "_StepState":
+        """Run this worker's jobs of ``plan`` in order, with prefetch and just-in-time weight hand-over;
+        ``shares``: each micro-batch's weight in the loss (None: ``1 / B`` each)."""
         w = self.worker
         prog, msgs = plan.programs[w], plan.messages
         shapes = self.shapes(microbatches)
@@ -527,7 +542,7 @@ class Engine:
                     comm.send(mid, packed[s])
             released = max(released, upto)
 
-        st = _StepState(self, comm, meter, microbatches, shapes, train)
+        st = _StepState(self, comm, meter, microbatches, shapes, train, shares)
         jobs = prog.jobs
         what = "step" if train else "evaluation step"
         clock, cpu_clock, thread_clock = time.perf_counter, time.process_time, time.thread_time
@@ -592,12 +607,12 @@ class Engine:
             tag = TAG_LIMIT - 1 - g
             if w == root:
                 value = list(self.modules[s0].parameters())[i0].detach().contiguous()
-                works += [dist.isend(value, self.ranks[o], group=self.group, tag=tag) for o in union]
+                works += [isend(value, self.ranks[o], group=self.group, tag=tag) for o in union]
             elif w in union:
                 s, i = next((s, i) for s, i in uses if w in owners[s])
                 param = list(self.modules[s].parameters())[i]
                 buf = torch.empty_like(param.detach())
-                works.append(dist.irecv(buf, self.ranks[root], group=self.group, tag=tag))
+                works.append(irecv(buf, self.ranks[root], group=self.group, tag=tag))
                 into += [(list(self.modules[s].parameters())[i], buf) for s, i in uses if s in self.modules]
         self._receive_into(works, into)
 
@@ -619,10 +634,10 @@ class Engine:
             root, L = owners[0], self.layouts[s]
             if w == root:
                 flat = L.pack([p.detach() for p in self.modules[s].parameters()])
-                works += [dist.isend(flat, self.ranks[o], group=self.group, tag=tag0 + s) for o in owners[1:]]
+                works += [isend(flat, self.ranks[o], group=self.group, tag=tag0 + s) for o in owners[1:]]
             else:
                 flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
-                works.append(dist.irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
+                works.append(irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
                 into += list(zip(self.modules[s].parameters(), L.views(flat).values()))
         self._receive_into(works, into)
 
@@ -654,12 +669,12 @@ class Engine:
                     view = self._param_view(totals[s], s, i)
                     parts.append(view)
                     if w == root:
-                        works += [dist.isend(view.contiguous(), self.ranks[o], group=self.group, tag=tag)
+                        works += [isend(view.contiguous(), self.ranks[o], group=self.group, tag=tag)
                                   for o in union if o not in owners[s]]
                 else:
                     L = self.layouts[s]
                     buf = torch.empty(L.shapes[i], dtype=L.dtype, device=self.device)
-                    works.append(dist.irecv(buf, self.ranks[root], group=self.group, tag=tag))
+                    works.append(irecv(buf, self.ranks[root], group=self.group, tag=tag))
                     parts.append(buf)
             with blocked(self.watchdog):
                 for work in works:
@@ -687,11 +702,11 @@ class Engine:
                 flat = L.pack([p.detach() for p in self.modules[s].parameters()])
                 if dst != root:
                     with blocked(self.watchdog):
-                        dist.send(flat, self.ranks[dst], group=self.group, tag=tag0 + s)
+                        isend(flat, self.ranks[dst], group=self.group, tag=tag0 + s).wait()
             elif self.worker == dst:
                 flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
                 with blocked(self.watchdog):
-                    dist.recv(flat, self.ranks[root], group=self.group, tag=tag0 + s)
+                    irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s).wait()
             if self.worker == dst:
                 out.append({k: v.detach().clone().cpu() for k, v in L.views(flat).items()})
         return out if self.worker == dst else None
@@ -731,8 +746,9 @@ class _StepState:
     """Everything a worker holds during one step."""
 
     def __init__(self, engine: Engine, comm: Comm, meter: Meter, microbatches: Sequence[Batch], shapes: list[_Shapes],
-                 train: bool = True) -> None:
+                 train: bool = True, shares: list[float] | None = None) -> None:
         self.e, self.comm, self.meter, self.mb, self.train = engine, comm, meter, microbatches, train
+        self.shares = shares  # micro-batch -> its weight in the step's loss (None: 1 / B each)
         self.shapes = shapes
         self.predictions: dict[int, Any] = {}  # evaluation: micro-batch -> loss stage output
         self.msgs = engine.plan.messages
@@ -835,9 +851,22 @@ class _StepState:
             self.comm.send(mid, edge.sig.pack(pick(out, self.e.model.edge(s, c)), self.e.device))
 
     def _loss(self, op: JobOp, out: Any) -> torch.Tensor | None:
+        """A loss stage's share of the step's loss: its loss over ``B``, or weighted by the
+        micro-batch's share of the step's items (:mod:`.items`); a micro-batch with no item adds
+        a constant zero (its mean over nothing is left out, and its backward gives no gradient)."""
         if not self.e.space.is_sink[op.stage]:
             return None
-        return self.e.model.loss(out, self._target(op.microbatch)) / self.e.space.B
+        loss = self.e.model.loss(out, self._target(op.microbatch))
+        if self.shares is None:
+            return loss / self.e.space.B
+        share = self.shares[op.microbatch]
+        if share == 0:
+            return torch.zeros((), dtype=loss.dtype, device=loss.device)
+        return loss * share
+
+    def _weightless(self, s: int, b: int) -> bool:
+        """Whether stage ``s`` is a loss stage and micro-batch ``b`` has no item to average over."""
+        return self.shares is not None and self.shares[b] == 0 and self.e.space.is_sink[s]
 
     def _target(self, b: int) -> Any:
         """Micro-batch ``b``'s target on the device, moved once (the forward and a recomputing
@@ -870,8 +899,8 @@ class _StepState:
         self.meter.hold_bytes(saved)  # the graph lives until the backward that frees it
         if loss is not None:
             self.meter.loss += float(loss.detach())
-        if self.e.finite is not None:
-            self.e.finite.forward(s, b, out, loss)
+        if self.e.finite is not None:  # a weightless loss stage's output may be its (NaN) mean over nothing
+            self.e.finite.forward(s, b, None if self._weightless(s, b) else out, loss)
         # a recomputing backward fetches the weights again: keeping ``targets`` (a fetched copy)
         # here would hold every fetched stage's weights until its backward
         views = list(params.values()) if params is not None and not recompute and self.e.split else None
@@ -954,7 +983,7 @@ class _StepState:
             if op.weights is not None:
                 self.fetch(op)  # cache "step" only: the copy F used; counted as a job on fetched weights
         if loss is not None:
-            roots: list[torch.Tensor] = [loss]
+            roots: list[torch.Tensor] = [] if self._weightless(s, b) else [loss]  # none: zero gradients
             scale = self.e.loss_scale  # 16-mixed: the GradScaler's scale (the owners' optimizer step unscales)
             grads: list[torch.Tensor] | None = None if scale == 1.0 else [torch.full_like(loss, scale)]
         else:
