@@ -227,7 +227,7 @@ def _seeded(fn, seed: int = 7):
 def test_lightning_transformer_loss_and_gradients():
     lm, inputs, target = _lightning_transformer()
     t = time.perf_counter()
-    traced = trace_module(loss_module(lm), (inputs, target))
+    traced = trace_module(loss_module(lm), ((inputs, target),))
     traced_s = time.perf_counter() - t
     params = dict(lm.named_parameters())
 
@@ -250,7 +250,7 @@ def test_lightning_transformer_loss_and_gradients():
         assert_shares_parameters(split, loss_module(lm))
         names = {n for s in split.stages for n, _ in s.named_parameters()}
         assert names == set(params)  # the LightningModule's own names
-        loss, grads = grads_of(lambda: split.run(inputs, target))
+        loss, grads = grads_of(lambda: split.run((inputs, target)))
         assert loss.dim() == 0 and torch.equal(loss, want_loss), (stages, points)
         for n in params:
             assert torch.equal(grads[n], want_grads[n]), (stages, points, n)
@@ -259,10 +259,10 @@ def test_lightning_transformer_loss_and_gradients():
     # dropout follows the stages' mode, through a parent module too
     parent = nn.ModuleList(split.stages)
     parent.train()
-    assert not torch.equal(_seeded(lambda: split.run(inputs, target), 1), _seeded(lambda: split.run(inputs, target), 2))
+    assert not torch.equal(_seeded(lambda: split.run((inputs, target)), 1), _seeded(lambda: split.run((inputs, target)), 2))
     parent.eval()
     lm.eval()
-    a, b = _seeded(lambda: split.run(inputs, target), 1), _seeded(lambda: split.run(inputs, target), 2)
+    a, b = _seeded(lambda: split.run((inputs, target)), 1), _seeded(lambda: split.run((inputs, target)), 2)
     assert torch.equal(a, b)
     assert torch.equal(a, lm.training_step((inputs, target), 0))
 
@@ -294,8 +294,8 @@ def test_loss_module_silences_logging_and_takes_the_loss_key():
     torch.manual_seed(0)
     lm = Logs().to(F64)
     x, y = torch.randn(5, 4, dtype=F64), torch.randn(5, dtype=F64)
-    split = split_module(loss_module(lm), (x, y), 2, ["body.2"])
-    loss = split.run(x, y)
+    split = split_module(loss_module(lm), ((x, y),), 2, ["body.2"])
+    loss = split.run((x, y))
     assert logged == []
     assert dict(split.stages[1].named_parameters())["scale"] is lm.scale
     assert torch.equal(loss, lm.training_step((x, y), 0)["loss"])

@@ -16,6 +16,7 @@ before a process is forked.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from ..runtime.init import init_units
 from ..runtime.model import ModelError, StagedModel, model_errors
+from ..runtime.rng import kept_random_state, peek
 from ..runtime.values import as_tree, chunk
 from .partition import group_modules
 
@@ -60,13 +62,14 @@ def _loss_is_output(output: torch.Tensor, target: Any) -> torch.Tensor:
 
 def split_batch(module: Any, batch: Any, traced: bool = False) -> tuple[Any, Any]:
     """``(input, target)`` of a batch: for a traced module the whole batch is the input (its
-    training step computes the loss); else the module's own ``split_batch(batch)`` when it has
-    one; else a tensor is an input with no target, a pair is ``(input, target)``, and a dict (or a
-    ``transformers.BatchEncoding``) has its targets under ``labels`` (or ``label``, ``targets``,
-    ``target``, ``y``) and its input in the other keys, passed to the first stage as keywords."""
+    training step computes the loss), the first stage's one argument (``((batch,), None)``), so
+    the step receives the batch as the DataLoader made it; else the module's own
+    ``split_batch(batch)`` when it has one; else a tensor is an input with no target, a pair is
+    ``(input, target)``, and a dict (or a ``transformers.BatchEncoding``) has its targets under
+    ``labels`` (or ``label``, ``targets``, ``target``, ``y``) and its input in the other keys,
+    passed to the first stage as keywords."""
     if traced:
-        batch = as_tree(batch)
-        return (tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)), None
+        return (as_tree(batch),), None
     own = getattr(module, "split_batch", None)
     if callable(own):
         return own(batch)
@@ -84,6 +87,40 @@ def split_batch(module: Any, batch: Any, traced: bool = False) -> tuple[Any, Any
                     f"{type(module).__name__}.split_batch(batch) -> (input, target).")
 
 
+def training_loaders(module: Any, train_dataloaders: Any = None, datamodule: Any = None) -> Any:
+    """What ``trainer.fit`` reads training batches from, resolved as Lightning resolves it (before
+    any worker, where the trainer has not attached it yet): ``train_dataloaders`` (a loader, a
+    collection of loaders, or a data module given in its place), else the data module's
+    ``train_dataloader()`` after its ``setup("fit")``, else the module's own
+    ``train_dataloader()``; ``None`` when there is none."""
+    from lightning.pytorch import LightningDataModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if isinstance(train_dataloaders, LightningDataModule):
+        train_dataloaders, datamodule = None, train_dataloaders
+    if train_dataloaders is not None:
+        return train_dataloaders
+    if datamodule is not None:
+        with kept_random_state():  # a random split of the data set is drawn again by the trainer
+            datamodule.setup("fit")
+        return datamodule.train_dataloader()
+    if is_overridden("train_dataloader", module):
+        return module.train_dataloader()
+    return None
+
+
+def first_batch(loaders: Any) -> Any:
+    """The first batch the training loop hands ``training_step`` from ``loaders`` (a loader or a
+    collection of them, combined as Lightning combines them), read from a fresh iterator with
+    every random state kept (:func:`launcher.runtime.rng.peek`): the trainer's own iterator then
+    yields the batches, in the order, that it would have without this look. Raises
+    ``StopIteration`` for an empty loader."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "max_size_cycle")
+    return peek(combined, combined.flattened)[0]
+
+
 def unit_init(module: nn.Module, groups: list[list[int]]) -> Callable[[Sequence[int]], None]:
     """How a worker materialises the stages it owns of a module built on the meta device: the
     units (modules of ``self.stages``) of those stages, by the rule of :mod:`launcher.runtime.init`
@@ -98,9 +135,26 @@ def uses_trace(module: nn.Module, split: Sequence[str] | str | None) -> bool:
 
 
 def example_microbatch(module: nn.Module, batch: Any, microbatches: int, split: Sequence[str] | str | None) -> Any:
-    """The first micro-batch's input of ``batch``, as the engine will cut it."""
-    x, _ = split_batch(module, batch, uses_trace(module, split))
-    return chunk(x, microbatches)[0]
+    """The first micro-batch's input of ``batch``, as the engine will cut it; for a traced module
+    ``(micro-batch,)``, a mapping of the batch's own class (a ``BatchEncoding``) kept as one."""
+    traced = uses_trace(module, split)
+    x, _ = split_batch(module, batch, traced)
+    first = chunk(x, microbatches)[0]
+    kind = _mapping_type(batch) if traced else None
+    return (kind(first[0]),) if kind is not None else first
+
+
+def _mapping_type(batch: Any) -> type | None:
+    """The class of a batch that is a mapping but not a ``dict`` (``transformers.BatchEncoding``)
+    and can be built again from a dict, else ``None``."""
+    kind = type(batch)
+    if not isinstance(batch, Mapping) or kind is dict:
+        return None
+    try:
+        kind({})
+    except Exception:  # noqa: BLE001 - a mapping class that cannot be rebuilt: the step gets a dict
+        return None
+    return kind
 
 
 def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = None, example: Any = None,
@@ -127,10 +181,13 @@ def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = 
     from ..split import SplitError, loss_module, split_module
 
     if example is None:
-        raise ModelError([f"{name} has no self.stages, so it is traced and cut at split points; that needs an "
-                          f"example batch (give the trainer a datamodule)."])
+        raise ModelError([f"{name} has no self.stages, so it is traced and cut at split points on one example "
+                          f"batch, and it was given no training data (pass trainer.fit(model, train_dataloaders=...) "
+                          f"or a datamodule)."])
+    batch = example[0]  # traced: the micro-batch, stage 0's one argument (example_microbatch)
+    kind = _mapping_type(batch)
     try:
-        cut = split_module(loss_module(module), example, S, "auto" if split is None else split)
+        cut = split_module(loss_module(module, kind), (as_tree(batch),), S, "auto" if split is None else split)
     except SplitError as e:
         raise ModelError([str(e)]) from e
     return Staging(StagedModel(cut.stages, _loss_is_output, cut.graph, cut.picks), True, list(cut.starts))

@@ -203,3 +203,23 @@ def retype_grad_scaler(scaler: torch.amp.GradScaler, cls: type) -> None:
     precision plugin) keeps its scale and state; ``GradScaler`` keeps them in ``__dict__`` (no
     ``__slots__``), so the assignment is sound."""
     scaler.__class__ = cls
+
+
+def persistent_iterator(loader: Any) -> Any:
+    """The iterator a ``DataLoader`` with ``persistent_workers=True`` keeps between epochs
+    (``DataLoader._iterator``), or None. Such a loader hands every later ``iter()`` the same
+    iterator, workers and all, so an iterator made for a look ahead of training must be taken away
+    again; no public API exposes or resets it."""
+    return getattr(loader, "_iterator", None)
+
+
+def drop_persistent_iterator(loader: Any, keep: Any) -> None:
+    """Stop the worker processes of the iterator ``loader`` keeps (if it is not ``keep``, the one it
+    kept before) and put ``keep`` back (``_MultiProcessingDataLoaderIter._shutdown_workers``)."""
+    made = getattr(loader, "_iterator", None)
+    if made is None or made is keep:
+        return
+    shutdown = getattr(made, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
+    loader._iterator = keep

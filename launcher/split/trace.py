@@ -260,8 +260,11 @@ def _user_frame(module: nn.Module, e: BaseException) -> tuple[str, str]:
 
 
 class LossModule(nn.Module):
-    """A LightningModule's training step as a module: ``forward(*batch)`` returns the loss of
-    ``training_step(batch, 0)`` (its ``"loss"`` when it returns a dict).
+    """A LightningModule's training step as a module: ``forward(batch)`` returns the loss of
+    ``training_step(batch, 0)`` (its ``"loss"`` when it returns a dict). The batch is passed whole,
+    as the DataLoader made it (a tensor, a tuple, a dict), so the step sees what it sees on one
+    device; ``batch_type``, a mapping class other than ``dict`` (``transformers.BatchEncoding``),
+    is rebuilt from the dict a traced graph takes (torch.export flattens dicts, not such classes).
 
     The LightningModule's children, parameters and buffers are this module's own under the same
     names, so module paths read as in the LightningModule (``model.encoder.layers.0``) and a split
@@ -269,8 +272,9 @@ class LossModule(nn.Module):
     traced cannot be logged, and a stage has no trainer to log to.
     """
 
-    def __init__(self, lightning_module: nn.Module) -> None:
+    def __init__(self, lightning_module: nn.Module, batch_type: type | None = None) -> None:
         super().__init__()
+        self.batch_type = batch_type
         if not callable(getattr(lightning_module, "training_step", None)):
             raise SplitError(f"loss_module needs a LightningModule with a training_step; "
                              f"{type(lightning_module).__name__} has none.")
@@ -284,8 +288,10 @@ class LossModule(nn.Module):
             self.register_buffer(name, b, persistent=name not in transient)
         self.training = lightning_module.training
 
-    def forward(self, *batch: Any) -> torch.Tensor:
+    def forward(self, batch: Any) -> torch.Tensor:
         lm = self.lightning_module
+        if self.batch_type is not None and isinstance(batch, dict):
+            batch = self.batch_type(batch)
         saved = {k: lm.__dict__[k] for k in ("log", "log_dict") if k in lm.__dict__}
         params, buffers = parameter_dict(lm), buffer_dict(lm)
         state = dict(params), dict(buffers)
@@ -320,6 +326,7 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def loss_module(lightning_module: nn.Module) -> LossModule:
-    """``lightning_module``'s ``training_step`` as a ``batch -> loss`` module, to split whole."""
-    return LossModule(lightning_module)
+def loss_module(lightning_module: nn.Module, batch_type: type | None = None) -> LossModule:
+    """``lightning_module``'s ``training_step`` as a ``batch -> loss`` module, to split whole: it
+    is traced as ``module(batch)``, on one micro-batch (see :class:`LossModule`)."""
+    return LossModule(lightning_module, batch_type)
