@@ -49,7 +49,7 @@ from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.simulate import Step, Timeline, simulate
 
 from .batches import check_same_batches
-from .comm import Comm, irecv, isend
+from .comm import Comm
 from .deferred import input_grads
 from .failure import Watchdog, blocked, current_watchdog
 from .groups import BUCKET_BYTES, Replicas, warm_pairs
@@ -607,12 +607,12 @@ class Engine:
             tag = TAG_LIMIT - 1 - g
             if w == root:
                 value = list(self.modules[s0].parameters())[i0].detach().contiguous()
-                works += [isend(value, self.ranks[o], group=self.group, tag=tag) for o in union]
+                works += [dist.isend(value, self.ranks[o], group=self.group, tag=tag) for o in union]
             elif w in union:
                 s, i = next((s, i) for s, i in uses if w in owners[s])
                 param = list(self.modules[s].parameters())[i]
                 buf = torch.empty_like(param.detach())
-                works.append(irecv(buf, self.ranks[root], group=self.group, tag=tag))
+                works.append(dist.irecv(buf, self.ranks[root], group=self.group, tag=tag))
                 into += [(list(self.modules[s].parameters())[i], buf) for s, i in uses if s in self.modules]
         self._receive_into(works, into)
 
@@ -634,10 +634,10 @@ class Engine:
             root, L = owners[0], self.layouts[s]
             if w == root:
                 flat = L.pack([p.detach() for p in self.modules[s].parameters()])
-                works += [isend(flat, self.ranks[o], group=self.group, tag=tag0 + s) for o in owners[1:]]
+                works += [dist.isend(flat, self.ranks[o], group=self.group, tag=tag0 + s) for o in owners[1:]]
             else:
                 flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
-                works.append(irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
+                works.append(dist.irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
                 into += list(zip(self.modules[s].parameters(), L.views(flat).values()))
         self._receive_into(works, into)
 
@@ -669,12 +669,12 @@ class Engine:
                     view = self._param_view(totals[s], s, i)
                     parts.append(view)
                     if w == root:
-                        works += [isend(view.contiguous(), self.ranks[o], group=self.group, tag=tag)
+                        works += [dist.isend(view.contiguous(), self.ranks[o], group=self.group, tag=tag)
                                   for o in union if o not in owners[s]]
                 else:
                     L = self.layouts[s]
                     buf = torch.empty(L.shapes[i], dtype=L.dtype, device=self.device)
-                    works.append(irecv(buf, self.ranks[root], group=self.group, tag=tag))
+                    works.append(dist.irecv(buf, self.ranks[root], group=self.group, tag=tag))
                     parts.append(buf)
             with blocked(self.watchdog):
                 for work in works:
@@ -702,11 +702,11 @@ class Engine:
                 flat = L.pack([p.detach() for p in self.modules[s].parameters()])
                 if dst != root:
                     with blocked(self.watchdog):
-                        isend(flat, self.ranks[dst], group=self.group, tag=tag0 + s).wait()
+                        dist.send(flat, self.ranks[dst], group=self.group, tag=tag0 + s)
             elif self.worker == dst:
                 flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
                 with blocked(self.watchdog):
-                    irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s).wait()
+                    dist.recv(flat, self.ranks[root], group=self.group, tag=tag0 + s)
             if self.worker == dst:
                 out.append({k: v.detach().clone().cpu() for k, v in L.views(flat).items()})
         return out if self.worker == dst else None
