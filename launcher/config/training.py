@@ -239,7 +239,7 @@ def _trainer_errors(cfg: Any, single: bool) -> list[str]:
         import torch
 
         W = 1 if single else _get(cfg, "W")
-        if not torch.cuda.is_available():
+        if torch.cuda.device_count() == 0:  # NVML: is_available() would initialise CUDA before the fork
             out.append(f"trainer.accelerator={accel} is invalid here: no CUDA GPU is available; use "
                        f"trainer.accelerator=cpu.")
         elif isinstance(W, int) and W > torch.cuda.device_count() and "RANK" not in os.environ:
@@ -273,7 +273,7 @@ def precision_errors(precision: Any, accel: Any) -> list[str]:
     if str(precision) in ("16-mixed", "16"):
         import torch
 
-        on_gpu = accel in ("gpu", "cuda") or (accel == "auto" and torch.cuda.is_available())
+        on_gpu = accel in ("gpu", "cuda") or (accel == "auto" and torch.cuda.device_count() > 0)
         if not on_gpu:
             return [f"trainer.precision={precision} is invalid with trainer.accelerator={accel}: fp16 mixed "
                     f"precision needs a GPU (a GradScaler; CPU autocast in float16 is not supported well); use "

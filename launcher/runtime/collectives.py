@@ -25,6 +25,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .comm import irecv, isend
+
 
 class _Messages:
     """Point-to-point messages of one all-reduce, timed for :class:`~launcher.runtime.comm.Clock`
@@ -36,10 +38,10 @@ class _Messages:
     def send(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
         if self.clock is not None:
             self.clock.sent((tag, self.ranks[self.me]))
-        return dist.isend(t, self.ranks[peer], group=self.group, tag=tag)
+        return isend(t, self.ranks[peer], group=self.group, tag=tag)
 
     def recv(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        work = dist.irecv(t, self.ranks[peer], group=self.group, tag=tag)
+        work = irecv(t, self.ranks[peer], group=self.group, tag=tag)
         if self.clock is not None:
             self.clock.posted((tag, self.ranks[peer]))
         return work

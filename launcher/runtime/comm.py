@@ -23,6 +23,65 @@ from .lowering import ACT, GRAD, WGRAD, Lowered, Msg
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
+
+# ---- point-to-point, on any device -----------------------------------------------------------
+def host_staged(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether a point-to-point message of ``t`` must go through host memory: gloo's ``send`` and
+    ``recv`` hand the tensor's pointer to its TCP transport as host memory (its collectives copy
+    CUDA tensors through pinned buffers themselves; its point-to-point does not), so a GPU tensor
+    crosses through a pinned host copy. NCCL moves GPU tensors itself."""
+    return t.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+class Staged:
+    """A point-to-point operation through a host buffer, waited for as a ``dist.Work`` is: a receive
+    copies the buffer into its device tensor on the current stream once it has arrived (work queued
+    after the wait on that stream sees the data; the caching host allocator keeps the pinned buffer
+    until the copy has run)."""
+
+    def __init__(self, work: dist.Work, host: torch.Tensor, into: torch.Tensor | None = None) -> None:
+        self.work, self.host, self.into = work, host, into
+
+    def wait(self, timeout: Any = None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if self.into is not None:
+            self.into.copy_(self.host, non_blocking=True)
+            self.into = None
+        return done
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed() and self.into is None
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """An empty host buffer for ``t`` (pinned when ``t`` is on a GPU: copies to and from it are DMA)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+
+
+def staged_isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Staged:
+    host = _host_copy(t)
+    host.copy_(t)  # waits for the kernels that write ``t``: the transport reads the copy on its own thread
+    return Staged(dist.isend(host, dst, group=group, tag=tag), host)
+
+
+def staged_irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Staged:
+    host = _host_copy(t)
+    return Staged(dist.irecv(host, src, group=group, tag=tag), host, into=t)
+
+
+def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Any:
+    """``dist.isend`` for a tensor on any device the group's backend can reach (see :func:`host_staged`)."""
+    if host_staged(t, group):
+        return staged_isend(t, dst, group, tag)
+    return dist.isend(t, dst, group=group, tag=tag)
+
+
+def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Any:
+    """``dist.irecv`` into a tensor on any device the group's backend can reach (see :func:`host_staged`)."""
+    if host_staged(t, group):
+        return staged_irecv(t, src, group, tag)
+    return dist.irecv(t, src, group=group, tag=tag)
+
 #: a wait shorter than this found its data already there (the call's own cost), not a late message
 BLOCKED_S = 20e-6
 TIMED = (ACT, GRAD, WGRAD)  # the step's dependencies, and partial sums (an exchange's rounds)
@@ -143,7 +202,7 @@ class Comm:
                 t = self.ready.pop(mid)
                 if not t.is_contiguous():
                     t = t.contiguous()
-                self.sends[mid] = (dist.isend(t, self.ranks[m.dst], group=self.group, tag=mid), t)
+                self.sends[mid] = (isend(t, self.ranks[m.dst], group=self.group, tag=mid), t)
                 self.sent_count[m.kind] += 1
                 self.sent_bytes[m.kind] += t.numel() * t.element_size()
             else:
@@ -152,7 +211,7 @@ class Comm:
                 if self.on_alloc is not None:
                     self.on_alloc(m)
                 self.buffers[mid] = buf
-                self.works[mid] = dist.irecv(buf, self.ranks[m.src], group=self.group, tag=mid)
+                self.works[mid] = irecv(buf, self.ranks[m.src], group=self.group, tag=mid)
                 if m.kind == WGRAD:
                     self.clock.posted(mid)
         except Exception as e:

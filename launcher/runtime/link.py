@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from launcher.schedule.link import Link
 
+from .comm import irecv, isend
+
 SMALL, LARGE = 8, 1 << 20  # bytes
 
 
@@ -33,11 +35,11 @@ def measure(group: dist.ProcessGroup | None = None, device: torch.device | str =
         for i in range(reps + 1):  # the first round trip sets up the pair: not timed
             t = time.perf_counter()
             if rank == a:
-                dist.send(buf, peer, group=None, tag=tag)
-                dist.recv(buf, peer, group=None, tag=tag)
+                isend(buf, peer, tag=tag).wait()
+                irecv(buf, peer, tag=tag).wait()
             else:
-                dist.recv(buf, peer, group=None, tag=tag)
-                dist.send(buf, peer, group=None, tag=tag)
+                irecv(buf, peer, tag=tag).wait()
+                isend(buf, peer, tag=tag).wait()
             if buf.is_cuda:
                 torch.cuda.synchronize(buf.device)
             if i:

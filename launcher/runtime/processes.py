@@ -63,10 +63,13 @@ PG_TIMEOUT = timedelta(minutes=10)
 
 
 def auto_backend(backend: str = "auto") -> str:
-    """``gloo`` on CPU, ``nccl`` when CUDA is available."""
+    """``gloo`` on CPU, ``nccl`` when a CUDA device is visible. Asked of NVML
+    (``torch.cuda.device_count``), not of the CUDA driver (``torch.cuda.is_available`` initialises
+    it): :func:`launch` forks its workers after this, and a child of a process that initialised
+    CUDA cannot use CUDA itself."""
     if backend != "auto":
         return backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if torch.cuda.device_count() > 0 else "gloo"
 
 
 def _name_process(name: str) -> None:
