@@ -57,7 +57,8 @@ class ForkLauncher(Launcher):
             )
         strategy: UnifiedStrategy = self._strategy  # type: ignore[assignment]
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and args:
-            strategy.check_before_fork(args[0], args[3] if len(args) > 3 else None)
+            # trainer.fit's arguments: (model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+            strategy.check_before_fork(args[0], args[3] if len(args) > 3 else None, args[1] if len(args) > 1 else None)
         results = launch(self._work, strategy.num_processes, trainer, function, args, kwargs,
                          backend=strategy.backend, timeout=self.timeout)
         output = results[0]

@@ -135,3 +135,15 @@ class RichProgressBarBase(RichProgressBar):
     def show_metrics(self, trainer: Any, pl_module: Any) -> None:
         """Show the current metrics beside the bars."""
         self._update_metrics(trainer, pl_module)
+
+
+def train_dataloaders(trainer: Any) -> Any:
+    """The training loaders the trainer will read, as its fit loop requests them
+    (``trainer.fit_loop._data_source``): ``trainer.fit``'s ``train_dataloaders``, or what the
+    datamodule's or the module's ``train_dataloader()`` returns; ``None`` where none is defined.
+
+    A strategy's ``setup`` runs before the fit loop builds its loaders, and no public API says where
+    ``fit`` was told to read from; Lightning's data connector keeps it there. Tested with Lightning
+    2.6 (>=2.6.6,<2.7)."""
+    source = trainer.fit_loop._data_source
+    return source.dataloader() if source.is_defined() and source.instance is not None else None

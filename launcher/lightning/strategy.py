@@ -58,8 +58,8 @@ from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.schemes import SCHEMES
 from .launcher import ForkLauncher
-from .lightning_private import init_dist_connection, retype_precision_plugin, sync_ddp_if_available
-from .staging import example_microbatch, split_batch, stage_module, uses_trace
+from .lightning_private import init_dist_connection, retype_precision_plugin, sync_ddp_if_available, train_dataloaders
+from .staging import example_microbatch, first_batch, split_batch, stage_module, uses_trace
 from .state import Layout, gather_module_state, gather_optimizer_state, load_stage_state, scatter_optimizer_state
 
 log = logging.getLogger(__name__)
@@ -377,14 +377,16 @@ class UnifiedStrategy(ParallelStrategy):
             _with_global_clipping(self)
             _with_synced_scaler(self.precision_plugin)
 
-    def check_before_fork(self, module: Any, datamodule: Any = None) -> None:
+    def check_before_fork(self, module: Any, datamodule: Any = None, train_dataloaders: Any = None) -> None:
         """Stage ``module`` on this process as every worker will (in the trainer's precision), and
-        run one micro-batch of the datamodule's first batch through the stages: a module that
-        cannot be trained is refused here, in one sentence per problem
+        run one micro-batch of the first training batch (of ``train_dataloaders``, else of the
+        datamodule, else of the module's own ``train_dataloader``) through the stages: a module
+        that cannot be trained is refused here, in one sentence per problem
         (:class:`~launcher.runtime.model.ModelError`), before any worker starts. The staging is
-        kept: forked workers inherit it rather than trace the module again."""
+        kept: forked workers inherit it rather than trace the module again. Every random state
+        and the trainer's loaders are left as they were (:func:`~.staging.first_batch`)."""
         from ..runtime.model import ModelError
-        from .staging import check_staging
+        from .staging import check_staging, training_loaders
 
         if self._staged is not None and self._staged[0] is module:
             return
@@ -398,13 +400,17 @@ class UnifiedStrategy(ParallelStrategy):
         if S is None:
             raise ModelError([f"{type(module).__name__} is traced and cut into stages: "
                               f"give UnifiedStrategy(stages=...) or split=[module paths where stages begin]."])
-        batch = None
-        if datamodule is not None:
-            try:
-                datamodule.setup("fit")
-                batch = self.precision_plugin.convert_input(next(iter(datamodule.train_dataloader())))
-            except Exception:  # noqa: BLE001 - the workers will meet it again and report it with its rank
-                batch = None
+        batch, unread = None, False
+        try:
+            loaders = training_loaders(module, train_dataloaders, datamodule)
+            if loaders is not None:
+                unread = True
+                batch = self.precision_plugin.convert_input(first_batch(loaders))
+                unread = False
+        except Exception:  # noqa: BLE001 - the workers will meet it again and report it with its rank
+            batch = None
+        if unread and uses_trace(module, self.split):
+            return  # nothing to trace on here: each worker traces on the trainer's first batch
         self.precision_plugin.convert_module(module)
         with self.precision_plugin.train_step_context():  # as the workers will trace and run it
             staging = check_staging(module, S, self.split, batch, self.B, self.partition, self.memory_cap)
@@ -426,9 +432,8 @@ class UnifiedStrategy(ParallelStrategy):
         found: Any = None
         if self.global_rank == 0:
             try:
-                dm = getattr(trainer, "datamodule", None)
-                batch = (self.precision_plugin.convert_input(next(iter(dm.train_dataloader())))
-                         if dm is not None else None)
+                loaders = train_dataloaders(trainer)
+                batch = self.precision_plugin.convert_input(first_batch(loaders)) if loaders is not None else None
                 with self.precision_plugin.train_step_context():
                     found = ("ok",) + profiled_partition(module, S, self.partition, batch, self.B, self.memory_cap)
             except ModelError as e:
@@ -439,12 +444,13 @@ class UnifiedStrategy(ParallelStrategy):
         return found[1], found[2]
 
     def _example(self, trainer: Any) -> Any:
-        """One micro-batch's input of the first training batch, to trace the module on."""
-        dm = getattr(trainer, "datamodule", None)
-        if dm is None:
+        """One micro-batch's input of the first training batch, to trace the module on: from the
+        loaders the trainer will train on (a fresh iterator, every random state kept)."""
+        loaders = train_dataloaders(trainer)
+        if loaders is None:
             raise ValueError(f"{type(self.lightning_module).__name__} is traced on an example batch: pass "
-                             f"trainer.fit(model, datamodule=...)")
-        batch = next(iter(dm.train_dataloader()))
+                             f"trainer.fit(model, train_dataloaders=...) or a datamodule")
+        batch = first_batch(loaders)
         return example_microbatch(self.lightning_module, self.precision_plugin.convert_input(batch), self.B, self.split)
 
     @contextlib.contextmanager
@@ -527,7 +533,7 @@ class UnifiedStrategy(ParallelStrategy):
         with self.precision_plugin.val_step_context():
             share, preds = self.engine.evaluate(mbs)
         loss = self._sum_over_workers(share).to(self.lightning_module.dtype)
-        if key is not None and mbs[0][1] is not None:
+        if key is not None and (mbs[0][1] is not None or self.traced):  # traced: the stages' output is the loss
             self.lightning_module.log(key, loss, prog_bar=key == "val_loss")  # the same on every worker
         return loss, preds
 

@@ -100,10 +100,12 @@ def keyed(e: BaseException, node: Any, key: str) -> str | None:
 
 def _first_batch(data: Any, cfg: DictConfig) -> Any:
     """The data module set up for fitting and its first training batch, before any worker starts
-    (its refusal of one of its keys names the key)."""
+    (its refusal of one of its keys names the key), with every random state and the loader left as
+    the trainer will find them (:func:`~launcher.lightning.staging.first_batch`)."""
+    from ..lightning.staging import first_batch, training_loaders
+
     try:
-        data.setup("fit")
-        return next(iter(data.train_dataloader()))
+        return first_batch(training_loaders(None, datamodule=data))
     except StopIteration as e:
         raise ConfigError([f"data._target_={cfg.data.get('_target_')} gave no training batch: its training set "
                            f"is smaller than one batch of data.batch_size={cfg.data.get('batch_size')}."]) from e
@@ -341,7 +343,9 @@ def check(cfg: DictConfig) -> None:
     key = _key(cfg)
     if key is not None:
         job.built.checked = job.strategy if job.built.spec is not None else None
-        job.built.rng = _random_state()
+        from ..runtime.rng import random_state
+
+        job.built.rng = random_state()
         _CHECKED.update(key=key, built=job.built)
 
 
@@ -350,27 +354,6 @@ def _key(cfg: DictConfig) -> str | None:
         return OmegaConf.to_yaml(cfg, resolve=True)
     except Exception:  # noqa: BLE001 - an interpolation only the run resolves: no reuse
         return None
-
-
-def _random_state() -> Any:
-    """Python's, numpy's and torch's generators, as :func:`lightning.pytorch.seed_everything` seeds them."""
-    import random
-
-    import numpy as np
-    import torch
-
-    return random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-
-
-def _set_random_state(state: Any) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.random.set_rng_state(state[2])
 
 
 def _build_job(cfg: DictConfig) -> _Built:
@@ -392,7 +375,11 @@ def _build_job(cfg: DictConfig) -> _Built:
     with _model_context(cfg.model):
         model = _build(cfg.model, "model", LightningModule, "LightningModule")
     _data_hooks_of(model)
-    _check_inputs(model, data, _first_batch(data, cfg), cfg)  # the data's output against the model
+    from ..runtime.rng import kept_random_state
+
+    batch = _first_batch(data, cfg)
+    with kept_random_state():  # a preflight: training goes on from the state one device starts with
+        _check_inputs(model, data, batch, cfg)  # the data's output against the model
     spec = None
     if not is_single(cfg):
         from ..config import RunSpec
@@ -414,8 +401,10 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Prepared:
     if built is None:
         built = _build_job(cfg)
     else:  # as if built again: the same generators' state, on the same objects
+        from ..runtime.rng import set_random_state
+
         _quiet()
-        _set_random_state(built.rng)
+        set_random_state(built.rng)
     from lightning.pytorch import Trainer
 
     from ..lightning import UnifiedStrategy
