@@ -657,23 +657,46 @@ def resident_bytes(device: torch.device) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def clipped_gradients(engine: Engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This worker's share of the global gradient norm, and the gradients it scales.
+
+    ``counted``: every parameter's gradient once over all workers, as one device's module lists it:
+    by its stage's first owner (replicas hold equal copies), and a parameter several stages share
+    (tied embeddings, :attr:`Engine.ties`) only at its first use, ``min(uses)`` (every use holds the
+    same summed gradient, :meth:`Engine._sum_tied`). ``scaled``: every owned parameter's gradient
+    once, on every worker that holds a copy: a parameter held by two stages of this worker (DDP's
+    tied embedding) is one tensor, scaled once."""
+    owners, me = engine.plan.owners, engine.worker
+    later = {use for uses in engine.ties for use in sorted(uses)[1:]}
+    counted: list[torch.Tensor] = []
+    scaled: dict[int, torch.Tensor] = {}
+    for s in engine.owned:
+        first = owners[s][0] == me
+        for i, p in enumerate(engine.modules[s].parameters()):
+            if p.grad is None:
+                continue
+            if first and (s, i) not in later:
+                counted.append(p.grad)
+            scaled.setdefault(id(p), p.grad)
+    return counted, list(scaled.values())
+
+
 def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Tensor:
     """Scale every owned gradient by ``max_norm / (norm + 1e-6)`` (at most 1), where ``norm`` is
-    the 2-norm over every stage's gradient counted once (by its first owner), summed across
-    workers: exactly what ``clip_grad_norm_`` does on one device."""
+    the 2-norm over every parameter's gradient counted once (:func:`clipped_gradients`), summed
+    across workers: exactly what ``clip_grad_norm_`` does on one device. Returns ``norm``."""
     engine = strategy.engine
     assert engine is not None
-    first = [s for s in engine.owned if engine.plan.owners[s][0] == engine.worker]
-    grads = [p.grad for s in engine.owned for p in engine.modules[s].parameters() if p.grad is not None]
-    counted = [p.grad for s in first for p in engine.modules[s].parameters() if p.grad is not None]
+    counted, scaled = clipped_gradients(engine)
     sq = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
     for g in counted:
         sq += torch.linalg.vector_norm(g.double()) ** 2
     _all_reduce(sq)
-    coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-    for g in grads:
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in scaled:
         g.mul_(coef.to(g.dtype))
-    return sq.sqrt()
+    return norm
 
 
 def _process_group_up() -> bool:

@@ -1,0 +1,54 @@
+"""The single-device oracle of a command-line run: the same config's model and data, trained in this
+process by Lightning's default strategy with the trainer settings of the config that decide what is
+computed (precision, steps, gradient clipping, validation)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from hydra import compose, initialize_config_module
+from hydra.utils import get_class, instantiate
+
+import launcher.config  # noqa: F401  (registers the schema and the resolver)
+from launcher.runtime.init import empty_init, has_meta, init_units
+
+from .training import quiet_trainer
+
+
+def composed(overrides: Sequence[str]) -> Any:
+    """The launcher's config with ``overrides`` (G and R dropped: they do not apply to one device)."""
+    with initialize_config_module("launcher.conf", version_base=None):
+        return compose("config", overrides=[o for o in overrides if not o.startswith(("G=", "R="))])
+
+
+def single_device(overrides: Sequence[str], micro: bool = False, microbatches: int = 4,
+                  callbacks: Sequence[L.Callback] = ()) -> dict[str, torch.Tensor]:
+    """The config's model and data, built after ``seed_everything(seed)`` as the command builds
+    them, trained on one device; its state dict. ``micro``: a micro-batch at a time, gradients
+    accumulated over the step's ``microbatches`` (BatchNorm's per-micro-batch statistics)."""
+    cfg = composed(overrides)
+    L.seed_everything(int(cfg.seed), verbose=False)
+    data = instantiate(cfg.data)
+    # as the command builds it: a model that says how its layers start (reset_stage) is built on
+    # the meta device and started by the launcher's rule, in the run's precision
+    meta = callable(getattr(get_class(cfg.model._target_), "reset_stage", None))
+    with empty_init() if meta else contextlib.nullcontext():
+        model = instantiate(cfg.model)
+    t = cfg.trainer
+    if has_meta(model):
+        if str(t.precision).startswith("64"):
+            model.double()
+        init_units(list(model.stages), torch.initial_seed(), reset=model.reset_stage)
+    model.prepare_data = lambda: None
+    k = microbatches if micro else 1
+    if micro:
+        data.batch_size //= k
+    tr = quiet_trainer(precision=t.precision, max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val,
+                       limit_val_batches=t.limit_val_batches * k, val_check_interval=t.val_check_interval * k,
+                       accumulate_grad_batches=k, callbacks=list(callbacks))
+    tr.fit(model, datamodule=data)
+    return model.state_dict()
