@@ -114,9 +114,9 @@ class GPTStage(nn.Module):
 
 class LlamaStage(GPTStage):
     """Modules of ``HFCausalLM``'s cut, applied in order; takes and returns the hidden state alone
-    (the first stage takes the token ids, the last returns the logits): the positions are
-    ``arange(T)`` per sample and the mask the causal one, which each decoder layer builds from
-    them with the library's own functions, as the model's forward does."""
+    (the first stage takes the token ids, the last returns the logits): no mask and default
+    positions, from which each decoder layer's stage builds the causal mask and the rotary
+    embedding with the model's own forward (it reads only the shape of the token ids)."""
 
     def __init__(self, pieces: list[nn.Module], first: bool) -> None:
         super().__init__(pieces)
@@ -127,7 +127,7 @@ class LlamaStage(GPTStage):
             args: tuple[Any, ...] = (x,)
         else:
             B, T = x.shape[:2]
-            args = (x, torch.arange(T, device=x.device).unsqueeze(0).expand(B, T).contiguous(), None)
+            args = (x, torch.zeros(B, T, dtype=torch.long, device=x.device), None, None)
         out: Any = None
         for m in self.pieces:
             out = m(*args)
@@ -153,14 +153,14 @@ def build(size: Size, S: int, device: torch.device) -> tuple[list[nn.Module], An
         blocks: tuple[type, ...] = (Block,)
     elif size.model == "llama":
         from launcher.models import HFCausalLM
-        from launcher.models.hf import RotaryLayer
+        from launcher.models.hf_stages import DecoderLayer
         ff = -(-8 * size.d // 3 // 64) * 64  # Llama's 8/3 d, rounded up to a multiple of 64
         lm = HFCausalLM("llama", config={"vocab_size": VOCAB, "hidden_size": size.d, "num_hidden_layers": size.layers,
                                          "num_attention_heads": size.heads,
                                          "num_key_value_heads": max(1, size.heads // 2), "intermediate_size": ff,
                                          "max_position_embeddings": max(size.T, 128)})
         stages = [LlamaStage(g, i == 0) for i, g in enumerate(_cut(list(lm.stages), S))]
-        blocks = (RotaryLayer,)
+        blocks = (DecoderLayer,)
     else:
         raise ValueError(f"unknown model {size.model}; use one of {', '.join(MODELS)}")
     return [s.to(device) for s in stages], lm.loss, blocks

@@ -1,7 +1,9 @@
-"""HFCausalLM's stages against the Hugging Face model's own forward: the stages, run in order the way
-the engine runs them, give the same logits (float64, exactly), the same loss and the same gradients;
-every parameter and buffer is under ``stages``, a tied embedding stays one Parameter, a saved model
-loads back offline, and a config the data cannot use is one sentence."""
+"""HFCausalLM's stages against the Hugging Face model's own forward, for every family tried (cut with
+no per-family code): the stages, run in order the way the engine runs them, give the same logits
+(float64, exactly, with left and right padding), the same loss and the same gradients; every
+parameter and buffer is under ``stages``, a tied embedding stays one Parameter, a saved model loads
+back offline with its architecture read from its config.json, and a model that cannot be cut, or a
+config the data cannot use, is one sentence."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import torch
 
 from helpers.training import run_stages
 from launcher.models import HFCausalLM
-from launcher.models.hf import FAMILIES
 
 pytestmark = [pytest.mark.timeout(60),
               # the steps are called without a Trainer: self.log() has nowhere to log
@@ -27,13 +28,32 @@ EXTRA: dict[str, dict[str, Any]] = {
     "qwen2": {"num_key_value_heads": 2, "tie_word_embeddings": True},
     "qwen3": {"num_key_value_heads": 2},
     "gemma": {"num_key_value_heads": 1},  # tied, scaled embedding
+    "gpt_neox": {},  # parallel attention and MLP, partial rotary
+    "opt": {"ffn_dim": 64},  # tied, learned positions offset by 2 and taken from the mask's cumulative sum
+    "phi3": {"num_key_value_heads": 2},  # fused qkv, partial rotary
+    "stablelm": {"num_key_value_heads": 2, "qk_layernorm": True},
+    "falcon": {},  # tied, rotary, parallel attention, multi-query
+    "mixtral": {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},  # mixture of experts
 }
+#: the families' other shapes: (family, what changes)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "falcon-alibi": ("falcon", {"alibi": True}),  # ALiBi folded into the mask the model's forward builds
+    "falcon-alibi-sequential": ("falcon", {"alibi": True, "parallel_attn": False, "multi_query": False}),
+    "falcon-new-architecture": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "opt-projected": ("opt", {"ffn_dim": 64, "word_embed_proj_dim": 16}),  # project_in / project_out
+    "opt-post-norm": ("opt", {"ffn_dim": 64, "do_layer_norm_before": False}),  # no final norm
+    "gpt_neox-sequential": ("gpt_neox", {"use_parallel_residual": False}),
+    "stablelm-parallel": ("stablelm", {"use_parallel_residual": True}),
+}
+FAMILIES = list(EXTRA)
 B, T = 3, 12
 
 
-def tiny(arch: str, **kw: Any) -> HFCausalLM:
+def tiny(arch: str, extra: dict[str, Any] | None = None, **kw: Any) -> HFCausalLM:
     torch.manual_seed(0)
-    return HFCausalLM(arch, config={**TINY, **EXTRA[arch]}, **kw).double()
+    if arch == "mixtral":  # float64: the default grouped_mm experts take float32 and bf16 only
+        kw.setdefault("experts_implementation", "eager")
+    return HFCausalLM(arch, config={**TINY, **(EXTRA[arch] if extra is None else extra)}, **kw).double()
 
 
 def masks() -> list[torch.Tensor | None]:
@@ -51,6 +71,27 @@ def model(request: pytest.FixtureRequest) -> HFCausalLM:
 
 
 def test_stages_equal_the_models_forward(model: HFCausalLM) -> None:
+    equal_forward(model)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variants_equal_the_models_forward(name: str) -> None:
+    arch, extra = VARIANTS[name]
+    model = tiny(arch, {**TINY, **extra})
+    equal_forward(model)
+    model.train()  # and the gradients, through every stage
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randint(0, 128, (B, T), generator=g), torch.randint(0, 128, (B, T), generator=g)
+    inp, target = model.split_batch((x, y))
+    model.loss(run_stages(model.stages, inp), target).backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.training_step((x, y), 0).backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(ours[n], p.grad), n
+
+
+def equal_forward(model: HFCausalLM) -> None:
     model.eval()
     ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(1))
     for mask in masks():
@@ -126,7 +167,7 @@ def test_every_parameter_and_buffer_is_under_stages(model: HFCausalLM) -> None:
     assert not model.hf.training and not model.hf.base_model.training
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "gemma"])
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "gemma", "opt", "falcon"])
 def test_a_tied_embedding_stays_one_parameter(arch: str) -> None:
     model = tiny(arch)
     assert model.hf.config.tie_word_embeddings
@@ -141,19 +182,30 @@ def test_llama_untied_and_grouped_query() -> None:
     attn = model.stages[1].layer.self_attn
     assert attn.k_proj.out_features * 2 == attn.q_proj.out_features  # 2 key/value heads for 4 query heads
     assert len(model.stages) == 4
+    # the final norm runs in the last layer's stage, with the rest of the model's forward after the layers
+    assert model.stages[2].norm is model.hf.model.norm and model.stages[-1].lm_head is model.hf.lm_head
 
 
 def test_pretrained_round_trip(tmp_path) -> None:
-    for arch in ("gpt2", "llama"):
+    for arch in ("gpt2", "llama", "opt"):
         built = tiny(arch)
         built.hf.save_pretrained(tmp_path / arch)
-        loaded = HFCausalLM(arch, pretrained=str(tmp_path / arch))
+        # the architecture comes from the directory's config.json: model.arch may be left out
+        loaded = HFCausalLM(pretrained=str(tmp_path / arch))
+        assert loaded.hf.config.model_type == arch
         a, b = built.state_dict(), loaded.state_dict()
         assert a.keys() == b.keys()
         assert all(a[k].dtype == b[k].dtype == torch.float64 and torch.equal(a[k], b[k]) for k in a)
-        assert (loaded.stages[0].tokens.weight is loaded.stages[-1].lm_head.weight) == (arch == "gpt2")
+        assert (loaded.stages[0].tokens.weight is loaded.stages[-1].lm_head.weight) == (arch != "llama")
+    assert HFCausalLM("gpt2", pretrained=str(tmp_path / "gpt2")).hf.config.model_type == "gpt2"
     with pytest.raises(ValueError, match=r"^model.arch=llama does not match model.pretrained=.*a gpt2 model; "):
         HFCausalLM("llama", pretrained=str(tmp_path / "gpt2"))
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ValueError) as e:
+        HFCausalLM(pretrained=str(missing))
+    assert str(e.value) == f"model.pretrained={missing} is invalid: there is no such directory."
+    with pytest.raises(ValueError, match=r"^model.pretrained=.* is invalid: the directory has no config.json "):
+        HFCausalLM(pretrained=str(tmp_path))
 
 
 def test_a_vocabulary_smaller_than_the_datas_is_one_sentence(tmp_path) -> None:
@@ -175,14 +227,36 @@ def test_config_keys_are_checked() -> None:
         HFCausalLM("llama", config={"n_layer": 2})
     with pytest.raises(ValueError, match=r"set the same field of gpt2's GPT2Config; give one of them\.$"):
         HFCausalLM("gpt2", config={"num_hidden_layers": 3, "n_layer": 2})
-    with pytest.raises(ValueError, match=r"^model.arch=bert is not supported: "):
-        HFCausalLM("bert")
+    with pytest.raises(ValueError, match=r"^model.arch=t5 is not supported: transformers has no causal LM of type t5"):
+        HFCausalLM("t5")
+    with pytest.raises(ValueError, match=r"^model.arch=nonesuch is invalid: transformers has no model type nonesuch"):
+        HFCausalLM("nonesuch")
     with pytest.raises(ValueError, match=r"rope_type dynamic is not supported: "):
         HFCausalLM("llama", config={**TINY, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})
     # the small defaults under what is given, the common names working for GPT-2 too
     model = HFCausalLM("gpt2", config={"num_hidden_layers": 1, "n_embd": 16})
     assert (model.hf.config.n_layer, model.hf.config.n_embd, model.hf.config.vocab_size) == (1, 16, 128)
     assert model.hf.config.resid_pdrop == 0.0
+
+
+@pytest.mark.parametrize("arch, why", [
+    # BERT's decoder: its embeddings are outside the module that runs the layers
+    ("bert", "its input embedding is not a child of BertEncoder, the module that runs the layers"),
+    # GPT-BigCode keeps a causal-mask tensor on the module that runs the layers
+    ("gpt_bigcode", "GPTBigCodeModel holds tensors of its own, outside its submodules"),
+])
+def test_a_model_that_cannot_be_cut_names_the_traced_route(arch: str, why: str) -> None:
+    with pytest.raises(ValueError) as e:
+        HFCausalLM(arch, config={**TINY, "is_decoder": True} if arch == "bert" else TINY)
+    assert str(e.value) == (f"model.arch={arch} cannot be cut into stages at its decoder layers: {why}; train it "
+                            f"with model=custom split=auto (traced and cut at any module).")
+
+
+def test_state_a_stage_cannot_keep_is_one_sentence() -> None:
+    with pytest.raises(ValueError, match=r"^model.config.output_router_logits=true is not supported: "):
+        tiny("mixtral", {**TINY, **EXTRA["mixtral"], "output_router_logits": True})
+    with pytest.raises(ValueError, match=r"^model.config.layerdrop=0.5 is not supported: "):
+        tiny("opt", {**TINY, **EXTRA["opt"], "layerdrop": 0.5})
 
 
 def test_the_hf_config_group() -> None:

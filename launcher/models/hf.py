@@ -1,29 +1,32 @@
-"""Any Hugging Face ``transformers`` causal LM of a supported family, cut into stages made of the
-model's own submodules: ``stages = [embeddings, decoder layer x L, final norm + lm_head]``.
+"""Any Hugging Face ``transformers`` causal LM, by name or from a local directory, cut into stages
+made of the model's own submodules: ``stages = [embeddings, decoder layer x L (the last with the
+final norm), lm_head]``, found in the model's module tree and run by the library's own forward code
+(:mod:`.hf_stages`), with no per-family code.
 
 The model is built from a config with random weights (no download), or loaded from a local
 directory written by ``save_pretrained``. The Hugging Face model stays whole as ``self.hf``: its own
 ``forward`` is the single-device path, the oracle the stages must match. It is kept out of the module
 tree, so every parameter and buffer is named once, under ``stages.``, and ``.to()`` on this module
-reaches all of them. A tied embedding (GPT-2, and Qwen2 / Gemma when tied) stays one ``Parameter``,
-held by the first and the last stage.
+reaches all of them. A tied embedding (GPT-2, and Qwen2 / Gemma / OPT when tied) stays one
+``Parameter``, held by the first and the last stage.
 
 What a stage takes and returns (the engine unpacks a tuple into positional arguments):
 
 - stage 0: ``input_ids`` (and ``attention_mask``, ``position_ids`` when the batch has them)
-  -> ``(hidden, position_ids, attention_mask)``;
-- decoder layer: ``(hidden, position_ids, attention_mask)`` -> the same triple; each layer builds its
-  4-D mask and its rotary ``(cos, sin)`` from those with the library's own functions, as the model's
-  forward does, so only the 2-D mask and the integer positions travel between stages;
-- last stage: the triple -> ``logits``.
+  -> ``(hidden, input_ids, attention_mask, position_ids)``;
+- decoder layer: that tuple -> the same tuple with the layer's hidden state; the model's forward
+  builds the layer's masks, positions, ALiBi and rotary ``(cos, sin)`` from the integer inputs, so
+  only they travel between stages; the last layer returns its normed hidden state alone;
+- last stage: the hidden state -> ``logits``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,16 +35,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..runtime.init import real_init
+from . import hf_stages
 from .base import adamw_cosine
 from .data import VOCAB
-
-#: families whose model forward is ``embed_tokens``, then every decoder layer called as
-#: ``layer(hidden, attention_mask=mask, position_ids=..., position_embeddings=(cos, sin))``, then
-#: ``norm`` and ``lm_head``, with nothing computed outside those modules (Gemma's embedding scale is
-#: inside its embedding; no logit scaling or soft-capping): each is checked against the model's own
-#: forward in tests/test_hf_models.py
-ROTARY = ("llama", "mistral", "qwen2", "qwen3", "gemma")
-FAMILIES = ("gpt2", *ROTARY)
 
 #: a small model from scratch, for every key the family's config has (and no dropout, so a scheme
 #: and the single-device run compute the same function); ``config`` overrides any of them
@@ -49,90 +45,11 @@ SMALL: dict[str, Any] = {
     "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
     "num_key_value_heads": 2, "intermediate_size": 128,
     "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "attention_dropout": 0.0,
+    "hidden_dropout": 0.0, "dropout": 0.0, "activation_dropout": 0.0, "layerdrop": 0.0,
 }
+#: the architecture built from scratch when neither ``arch`` nor ``pretrained`` says one
+DEFAULT_ARCH = "llama"
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
-
-
-class Embeddings(nn.Module):
-    """Token embedding (GPT-2: plus learned positions, then dropout); passes the positions and the
-    2-D mask on to the decoder layers."""
-
-    def __init__(self, tokens: nn.Embedding, positions: nn.Embedding | None = None,
-                 drop: nn.Module | None = None) -> None:
-        super().__init__()
-        self.tokens = tokens
-        self.positions = positions
-        self.drop = drop
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        hidden = self.tokens(input_ids)
-        if position_ids is None:
-            # what the model's forward uses, one row per sample: a tensor of the micro-batch
-            B, T = input_ids.shape
-            position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T).contiguous()
-        if self.positions is not None:
-            hidden = hidden + self.positions(position_ids)
-        if self.drop is not None:
-            hidden = self.drop(hidden)
-        return hidden, position_ids, attention_mask
-
-
-class _MaskedLayer(nn.Module):
-    """A decoder layer that builds, from the 2-D mask and positions it is passed, the 4-D mask
-    the model's forward would give it (with the library's own mask function)."""
-
-    def __init__(self, make_mask: Callable[..., Any], config: Any) -> None:
-        super().__init__()
-        self.make_mask = make_mask
-        self.config = config
-
-    def mask(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> Any:
-        return self.make_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              past_key_values=None, position_ids=position_ids)
-
-
-class RotaryLayer(_MaskedLayer):
-    """One decoder layer of a rotary family, with the model's rotary embedding (shared by every
-    layer: a constant buffer) and the mask its layer type calls for."""
-
-    def __init__(self, layer: nn.Module, rotary: nn.Module, make_mask: Callable[..., Any], config: Any) -> None:
-        super().__init__(make_mask, config)
-        self.layer = layer
-        self.rotary = rotary
-
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        mask = self.mask(hidden, position_ids, attention_mask)
-        cos_sin = self.rotary(hidden, position_ids)
-        hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
-        return hidden, position_ids, attention_mask
-
-
-class GPT2Layer(_MaskedLayer):
-    """One GPT-2 block with the causal mask the model's forward builds."""
-
-    def __init__(self, block: nn.Module, make_mask: Callable[..., Any], config: Any) -> None:
-        super().__init__(make_mask, config)
-        self.block = block
-
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        hidden = self.block(hidden, None, self.mask(hidden, position_ids, attention_mask), position_ids=position_ids)
-        return hidden, position_ids, attention_mask
-
-
-class Head(nn.Module):
-    """Final norm and ``lm_head``: the logits at every position."""
-
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
-        super().__init__()
-        self.norm = norm
-        self.lm_head = lm_head
-
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
 
 
 def _plain(config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -190,30 +107,56 @@ def _small(cls: type, given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build(arch: str, config: Mapping[str, Any] | None, pretrained: str | None, dtype: str | None,
-          attn_implementation: str) -> nn.Module:
-    """The Hugging Face model: from ``arch``'s config with :data:`SMALL` under ``config`` and random
-    weights, or, with ``pretrained``, config and weights from that local directory, ``config`` over
-    the saved config. One sentence (``ValueError``) for what cannot be built."""
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+def _saved_config(pretrained: str) -> Any:
+    """The config a ``save_pretrained`` directory holds; one sentence for a missing directory or one
+    without ``config.json``."""
+    from transformers import AutoConfig
 
-    if arch not in FAMILIES:
-        raise ValueError(f"model.arch={arch} is not supported: HFCausalLM cuts {', '.join(FAMILIES)} into stages.")
+    if not os.path.isdir(pretrained):
+        raise ValueError(f"model.pretrained={pretrained} is invalid: there is no such directory.")
+    if not os.path.isfile(os.path.join(pretrained, "config.json")):
+        raise ValueError(f"model.pretrained={pretrained} is invalid: the directory has no config.json "
+                         f"(write one with save_pretrained).")
+    try:
+        return AutoConfig.from_pretrained(pretrained, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"model.pretrained={pretrained} is invalid: its config.json cannot be read "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__}).") from e
+
+
+def build(arch: str | None, config: Mapping[str, Any] | None, pretrained: str | None, dtype: str | None,
+          attn_implementation: str | None = None, experts_implementation: str | None = None) -> nn.Module:
+    """The Hugging Face model: from ``arch``'s config (default :data:`DEFAULT_ARCH`) with
+    :data:`SMALL` under ``config`` and random weights, or, with ``pretrained``, config and weights
+    from that local directory (its ``config.json`` says the architecture), ``config`` over the saved
+    config. One sentence (``ValueError``) for what cannot be built."""
+    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
+
+    saved = None if pretrained is None else _saved_config(pretrained)
+    if saved is not None:
+        if arch is not None and saved.model_type != arch:
+            raise ValueError(f"model.arch={arch} does not match model.pretrained={pretrained}, a {saved.model_type} "
+                             f"model; set model.arch={saved.model_type} or leave it out.")
+        arch = saved.model_type
+    arch = DEFAULT_ARCH if arch is None else arch
+    if arch not in CONFIG_MAPPING:
+        raise ValueError(f"model.arch={arch} is invalid: transformers has no model type {arch}.")
     cls = CONFIG_MAPPING[arch]
+    if cls not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"model.arch={arch} is not supported: transformers has no causal LM of type {arch} "
+                         f"(AutoModelForCausalLM); {hf_stages.ROUTE}.")
     given = _overrides(arch, cls, _plain(config))
-    kw: dict[str, Any] = {"attn_implementation": attn_implementation}
+    kw: dict[str, Any] = {}
+    if attn_implementation is not None:
+        kw["attn_implementation"] = attn_implementation
+    if experts_implementation is not None:
+        kw["experts_implementation"] = experts_implementation
     if dtype is not None:
         kw["dtype"] = getattr(torch, dtype)
     if pretrained is None:
         cfg = AutoConfig.for_model(arch, **_small(cls, given))
     else:
-        try:
-            cfg = AutoConfig.from_pretrained(pretrained, local_files_only=True, **given)
-        except OSError as e:
-            raise ValueError(f"model.pretrained={pretrained} is invalid: no model config there ({e}).") from e
-        if cfg.model_type != arch:
-            raise ValueError(f"model.arch={arch} does not match model.pretrained={pretrained}, a {cfg.model_type} "
-                             f"model; set model.arch={cfg.model_type}.")
+        cfg = AutoConfig.from_pretrained(pretrained, local_files_only=True, **given)
     if cfg.vocab_size < VOCAB:
         where = "" if pretrained is None or "vocab_size" in given else f" (from model.pretrained={pretrained})"
         raise ValueError(f"model.config.vocab_size={cfg.vocab_size}{where} is invalid: the vocabulary must hold the "
@@ -224,59 +167,51 @@ def build(arch: str, config: Mapping[str, Any] | None, pretrained: str | None, d
         return AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, local_files_only=True, **kw)
 
 
-def _layer_mask(config: Any, i: int) -> Callable[..., Any]:
-    """The mask function the model's forward uses for layer ``i``: ``layer_types`` where the config
-    has them, else a sliding window where it sets one (Mistral), else the causal mask."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        sliding = types[i] == "sliding_attention"
-    else:
-        sliding = getattr(config, "sliding_window", None) is not None
-    return create_sliding_window_causal_mask if sliding else create_causal_mask
-
-
 def cut(model: nn.Module) -> list[nn.Module]:
-    """``model``'s own submodules as stages (no copies): embeddings, one stage per decoder layer,
-    final norm + ``lm_head``."""
-    from transformers.masking_utils import create_causal_mask
-
+    """``model``'s own submodules as stages (no copies): the embeddings, one stage per decoder
+    layer (the last with the final norm), ``lm_head`` (:mod:`.hf_stages`). One sentence
+    (``ValueError``) for a model that cannot be cut so, or whose state a stage could not keep."""
     config = model.config
-    head = model.get_output_embeddings()
-    if config.model_type == "gpt2":
-        t = model.transformer
-        return [Embeddings(t.wte, t.wpe, t.drop), *(GPT2Layer(b, create_causal_mask, config) for b in t.h),
-                Head(t.ln_f, head)]
-    m = model.model
-    rope = str(getattr(m.rotary_emb, "rope_type", "default"))
-    if "dynamic" in rope or "longrope" in rope:
-        raise ValueError(f"model.config.rope_parameters with rope_type {rope} is not supported: it recomputes the "
-                         f"rotary frequencies from the positions it sees, so a stage's state would change with its "
-                         f"data; use a static rope_type (default, linear, llama3, yarn).")
-    return [Embeddings(m.embed_tokens),
-            *(RotaryLayer(layer, m.rotary_emb, _layer_mask(config, i), config) for i, layer in enumerate(m.layers)),
-            Head(m.norm, head)]
+    if getattr(config, "output_router_logits", False):
+        raise ValueError("model.config.output_router_logits=true is not supported: the load-balancing loss "
+                         "couples the router logits of every layer; set it to false.")
+    if getattr(config, "layerdrop", 0) or 0:
+        raise ValueError(f"model.config.layerdrop={config.layerdrop} is not supported: the model's forward skips "
+                         f"layers at random, which no stage sees; set it to 0.")
+    for module in model.modules():
+        rope = str(getattr(module, "rope_type", "default"))
+        if "dynamic" in rope or "longrope" in rope:
+            raise ValueError(f"model.config.rope_parameters with rope_type {rope} is not supported: it recomputes the "
+                             f"rotary frequencies from the positions it sees, so a stage's state would change with its "
+                             f"data; use a static rope_type (default, linear, llama3, yarn).")
+    try:
+        return hf_stages.cut(model)
+    except hf_stages.CutError as e:
+        raise ValueError(str(e)) from None
 
 
 class HFCausalLM(LightningModule):
-    """A ``transformers`` causal LM (``arch``: one of :data:`FAMILIES`) as ``self.stages``.
+    """A ``transformers`` causal LM (``arch``: any model type with an ``AutoModelForCausalLM``; with
+    ``pretrained``, the directory's ``config.json`` says it) as ``self.stages``.
 
     ``config`` sets fields of the family's config (null: unset); from scratch they go over
     :data:`SMALL`, with ``pretrained`` (a local ``save_pretrained`` directory, read offline) over the
-    saved config. ``attn_implementation`` is ``sdpa`` or ``eager``; ``dtype`` (``float32``,
+    saved config. ``attn_implementation`` is ``sdpa``, ``eager``, ... (null: the library's default,
+    sdpa where the family has it); ``dtype`` (``float32``,
     ``bfloat16``, ...) the parameters' dtype, else float32 from scratch and the saved one when
     loaded. Batches are the character corpus's ``(x, y)`` or dicts with ``input_ids`` and optional
     ``attention_mask`` and ``labels`` (:meth:`split_batch`); the loss is the model's own shifted
     cross-entropy. AdamW with a cosine learning-rate schedule over ``max_steps``, like :class:`GPT`.
+    ``experts_implementation`` picks the mixture-of-experts kernel (``eager`` computes in float64;
+    null: the library's default).
     """
 
-    def __init__(self, arch: str = "llama", config: Mapping[str, Any] | None = None, pretrained: str | None = None,
+    def __init__(self, arch: str | None = None, config: Mapping[str, Any] | None = None, pretrained: str | None = None,
                  lr: float = 3e-3, weight_decay: float = 0.0, max_steps: int = 0, dtype: str | None = None,
-                 attn_implementation: str = "sdpa") -> None:
+                 attn_implementation: str | None = None, experts_implementation: str | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
-        model = build(arch, config, pretrained, dtype, attn_implementation)
+        model = build(arch, config, pretrained, dtype, attn_implementation, experts_implementation)
         model.loss_type = "ForCausalLM"  # what GPT2LMHeadModel falls back to anyway, with a warning
         # a plain attribute, not a child module: its parameters are named once, under stages
         object.__setattr__(self, "hf", model)
