@@ -17,6 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from launcher.schedule.metrics import PER_WORKER_KEYS
 
 HOST = socket.gethostname()
@@ -40,7 +42,9 @@ class Meter:
     # [stage, microbatch, kind, seconds of work (waits for peers excluded), process CPU seconds,
     #  the compute thread's CPU seconds]
     jobs: list = field(default_factory=list)
-    loss: float = 0.0
+    #: the loss stages' losses, kept on their device and read once, at the end of the step (a
+    #: ``float()`` per loss job would make the host wait for the device there, every time)
+    losses: list = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
     cpu0: float = field(default_factory=time.process_time)
     step_s: float = 0.0
@@ -51,6 +55,17 @@ class Meter:
     # monotonic clock: each job's (start, end), and the end of step's all-reduce of replicas
     spans: list | None = None
     allreduce_span: tuple[float, float] | None = None
+
+    def add_loss(self, loss: Any) -> None:
+        self.losses.append(loss.detach())
+
+    @property
+    def loss(self) -> float:
+        """The sum of this worker's losses of the step, added in job order in float64 (as a float per
+        job would be), with one wait for the device."""
+        if not self.losses:
+            return 0.0
+        return sum(torch.stack([v.reshape(()).double() for v in self.losses]).tolist())
 
     def take(self, nbytes: int) -> None:
         self.live += 1

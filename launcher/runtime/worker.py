@@ -49,7 +49,7 @@ from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.simulate import Step, Timeline, simulate
 
 from .batches import check_same_batches
-from .comm import Comm
+from .comm import Comm, irecv, isend
 from .deferred import input_grads
 from .failure import Watchdog, blocked, current_watchdog
 from .groups import BUCKET_BYTES, Replicas, warm_pairs
@@ -607,12 +607,12 @@ class Engine:
             tag = TAG_LIMIT - 1 - g
             if w == root:
                 value = list(self.modules[s0].parameters())[i0].detach().contiguous()
-                works += [dist.isend(value, self.ranks[o], group=self.group, tag=tag) for o in union]
+                works += [isend(value, self.ranks[o], group=self.group, tag=tag) for o in union]
             elif w in union:
                 s, i = next((s, i) for s, i in uses if w in owners[s])
                 param = list(self.modules[s].parameters())[i]
                 buf = torch.empty_like(param.detach())
-                works.append(dist.irecv(buf, self.ranks[root], group=self.group, tag=tag))
+                works.append(irecv(buf, self.ranks[root], group=self.group, tag=tag))
                 into += [(list(self.modules[s].parameters())[i], buf) for s, i in uses if s in self.modules]
         self._receive_into(works, into)
 
@@ -634,10 +634,10 @@ class Engine:
             root, L = owners[0], self.layouts[s]
             if w == root:
                 flat = L.pack([p.detach() for p in self.modules[s].parameters()])
-                works += [dist.isend(flat, self.ranks[o], group=self.group, tag=tag0 + s) for o in owners[1:]]
+                works += [isend(flat, self.ranks[o], group=self.group, tag=tag0 + s) for o in owners[1:]]
             else:
                 flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
-                works.append(dist.irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
+                works.append(irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
                 into += list(zip(self.modules[s].parameters(), L.views(flat).values()))
         self._receive_into(works, into)
 
@@ -669,12 +669,12 @@ class Engine:
                     view = self._param_view(totals[s], s, i)
                     parts.append(view)
                     if w == root:
-                        works += [dist.isend(view.contiguous(), self.ranks[o], group=self.group, tag=tag)
+                        works += [isend(view.contiguous(), self.ranks[o], group=self.group, tag=tag)
                                   for o in union if o not in owners[s]]
                 else:
                     L = self.layouts[s]
                     buf = torch.empty(L.shapes[i], dtype=L.dtype, device=self.device)
-                    works.append(dist.irecv(buf, self.ranks[root], group=self.group, tag=tag))
+                    works.append(irecv(buf, self.ranks[root], group=self.group, tag=tag))
                     parts.append(buf)
             with blocked(self.watchdog):
                 for work in works:
@@ -702,11 +702,11 @@ class Engine:
                 flat = L.pack([p.detach() for p in self.modules[s].parameters()])
                 if dst != root:
                     with blocked(self.watchdog):
-                        dist.send(flat, self.ranks[dst], group=self.group, tag=tag0 + s)
+                        isend(flat, self.ranks[dst], group=self.group, tag=tag0 + s).wait()
             elif self.worker == dst:
                 flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
                 with blocked(self.watchdog):
-                    dist.recv(flat, self.ranks[root], group=self.group, tag=tag0 + s)
+                    irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s).wait()
             if self.worker == dst:
                 out.append({k: v.detach().clone().cpu() for k, v in L.views(flat).items()})
         return out if self.worker == dst else None
@@ -898,7 +898,7 @@ class _StepState:
         saved = graph.nbytes if graph is not None else 0
         self.meter.hold_bytes(saved)  # the graph lives until the backward that frees it
         if loss is not None:
-            self.meter.loss += float(loss.detach())
+            self.meter.add_loss(loss)
         if self.e.finite is not None:  # a weightless loss stage's output may be its (NaN) mean over nothing
             self.e.finite.forward(s, b, None if self._weightless(s, b) else out, loss)
         # a recomputing backward fetches the weights again: keeping ``targets`` (a fetched copy)
@@ -954,7 +954,7 @@ class _StepState:
         out = run_stage(mod, params, self._inputs(op)[0])
         loss = self._loss(op, out)
         if loss is not None:
-            self.meter.loss += float(loss)
+            self.meter.add_loss(loss)
             self.predictions[b] = out
         n = self.e._local_succ[s * self.e.space.B + b]
         if n:
