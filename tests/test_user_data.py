@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from helpers.cli import run_launcher
 from helpers.training import last_state, max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
-from launcher.lightning.staging import check_staging, first_batch
+from launcher.lightning.staging import check_staging
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -205,6 +205,8 @@ def test_a_look_at_the_first_batch_leaves_the_loader_and_random_state_as_they_we
     """After :func:`first_batch`, every generator is where it was and a shuffling loader yields the
     batches, in the order, it would have yielded without the look (its own generator, and a
     loader that keeps its workers between epochs, too)."""
+    from launcher.lightning.staging import first_batch
+
     data = TensorDataset(torch.arange(32))
     options = {"global": {}, "own generator": {"generator": torch.Generator().manual_seed(5)},
                "persistent workers": {"num_workers": 1, "persistent_workers": True}}[kind]
@@ -249,3 +251,46 @@ def test_a_traced_step_receives_the_batch_encoding_the_loader_made() -> None:
     staging = check_staging(Encoded(), 2, "auto", BatchEncoding({"input_ids": ids, "labels": ids}), 2)
     assert staging.traced and len(staging.model.stages) == 2
     assert seen and set(seen) == {BatchEncoding}
+
+
+class Draws(torch.nn.Module):
+    """Dropout, and a forward that draws from Python's and numpy's generators as well (changing nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.dropout = torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.linear(x)) * (1.0 + 0.0 * random.random() + 0.0 * float(np.random.rand()))
+
+
+class Noisy(L.LightningModule):
+    """Three :class:`Draws`, as ``self.stages`` (with ``self.loss``) for a profiled cut, or
+    without them for a traced one."""
+
+    def __init__(self, staged: bool) -> None:
+        super().__init__()
+        layers = [Draws() for _ in range(3)]
+        self.stages = torch.nn.ModuleList(layers) if staged else None
+        self.body = None if staged else torch.nn.Sequential(*layers)
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2).mean()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.loss(self.body(x), y)
+
+
+@pytest.mark.parametrize("partition", ["time", "params"])
+def test_tracing_and_profiling_leave_the_random_state(partition: str) -> None:
+    """The preflight's trace (a traced module, ``params``) and its profile of ``self.stages``
+    (``time``) run the module, dropout included: every generator is where it was afterwards."""
+    staged = partition == "time"
+    model = Noisy(staged).double()
+    batch = (torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64))
+    L.seed_everything(4, verbose=False)
+    before = _state()
+    check_staging(model, 3, None if staged else "auto", batch, 2, partition=partition)
+    after = _state()
+    assert after[:2] == before[:2] and torch.equal(after[2], before[2])

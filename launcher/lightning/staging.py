@@ -26,6 +26,7 @@ from torch import nn
 from ..runtime.init import init_units
 from ..runtime.model import ModelError, StagedModel, model_errors
 from ..runtime.rng import kept_random_state, peek
+from ..runtime.streams import install_stages
 from ..runtime.values import as_tree, chunk
 from .partition import group_modules
 
@@ -43,6 +44,7 @@ class Staging:
     starts: list[str] | None = None  # traced: the module path each stage begins at
     groups: list[list[int]] | None = None  # else: the indices into ``self.stages`` of each stage
     costs: list[Any] | None = None  # profiled: each module's :class:`~launcher.split.cost.ModuleCost`
+    units: dict[str, int] | None = None  # traced: random-stream units (:attr:`launcher.split.cut.Split.units`)
 
     @property
     def stage_durations(self) -> list[dict[str, float]] | None:
@@ -177,6 +179,7 @@ def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = 
             raise ModelError([f"{name} has parameter {outside[0]} outside self.stages; put every layer in "
                               f"self.stages (or give split=auto to trace the whole module)."])
         grouped, cut = group_modules(list(stages), S, groups)
+        install_stages(stages)  # random streams: each module of self.stages is a unit
         return Staging(StagedModel(grouped, module.loss, init=unit_init(module, cut)), False, groups=cut, costs=costs)
     from ..split import SplitError, loss_module, split_module
 
@@ -187,10 +190,12 @@ def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = 
     batch = example[0]  # traced: the micro-batch, stage 0's one argument (example_microbatch)
     kind = _mapping_type(batch)
     try:
-        cut = split_module(loss_module(module, kind), (as_tree(batch),), S, "auto" if split is None else split)
+        with kept_random_state():  # tracing and its checks run the step: one device would not have
+            cut = split_module(loss_module(module, kind), (as_tree(batch),), S, "auto" if split is None else split)
     except SplitError as e:
         raise ModelError([str(e)]) from e
-    return Staging(StagedModel(cut.stages, _loss_is_output, cut.graph, cut.picks), True, list(cut.starts))
+    return Staging(StagedModel(cut.stages, _loss_is_output, cut.graph, cut.picks), True, list(cut.starts),
+                   units=dict(cut.units))
 
 
 def profiled_partition(module: nn.Module, S: int, by: str, batch: Any, microbatches: int,
@@ -218,7 +223,8 @@ def profiled_partition(module: nn.Module, S: int, by: str, batch: Any, microbatc
         y = chunk(y, microbatches)[0] if y is not None else None
     except (TypeError, ValueError) as e:
         raise ModelError([" ".join(str(e).split())]) from e
-    costs = profile_chain(list(stages), x, module.loss, y, reset=getattr(module, "reset_stage", None))
+    with kept_random_state():  # profiling runs the stages (dropout draws): one device would not have
+        costs = profile_chain(list(stages), x, module.loss, y, reset=getattr(module, "reset_stage", None))
     try:
         groups = cut(by, S, param_sizes(list(stages)), [c.seconds for c in costs],
                      [c.memory(microbatches) for c in costs], cap)
@@ -245,7 +251,8 @@ def check_staging(module: nn.Module, S: int, split: Sequence[str] | str | None, 
         groups, costs = profiled_partition(module, S, partition, batch, microbatches, cap)
     staging = stage_module(module, S, split, example, groups, costs)
     if not staging.traced and example is not None:
-        found = model_errors(staging.model, S, example)
+        with kept_random_state():
+            found = model_errors(staging.model, S, example)
         if found:
             raise ModelError(found)
     return staging
