@@ -12,12 +12,13 @@ is the model: the strategy runs the whole schedule in ``training_step`` and take
 - set-up: cuts ``module.stages`` into ``stages`` consecutive groups balanced by parameter count,
   builds the engine, and leaves on the module only the stages this worker owns, so the module's
   own ``configure_optimizers`` builds an optimizer over owned parameters only;
-- ``training_step``: cuts the batch into ``microbatches`` equal micro-batches and runs the step
-  through the engine; the loss (summed from whichever workers computed it) is returned and logged
-  as ``train_loss``. Lightning's automatic optimization then runs as usual: ``backward`` installs
-  the engine's reduced gradients, ``gradient_clip_val`` clips by the global norm across owners
-  (:func:`clip_by_global_norm`), the optimizer and learning-rate schedulers step as Lightning
-  steps them;
+- ``training_step``: cuts the batch into ``microbatches`` micro-batches and runs the step
+  through the engine, each micro-batch's loss weighted by its share of the batch's items
+  (:mod:`.items`: rows, labelled tokens, or the module's ``loss_items``); the loss (summed from
+  whichever workers computed it) is returned and logged as ``train_loss``. Lightning's automatic
+  optimization then runs as usual: ``backward`` installs the engine's reduced gradients,
+  ``gradient_clip_val`` clips by the global norm across owners (:func:`clip_by_global_norm`), the
+  optimizer and learning-rate schedulers step as Lightning steps them;
 - ``validation_step``/``test_step``/``predict_step``: a forward-only pass of the same schedule
   (:meth:`Engine.evaluate`); ``val_loss``/``test_loss`` logged, predictions gathered;
 - checkpoints: every stage gathered from its owner, in the single-device layout (:mod:`.state`);
@@ -57,6 +58,7 @@ from ..runtime.torch_private import FoundInfHookScaler, default_store, retype_gr
 from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.schemes import SCHEMES
+from .items import loss_items
 from .launcher import ForkLauncher
 from .lightning_private import init_dist_connection, retype_precision_plugin, sync_ddp_if_available, train_dataloaders
 from .staging import example_microbatch, first_batch, split_batch, stage_module, uses_trace
@@ -465,15 +467,15 @@ class UnifiedStrategy(ParallelStrategy):
         return True  # each worker takes its own stages back, so the partition must exist first
 
     # ---- the step --------------------------------------------------------------------------
-    def _microbatches(self, batch: Any, equal: bool = True) -> list[tuple[Any, Any]]:
-        """The batch cut into ``microbatches`` (input, target) pieces (:func:`split_batch`): equal
-        ones (the loss is the mean of the micro-batches' means, so they must be), or for prediction
-        as equal as they can be (Lightning keeps the last, partial batch when predicting)."""
+    def _microbatches(self, batch: Any) -> tuple[list[tuple[Any, Any]], list[Any] | None]:
+        """The batch cut into ``microbatches`` (input, target) pieces (:func:`split_batch`), as equal
+        as they can be (a last batch may not divide), and the items each one's loss averages over
+        (:func:`~launcher.lightning.items.loss_items`; None: its rows), by which the engine weighs it."""
         batch = self.precision_plugin.convert_input(batch)
         x, y = split_batch(self.lightning_module, batch, self.traced)
-        xs = chunk(x, self.B, equal)
-        ys = chunk(y, self.B, equal) if y is not None else [None] * self.B
-        return list(zip(xs, ys))
+        xs = chunk(x, self.B, equal=False)
+        ys = chunk(y, self.B, equal=False) if y is not None else [None] * self.B
+        return list(zip(xs, ys)), loss_items(self.lightning_module, batch, self.B)
 
     def _sum_over_workers(self, value: float) -> torch.Tensor:
         t = torch.tensor([value], dtype=torch.float64, device=self.root_device)
@@ -482,12 +484,12 @@ class UnifiedStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self.engine is not None
-        mbs = self._microbatches(args[0])
+        mbs, items = self._microbatches(args[0])
         with self.precision_plugin.train_step_context():
             scaler = getattr(self.precision_plugin, "scaler", None)
             if scaler is not None:  # 16-mixed: the backward runs here, on the scaled loss; the step unscales
                 self.engine.loss_scale = float(scaler.get_scale())
-            record = self.engine.compute_step(mbs)
+            record = self.engine.compute_step(mbs, items)
         self.records.append(record)
         self._last_batch = mbs
         finite = self.engine.finite
@@ -529,9 +531,9 @@ class UnifiedStrategy(ParallelStrategy):
 
     def _evaluate(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         assert self.engine is not None
-        mbs = self._microbatches(batch, equal=key is not None)
+        mbs, items = self._microbatches(batch)
         with self.precision_plugin.val_step_context():
-            share, preds = self.engine.evaluate(mbs)
+            share, preds = self.engine.evaluate(mbs, items)
         loss = self._sum_over_workers(share).to(self.lightning_module.dtype)
         if key is not None and (mbs[0][1] is not None or self.traced):  # traced: the stages' output is the loss
             self.lightning_module.log(key, loss, prog_bar=key == "val_loss")  # the same on every worker

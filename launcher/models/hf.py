@@ -249,6 +249,11 @@ class HFCausalLM(LightningModule):
         target = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
         return inputs, target
 
+    def loss_items(self, batch: Any) -> torch.Tensor:
+        """The positions with a target in ``batch`` (padding and -100 labels have none): what
+        :meth:`loss` averages over, so a scheme weighs each micro-batch by its share of them."""
+        return (self.split_batch(batch)[1] != -100).sum()
+
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The model's own causal-LM cross-entropy, mean over the positions with a target."""
         if logits.dtype == torch.float64:
