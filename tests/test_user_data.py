@@ -231,7 +231,7 @@ def test_a_look_at_the_first_batch_leaves_the_loader_and_random_state_as_they_we
 
 def test_a_traced_step_receives_the_batch_encoding_the_loader_made() -> None:
     """A ``transformers.BatchEncoding`` reaches a traced ``training_step`` as one (attribute access
-    works), not as a dict or a tuple around it."""
+    works), not as a dict or a tuple around it; tracing leaves the module in train mode."""
     from transformers import BatchEncoding
 
     seen: list[type] = []
@@ -248,9 +248,13 @@ def test_a_traced_step_receives_the_batch_encoding_the_loader_made() -> None:
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())
 
     ids = torch.randint(0, 16, (4, 5))
-    staging = check_staging(Encoded(), 2, "auto", BatchEncoding({"input_ids": ids, "labels": ids}), 2)
+    module = Encoded()
+    staging = check_staging(module, 2, "auto", BatchEncoding({"input_ids": ids, "labels": ids}), 2)
     assert staging.traced and len(staging.model.stages) == 2
     assert seen and set(seen) == {BatchEncoding}
+    # the trace's checks ran it in eval mode too: the module is back in train mode, the LightningModule itself
+    # included (Lightning warns of a module in eval mode at the start of training, and keeps it so)
+    assert [n for n, m in module.named_modules() if not m.training] == []
 
 
 class Draws(torch.nn.Module):

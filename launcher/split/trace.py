@@ -286,7 +286,21 @@ class LossModule(nn.Module):
         transient = non_persistent_buffers(lightning_module)
         for name, b in lightning_module.named_buffers(recurse=False, remove_duplicate=False):
             self.register_buffer(name, b, persistent=name not in transient)
-        self.training = lightning_module.training
+
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        """The LightningModule's own mode: a training_step may read ``self.training``, and whatever
+        puts this module's mode back (a check run in eval mode) puts the LightningModule's back too."""
+        lm = self.__dict__.get("lightning_module")
+        return lm.training if lm is not None else self.__dict__.get("_training", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        lm = self.__dict__.get("lightning_module")
+        if lm is not None:
+            lm.training = mode
+        else:  # nn.Module.__init__, before the LightningModule is attached
+            self.__dict__["_training"] = mode
 
     def forward(self, batch: Any) -> torch.Tensor:
         lm = self.lightning_module
@@ -315,11 +329,6 @@ class LossModule(nn.Module):
             raise SplitError(f"{type(lm).__name__}.training_step returned {type(out).__name__}, not a loss tensor "
                              f"(or a dict with one under 'loss'), so it cannot be split as a batch -> loss function.")
         return out
-
-    def train(self, mode: bool = True) -> "LossModule":
-        super().train(mode)
-        self.lightning_module.training = mode  # a training_step may read self.training
-        return self
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
