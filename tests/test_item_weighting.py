@@ -10,12 +10,26 @@ batch (float64, within 1e-10), not a mean of the micro-batches' means.
 from __future__ import annotations
 
 import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from torch import nn
+from torch.utils.data import Dataset
 
+import launcher.config  # noqa: F401  (registers the schema and the resolver)
+from helpers.cli import run_launcher
+from helpers.training import last_state, max_diff, quiet_trainer
+from launcher.lightning import UnifiedStrategy
 from launcher.runtime import Engine, StagedModel, launch
+from launcher.runtime.init import empty_init, init_units
 from launcher.runtime.items import shares
 from launcher.runtime.model import flat_params, staged_mlp
 from launcher.schedule import make_step
@@ -142,3 +156,188 @@ def test_equal_counts_keep_the_plain_mean() -> None:
         shares(mbs, [1, -1, 2, 2])
     with pytest.raises(ValueError, match="items has 3 counts for 4 micro-batches"):
         shares(mbs, [1, 2, 2])
+
+
+# ---- model=hf on right-padded batches, through the command line -------------------------------
+
+PADDED = '''
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
+
+from launcher.models.data import stdlib_text
+
+
+class Padded(LightningDataModule):
+    """Standard-library text in rows of 2 to seq_len characters, right-padded to seq_len as a
+    tokenizer pads a batch: attention_mask 0 and labels -100 on the padding."""
+
+    def __init__(self, batch_size: int = 8, seq_len: int = 12, n: int = 64) -> None:
+        super().__init__()
+        self.batch_size, self.seq_len, self.n = batch_size, seq_len, n
+
+    def setup(self, stage=None) -> None:
+        n, t = self.n, self.seq_len
+        ids = torch.tensor(list(stdlib_text(n * t).encode("ascii", "replace"))).view(n, t)
+        lengths = torch.randint(2, t + 1, (n,), generator=torch.Generator().manual_seed(5))
+        mask = (torch.arange(t) < lengths[:, None]).long()
+        ids = ids.masked_fill(mask == 0, 0)
+        labels = ids.masked_fill(mask == 0, -100)
+        self.rows = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)]
+
+    # not shuffled: the order of the user's data under a scheme is tests/test_user_data.py's subject
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.rows[16:], batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.rows[:16], batch_size=self.batch_size)
+'''
+
+#: a tiny Llama on padded batches of 8 rows, 4 micro-batches of 2 rows with unequal label counts;
+#: the launcher's defaults otherwise (gradient clipping on), float64, a validation after step 3
+HF_PADDED = ["stages=4", "microbatches=4", "trainer.max_steps=3", "trainer.precision=64-true",
+             "trainer.val_check_interval=3", "logger=none", "model=hf", "model.arch=llama",
+             "model.config.num_hidden_layers=2", "model.config.hidden_size=32", "model.config.intermediate_size=64",
+             "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "data=custom",
+             "data._target_=padded.Padded", "data.batch_size=8"]
+
+
+class _Losses(L.Callback):
+    """The training loss of every step, as the module logged it."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _single_device(overrides: list[str]) -> tuple[dict[str, torch.Tensor], list[float], float]:
+    """The oracle: the config's model and data built after ``seed_everything(seed)`` as the command
+    builds them (a model with ``reset_stage`` on the meta device, started by the launcher's rule),
+    trained by Lightning's default strategy with the config's trainer settings; its parameters, its
+    step losses and its last ``val_loss``."""
+    with initialize_config_module("launcher.conf", version_base=None):
+        cfg = compose("config", overrides=[o for o in overrides if not o.startswith(("G=", "R="))])
+    L.seed_everything(int(cfg.seed), verbose=False)
+    data = instantiate(cfg.data)
+    with empty_init():
+        model = instantiate(cfg.model)
+    model.double()
+    init_units(list(model.stages), torch.initial_seed(), reset=model.reset_stage)
+    t, losses = cfg.trainer, _Losses()
+    tr = quiet_trainer(precision=t.precision, max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val,
+                       limit_val_batches=t.limit_val_batches, val_check_interval=t.val_check_interval,
+                       callbacks=[losses])
+    tr.fit(model, datamodule=data)
+    return model.state_dict(), losses.losses, float(tr.callback_metrics["val_loss"])
+
+
+@pytest.fixture(scope="module")
+def hf_padded_oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list[float], float]:
+    where = tmp_path_factory.mktemp("oracle")
+    (where / "padded.py").write_text(PADDED)
+    sys.path.insert(0, str(where))
+    try:
+        return _single_device(HF_PADDED)
+    finally:
+        sys.path.remove(str(where))
+        sys.modules.pop("padded", None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scheme", [["strategy=fsdp"], ["strategy=lpp", "G=2", "R=2"]], ids=["fsdp", "lpp"])
+def test_hf_on_padded_batches_equals_one_device(scheme: list[str], hf_padded_oracle, tmp_path: Path) -> None:
+    (tmp_path / "padded.py").write_text(PADDED)
+    run = tmp_path / "run"
+    p = run_launcher(*scheme, *HF_PADDED, f"hydra.run.dir={run}", cwd=tmp_path, timeout=280)
+    assert p.returncode == 0, p.stderr[-3000:]
+    want, want_losses, want_val = hf_padded_oracle
+    assert max_diff(last_state(run), want) < ATOL
+    metrics = json.loads((run / "metrics.json").read_text())
+    losses = [s["loss"] for s in metrics["steps"]]
+    assert len(losses) == len(want_losses) == 3
+    assert max(abs(a - b) for a, b in zip(losses, want_losses)) < ATOL
+    assert abs(metrics["val"][-1]["val_loss"] - want_val) < ATOL
+
+
+# ---- a BERT masked LM in a user's LightningModule, traced, on dict batches ------------------
+
+#: the gradient clipping a user of the launcher gets
+CLIP = float(OmegaConf.load(Path(__file__).parents[1] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
+
+
+class MaskedLM(L.LightningModule):
+    """A user's module around ``transformers``' BERT masked LM: the model's own loss, a mean over
+    the masked positions of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        # dropout 0: a scheme draws each micro-batch's mask where one device draws the batch's, so
+        # the two would train on different masks (dropout under a scheme is not this file's subject)
+        config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+        self.model = BertForMaskedLM(config)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val_loss", self.model(**batch).loss)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Rows(Dataset):
+    """A list of dict samples as a data set."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def masked_rows(n: int, seed: int, seq_len: int = 10, vocab: int = 32, mask_id: int = 3) -> Rows:
+    """Right-padded rows (pad id 0) with about a quarter of their tokens masked: labels hold the
+    original token there and -100 everywhere else (padding included), as a data collator makes them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (n, seq_len), generator=g)
+    lengths = torch.randint(3, seq_len + 1, (n,), generator=g)
+    attention = (torch.arange(seq_len) < lengths[:, None]).long()
+    masked = (torch.rand(n, seq_len, generator=g) < 0.25) & (attention == 1)
+    labels = ids.masked_fill(~masked, -100)
+    ids = ids.masked_fill(masked, mask_id).masked_fill(attention == 0, 0)
+    return Rows([{"input_ids": i, "attention_mask": a, "labels": y} for i, a, y in zip(ids, attention, labels)])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scheme", [("ddp", 4, 1), ("fslpp", 2, 2)], ids=["ddp", "fslpp"])
+def test_bert_masked_lm_traced_on_dict_batches_equals_one_device(scheme: tuple[str, int, int]) -> None:
+    """``self.model(**batch).loss`` of a BERT masked LM under ``split=auto``: each micro-batch
+    weighs by its masked positions (found from the model's ``loss_type``, no user code), so the
+    parameters and ``val_loss`` equal one device's on the whole batch."""
+
+    def run(strategy: Any, devices: int) -> tuple[dict[str, torch.Tensor], float]:
+        L.seed_everything(0, verbose=False)
+        model = MaskedLM()
+        tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=3, gradient_clip_val=CLIP,
+                           val_check_interval=3, limit_val_batches=2)
+        tr.fit(model, datamodule=L.LightningDataModule.from_datasets(masked_rows(48, 1), masked_rows(16, 2),
+                                                                     batch_size=8))
+        return model.state_dict(), float(tr.callback_metrics["val_loss"])
+
+    want, want_val = run("auto", 1)
+    name, G, R = scheme
+    got, got_val = run(UnifiedStrategy(name, G=G, R=R, stages=4, microbatches=4, split="auto"), 4)
+    assert max_diff(want, got) < ATOL
+    assert abs(got_val - want_val) < ATOL
