@@ -298,3 +298,39 @@ def test_tracing_and_profiling_leave_the_random_state(partition: str) -> None:
     check_staging(model, 3, None if staged else "auto", batch, 2, partition=partition)
     after = _state()
     assert after[:2] == before[:2] and torch.equal(after[2], before[2])
+
+
+def test_the_trainers_own_loaders_are_read_without_changing_its_order() -> None:
+    """Where a worker finds its example (processes started outside, as by torchrun): the loaders the
+    trainer will read, looked at while it sets up (as the strategy's ``setup`` does), leave the
+    batches it then trains on, and their order, as they were."""
+    from launcher.lightning.lightning_private import train_dataloaders
+    from launcher.lightning.staging import first_batch
+
+    class Seen(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.seen = torch.nn.Linear(1, 1), []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(batch[0].flatten().tolist())
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Look(L.Callback):
+        def setup(self, trainer, pl_module, stage) -> None:
+            self.first = first_batch(train_dataloaders(trainer))
+
+    def seen(look: bool) -> list:
+        L.seed_everything(0, verbose=False)
+        model, callbacks = Seen(), [Look()] if look else []
+        quiet_trainer(max_steps=4, callbacks=callbacks).fit(
+            model, train_dataloaders=DataLoader(TensorDataset(torch.arange(16.0).unsqueeze(1)), batch_size=4,
+                                                shuffle=True))
+        if look:
+            assert callbacks[0].first[0].flatten().tolist() == model.seen[0]  # the batch training began with
+        return model.seen
+
+    assert seen(look=True) == seen(look=False)
