@@ -223,6 +223,9 @@ def _check_training(config_name: str, overrides: list[str], dirs: list[str]) -> 
     busy = common.in_use(Path(run_dir)) if run_dir is not None and common.joined_rank() == 0 else None
     if busy:  # another run holds the directory: say so at once, before building anything
         return [busy]
+    earlier = train.previous_checkpoint(cfg, Path(run_dir)) if run_dir is not None else None
+    if earlier:  # before Hydra writes this run's config into the earlier run's directory
+        return [earlier]
     try:
         train.check(cfg)
     except ConfigError as e:

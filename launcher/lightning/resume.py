@@ -10,7 +10,9 @@ worker starts, each problem one sentence naming the key to change:
   by default ``model.max_steps`` follows ``trainer.max_steps``, and extending a finished run would
   otherwise stretch its schedule silently.
 
-The file is memory-mapped, so even a large checkpoint costs the launching process little.
+The file is loaded as Lightning's workers load it (``torch.load(weights_only=True)``: a checkpoint
+holding other Python objects is named here, not in every worker) and memory-mapped, so even a large
+checkpoint costs the launching process little.
 """
 
 from __future__ import annotations
@@ -31,12 +33,22 @@ SCHEDULE_KEY = "max_steps"
 
 
 def load_checkpoint(path: str) -> Any:
-    """The checkpoint at ``path``, memory-mapped where its format allows (nothing is read until used)."""
+    """The checkpoint at ``path`` as Lightning's workers load it to resume (``weights_only=True``:
+    tensors and plain values only), memory-mapped where its format allows (nothing is read until used)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # noqa: BLE001 - an old (non-zip) file cannot be mapped, a damaged one says why below
-        pass
-    return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - an old (non-zip) file cannot be mapped, a damaged one says why below
+        if _refused_global(e) is not None:  # a value the safe load refuses: said by resume_errors
+            raise
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _refused_global(e: BaseException) -> str | None:
+    """The class a ``weights_only`` load refused (``omegaconf.dictconfig.DictConfig``), if that is why it failed."""
+    import re
+
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+    return found.group(1) if found else None
 
 
 def _shape(t: Any) -> list[int] | None:
@@ -126,6 +138,13 @@ def resume_errors(cfg: DictConfig, model: Any) -> list[str]:
         ckpt = load_checkpoint(str(path))
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file: one sentence
         import zipfile
+
+        refused = _refused_global(e)
+        if refused is not None:
+            return [f"{key} holds {refused}, which Lightning's safe load (torch.load with weights_only=True) "
+                    f"refuses, so no worker could resume from it: resume from a checkpoint whose saved values are "
+                    f"tensors and plain Python values (hyperparameters as dicts and lists, e.g. through "
+                    f"OmegaConf.to_container), or start without ckpt_path."]
 
         size = os.path.getsize(str(path))
         if not zipfile.is_zipfile(str(path)):  # torch.save writes a zip archive, its directory at the end

@@ -170,6 +170,9 @@ class UnifiedStrategy(ParallelStrategy):
         self._args = dict(G=G, R=R, microbatches=microbatches, order=order, config=config)
         self.split = list(split) if isinstance(split, (list, tuple)) else split
         self.traced = False  # set up from a traced training step: the batch goes whole to stage 0
+        #: the dtype the loss has on one device: its stage's weights', which may differ from the
+        #: module's nominal dtype (a model built in float64 under 32-true keeps a float64 loss)
+        self.loss_dtype = torch.get_default_dtype()
         self._staged: tuple[Any, Any] | None = None  # (module, its Staging), made before the fork
         #: per stage, profiled seconds per job kind (partition=time/memory), the same on every worker
         self.stage_durations_s: list[dict[str, float]] | None = None
@@ -354,6 +357,7 @@ class UnifiedStrategy(ParallelStrategy):
             with self.precision_plugin.train_step_context():  # traced as it runs: 64-true's default dtype is float64
                 staging = stage_module(module, S, self.split, example, groups, costs)
         self.traced, self.graph = staging.traced, staging.model.graph
+        self.loss_dtype = _loss_dtype(staging.model.stages, module.dtype)
         self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
         self.engine = Engine(staging.model, self.make_step(), None, prefetch=self.settings.prefetch,
                              weight_cache=self.settings.weight_cache, device=self.root_device,
@@ -498,7 +502,7 @@ class UnifiedStrategy(ParallelStrategy):
         self.step_skipped = bad is not None
         if bad is not None:
             self._nonfinite(finite.describe(bad))
-        loss = loss.to(self.lightning_module.dtype)
+        loss = loss.to(self.loss_dtype)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -534,7 +538,7 @@ class UnifiedStrategy(ParallelStrategy):
         mbs, items = self._microbatches(batch)
         with self.precision_plugin.val_step_context():
             share, preds = self.engine.evaluate(mbs, items)
-        loss = self._sum_over_workers(share).to(self.lightning_module.dtype)
+        loss = self._sum_over_workers(share).to(self.loss_dtype)
         if key is not None and (mbs[0][1] is not None or self.traced):  # traced: the stages' output is the loss
             self.lightning_module.log(key, loss, prog_bar=key == "val_loss")  # the same on every worker
         return loss, preds
@@ -741,6 +745,17 @@ _CLIPPING: dict[type, type] = {}
 
 def _clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float) -> None:
     clip_by_global_norm(plugin.unified_strategy, float(clip_val))
+
+
+def _loss_dtype(stages: Any, nominal: torch.dtype) -> torch.dtype:
+    """The floating dtype of the last stage's weights (the stage that computes the loss), else of
+    any stage's, else ``nominal``: the loss is reported in the precision one device computes it in."""
+    for group in (list(stages)[-1:], list(stages)):
+        for m in group:
+            for p in m.parameters():
+                if p.is_floating_point():
+                    return p.dtype
+    return nominal
 
 
 def _with_global_clipping(strategy: UnifiedStrategy) -> None:

@@ -68,7 +68,9 @@ def _build(node: Any, key: str, want: type, what: str) -> Any:
     if found:
         raise ConfigError(found)
     try:
-        obj = instantiate(node)
+        # plain dicts and lists, not Hydra's config objects: the module's saved hyperparameters
+        # then load with torch.load(weights_only=True), as Lightning loads a checkpoint to resume
+        obj = instantiate(node, _convert_="all")
     except Exception as e:  # noqa: BLE001 - a user's class may raise anything: one sentence
         raise ConfigError([keyed(e, node, key) or f"{key}._target_={target} could not be built: {one_line(e)}."]) from e
     if not isinstance(obj, want):
@@ -128,6 +130,28 @@ def _check_model(strategy: Any, model: Any, data: Any, cfg: DictConfig) -> None:
         raise ConfigError([s if s.startswith(("stages=", "split=")) else
                            f"model._target_={target} cannot be trained by the schedule: {s}"
                            for s in e.sentences]) from e
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code raised while it was staged: one sentence, as on one device
+        where = user_frame(e)
+        raise ConfigError([f"model._target_={target} failed before training started, while the launcher cut it into "
+                           f"stages and ran one micro-batch of the data's first batch through them: {one_line(e)}"
+                           + (f" ({where})" if where else "") + "."]) from e
+
+
+def user_frame(e: BaseException) -> str | None:
+    """``file.py, line N`` of the innermost frame of ``e``'s root cause in the user's code (not in
+    the launcher, the standard library or an installed package), if any."""
+    import sysconfig
+    import traceback
+
+    while e.__cause__ is not None:
+        e = e.__cause__
+    skip = (str(Path(__file__).resolve().parents[1]),
+            *{sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith("<") and not str(Path(f.filename).resolve()).startswith(skip)]
+    return f"{Path(frames[-1].filename).name}, line {frames[-1].lineno}" if frames else None
 
 
 #: argument names that say what an embedding is indexed by: the data's symbols, or positions
@@ -534,6 +558,33 @@ def _group(out_dir: Path) -> str:
     return out_dir.name
 
 
+def previous_checkpoint(cfg: DictConfig, out: Path, sweep: bool = False) -> str | None:
+    """The sentence refusing a new run into ``out`` when it holds an earlier run's checkpoints: the
+    new run's ``last.ckpt`` would go beside the old one as ``last-v1.ckpt`` (Lightning never
+    overwrites a checkpoint it did not write), and which one is the run's would be a guess. Not
+    refused: resuming from a checkpoint of that directory (it goes on writing there), a requeued
+    Slurm job (it resumes from its own checkpoint), and a run that writes no checkpoints."""
+    from ..lightning import requeue
+
+    folder = Path(out) / "checkpoints"
+    if not bool(cfg.trainer.get("enable_checkpointing", True)) or requeue.resume_path(out) is not None:
+        return None
+    try:
+        found = sorted(folder.glob("*.ckpt"), key=lambda p: (p.name != "last.ckpt", -p.stat().st_mtime))
+    except OSError:  # a directory that cannot be read: the run's own writes will say so
+        return None
+    if not found:
+        return None
+    ckpt = cfg.get("ckpt_path")
+    if ckpt is not None and Path(str(ckpt)).absolute().parent == folder.absolute():
+        return None  # resumed from there: its own checkpoints go on
+    path, key = found[0], "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    where = f"the run directory {out}" if sweep else f"{key}={out}"
+    return (f"{where} holds an earlier run's checkpoint {path}, and a new run there would write its own "
+            f"beside it: resume from it with ckpt_path={path} (with trainer.max_steps above its steps), or choose "
+            f"another {key} (or remove {folder}).")
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One training run (one point of a sweep), holding its run directory while it runs: a second
     run in the same directory is refused (one sentence naming the holder's PID) and touches nothing."""
@@ -559,6 +610,9 @@ def _run(cfg: DictConfig, out: Path, where: str) -> dict[str, Any]:
     from ..report import progress
     from ..runtime import Interrupted, WorkerFailed
 
+    earlier = previous_checkpoint(cfg, out, in_sweep())
+    if earlier is not None:  # refused before anything of the earlier run is removed
+        return reject([earlier], where, in_sweep())
     for name in OUTCOMES:
         (out / name).unlink(missing_ok=True)
     progress.remove(out)

@@ -144,8 +144,21 @@ def _report_failure(rank: int, e: BaseException, wd: Watchdog | None, report: Ca
         report("transport" if transport else "failed", msg)
     else:
         report("aborted", f"rank {rank} stopped because {msg}")
-    if own and not transport and not isinstance(e, Stop):  # the culprit's traceback only; never C++ text
-        traceback.print_exc()
+    if own and not transport and not isinstance(e, Stop) and not _a_write_error(e):
+        traceback.print_exc()  # the culprit's traceback only; never C++ text
+
+
+def _a_write_error(e: BaseException) -> bool:
+    """A file that could not be written (a full disk, a read-only directory): its sentence names the
+    file and why (:class:`launcher.atomic.WriteError`); a traceback would add nothing to it."""
+    from ..atomic import WriteError
+
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, WriteError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _child(
