@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from helpers.cli import run_launcher
@@ -339,5 +339,75 @@ def test_bert_masked_lm_traced_on_dict_batches_equals_one_device(scheme: tuple[s
     want, want_val = run("auto", 1)
     name, G, R = scheme
     got, got_val = run(UnifiedStrategy(name, G=G, R=R, stages=4, microbatches=4, split="auto"), 4)
+    assert max_diff(want, got) < ATOL
+    assert abs(got_val - want_val) < ATOL
+
+
+# ---- a user's own count, and a last batch that does not divide --------------------------------
+
+
+class MaskedRegression(L.LightningModule):
+    """A user's regression whose loss is a mean over the rows a mask keeps, and that says so
+    through the ``loss_items`` hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([nn.Sequential(nn.Linear(6, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8),
+                                     nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.stages:
+            x = m(x)
+        return x
+
+    def split_batch(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        x, y, mask = batch
+        return x, (y, mask)
+
+    def loss(self, out: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return masked_mse(out, target)
+
+    def loss_items(self, batch: list[torch.Tensor]) -> torch.Tensor:
+        return batch[2].sum()
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, target = self.split_batch(batch)
+        return self.loss(self(x), target)
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        x, target = self.split_batch(batch)
+        self.log("val_loss", self.loss(self(x), target))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def masked_set(n: int, seed: int) -> TensorDataset:
+    """``n`` rows ``(x, y, mask)``; the last row's mask is 0, so the last micro-batch of a last
+    batch of 6 rows (cut 2, 2, 1, 1) has nothing to average over."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(n, generator=g) < 0.6).double()
+    mask[-1] = 0.0
+    return TensorDataset(torch.randn(n, 6, generator=g, dtype=torch.float64),
+                         torch.randn(n, 3, generator=g, dtype=torch.float64), mask)
+
+
+@pytest.mark.timeout(300)
+def test_loss_items_hook_and_a_last_batch_that_does_not_divide() -> None:
+    """The module's own count (``loss_items``) weighs its micro-batches, on batches of 8, 8, 8 and 6
+    rows (the last cut 2, 2, 1, 1, its last micro-batch empty) and validation batches of 8 and 6:
+    parameters and ``val_loss`` equal one device's under GPipe."""
+
+    def run(strategy: Any, devices: int) -> tuple[dict[str, torch.Tensor], float]:
+        L.seed_everything(0, verbose=False)
+        model = MaskedRegression().double()
+        tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=4, gradient_clip_val=CLIP,
+                           val_check_interval=4, limit_val_batches=2)
+        tr.fit(model, datamodule=L.LightningDataModule.from_datasets(masked_set(30, 1), masked_set(14, 2),
+                                                                     batch_size=8))
+        return model.state_dict(), float(tr.callback_metrics["val_loss"])
+
+    want, want_val = run("auto", 1)
+    got, got_val = run(UnifiedStrategy("gpipe", stages=4, microbatches=4), 4)
     assert max_diff(want, got) < ATOL
     assert abs(got_val - want_val) < ATOL

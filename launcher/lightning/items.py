@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..runtime.values import as_tree, chunk
+from .staging import _mapping_type
 
 #: the LightningModule method that says how many items a micro-batch's loss averages over
 HOOK = "loss_items"
@@ -73,7 +74,8 @@ def loss_items(module: nn.Module, batch: Any, pieces: int) -> list[Any] | None:
     0-d tensors), by the rule in the module doc; None where the rows are the count."""
     hook = getattr(module, HOOK, None)
     if callable(hook):
-        return [hook(part) for part in chunk(batch, pieces, equal=False)]
+        kind = _mapping_type(batch)  # a BatchEncoding's slices are BatchEncodings too
+        return [hook(kind(part) if kind is not None else part) for part in chunk(batch, pieces, equal=False)]
     if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), torch.Tensor):
         return None
     count = hf_items(module)
