@@ -16,6 +16,8 @@ next in execution order.
 A stage is a ``torch.fx.GraphModule`` over the module's own parameters and buffers. Its dropout
 follows its own ``training`` flag; tensors that forward creates on the traced device follow the
 device of its parameters; stage 0 checks that a micro-batch has the example's shapes and dtypes.
+A stage seeds each random-stream unit (a segment from one module boundary to the next) before the
+unit's first random op (:func:`launcher.runtime.streams.seed_unit`, nothing outside a job).
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ import builtins
 import contextlib
 import difflib
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
 
+from launcher.runtime.streams import seed_unit
 from launcher.runtime.torch_private import (
     is_op_overload,
     non_persistent_buffers,
@@ -62,6 +65,9 @@ class Split:
     graph: StageGraph  # preds[s]: the stages whose outputs stage s takes
     picks: dict[tuple[int, int], tuple[int, ...]]  # edge (p, c): the items of stage p's output tuple c takes
     starts: list[str]  # the module path where each stage begins
+    # random streams (:mod:`launcher.runtime.streams`): the module path that begins each unit
+    # holding a random op ("": the forward's head, before any submodule), and the unit's index
+    units: dict[str, int] = field(default_factory=dict)
 
     def inputs(self, stage: int, outs: Sequence[tuple]) -> list[Any]:
         """What stage ``stage`` (not 0) is called with, from the outputs of the stages before it."""
@@ -187,6 +193,12 @@ class _Program:
             if i not in self.outermost or path.count(".") < self.outermost[i].count("."):
                 self.outermost[i] = path
         self.pinned = self._pinned()
+        # random-stream units: segments from one module's first node to the next (cuts fall on
+        # such positions only, so a unit never spans stages); those with a random op, by position
+        self.unit_starts = sorted({0, *self.first.values()})
+        self.random_unit: dict[fx.Node, int] = {
+            n: bisect.bisect_right(self.unit_starts, i) - 1 for i, n in enumerate(self.order)
+            if is_op_overload(n.target) and torch.Tag.nondeterministic_seeded in n.target.tags}
         own = {id(p) for p in module.parameters()}
         for n in nodes:
             if n.op == "get_attr" and isinstance(v := _attr(gm, n.target), nn.Parameter) and id(v) not in own:
@@ -421,7 +433,9 @@ class _Program:
         for s in range(S):
             feeds = self.inputs if s == 0 else [exports[p][i] for p in preds[s] for i in picks[(p, s)]]
             modules.append(self._stage(s, S, stage_of, feeds, exports[s]))
-        return Split(modules, StageGraph(tuple(tuple(p) for p in preds)), picks, starts)
+        starts_at = [self.outermost.get(p, "") for p in self.unit_starts]  # "": no module begins at 0
+        units = {starts_at[u]: u for u in sorted(set(self.random_unit.values()))}
+        return Split(modules, StageGraph(tuple(tuple(p) for p in preds)), picks, starts, units)
 
     def _stage(self, s: int, S: int, stage_of: dict[fx.Node, int], feeds: list[fx.Node],
                exports: list[fx.Node]) -> fx.GraphModule:
@@ -451,6 +465,7 @@ class _Program:
                 env[a] = g.node_copy(a, lookup)
             return env[a]
 
+        seeded: set[int] = set()
         if s == 0:
             attrs["_input_check"] = InputCheck([(name, v.meta.get("val")) for name, v in zip(names, feeds)])
             g.call_module("_input_check", tuple(env[v] for v in feeds))
@@ -459,6 +474,10 @@ class _Program:
                 continue
             if n.op == "call_module":
                 attrs[n.target] = _attr(self.gm, n.target)
+            u = self.random_unit.get(n)
+            if u is not None and u not in seeded:  # the unit's stream, whichever stage holds it
+                seeded.add(u)
+                g.call_function(seed_unit, (u,))
             user[0] = n
             env[n] = g.node_copy(n, lookup)
         user[0] = self.out
