@@ -21,7 +21,7 @@ budget is stopped and the part fails:
    boundary, which single-device autocast does not);
 3. ``overhead``: the engine on one worker against plain PyTorch on the same stages, a Llama of
    about 1 B parameters under bf16 autocast (fp32 master weights, AdamW): step time, tokens/s and
-   MFU against the card's dense bf16 peak (H100 and H200 SXM: 989 TFLOP/s), model FLOPs
+   MFU against the card's dense bf16 peak (H100 and H200 SXM 989 TFLOP/s, H100 PCIe 756), model FLOPs
    ``6 N + 12 L d T`` per token; beside it the step time the simulator predicts from what the
    worker measured (``vs_torch_native.replayed``) and the peak memory the planner's memory model
    predicts (``launcher.plan.memory``) against ``torch.cuda.max_memory_allocated``;
@@ -48,6 +48,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -70,7 +71,8 @@ from launcher.schedule import make_step, simulate  # noqa: E402
 
 FP32_TOL = 1e-5  # float32: largest difference over the largest value (gradients; parameters)
 BF16_FACTOR = 3.0  # bf16-mixed: times single-device bf16's own distance from float32
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense bf16 FLOP/s of the SXM cards (H200: the same chip)
+#: dense bf16 FLOP/s by a part of the card's name, first match: the SXM cards (H200 has H100's compute), PCIe
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
 S, B = 4, 4  # the oracle's stages and micro-batches
 
 
@@ -161,10 +163,15 @@ def _card(device: torch.device) -> dict[str, Any]:
         p = torch.cuda.get_device_properties(device)
         out.update(name=torch.cuda.get_device_name(device), memory_bytes=p.total_memory,
                    capability=f"{p.major}.{p.minor}", cuda=torch.version.cuda,
-                   nccl=".".join(map(str, torch.cuda.nccl.version())) if dist.get_backend() == "nccl" else None)
+                   nccl=_nccl_version() if dist.get_backend() == "nccl" else None)
     else:
         out["name"] = "CPU"
     return out
+
+
+def _nccl_version() -> str:
+    v = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def _oracle_case(sc: Scheme, precision: str, size: vt.Size, steps: int, device: torch.device,
@@ -353,6 +360,7 @@ def overhead_worker(size: vt.Size, S: int, Bm: int, steps: int, warmup: int, on_
                            "flops_per_step": _flops_per_token(size, n_params) * x.numel()}
     out["ours"] = _ours(size, stages, loss, mbs, S, steps, warmup, device)
     del stages  # the engine held the only other reference
+    gc.collect()  # whatever of the engine's state a cycle still holds goes before the plain side's peak
     if device.type == "cuda":
         torch.cuda.empty_cache()
     out["plain"] = _plain(spare, loss, mbs, steps, warmup, device)
