@@ -52,7 +52,7 @@ B, T = 3, 12
 def tiny(arch: str, extra: dict[str, Any] | None = None, **kw: Any) -> HFCausalLM:
     torch.manual_seed(0)
     if arch == "mixtral":  # float64: the default grouped_mm experts take float32 and bf16 only
-        kw.setdefault("experts_implementation", "eager")
+        kw.setdefault("experts_implementation", "batched_mm")
     return HFCausalLM(arch, config={**TINY, **(EXTRA[arch] if extra is None else extra)}, **kw).double()
 
 

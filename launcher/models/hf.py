@@ -39,13 +39,12 @@ from . import hf_stages
 from .base import adamw_cosine
 from .data import VOCAB
 
-#: a small model from scratch, for every key the family's config has (and no dropout, so a scheme
-#: and the single-device run compute the same function); ``config`` overrides any of them
+#: a small model from scratch, for every key the family's config has; ``config`` overrides any of
+#: them. Dropout stays the architecture's own (GPT-2: 0.1): every scheme draws the same masks
+#: (:mod:`launcher.runtime.streams`). LayerDrop stays off: its forward skips whole layers, refused.
 SMALL: dict[str, Any] = {
     "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "intermediate_size": 128,
-    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "attention_dropout": 0.0,
-    "hidden_dropout": 0.0, "dropout": 0.0, "activation_dropout": 0.0, "layerdrop": 0.0,
+    "num_key_value_heads": 2, "intermediate_size": 128, "layerdrop": 0.0,
 }
 #: the architecture built from scratch when neither ``arch`` nor ``pretrained`` says one
 DEFAULT_ARCH = "llama"
@@ -202,8 +201,9 @@ class HFCausalLM(LightningModule):
     loaded. Batches are the character corpus's ``(x, y)`` or dicts with ``input_ids`` and optional
     ``attention_mask`` and ``labels`` (:meth:`split_batch`); the loss is the model's own shifted
     cross-entropy. AdamW with a cosine learning-rate schedule over ``max_steps``, like :class:`GPT`.
-    ``experts_implementation`` picks the mixture-of-experts kernel (``eager`` computes in float64;
-    null: the library's default).
+    ``experts_implementation`` picks the mixture-of-experts kernel (null: the library's default,
+    ``grouped_mm``, which takes float32 and bf16 only; ``batched_mm`` computes in any dtype and
+    runs on the meta device, which the engine's memory estimate needs; ``eager`` routes by value).
     """
 
     def __init__(self, arch: str | None = None, config: Mapping[str, Any] | None = None, pretrained: str | None = None,

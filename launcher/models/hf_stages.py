@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -38,19 +37,14 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .twins import Reached as _Reached
+from .twins import twin as _twin
+
 ROUTE = "train it with model=custom split=auto (traced and cut at any module)"
 
 
 class CutError(ValueError):
     """A model these stages cannot reproduce: one sentence."""
-
-
-class _Reached(Exception):
-    """Raised inside the body's forward where a stage ends, carrying the value it ends with."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__()
-        self.value = value
 
 
 def _hidden_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -102,7 +96,12 @@ class _Run(_Skip):
         self.hidden: torch.Tensor | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _with_hidden(args, kwargs, self.hidden)
+        device = self.hidden.device  # meta in a shape-only run, whose masks were built on the CPU
+
+        def follow(t: Any) -> Any:
+            return t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t
+
+        args, kwargs = _with_hidden(tree_map(follow, args), tree_map(follow, kwargs), self.hidden)
         out = self.layer(*args, **kwargs)
         if self.last:
             return out
@@ -186,23 +185,6 @@ class _Hidden(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _BodyOutput(last_hidden_state=self.hidden)
-
-
-def _twin(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
-    """An object of ``module``'s class that shares its attributes (config, flags) and its
-    submodules, except ``children``, which replace those of the same name. Its own hooks are
-    copies, so registering on one does not touch the other."""
-    twin = object.__new__(type(module))
-    state = dict(vars(module))
-    for key, value in state.items():
-        if key.startswith("_") and key.endswith("hooks") and isinstance(value, dict):
-            state[key] = OrderedDict(value)
-    state["_modules"] = OrderedDict(module._modules)
-    state["_modules"].update(children)
-    state["_parameters"] = OrderedDict(module._parameters)
-    state["_buffers"] = OrderedDict(module._buffers)
-    twin.__dict__.update(state)
-    return twin
 
 
 def _draws(module: nn.Module) -> bool:
@@ -353,6 +335,17 @@ class _Plan:
             self.refuse(f"its {type(self.model).__name__}.forward does not return logits per position")
 
 
+def _on_cpu(input_ids: torch.Tensor, attention_mask: Any, position_ids: Any) -> tuple[Any, Any, Any]:
+    """The batch's integer inputs for a shape-only run of meta tensors: CPU tensors of the same
+    shapes (token 0, no padding, positions 0..T-1), for the mask builders, which read values."""
+    def cpu(t: Any, fill: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> Any:
+        return fill(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) and t.is_meta else t
+
+    return (cpu(input_ids, lambda shape, dt: torch.zeros(shape, dtype=dt)),
+            cpu(attention_mask, lambda shape, dt: torch.ones(shape, dtype=dt)),
+            cpu(position_ids, lambda shape, dt: torch.arange(shape[-1], dtype=dt).expand(shape)))
+
+
 class _Stage(nn.Module):
     """A stage: the modules it holds (registered under their names in the body), and a twin of the
     body that calls them (a plain attribute: deep copies of the stage copy it along)."""
@@ -386,14 +379,29 @@ class Embeddings(_Stage):
         children[plan.list_name] = nn.ModuleList(
             [_Stop(plan.layers[0]), *(_Skip(layer) for layer in plan.layers[1:])])
         object.__setattr__(self, "twin", _twin(plan.body, children))
+        # for a shape-only run on the meta device (the engine's memory estimate of a stage it does
+        # not hold): every module with weights stood in for, as in a decoder layer's stage
+        shadows = {n: _Shadow(plan.others[n]) for n in plan.before if _has_weights(plan.others[n])
+                   or _draws(plan.others[n])}
+        object.__setattr__(self, "shape_twin", _twin(self.twin, shadows))
+        object.__setattr__(self, "shadows", list(shadows.values()))
         object.__setattr__(self, "plan_kwargs", plan.body_kwargs)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> tuple[Any, ...]:
+        weight = self.tokens.weight
+        twin, inputs = self.twin, (input_ids, attention_mask, position_ids)
+        if weight.is_meta:
+            for shadow in self.shadows:
+                shadow.dtype, shadow.device = weight.dtype, torch.device("cpu")
+            twin, inputs = self.shape_twin, _on_cpu(*inputs)
         try:
-            self.twin(**self.plan_kwargs(input_ids, attention_mask, position_ids))
+            twin(**self.plan_kwargs(*inputs))
         except _Reached as reached:
-            return reached.value, input_ids, attention_mask, position_ids
+            hidden = reached.value
+            if weight.is_meta:
+                hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device="meta")
+            return hidden, input_ids, attention_mask, position_ids
         raise RuntimeError("the body's forward never reached its first decoder layer")
 
 
@@ -435,11 +443,15 @@ class DecoderLayer(_Stage):
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> Any:
         dtype = next((p.dtype for p in self.layer.parameters() if p.is_floating_point()), hidden.dtype)
+        inputs = (input_ids, attention_mask, position_ids)
+        device = hidden.device
+        if hidden.is_meta:  # a shape-only run: the forward builds the layer's arguments on the CPU
+            inputs, device = _on_cpu(*inputs), torch.device("cpu")
         for shadow in self.shadows:
-            shadow.dtype, shadow.device = dtype, hidden.device
+            shadow.dtype, shadow.device = dtype, device
         self.run.hidden = hidden
         try:
-            out = self.twin(**self.plan_kwargs(input_ids, attention_mask, position_ids))
+            out = self.twin(**self.plan_kwargs(*inputs))
         except _Reached as reached:
             return _first_tensor(reached.value), input_ids, attention_mask, position_ids
         finally:
