@@ -28,6 +28,7 @@ import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from helpers.cli import run_launcher
 from helpers.training import last_state, max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
+from launcher.lightning.items import loss_items
 from launcher.runtime import Engine, StagedModel, launch
 from launcher.runtime.init import empty_init, init_units
 from launcher.runtime.items import shares
@@ -409,5 +410,92 @@ def test_loss_items_hook_and_a_last_batch_that_does_not_divide() -> None:
 
     want, want_val = run("auto", 1)
     got, got_val = run(UnifiedStrategy("gpipe", stages=4, microbatches=4), 4)
+    assert max_diff(want, got) < ATOL
+    assert abs(got_val - want_val) < ATOL
+
+
+# ---- the Hugging Face count, without user code -------------------------------------------------
+
+
+def test_hf_counts_are_what_the_model_losses_average_over() -> None:
+    """For each loss type, the count :func:`loss_items` finds in a module holding the model is the
+    divisor of the library's own loss: its sum over ``num_items_in_batch`` equals its mean
+    (padding and masked labels -100, some rows with none)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, BertConfig, BertForMaskedLM
+    from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
+
+    causal = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt2", vocab_size=16, n_layer=1, n_embd=8, n_head=2, bos_token_id=None, eos_token_id=None))
+    assert causal.loss_type is None  # GPT2LMHeadModel: the library falls back to ForCausalLM
+    masked = BertForMaskedLM(BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=8))
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 16, (4, 6), generator=g).masked_fill(torch.rand(4, 6, generator=g) < 0.5, -100)
+    labels[1, 0], labels[1, 1:] = 5, -100  # one label, at the first position: none once shifted
+    logits = torch.randn(4, 6, 16, generator=g, dtype=torch.float64)
+    for model, loss in ((causal, ForCausalLMLoss), (masked, ForMaskedLMLoss)):
+        holder = nn.ModuleDict({"model": model})  # a user's module around the model
+        counts = loss_items(holder, {"input_ids": labels.clamp(min=0), "labels": labels}, 4)
+        n = sum(counts)
+        assert abs(loss(logits, labels, 16, num_items_in_batch=n) - loss(logits, labels, 16)) < 1e-6  # float32 losses
+        shifted = model is causal
+        assert [int(c) for c in counts] == [int(((row[1:] if shifted else row) != -100).sum()) for row in labels]
+        assert int(counts[1]) == (0 if shifted else 1)
+    assert loss_items(nn.Linear(2, 2), {"labels": labels}, 4) is None  # no Hugging Face model: rows
+
+
+#: a user's GPT-2 (tied embeddings, dropout 0 as in the rest of this file) on right-padded batches
+class PaddedCausalLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model("gpt2", vocab_size=32, n_layer=2, n_embd=16, n_head=2, n_positions=16,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                                      eos_token_id=None)
+        self.model = AutoModelForCausalLM.from_config(config)
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        # the shifted cross-entropy the model's own loss computes, but in float64: the library's
+        # (ForCausalLMLoss) casts the logits to float32, so one device's loss is itself rounded there
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def padded_rows(n: int, seed: int, seq_len: int = 10, vocab: int = 32) -> Rows:
+    """Right-padded rows of 2 to ``seq_len`` tokens: labels are the tokens, -100 on the padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (n, seq_len), generator=g)
+    attention = (torch.arange(seq_len) < torch.randint(2, seq_len + 1, (n, 1), generator=g)).long()
+    ids = ids.masked_fill(attention == 0, 0)
+    labels = ids.masked_fill(attention == 0, -100)
+    return Rows([{"input_ids": i, "attention_mask": a, "labels": y} for i, a, y in zip(ids, attention, labels)])
+
+
+@pytest.mark.timeout(300)
+def test_traced_causal_lm_on_padded_batches_equals_one_device() -> None:
+    """A GPT-2's shifted loss under ``split=auto`` on right-padded dict batches: each micro-batch
+    weighs by its labels after the shift (found from the model, no user code), under LPP."""
+
+    def run(strategy: Any, devices: int) -> tuple[dict[str, torch.Tensor], float]:
+        L.seed_everything(0, verbose=False)
+        model = PaddedCausalLM()
+        tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=3, gradient_clip_val=CLIP,
+                           val_check_interval=3, limit_val_batches=2)
+        tr.fit(model, datamodule=L.LightningDataModule.from_datasets(padded_rows(48, 3), padded_rows(16, 4),
+                                                                     batch_size=8))
+        return model.state_dict(), float(tr.callback_metrics["val_loss"])
+
+    want, want_val = run("auto", 1)
+    got, got_val = run(UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4, split="auto"), 4)
     assert max_diff(want, got) < ATOL
     assert abs(got_val - want_val) < ATOL

@@ -33,8 +33,10 @@ def rows(value: Any) -> int | None:
 
 
 def numbers(items: Sequence[Count]) -> list[float]:
-    """Counts as Python numbers (a tensor count is read once, on the CPU)."""
-    return [float(n.detach().to("cpu", torch.float64)) if isinstance(n, torch.Tensor) else float(n) for n in items]
+    """Counts as Python numbers; tensor counts (on a GPU, say) are read in one transfer."""
+    tensors = [n.detach().reshape(()).to(torch.float64) for n in items if isinstance(n, torch.Tensor)]
+    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(n, torch.Tensor) else float(n) for n in items]
 
 
 def shares(microbatches: Sequence[Any], items: Sequence[Count] | None = None) -> list[float] | None:
