@@ -65,6 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vs_native_transformer as vt  # noqa: E402 - the benchmarks' own directory, put on the path above
 import vs_torch_native as vn  # noqa: E402
 
+from launcher.report.profile import stage_job_seconds  # noqa: E402
 from launcher.runtime import Engine, StagedModel, launch  # noqa: E402
 from launcher.runtime.model import flat_params, reference_step  # noqa: E402
 from launcher.schedule import make_step, simulate  # noqa: E402
@@ -268,6 +269,37 @@ def _timed(step: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t
 
 
+class _ForwardClock:
+    """Each stage's forward time as the device saw it (CUDA events recorded by the module's forward
+    hooks, read after the step's synchronisation; the host clock on a CPU), to set beside the
+    forward jobs' times that the engine measures with the host clock."""
+
+    def __init__(self, stages: list, device: torch.device) -> None:
+        self.cuda, self.on = device.type == "cuda", False
+        self.marks: dict[int, list[list[Any]]] = {s: [] for s in range(len(stages))}
+        for s, m in enumerate(stages):
+            m.register_forward_pre_hook(lambda mod, args, s=s: self._mark(s, False))
+            m.register_forward_hook(lambda mod, args, out, s=s: self._mark(s, True))
+
+    def _mark(self, s: int, end: bool) -> None:
+        if not self.on:
+            return
+        if self.cuda:
+            at: Any = torch.cuda.Event(enable_timing=True)
+            at.record()
+        else:
+            at = time.perf_counter()
+        if end:
+            self.marks[s][-1][1] = at
+        else:
+            self.marks[s].append([at, None])
+
+    def seconds(self) -> list[float]:
+        """Per stage, the mean forward seconds (call after the device has finished)."""
+        return [statistics.mean((a.elapsed_time(b) / 1e3) if self.cuda else b - a for a, b in marks) if marks else 0.0
+                for marks in self.marks.values()]
+
+
 def _ours(size: vt.Size, stages: list, loss: Any, mbs: list, S: int, steps: int, warmup: int,
           device: torch.device) -> dict[str, Any]:
     """The engine at its defaults (a world of one: every job of the step on this worker): its step
@@ -295,7 +327,11 @@ def _ours(size: vt.Size, stages: list, loss: Any, mbs: list, S: int, steps: int,
         _sync(device)
         opt_s.append(time.perf_counter() - t)
 
-    times = [_timed(step, device) for _ in range(warmup + steps)]
+    times = [_timed(step, device) for _ in range(warmup)]
+    clock = _ForwardClock(stages, device)  # after the warm-up: the engine's copies of the stages have no hooks
+    clock.on = True
+    times += [_timed(step, device) for _ in range(steps)]
+    clock.on = False
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     with _autocast(device, True):  # the sizes the step had (activations in bf16)
         act = engine.activation_peaks(mbs)
@@ -315,7 +351,9 @@ def _ours(size: vt.Size, stages: list, loss: Any, mbs: list, S: int, steps: int,
     pair = vn.Pair("one-worker", "lpp", 1, 1, S, Bm, "1f1b", False, "none")
     predicted = vt.predicted(pair, size, vt.stage_bytes(stages), {"per_rank": per_rank, "link": None,
                                                                   "barrier_s": 0.0})
+    host_f = [d["F"] for d in stage_job_seconds(per_rank, ("F", "B"), S)]
     return {"step_s": statistics.median(times[warmup:]), "steps_s": times,
+            "forward_s": {"engine_host_clock": host_f, "device": clock.seconds()},
             "losses": [r["measured_only"]["loss"] for r in records], "peak_memory_bytes": peak,
             "predicted_step_s": predicted, "predicted_memory_bytes": base + model_bytes[0],
             "predicted_activation_bytes": act[0],
@@ -502,6 +540,10 @@ def part_overhead(run: Run, on_gpu: bool, backend: str, sizes: Sizes) -> Callabl
                 f"{ours['predicted_memory_bytes'] / 1e9:.2f} / " +
                 (f"{mem / 1e9:.2f} ({ours['predicted_memory_bytes'] / mem:.2f})" if mem else "n/a on CPU"),
                 "max_memory_allocated", None)
+        fw = ours["forward_s"]
+        run.row("prediction", "forward ms per stage: engine's job clock (host) / device",
+                ", ".join(f"{a * 1e3:.1f}/{b * 1e3:.1f}" for a, b in zip(fw["engine_host_clock"], fw["device"])),
+                "-", None)
         run.row("prediction", "activation bytes predicted / measured (the engine's meter)",
                 f"{ours['predicted_activation_bytes']} / {ours['measured_activation_bytes']}", "-", None)
         return {"status": "passed" if ok else "failed", **r}

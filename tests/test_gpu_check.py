@@ -61,10 +61,12 @@ def test_overhead_and_prediction_are_reported(dry):
     o = res["parts"]["overhead"]
     assert o["ours"]["step_s"] > 0 and o["plain"]["step_s"] > 0 and o["ratio"] > 0
     assert o["ours"]["predicted_step_s"] > 0 and o["ours"]["predicted_memory_bytes"] > 0
+    assert all(t > 0 for side in o["ours"]["forward_s"].values() for t in side)
     assert o["mfu"] == {"ours": None, "plain": None}  # no peak rate for a CPU
     assert res["parts"]["nccl"]["collectives_ok"] and res["parts"]["native"]["ratio"] > 0
     for words in ("ddp 32-true W=4", "zb_h1 bf16-mixed W=4", "recompute-full 32-true W=4", "MFU ours / plain",
-                  "step ms predicted / measured", "peak memory GB predicted / measured", "ddp-w1 gloo"):
+                  "step ms predicted / measured", "peak memory GB predicted / measured", "forward ms per stage",
+                  "ddp-w1 gloo"):
         assert words in table, words
 
 
