@@ -516,9 +516,23 @@ class InputCheck(nn.Module):
     def forward(self, *inputs: Any) -> None:
         for (name, want), x in zip(self.example, inputs):
             got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+            if got != want and _only_rows_differ(want, got):
+                raise ValueError(f"stage 0 was traced on micro-batches of {want[0][0]} samples and got one of "
+                                 f"{got[0][0]} (input {name!r}): a traced model takes batches of the size it was "
+                                 f"traced on, so give its DataLoaders drop_last=True (a last, smaller batch is of "
+                                 f"another size).")
             if got != want:
                 raise ValueError(f"stage 0 was traced on an input {name!r} of {_describe(want)}, and got one of "
                                  f"{_describe(got)}; every micro-batch must match the example the model was split on.")
+
+
+def _only_rows_differ(want: Any, got: Any) -> bool:
+    """Whether two ``(shape, dtype)`` differ in the first (batch) dimension alone."""
+    shapes = [v[0] if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype) else None
+              for v in (want, got)]
+    a, b = shapes
+    return (a is not None and b is not None and len(a) == len(b) >= 1 and a[1:] == b[1:] and want[1] == got[1]
+            and a[0] != b[0])
 
 
 def _describe(v: Any) -> str:
