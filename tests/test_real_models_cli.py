@@ -5,25 +5,20 @@ default single-device strategy in this process (float64, within 1e-10)."""
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import pytest
-import torch
-from hydra import compose, initialize_config_module
-from hydra.utils import get_class, instantiate
 
-import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from helpers.cli import run_launcher
-from helpers.training import last_state, quiet_trainer
-from launcher.runtime.init import empty_init, has_meta, init_units
+from helpers.oracle import single_device
+from helpers.training import last_state
 
 pytestmark = pytest.mark.timeout(400)
 
+# gradient clipping stays on, at the launcher's default (the single-device oracle clips alike)
 COMMON = ["stages=4", "microbatches=4", "trainer.max_steps=3", "trainer.precision=64-true",
-          "trainer.gradient_clip_val=0", "trainer.val_check_interval=3", "logger=none"]
+          "trainer.val_check_interval=3", "logger=none"]
 CHARS = ["data.batch_size=8", "data.seq_len=8", "data.chars=20000"]
 CASES = {
     # name: (scheme, overrides of the model and data)
@@ -69,32 +64,6 @@ def demo_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 launcher = partial(run_launcher, timeout=380)
-
-
-def single_device(overrides: list[str], micro: bool) -> dict:
-    """The oracle: the config's model and data, built after ``seed_everything(seed)`` as the command
-    does, trained by Lightning's default strategy on one device (``micro``: a micro-batch at a time,
-    gradients accumulated over the step's 4)."""
-    with initialize_config_module("launcher.conf", version_base=None):
-        cfg = compose("config", overrides=[o for o in overrides if not o.startswith(("G=", "R="))])
-    L.seed_everything(int(cfg.seed), verbose=False)
-    data = instantiate(cfg.data)
-    # as the command builds it: a model that says how its layers start (reset_stage) is built on
-    # the meta device and started by the launcher's rule, in the run's precision
-    meta = callable(getattr(get_class(cfg.model._target_), "reset_stage", None))
-    with empty_init() if meta else contextlib.nullcontext():
-        model = instantiate(cfg.model)
-    if has_meta(model):
-        model.double()
-        init_units(list(model.stages), torch.initial_seed(), reset=model.reset_stage)
-    model.prepare_data = lambda: None
-    k = 4 if micro else 1
-    if micro:
-        data.batch_size //= k
-    tr = quiet_trainer(precision="64-true", max_steps=3, limit_val_batches=2 * k, val_check_interval=3 * k,
-                       accumulate_grad_batches=k)
-    tr.fit(model, datamodule=data)
-    return model.state_dict()
 
 
 @pytest.mark.slow

@@ -15,15 +15,17 @@ precision clips by the norm one device computes, counting and scaling the tied w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.cli import run_launcher
 from helpers.oracle import composed, single_device
-from helpers.training import char_data, last_state, max_diff, quiet_trainer
+from helpers.training import char_data, last_state, load_checkpoint, max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
 from launcher.models import HFCausalLM
 
@@ -42,19 +44,22 @@ SCHEMES = ["ddp", "fsdp", "gpipe", "lpp", "fslpp"]
 
 
 class GradNorms(L.Callback):
-    """The 2-norm of the whole module's gradient before clipping, per step (one device)."""
+    """One device: the 2-norm of the whole module's gradient before clipping, per step, and the
+    bytes of its training state at the end (parameters, gradients, optimizer state)."""
 
     def __init__(self) -> None:
         self.norms: list[float] = []
+        self.state_bytes = 0
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
 
-
-def test_clip_default_is_on() -> None:
-    """The tests below rely on it: the launcher clips by default, by the norm."""
-    assert CLIP > 0
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        params = sum(p.numel() * p.element_size() for p in pl_module.parameters())  # a tied one once
+        opt = sum(v.numel() * v.element_size() for st in trainer.optimizers[0].state.values() for v in st.values()
+                  if torch.is_tensor(v))
+        self.state_bytes = 2 * params + opt
 
 
 @pytest.mark.slow
@@ -65,12 +70,16 @@ def test_tied_gpt2_every_scheme_at_the_defaults_equals_single_device(tmp_path: P
     assert p.returncode == 0, p.stderr[-3000:]
     norms = GradNorms()
     want = single_device([*COMMAND, "strategy=single"], callbacks=[norms])
-    # the clipping bites at every step: a tied weight counted twice would clip by another norm
-    assert len(norms.norms) == STEPS and min(norms.norms) > CLIP, norms.norms
+    # the launcher clips by default, and the clipping bites at every step: a tied weight counted
+    # twice would clip by another norm
+    assert CLIP > 0 and len(norms.norms) == STEPS and min(norms.norms) > CLIP, norms.norms
     for i, scheme in enumerate(SCHEMES):
         got = last_state(sweep / str(i))
         assert got.keys() == want.keys(), scheme
         assert max((got[k].double() - want[k].double()).abs().max().item() for k in want) < TOL, scheme
+        # the model's training state in metrics.json holds the tied weight once, as one device does
+        metrics = json.loads((sweep / str(i) / "metrics.json").read_text())
+        assert metrics["per_worker"]["owned_state_bytes"]["total"] == norms.state_bytes, scheme
 
 
 def reverse_stages(s: int, b: int, d: str) -> tuple[int, int]:
@@ -94,11 +103,18 @@ def trainer(strategy="auto", devices: int = 1, precision: str | None = "64-true"
 DECAY = 0.1
 
 
+def fit_and_save(strategy, devices: int, out: Path, callbacks=()) -> dict:
+    """Tied GPT-2 with weight decay trained 3 steps; its ``last.ckpt``."""
+    checkpoint = ModelCheckpoint(dirpath=out, save_last=True)
+    trainer(strategy, devices, enable_checkpointing=True, callbacks=[checkpoint, *callbacks]).fit(
+        gpt2(DECAY), datamodule=char_data())
+    return load_checkpoint(out / "last.ckpt")
+
+
 @pytest.fixture(scope="module")
-def reference() -> tuple[dict, list[float]]:
-    model, norms = gpt2(DECAY), GradNorms()
-    trainer(callbacks=[norms]).fit(model, datamodule=char_data())
-    return model.state_dict(), norms.norms
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[float]]:
+    norms = GradNorms()
+    return fit_and_save("auto", 1, tmp_path_factory.mktemp("single"), [norms]), norms.norms
 
 
 CASES = {
@@ -113,14 +129,20 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_tied_gpt2_with_clipping_and_decay_equals_single_device(name: str, reference) -> None:
+def test_tied_gpt2_with_clipping_and_decay_equals_single_device(name: str, reference, tmp_path: Path) -> None:
+    """The parameters and the optimizer state in ``last.ckpt``: the tied weight's AdamW state once,
+    in the single-device layout, as one device has it."""
     want, norms = reference
     assert min(norms) > CLIP, norms  # the clipping bites at every step
     scheme, G, R, kw = CASES[name]
-    model = gpt2(DECAY)
     st = UnifiedStrategy(scheme, G=G, R=R, stages=4, microbatches=4, **kw)
-    trainer(st, st.W).fit(model, datamodule=char_data())
-    assert max_diff(want, model.state_dict()) < TOL
+    got = fit_and_save(st, st.W, tmp_path)
+    assert max_diff(want["state_dict"], got["state_dict"]) < TOL
+    a, b = want["optimizer_states"][0], got["optimizer_states"][0]
+    assert a["param_groups"] == b["param_groups"]  # numbered as one device numbers them, the tie once
+    assert a["state"].keys() == b["state"].keys()
+    assert max((a["state"][i][k].double() - b["state"][i][k].double()).abs().max().item()
+               for i in a["state"] for k in a["state"][i]) < TOL
 
 
 class ClipRecord(L.Callback):

@@ -152,8 +152,29 @@ def _predict_memory(metrics: dict, strategy: UnifiedStrategy, gathered: list[dic
     pw["peak_memory_bytes"]["base"] = base
     pw["peak_memory_bytes"]["predicted"] = [b + m for b, m in zip(base, model)]
     state = [p + g + o for p, g, o in zip(stage_bytes["params"], stage_bytes["grads"], stage_bytes["optimizer"])]
-    pw["owned_state_bytes"] = {"predicted": [sum(state[s] for s in own) for own in owned],
-                               "measured": [None] * len(owned), "total": sum(state)}
+    tied_opt = {(s, i): b for r in gathered for s, i, b in r.get("tied_optimizer_bytes", ())}
+    everything = set(range(len(state)))
+    # a worker holding two uses of a shared parameter holds it (and its optimizer state) once, but
+    # each stage's gradient sum apart; the model's total counts it once, as one device holds it
+    pw["owned_state_bytes"] = {"predicted": [sum(state[s] for s in own) - _counted_again(strategy, set(own), tied_opt)
+                                             for own in owned],
+                               "measured": [None] * len(owned),
+                               "total": sum(state) - _counted_again(strategy, everything, tied_opt, grads=True)}
+
+
+def _counted_again(strategy: UnifiedStrategy, stages: set[int], tied_opt: Mapping[tuple[int, int], int],
+                   grads: bool = False) -> int:
+    """Bytes that per-stage sums over ``stages`` count more than once: a parameter several of them
+    share (tied embeddings, :attr:`Engine.ties`), at every use after its first among them; its
+    value and optimizer state (``tied_opt``: per use), and its gradient with ``grads``."""
+    assert strategy.engine is not None
+    layouts, out = strategy.engine.layouts, 0
+    for uses in strategy.engine.ties:
+        for s, i in sorted(u for u in uses if u[0] in stages)[1:]:
+            L = layouts[s]
+            value = L.numels[i] * torch.empty((), dtype=L.dtype).element_size()
+            out += value * (2 if grads else 1) + tied_opt.get((s, i), 0)
+    return out
 
 
 def _write_trace(out_dir: Path, gathered: list[dict], tl: Any, run: Mapping[str, Any], step: int,

@@ -596,15 +596,21 @@ class UnifiedStrategy(ParallelStrategy):
         peak = (torch.cuda.max_memory_allocated(self.root_device) if self.root_device.type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         state = self.optimizers[0].state if self.optimizers else {}
-        opt_bytes = {s: sum(v.numel() * v.element_size() for p in self.engine.modules[s].parameters()
-                            for v in state.get(p, {}).values() if torch.is_tensor(v))
-                     for s in self.layout.writers}
+
+        def opt_of(p: torch.Tensor) -> int:
+            return sum(v.numel() * v.element_size() for v in state.get(p, {}).values() if torch.is_tensor(v))
+
+        opt_bytes = {s: sum(opt_of(p) for p in self.engine.modules[s].parameters()) for s in self.layout.writers}
+        # a parameter several stages share, at each of its uses: totals count it once (metrics)
+        tied_opt = [(s, i, opt_of(list(self.engine.modules[s].parameters())[i]))
+                    for uses in self.engine.ties for s, i in uses if s in self.layout.writers]
         # the message cost the prediction and the planner use: workers 0 and 1 ping-pong (no step runs now)
         link = measure_link(self.engine.group, self.engine.device) if self.engine.plan.workers > 1 else None
         mine = {"rank": self.global_rank, "records": self.records, "walls": list(walls), "cpus": list(cpus or []),
                 "peak_memory_bytes": peak, "base_memory_bytes": self.base_memory,
                 "memory_kind": "cuda_max_allocated" if self.root_device.type == "cuda" else "rss",
-                "optimizer_bytes": opt_bytes, "link": link.to_json() if link else None}
+                "optimizer_bytes": opt_bytes, "tied_optimizer_bytes": tied_opt,
+                "link": link.to_json() if link else None}
         trace = self.engine.trace()
         if trace is not None:
             trace["span"] = list(span) if span else None
