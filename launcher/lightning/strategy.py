@@ -366,6 +366,9 @@ class UnifiedStrategy(ParallelStrategy):
         # every job's values are marked, and the step's first NaN or infinity agreed, before any update;
         # under a GradScaler (16-mixed) overflowing gradients are the scaler's to skip
         self.engine.finite = Finite(S, self.B, grads=getattr(self.precision_plugin, "scaler", None) is None)
+        # random streams (launcher.runtime.streams): every job's draws from (seed, step, micro-batch,
+        # unit), the seed rank 0's (seed_everything's), so processes started apart agree
+        self.engine.streams = _agreed_seed(self.root_device)
         owners = self.engine.plan.owners
         me = self.engine.worker
         self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me])
@@ -493,7 +496,7 @@ class UnifiedStrategy(ParallelStrategy):
             scaler = getattr(self.precision_plugin, "scaler", None)
             if scaler is not None:  # 16-mixed: the backward runs here, on the scaled loss; the step unscales
                 self.engine.loss_scale = float(scaler.get_scale())
-            record = self.engine.compute_step(mbs, items)
+            record = self.engine.compute_step(mbs, items, step=self.lightning_module.trainer.global_step)
         self.records.append(record)
         self._last_batch = mbs
         finite = self.engine.finite
@@ -715,6 +718,15 @@ def _process_group_up() -> bool:
     """Whether the default process group is started (``torch.distributed`` may be built without
     it: ``is_initialized`` exists only where ``is_available``)."""
     return dist.is_available() and dist.is_initialized()
+
+
+def _agreed_seed(device: torch.device) -> int:
+    """Rank 0's ``torch.initial_seed()`` on every rank (63 bits)."""
+    t = torch.tensor([torch.initial_seed() & (2**63 - 1)], dtype=torch.int64, device=device)
+    if _process_group_up():
+        with blocked(current_watchdog()):
+            dist.broadcast(t, 0)
+    return int(t.item())
 
 
 def _all_reduce(t: torch.Tensor) -> None:

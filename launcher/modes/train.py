@@ -435,8 +435,12 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Prepared:
 
     cfg, model, data, spec = built.cfg, built.model, built.data, built.spec
     single = spec is None
-    if single:
-        strategy: Any = "auto"
+    if single:  # Lightning's single-device strategy, each batch's micro-batches through the random streams
+        from ..lightning.single import StreamedSingleDevice
+
+        strategy: Any = StreamedSingleDevice(
+            microbatches=int(cfg.microbatches),
+            split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
         devices: dict[str, Any] = {"devices": 1}
     else:
         strategy = UnifiedStrategy.from_spec(

@@ -21,7 +21,8 @@ graph of stage ``s``) from its start to the end of ``B(s, b)`` (or ``I(s, b)``),
 counts. A forward on fetched weights under ``weight_cache="job"`` frees its copy when it ends, so
 its backward fetches again (unless the worker owns the stage) and recomputes the stage's forward
 from the stashed input (activation checkpointing, as FSDP does); so does every forward of a stage
-in ``recompute`` (on the random state the forward ran with, so dropout draws the same mask);
+in ``recompute`` (its units draw from the job's random streams, :mod:`.streams`, or without them
+on the random state the forward ran with: dropout draws the same mask);
 everything else keeps the graph and does not recompute, and its backward fetches nothing under
 ``"job"``. The meter counts a kept graph's saved tensors (:mod:`.saved`) with the input, until
 the backward frees it (``W`` when split), as :meth:`Engine.activation_peaks` predicts; it hooks a
@@ -78,6 +79,8 @@ from .model import (
 from .saved import GraphCounts, stage_saved_bytes
 from .saved import tensors as saved_tensors
 from .stats import RunningStats
+from .streams import job as stream_job
+from .streams import kept_generators
 from .torch_private import foreach_add_, has_post_accumulate_hooks, pytree
 from .values import Signature, detach_inputs, item_leaves, pick, to_device
 from .values import nbytes as value_bytes
@@ -238,6 +241,9 @@ class Engine:
         # the batch check: on the first step, then every ``check_batches`` steps (True: every
         # CHECK_EVERY; 1: every step; False or 0: never)
         self.check_every = CHECK_EVERY if check_batches is True else int(check_batches)
+        # random streams (:mod:`.streams`): the seed every job's draws are derived from, with the
+        # step and micro-batch; None: each worker draws from its own generator in the order it runs
+        self.streams: int | None = None
         self.recompute = _recompute(self.timeline, recompute)
         self.replicas = Replicas(self.plan, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes)
         if dist.get_backend(group) == "nccl":
@@ -283,6 +289,7 @@ class Engine:
         self.totals: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_views: dict[int, tuple] = {}  # owned stage -> (its total, its parameters, their views of it)
         self.steps = 0
+        self.step_index = 0  # the global step of the current step (:meth:`compute_step`'s ``step``)
         self._traced: dict[str, Any] | None = None  # the last training step's events (:meth:`trace`)
         self.split = "I" in space.kinds  # a split backward: W takes a fetched copy's gradient per parameter
         self._shapes: dict[Any, _Shapes] = {}
@@ -393,13 +400,17 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
         return record
 
-    def compute_step(self, microbatches: Sequence[Batch], items: Sequence[Count] | None = None) -> dict[str, Any]:
+    def compute_step(self, microbatches: Sequence[Batch], items: Sequence[Count] | None = None,
+                     step: int | None = None) -> dict[str, Any]:
         """Every job of one step and the gradient reduction, without the optimizer step: each
         owned stage's total gradient is left in :attr:`last_grads` (see :meth:`install_grads`).
         ``items``: how many items each micro-batch's loss averages over (numbers or 0-d tensors,
         the same on every rank); micro-batch ``b``'s loss weighs ``items[b] / sum(items)``
-        (:mod:`.items`). None: the rows of each micro-batch's input (equal rows: ``1 / B``)."""
+        (:mod:`.items`). None: the rows of each micro-batch's input (equal rows: ``1 / B``).
+        ``step``: the global step the random streams draw for (default: this engine's count of
+        steps from 0; a resumed run passes its own)."""
         self.steps += 1
+        self.step_index = self.steps - 1 if step is None else int(step)
         if self.finite is not None:
             self.finite.begin()
         B = self.space.B
@@ -420,7 +431,8 @@ class Engine:
         for mine, copy in self._mirrored:  # the engine's copies train as the user's modules do, submodule
             if copy.training != mine.training:  # by submodule (a frozen part in eval mode stays so)
                 copy.training = mine.training
-        st = self._run_program(plan, microbatches, meter, train=True, shares=shares)
+        with kept_generators(self.device) if self.streams is not None else contextlib.nullcontext():
+            st = self._run_program(plan, microbatches, meter, train=True, shares=shares)
         t, cpu = time.perf_counter(), time.process_time()
         totals = st.reduce(plan.programs[w])
         st.comm.finish()
@@ -864,6 +876,13 @@ class _StepState:
             return torch.zeros((), dtype=loss.dtype, device=loss.device)
         return loss * share
 
+    def _job(self, b: int) -> Any:
+        """A training job's forward on micro-batch ``b``: its units draw from their streams."""
+        e = self.e
+        if e.streams is None or not self.train:
+            return contextlib.nullcontext()
+        return stream_job(e.streams, e.step_index, b, e.device)
+
     def _weightless(self, s: int, b: int) -> bool:
         """Whether stage ``s`` is a loss stage and micro-batch ``b`` has no item to average over."""
         return self.shares is not None and self.shares[b] == 0 and self.e.space.is_sink[s]
@@ -889,8 +908,9 @@ class _StepState:
         recompute = op.free_weights or s in self.e.recompute
         stats = self.e.stats
         stats.before(s, b, mod)
-        rng = _rng_state(self.e.device) if recompute else None
-        with torch.set_grad_enabled(not recompute), \
+        # without streams, a recomputing backward replays the state this forward started from
+        rng = _rng_state(self.e.device) if recompute and self.e.streams is None else None
+        with torch.set_grad_enabled(not recompute), self._job(b), \
                 self._counting(recompute, op, mod, targets, values, False) as graph:
             out = run_stage(mod, params, values)
             loss = self._loss(op, out)
@@ -971,7 +991,7 @@ class _StepState:
             mod, params, targets = self.fetch(op)
             views = None if params is None else list(params.values())
             self.e.stats.before(s, b, mod)
-            with torch.enable_grad(), _replayed_rng(st.rng, self.e.device), \
+            with torch.enable_grad(), _replayed_rng(st.rng, self.e.device), self._job(b), \
                     self._counting(False, op, mod, targets, st.values, True) as graph:
                 out = run_stage(mod, params, st.values)
                 loss = self._loss(op, out)

@@ -1,0 +1,117 @@
+"""``strategy=single`` as the oracle of every scheme, random draws included.
+
+Lightning's single-device strategy, except that each training batch runs as the engine runs it:
+cut into ``microbatches`` micro-batches (:func:`~launcher.runtime.values.chunk`, as the engine
+cuts them), each computing what every scheme computes for it (a model with ``self.stages``: its
+stages in turn, then ``self.loss``; any other: its ``training_step``, whole) inside the job of
+micro-batch ``b`` at global step ``t`` (:mod:`launcher.runtime.streams`: unit ``i`` draws from
+``(seed, t, b, i)``), and their losses weighed by their share of the step's items (:mod:`.items`,
+as the engine weighs them) into the one loss Lightning's automatic optimization takes the backward
+of, logged as ``train_loss``. Without randomness this is the whole batch's step up to rounding (the
+sum is taken in another order), and BatchNorm's statistics are per micro-batch, as under every
+scheme.
+
+The units are those the strategies use (:mod:`launcher.runtime.streams`): the modules of
+``self.stages``, or, for a module without them, the segments its traced training step is cut at
+(it is traced once, on the first micro-batch, at set-up).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from ..runtime import streams
+from ..runtime.items import rows
+from ..runtime.items import shares as item_shares
+from ..runtime.model import run_stage
+from ..runtime.values import as_tree, chunk
+from ..split.trace import loss_module
+from .items import loss_items
+from .lightning_private import train_dataloaders
+from .staging import _mapping_type, example_microbatch, first_batch, split_batch, stage_module, uses_trace
+
+
+class StreamedSingleDevice(SingleDeviceStrategy):
+    """One device, each batch as ``microbatches`` micro-batches through the random streams."""
+
+    strategy_name = "single_streams"
+
+    def __init__(self, microbatches: int = 1, split: Sequence[str] | str | None = None, seed: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.B, self.split = int(microbatches), split
+        self.seed = seed  # None: torch's initial seed (seed_everything's) when training starts
+        self._head: int | None = None  # a traced module's unit before any submodule, seeded at job start
+
+    def setup_environment(self) -> None:
+        # built before the trainer resolves its accelerator: its first device, as "auto" would pick
+        if self.accelerator is not None:
+            kind = type(self.accelerator)
+            self._root_device = kind.get_parallel_devices(kind.parse_devices(1))[0]
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.seed is None:
+            self.seed = torch.initial_seed()
+        module = self.lightning_module
+        self._traced: Any = None  # a traced module's training step as a batch -> loss module
+        if not uses_trace(module, self.split):
+            streams.install_stages(module.stages)
+            return
+        loaders = train_dataloaders(trainer)
+        batch = self.precision_plugin.convert_input(first_batch(loaders)) if loaders is not None else None
+        self._traced = loss_module(module, _mapping_type(batch) if batch is not None else None)
+        if batch is None:  # nothing to train on: no step will draw
+            return
+        example = self.batch_to_device(example_microbatch(module, batch, self.B, self.split))
+        with self.precision_plugin.train_step_context():  # traced as the workers trace it
+            units = stage_module(module, 1, "auto" if self.split is None else self.split, example).units or {}
+        self._head = units.pop("", None)
+        streams.install([(module.get_submodule(path), u) for path, u in units.items()])
+
+    def _losses(self, batch: Any, pieces: int) -> Iterator[Callable[[], torch.Tensor]]:
+        """Each micro-batch's loss, computed when called: what the strategies compute for it."""
+        module = self.lightning_module
+        if self._traced is not None:  # the training step whole, as a traced module's stages run it
+            for part in chunk(as_tree(batch), pieces, equal=False):
+                yield lambda part=part: self._traced(part)
+            return
+        x, y = split_batch(module, batch)  # a model with self.stages: its stages in turn, then its loss
+        ys = chunk(y, pieces, equal=False) if y is not None else [None] * pieces
+        for xb, yb in zip(chunk(x, pieces, equal=False), ys):
+            def loss(xb: Any = xb, yb: Any = yb) -> torch.Tensor:
+                out = xb
+                for i, stage in enumerate(module.stages):
+                    out = run_stage(stage, None, [out]) if i else run_stage(stage, None, [xb])
+                return module.loss(out, yb)
+            yield loss
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        batch, rest = self.precision_plugin.convert_input(args[0]), args[1:]
+        pieces = min(self.B, rows(batch) or 1)  # a last batch smaller than B: a micro-batch per row
+        weights = item_shares([None] * pieces, loss_items(module, batch, pieces) or
+                              [rows(p) for p in chunk(as_tree(batch), pieces, equal=False)])
+        trainer = module.trainer
+        step = trainer.global_step
+        # accumulate_grad_batches=k: the k batches of one step are its k * B micro-batches
+        first = (rest[0] % trainer.accumulate_grad_batches) * self.B if rest and isinstance(rest[0], int) else 0
+        total: torch.Tensor | None = None
+        with self.precision_plugin.train_step_context(), streams.kept_generators(self.root_device):
+            for b, compute in enumerate(self._losses(batch, pieces)):
+                with streams.job(self.seed, step, first + b, self.root_device):
+                    if self._head is not None:
+                        streams.seed_unit(self._head)
+                    loss = compute()
+                if weights is not None and weights[b] == 0:
+                    continue  # no item: its mean over nothing adds nothing, as in the engine
+                part = loss / pieces if weights is None else loss * weights[b]
+                total = part if total is None else total + part
+        if total is None:
+            total = loss * 0.0
+        module.log("train_loss", total, prog_bar=True)  # the step's loss, as the strategies log it
+        return total
