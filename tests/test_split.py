@@ -259,7 +259,8 @@ def test_lightning_transformer_loss_and_gradients():
     # dropout follows the stages' mode, through a parent module too
     parent = nn.ModuleList(split.stages)
     parent.train()
-    assert not torch.equal(_seeded(lambda: split.run((inputs, target)), 1), _seeded(lambda: split.run((inputs, target)), 2))
+    batch = (inputs, target)
+    assert not torch.equal(_seeded(lambda: split.run(batch), 1), _seeded(lambda: split.run(batch), 2))
     parent.eval()
     lm.eval()
     a, b = _seeded(lambda: split.run((inputs, target)), 1), _seeded(lambda: split.run((inputs, target)), 2)
