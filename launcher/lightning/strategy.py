@@ -474,15 +474,16 @@ class UnifiedStrategy(ParallelStrategy):
         return True  # each worker takes its own stages back, so the partition must exist first
 
     # ---- the step --------------------------------------------------------------------------
-    def _microbatches(self, batch: Any) -> tuple[list[tuple[Any, Any]], list[Any] | None]:
+    def _microbatches(self, batch: Any, weigh: bool = True) -> tuple[list[tuple[Any, Any]], list[Any] | None]:
         """The batch cut into ``microbatches`` (input, target) pieces (:func:`split_batch`), as equal
         as they can be (a last batch may not divide), and the items each one's loss averages over
-        (:func:`~launcher.lightning.items.loss_items`; None: its rows), by which the engine weighs it."""
+        (:func:`~launcher.lightning.items.loss_items`; None: its rows), by which the engine weighs
+        it; not counted unless ``weigh`` (a prediction batch may hold no target to count)."""
         batch = self.precision_plugin.convert_input(batch)
         x, y = split_batch(self.lightning_module, batch, self.traced)
         xs = chunk(x, self.B, equal=False)
         ys = chunk(y, self.B, equal=False) if y is not None else [None] * self.B
-        return list(zip(xs, ys)), loss_items(self.lightning_module, batch, self.B)
+        return list(zip(xs, ys)), loss_items(self.lightning_module, batch, self.B) if weigh else None
 
     def _sum_over_workers(self, value: float) -> torch.Tensor:
         t = torch.tensor([value], dtype=torch.float64, device=self.root_device)
@@ -538,7 +539,7 @@ class UnifiedStrategy(ParallelStrategy):
 
     def _evaluate(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         assert self.engine is not None
-        mbs, items = self._microbatches(batch)
+        mbs, items = self._microbatches(batch, weigh=key is not None)
         with self.precision_plugin.val_step_context():
             share, preds = self.engine.evaluate(mbs, items)
         loss = self._sum_over_workers(share).to(self.loss_dtype)
