@@ -145,6 +145,34 @@ def test_tied_gpt2_with_clipping_and_decay_equals_single_device(name: str, refer
                for i in a["state"] for k in a["state"][i]) < TOL
 
 
+def test_metrics_count_a_tied_parameter_once(reference, tmp_path: Path) -> None:
+    """``metrics.json``'s training state per worker and in total: worker 0 holds both uses of the
+    tied weight (stages 0 and 3 under LPP G=1, R=3), its value and optimizer state once but each
+    stage's gradient sum apart; the model's total holds it once, as one device does."""
+    from launcher.lightning.metrics import RunMetrics
+
+    st = UnifiedStrategy("lpp", G=1, R=3, stages=4, microbatches=4)
+    metrics = RunMetrics(tmp_path, {}, {"scheme": "lpp"})
+    trainer(st, st.W, callbacks=[metrics]).fit(gpt2(DECAY), datamodule=char_data())
+    got = json.loads((tmp_path / "metrics.json").read_text())["per_worker"]["owned_state_bytes"]
+    model = gpt2(DECAY).double()  # float64 as trained; a stage per module of model.stages
+    params = list(model.parameters())  # the optimizer's numbering: the tied weight once
+    state = reference[0]["optimizer_states"][0]["state"]
+    opt = {id(p): sum(v.numel() * v.element_size() for v in state[i].values() if torch.is_tensor(v))
+           for i, p in enumerate(params)}
+
+    def nbytes(ps) -> int:
+        return sum(p.numel() * p.element_size() for p in ps)
+
+    def held(stages: list[int]) -> int:
+        once = {id(p): p for s in stages for p in model.stages[s].parameters()}
+        return (nbytes(once.values()) + sum(nbytes(model.stages[s].parameters()) for s in stages)
+                + sum(opt[k] for k in once))
+
+    assert len(state) == len(params) and got["predicted"] == [held([0, 3]), held([1]), held([2])]
+    assert got["total"] == 2 * nbytes(params) + sum(opt.values())
+
+
 class ClipRecord(L.Callback):
     """Each worker's gradients before clipping and as the optimizer stepped with them (read after
     its step: the optimizer's own step runs the closure that computes and clips them), by the full
