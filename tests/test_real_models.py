@@ -1,15 +1,15 @@
 """Models this project did not write, under every scheme, against the oracle: the same module,
-unchanged, under Lightning's default single-device strategy (float64, 3 steps, parameters and
-validation loss within 1e-10).
+unchanged, on one device as ``strategy=single`` trains it (Lightning's single-device strategy,
+each step's micro-batches through the random streams: :mod:`launcher.lightning.single`; float64,
+3 steps, parameters and validation loss within 1e-10).
 
-- Hugging Face GPT-2 (``lm_head`` tied to the input embedding), Llama (rotary embeddings,
-  grouped-query attention) and Qwen2 (tied, rotary), built by name with ``HFCausalLM``;
+- Hugging Face GPT-2 (``lm_head`` tied to the input embedding, its dropout 0.1), Llama (rotary
+  embeddings, grouped-query attention) and Qwen2 (tied, rotary), built by name with ``HFCausalLM``;
 - a timm ResNet with BatchNorm: in training mode it normalises each micro-batch by its own
-  statistics, so its oracle is the micro-batched one, the single-device strategy fed one
-  micro-batch at a time with ``accumulate_grad_batches`` (its running statistics included: one
-  process running the micro-batches in order);
+  statistics, on one device as under every scheme (its running statistics included: one process
+  running the micro-batches in order);
 - Lightning's own ``demos.LightningTransformer``, with no ``self.stages``: traced and cut
-  (``split=auto``), no wrapper.
+  (``split=auto``), no wrapper, its dropout (0.2) on.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers.training import char_data, load_checkpoint, max_diff, quiet_trainer, tiny_gpt
 from launcher.lightning import UnifiedStrategy
+from launcher.lightning.single import StreamedSingleDevice
 from launcher.models import CharCorpus, HFCausalLM, ShapesImages, TimmClassifier
 
 pytestmark = pytest.mark.timeout(600)
@@ -37,28 +38,15 @@ def images() -> ShapesImages:
 B = 4  # micro-batches
 
 
-def trainer(strategy, devices: int, micro: bool = False) -> L.Trainer:
-    """``micro``: the micro-batched oracle (batches of one micro-batch, gradients accumulated over ``B``)."""
-    k = B if micro else 1
-    return quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, limit_val_batches=2 * k,
-                         val_check_interval=STEPS * k, accumulate_grad_batches=k)
-
-
-def no_dropout(module: torch.nn.Module) -> torch.nn.Module:
-    """The demo transformer draws dropout masks (0.2, fixed in its constructor): none, so every
-    scheme and one process compute the same function."""
-    for m in module.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        if isinstance(m, torch.nn.MultiheadAttention):
-            m.dropout = 0.0
-    return module
+def trainer(strategy, devices: int) -> L.Trainer:
+    return quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, limit_val_batches=2,
+                         val_check_interval=STEPS)
 
 
 def demo() -> L.LightningModule:
     from lightning.pytorch.demos import LightningTransformer
 
-    model = no_dropout(LightningTransformer(vocab_size=128))
+    model = LightningTransformer(vocab_size=128)  # its dropout, 0.2, fixed in its constructor
     model.prepare_data = lambda: None  # it downloads WikiText-2; the character corpus feeds it here
     return model
 
@@ -70,8 +58,6 @@ def sgd(model: L.LightningModule) -> L.LightningModule:
     model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model
 
-
-MICRO = {"resnet-bn"}  # BatchNorm: the micro-batched oracle
 
 MODELS = {
     # name: (build, data, extra strategy keywords)
@@ -98,16 +84,12 @@ def build(name: str) -> L.LightningModule:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    """Each model trained by Lightning's default single-device strategy: parameters, buffers, val_loss."""
+    """Each model trained on one device as strategy=single trains it: parameters, buffers, val_loss."""
     out = {}
-    for name, (_, data, _) in MODELS.items():
+    for name, (_, data, extra) in MODELS.items():
         model = build(name)
-        micro = name in MICRO
-        tr = trainer("auto", 1, micro)
-        dm = data()
-        if micro:
-            dm.batch_size //= B  # the same samples in the same order, a micro-batch at a time
-        tr.fit(model, datamodule=dm)
+        tr = trainer(StreamedSingleDevice(microbatches=B, split=extra.get("split")), 1)
+        tr.fit(model, datamodule=data())
         val = tr.callback_metrics.get("val_loss")  # the demo has no validation_step
         out[name] = (model.state_dict(), None if val is None else float(val))
     return out

@@ -1,7 +1,8 @@
 """The models of ``tests/test_real_models.py`` through the command line, one scheme each (the five
 schemes spread over the five models; every pair runs through the Python API there): the final
-checkpoint equals the same module, built from the same config and seed, trained by Lightning's
-default single-device strategy in this process (float64, within 1e-10)."""
+checkpoint equals the same module, built from the same config and seed, trained on one device in
+this process as ``strategy=single`` trains it (tests/helpers/oracle.py; float64, within 1e-10), the
+models' own dropout on."""
 
 from __future__ import annotations
 
@@ -32,35 +33,13 @@ CASES = {
                              "model.config.hidden_size=32", "model.config.intermediate_size=64",
                              "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
                              "+model.config.tie_word_embeddings=true", *CHARS]),
-    # BatchNorm normalises each micro-batch by its own statistics: the micro-batched oracle
+    # BatchNorm normalises each micro-batch by its own statistics, on one device too (strategy=single)
     "resnet-bn": ("ddp", ["model=timm", "data=images", "data.batch_size=16", "data.size=64", "data.n=128",
                           "data.num_classes=4"]),
-    # the demo itself, with its dropout at 0 (its constructor fixes 0.2): no mask to draw alike
-    "lightning-demo": ("lpp", ["model=custom", "model._target_=demo_without_dropout.Demo", "+model.vocab_size=128",
-                               "split=auto", "G=2", "R=2", *CHARS]),
+    # the demo itself, unchanged: its dropout (0.2) draws the masks one device draws
+    "lightning-demo": ("lpp", ["model=custom", "model._target_=lightning.pytorch.demos.LightningTransformer",
+                               "+model.vocab_size=128", "split=auto", "G=2", "R=2", *CHARS]),
 }
-
-
-DEMO = """
-from lightning.pytorch.demos import LightningTransformer
-from torch import nn
-
-
-class Demo(LightningTransformer):
-    def __init__(self, vocab_size: int) -> None:
-        super().__init__(vocab_size)
-        for m in self.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
-            if isinstance(m, nn.MultiheadAttention):
-                m.dropout = 0.0
-"""
-
-
-@pytest.fixture(autouse=True)
-def demo_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "demo_without_dropout.py").write_text(DEMO)
-    monkeypatch.syspath_prepend(str(tmp_path))
 
 
 launcher = partial(run_launcher, timeout=380)
@@ -74,7 +53,7 @@ def test_command_line_equals_single_device(name: str, tmp_path: Path) -> None:
     p = launcher(f"strategy={scheme}", *COMMON, *overrides, f"hydra.run.dir={run}", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     got = last_state(run)
-    want = single_device([*COMMON, *overrides], micro=name == "resnet-bn")
+    want = single_device([*COMMON, *overrides])
     assert got.keys() == want.keys()
     assert max((got[k].double() - want[k].double()).abs().max().item() for k in want) < 1e-10
 

@@ -1,6 +1,7 @@
 """The single-device oracle of a command-line run: the same config's model and data, trained in this
-process by Lightning's default strategy with the trainer settings of the config that decide what is
-computed (precision, steps, gradient clipping, validation)."""
+process as ``strategy=single`` trains them (Lightning's single-device strategy, each step's
+micro-batches through the random streams) with the trainer settings of the config that decide what
+is computed (precision, steps, gradient clipping, validation)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import lightning as L
 import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
+from launcher.lightning.single import StreamedSingleDevice
 from launcher.runtime.init import empty_init, has_meta, init_units
 
 from .training import quiet_trainer
@@ -25,11 +28,14 @@ def composed(overrides: Sequence[str]) -> Any:
         return compose("config", overrides=[o for o in overrides if not o.startswith(("G=", "R="))])
 
 
-def single_device(overrides: Sequence[str], micro: bool = False, microbatches: int = 4,
+def single_device(overrides: Sequence[str], micro: bool = False, microbatches: int | None = None,
                   callbacks: Sequence[L.Callback] = ()) -> dict[str, torch.Tensor]:
     """The config's model and data, built after ``seed_everything(seed)`` as the command builds
-    them, trained on one device; its state dict. ``micro``: a micro-batch at a time, gradients
-    accumulated over the step's ``microbatches`` (BatchNorm's per-micro-batch statistics)."""
+    them, trained on one device by ``strategy=single``'s strategy (:mod:`launcher.lightning.single`:
+    Lightning's single-device strategy, each batch as the config's ``microbatches`` micro-batches
+    through the random streams, so dropout draws and BatchNorm's per-micro-batch statistics are
+    every scheme's); its state dict. ``microbatches`` overrides the config's; ``micro`` is the
+    earlier spelling of "micro-batched statistics", which every run now has, and changes nothing."""
     cfg = composed(overrides)
     L.seed_everything(int(cfg.seed), verbose=False)
     data = instantiate(cfg.data)
@@ -44,11 +50,10 @@ def single_device(overrides: Sequence[str], micro: bool = False, microbatches: i
             model.double()
         init_units(list(model.stages), torch.initial_seed(), reset=model.reset_stage)
     model.prepare_data = lambda: None
-    k = microbatches if micro else 1
-    if micro:
-        data.batch_size //= k
-    tr = quiet_trainer(precision=t.precision, max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val,
-                       limit_val_batches=t.limit_val_batches * k, val_check_interval=t.val_check_interval * k,
-                       accumulate_grad_batches=k, callbacks=list(callbacks))
+    split = OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split
+    strategy = StreamedSingleDevice(microbatches=int(microbatches or cfg.microbatches), split=split)
+    tr = quiet_trainer(strategy, precision=t.precision, max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val,
+                       limit_val_batches=t.limit_val_batches, val_check_interval=t.val_check_interval,
+                       callbacks=list(callbacks))
     tr.fit(model, datamodule=data)
     return model.state_dict()
