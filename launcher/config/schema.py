@@ -143,6 +143,19 @@ def register() -> None:
     if not OmegaConf.has_resolver("scheme_size"):
         OmegaConf.register_new_resolver("scheme_size", _scheme_size)
     ConfigStore.instance().store(name=SCHEMA_NAME, node=LauncherConf)
+    # an open node (not in struct mode): under model=custom and data=custom (their defaults list
+    # it) the user's own arguments are set as model.x=... and data.x=..., without Hydra's +
+    ConfigStore.instance().store(name=OPEN_NODE, node=_open_node())
+
+
+#: the config an option of the model/data groups lists first to take keys the launcher does not know
+OPEN_NODE = "launcher_open_node"
+
+
+def _open_node() -> Any:
+    node = OmegaConf.create({})
+    OmegaConf.set_struct(node, False)
+    return node
 
 
 register()
