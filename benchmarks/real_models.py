@@ -4,6 +4,7 @@ tried" table.
 
     python benchmarks/real_models.py                 # every model, every scheme, 10 steps each
     python benchmarks/real_models.py --steps 4 --models llama --json out.json
+    python benchmarks/real_models.py --steps 4 --schemes gpipe --models falcon timm
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ MODELS = {
     "timm resnet10t (BatchNorm)": (["model=timm", "data=images", "data.batch_size=16"], 0),
     "lightning demo transformer": (["model=custom", "model._target_=lightning.pytorch.demos.LightningTransformer",
                                     "+model.vocab_size=128", "split=auto", *CHARS], 0),
+    "gpt_neox (parallel residual, partial RoPE)": ([*HF, "model.arch=gpt_neox", *CHARS], 0),
+    "opt (tied, offset learned positions)": ([*HF, "model.arch=opt", *CHARS], 0),
+    "phi3 (fused qkv, partial RoPE)": ([*HF, "model.arch=phi3", *CHARS], 0),
+    "stablelm (partial RoPE)": ([*HF, "model.arch=stablelm", *CHARS], 0),
+    "falcon (tied, ALiBi)": ([*HF, "model.arch=falcon", "+model.config.alibi=true", *CHARS], 0),
+    "mixtral (MoE, 8 experts, top 2)": ([*HF, "model.arch=mixtral", *CHARS], 0),
+    "timm vit_tiny_patch16_224 (32 x 32)": (["model=timm", "model.name=vit_tiny_patch16_224",
+                                             "model.kwargs.img_size=32", "data=images", "data.batch_size=16"], 0),
+    "timm convnext_atto": (["model=timm", "model.name=convnext_atto", "data=images", "data.batch_size=16"], 0),
+    "timm mobilenetv3_small_050 (BatchNorm)": (["model=timm", "model.name=mobilenetv3_small_050", "data=images",
+                                                "data.batch_size=16"], 0),
+    "timm efficientnet_b0 (BatchNorm)": (["model=timm", "model.name=efficientnet_b0", "data=images",
+                                          "data.batch_size=16"], 0),
 }
 
 
@@ -46,6 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--models", nargs="*", default=None, help="substrings of the model names to run")
+    ap.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES), help="the schemes to run")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rows = {}
@@ -54,11 +69,11 @@ def main() -> None:
             if args.models and not any(m in name for m in args.models):
                 continue
             print(name, flush=True)
-            times = {s: run(overrides, s, args.steps, Path(tmp) / f"{len(rows)}-{s}") for s in SCHEMES}
+            times = {s: run(overrides, s, args.steps, Path(tmp) / f"{len(rows)}-{s}") for s in args.schemes}
             rows[name] = {"overrides": overrides, "lines": lines,
                           "step_ms": {s: t and 1e3 * t for s, t in times.items()}}
-    print("\n| model | command (add strategy=...) | lines of user code | " + " | ".join(SCHEMES) + " |")
-    print("| --- | --- | ---: | " + " | ".join("---:" for _ in SCHEMES) + " |")
+    print("\n| model | command (add strategy=...) | lines of user code | " + " | ".join(args.schemes) + " |")
+    print("| --- | --- | ---: | " + " | ".join("---:" for _ in args.schemes) + " |")
     for name, r in rows.items():
         cells = " | ".join("failed" if t is None else f"{t:.0f}" for t in r["step_ms"].values())
         print(f"| {name} | `python -m launcher {' '.join(r['overrides'])}` | {r['lines']} | {cells} |")

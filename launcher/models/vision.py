@@ -91,6 +91,10 @@ class Stem(_Twinned):
                 self.register_buffer(name, b)
         first = next(iter(units))
         object.__setattr__(self, "twin", twin(model, {first: _Stop()}))
+        # the model's own tensors are this stage's: one dict, so a stage computing on fetched
+        # weights (which the engine swaps into this module) computes with them in the twin too
+        self.twin._parameters = self._parameters
+        self.twin._buffers = self._buffers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         try:
