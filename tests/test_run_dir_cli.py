@@ -94,6 +94,36 @@ def test_one_run_per_directory_and_an_interrupted_run_keeps_its_metrics(tmp_path
     assert not survivors(str(tmp_path))
 
 
+@pytest.mark.slow
+def test_a_directory_holding_a_checkpoint_is_refused_unless_resumed_from(tmp_path):
+    """A second run into a directory whose earlier run left ``last.ckpt`` would write its own beside
+    it (``last-v1.ckpt``): it is refused in one sentence, exit 2, and touches nothing; resuming from
+    that checkpoint in the same directory goes on writing ``last.ckpt`` there."""
+    run = tmp_path / "run"
+    common = ["strategy=lpp", "G=1", "R=2", *SMALL, "model.max_steps=3", "trainer.val_check_interval=1000",
+              f"hydra.run.dir={run}"]
+    first = launcher(*common, "trainer.max_steps=2", cwd=tmp_path)
+    _, err = first.communicate(timeout=180)
+    assert first.returncode == 0, err[-3000:]
+    last = run / "checkpoints" / "last.ckpt"
+    before = {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+    again = launcher(*common, "trainer.max_steps=2", cwd=tmp_path)
+    _, err = again.communicate(timeout=180)
+    assert again.returncode == 2, err[-3000:]
+    assert err.strip().splitlines() == [
+        f"error: hydra.run.dir={run} holds an earlier run's checkpoint {last}, and a new run there would write its "
+        f"own beside it: resume from it with ckpt_path={last} (with trainer.max_steps above its steps), or choose "
+        f"another hydra.run.dir (or remove {run / 'checkpoints'})."]
+    assert {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+
+    resumed = launcher(*common, "trainer.max_steps=3", f"ckpt_path={last}", cwd=tmp_path)
+    _, err = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, err[-3000:]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["last.ckpt"]
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+
+
 LIMIT = 100_000  # bytes: the run's small files fit, a checkpoint (~170 kB) does not
 
 

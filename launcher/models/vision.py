@@ -214,6 +214,9 @@ class TimmClassifier(LightningModule):
                  kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # the hyperparameters are the arguments by name: Lightning would record their name as
+        # "kwargs", and load_from_checkpoint would then pass them all as this class's `kwargs`
+        self._hparams_name = None
         extra = {str(k): v for k, v in dict(kwargs or {}).items() if v is not None}  # null: not passed
         try:
             model = _timm().create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_chans,
