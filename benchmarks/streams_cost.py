@@ -5,7 +5,8 @@
 
 One worker (W=1, no communication) runs every job of the step, on GPT-2's stages as ``model=hf``
 builds them (the Hugging Face model's own modules), with AdamW. Three sides, alternated step by
-step in this process so the machine's noise falls on all alike (after 2 warm-up steps each):
+step in this process, each first in turn, so the machine's noise falls on all alike (after 2
+warm-up steps each):
 
 - ``streams``: dropout 0.1 (GPT-2's default), each unit seeded for its job (the default);
 - ``own``: dropout 0.1, the streams off: each worker draws from its own generator;
@@ -80,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             for step in sides.values():
                 step()
         spent: dict[str, list[float]] = {k: [] for k in sides}
-        for _ in range(args.reps * args.steps):  # alternated step by step
-            for k, step in sides.items():
-                spent[k].append(_cpu(step))
+        names = list(sides)
+        for i in range(args.reps * args.steps):  # alternated step by step, each side first in turn
+            for k in names[i % 3:] + names[:i % 3]:
+                spent[k].append(_cpu(sides[k]))
     finally:
         dist.destroy_process_group()
     n = args.steps
