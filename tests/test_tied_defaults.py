@@ -3,8 +3,9 @@ and the last stage) under the launcher's defaults, gradient clipping on: every s
 precision clips by the norm one device computes, counting and scaling the tied weight once.
 
 - through the command line, at the defaults (``trainer.gradient_clip_val`` as in
-  ``conf/trainer/default.yaml``, ``G``/``R`` as the config gives them), all five schemes as one
-  Hydra multirun: each ``last.ckpt`` equals one device's training (float64, within 1e-10);
+  ``conf/trainer/default.yaml``, GPT-2's own dropout, ``G``/``R`` as the config gives them), all
+  five schemes as one Hydra multirun: each ``last.ckpt`` equals one device's training as
+  ``strategy=single`` runs it (float64, within 1e-10);
 - through the Python API, orders and placements that put the tie's uses elsewhere (both on one
   worker, on replicated owners, a split backward with deferred weight gradients, a custom order),
   with weight decay on, so an update of the tied weight applied twice would show;
@@ -27,6 +28,7 @@ from helpers.cli import run_launcher
 from helpers.oracle import composed, single_device
 from helpers.training import char_data, last_state, load_checkpoint, max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
+from launcher.lightning.single import StreamedSingleDevice
 from launcher.models import HFCausalLM
 
 pytestmark = pytest.mark.timeout(400)
@@ -36,6 +38,7 @@ STEPS = 3
 #: the launcher's default clipping threshold (the Python API's tests use it too)
 CLIP = float(composed([]).trainer.gradient_clip_val)
 GPT2 = dict(n_layer=2, n_embd=32, n_head=4)
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 COMMAND = ["stages=4", "microbatches=4", f"trainer.max_steps={STEPS}", "trainer.precision=64-true",
            f"trainer.val_check_interval={STEPS}", "logger=none", "model=hf", "model.arch=gpt2",
            *(f"model.config.{k}={v}" for k, v in GPT2.items()),
@@ -88,8 +91,11 @@ def reverse_stages(s: int, b: int, d: str) -> tuple[int, int]:
 
 
 def gpt2(weight_decay: float = 0.0) -> HFCausalLM:
+    """Tied GPT-2 for the Python API's cases, its dropout off: they isolate clipping and weight
+    decay over orders and placements (dropout stays on in the command-line test above, and every
+    scheme's draws are tests/test_random_streams.py's)."""
     torch.manual_seed(0)
-    return HFCausalLM(arch="gpt2", config=GPT2, max_steps=STEPS, weight_decay=weight_decay)
+    return HFCausalLM(arch="gpt2", config={**GPT2, **NO_DROPOUT}, max_steps=STEPS, weight_decay=weight_decay)
 
 
 def trainer(strategy="auto", devices: int = 1, precision: str | None = "64-true", max_steps: int = STEPS,
@@ -113,8 +119,8 @@ def fit_and_save(strategy, devices: int, out: Path, callbacks=()) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[float]]:
-    norms = GradNorms()
-    return fit_and_save("auto", 1, tmp_path_factory.mktemp("single"), [norms]), norms.norms
+    norms, single = GradNorms(), StreamedSingleDevice(microbatches=4)  # as strategy=single trains
+    return fit_and_save(single, 1, tmp_path_factory.mktemp("single"), [norms]), norms.norms
 
 
 CASES = {
