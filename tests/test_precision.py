@@ -239,3 +239,30 @@ def test_loss_scale_and_synced_scaler():
 
     for r in launch(_loss_scale_and_scaler, 2, timeout=20, deadline=120):
         assert r == {"exact": True, "stepped": False, "scale": 4.0}, r
+
+
+@pytest.mark.slow
+def test_metrics_losses_keep_the_loss_precision_of_one_device(tmp_path: Path) -> None:
+    """A model whose weights are float64 under the default 32-true (``model.dtype=float64``) has a
+    float64 loss on one device; ``metrics.json`` reports it at that precision under a scheme too,
+    not cast to the trainer's nominal float32."""
+    import json
+
+    from helpers.cli import run_launcher
+
+    common = ["model=hf", "model.config.num_hidden_layers=2", "model.config.hidden_size=16",
+              "model.config.intermediate_size=32", "model.config.num_attention_heads=2",
+              "model.config.num_key_value_heads=1", "model.dtype=float64", "stages=2", "microbatches=2",
+              "data.batch_size=4", "data.seq_len=8", "data.chars=2000", "trainer.max_steps=2",
+              "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.enable_checkpointing=false",
+              "logger=none"]
+    got = {}
+    for name, scheme in {"single": ["strategy=single"], "gpipe": ["strategy=gpipe", "G=1", "R=2"]}.items():
+        run = tmp_path / name
+        p = run_launcher(*scheme, *common, f"hydra.run.dir={run}", cwd=tmp_path, timeout=200)
+        assert p.returncode == 0, p.stderr[-3000:]
+        metrics = json.loads((run / "metrics.json").read_text())
+        got[name] = [s["loss"] for s in metrics["steps"]] + [v["val_loss"] for v in metrics["val"]]
+    one, scheme = got["single"], got["gpipe"]
+    assert len(one) == 3 and any(x != float(torch.tensor(x, dtype=torch.float32)) for x in one)  # float64 values
+    assert max(abs(a - b) for a, b in zip(one, scheme)) < 1e-12, (one, scheme)
