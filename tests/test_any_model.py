@@ -31,9 +31,8 @@ CASES = {
     "phi3": ("lpp", [*HF, "model.arch=phi3", "G=2", "R=2"]),
     "stablelm": ("fslpp", [*HF, "model.arch=stablelm", "G=2", "R=2"]),
     "falcon-alibi-tied": ("gpipe", [*HF, "model.arch=falcon", "+model.config.alibi=true"]),
-    # float64 needs batched_mm experts (the default grouped_mm kernel takes float32 and bf16 only)
-    "mixtral-moe": ("fslpp", [*HF, "model.arch=mixtral", "+model.config.num_local_experts=4",
-                              "model.experts_implementation=batched_mm", "G=2", "R=2"]),
+    # model=hf's batched_mm experts (the library's grouped_mm takes float32 and bf16 only)
+    "mixtral-moe": ("fslpp", [*HF, "model.arch=mixtral", "+model.config.num_local_experts=4", "G=2", "R=2"]),
     # timm, cut at each model's own structure; model.kwargs reach timm.create_model
     "vit": ("fsdp", ["model=timm", "model.name=vit_tiny_patch16_224", "model.kwargs.img_size=32", *IMAGES]),
     "convnext": ("gpipe", ["model=timm", "model.name=test_convnext", *IMAGES]),
