@@ -400,7 +400,10 @@ class Embeddings(_Stage):
         except _Reached as reached:
             hidden = reached.value
             if weight.is_meta:
-                hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device="meta")
+                # requiring grad as the real run's output does: the engine learns from this run
+                # which of a stage's outputs carry a gradient back (without it, stage 0 got none)
+                grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+                hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device="meta", requires_grad=grad)
             return hidden, input_ids, attention_mask, position_ids
         raise RuntimeError("the body's forward never reached its first decoder layer")
 
