@@ -119,15 +119,18 @@ class LlamaStage(GPTStage):
     embedding with the model's own forward (it reads only the shape of the token ids)."""
 
     def __init__(self, pieces: list[nn.Module], first: bool) -> None:
+        from launcher.models.hf_stages import DecoderLayer
+
         super().__init__(pieces)
         self.first = first
+        self.layer_first = isinstance(pieces[0], DecoderLayer)  # else the head alone: the hidden state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             args: tuple[Any, ...] = (x,)
         else:
             B, T = x.shape[:2]
-            args = (x, torch.zeros(B, T, dtype=torch.long, device=x.device), None, None)
+            args = (x, torch.zeros(B, T, dtype=torch.long, device=x.device), None, None) if self.layer_first else (x,)
         out: Any = None
         for m in self.pieces:
             out = m(*args)
