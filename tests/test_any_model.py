@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cli import run_launcher
-from helpers.oracle import single_device
-from helpers.training import last_state
+from helpers.oracle import assert_scheme_equals_single_device
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -41,8 +40,6 @@ CASES = {
     "mobilenet-bn": ("lpp", ["model=timm", "model.name=mobilenetv3_small_050", *IMAGES, "data.size=64",
                              "G=2", "R=2"]),
 }
-#: BatchNorm normalises each micro-batch by its own statistics: the micro-batched oracle
-MICRO = {"mobilenet-bn"}
 
 launcher = partial(run_launcher, timeout=380)
 
@@ -51,13 +48,7 @@ launcher = partial(run_launcher, timeout=380)
 @pytest.mark.parametrize("name", list(CASES))
 def test_command_line_equals_single_device(name: str, tmp_path: Path) -> None:
     scheme, overrides = CASES[name]
-    run = tmp_path / "run"
-    p = launcher(f"strategy={scheme}", *COMMON, *overrides, f"hydra.run.dir={run}", cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = last_state(run)
-    want = single_device([*COMMON, *overrides], micro=name in MICRO)
-    assert got.keys() == want.keys()
-    assert max((got[k].double() - want[k].double()).abs().max().item() for k in want) < 1e-10
+    assert_scheme_equals_single_device(scheme, [*COMMON, *overrides], tmp_path)
 
 
 def test_a_missing_pretrained_directory_is_one_sentence(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -19,7 +20,8 @@ import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from launcher.lightning.single import StreamedSingleDevice
 from launcher.runtime.init import empty_init, has_meta, init_units
 
-from .training import quiet_trainer
+from .cli import run_launcher
+from .training import last_state, quiet_trainer
 
 
 def composed(overrides: Sequence[str]) -> Any:
@@ -28,14 +30,13 @@ def composed(overrides: Sequence[str]) -> Any:
         return compose("config", overrides=[o for o in overrides if not o.startswith(("G=", "R="))])
 
 
-def single_device(overrides: Sequence[str], micro: bool = False, microbatches: int | None = None,
+def single_device(overrides: Sequence[str], microbatches: int | None = None,
                   callbacks: Sequence[L.Callback] = ()) -> dict[str, torch.Tensor]:
     """The config's model and data, built after ``seed_everything(seed)`` as the command builds
     them, trained on one device by ``strategy=single``'s strategy (:mod:`launcher.lightning.single`:
     Lightning's single-device strategy, each batch as the config's ``microbatches`` micro-batches
     through the random streams, so dropout draws and BatchNorm's per-micro-batch statistics are
-    every scheme's); its state dict. ``microbatches`` overrides the config's; ``micro`` is the
-    earlier spelling of "micro-batched statistics", which every run now has, and changes nothing."""
+    every scheme's); its state dict. ``microbatches`` overrides the config's."""
     cfg = composed(overrides)
     L.seed_everything(int(cfg.seed), verbose=False)
     data = instantiate(cfg.data)
@@ -57,3 +58,15 @@ def single_device(overrides: Sequence[str], micro: bool = False, microbatches: i
                        callbacks=list(callbacks))
     tr.fit(model, datamodule=data)
     return model.state_dict()
+
+
+def assert_scheme_equals_single_device(scheme: str, overrides: Sequence[str], tmp_path: Path) -> None:
+    """``python -m launcher strategy=<scheme> <overrides>`` trains, and its ``last.ckpt`` equals
+    :func:`single_device` on the same overrides within 1e-10."""
+    run = tmp_path / "run"
+    p = run_launcher(f"strategy={scheme}", *overrides, f"hydra.run.dir={run}", cwd=tmp_path, timeout=380)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = last_state(run)
+    want = single_device(list(overrides))
+    assert got.keys() == want.keys()
+    assert max((got[k].double() - want[k].double()).abs().max().item() for k in want) < 1e-10
