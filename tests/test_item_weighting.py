@@ -13,7 +13,7 @@ import copy
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 import pytest
@@ -322,6 +322,18 @@ def masked_rows(n: int, seed: int, seq_len: int = 10, vocab: int = 32, mask_id: 
 
 
 @pytest.mark.timeout(300)
+def _fit_traced(make: Callable[[], L.LightningModule], train: Any, val: Any, strategy: Any,
+                devices: int) -> tuple[dict[str, torch.Tensor], float]:
+    """Three float64 steps of ``make()`` (built after ``seed_everything(0)``) on batches of 8 rows of
+    ``train``, validated on ``val``: the trained state and ``val_loss``."""
+    L.seed_everything(0, verbose=False)
+    model = make()
+    tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=3, gradient_clip_val=CLIP,
+                       val_check_interval=3, limit_val_batches=2)
+    tr.fit(model, datamodule=L.LightningDataModule.from_datasets(train, val, batch_size=8))
+    return model.state_dict(), float(tr.callback_metrics["val_loss"])
+
+
 @pytest.mark.parametrize("scheme", [("ddp", 4, 1), ("fslpp", 2, 2)], ids=["ddp", "fslpp"])
 def test_bert_masked_lm_traced_on_dict_batches_equals_one_device(scheme: tuple[str, int, int]) -> None:
     """``self.model(**batch).loss`` of a BERT masked LM under ``split=auto``: each micro-batch
@@ -329,13 +341,7 @@ def test_bert_masked_lm_traced_on_dict_batches_equals_one_device(scheme: tuple[s
     parameters and ``val_loss`` equal one device's on the whole batch."""
 
     def run(strategy: Any, devices: int) -> tuple[dict[str, torch.Tensor], float]:
-        L.seed_everything(0, verbose=False)
-        model = MaskedLM()
-        tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=3, gradient_clip_val=CLIP,
-                           val_check_interval=3, limit_val_batches=2)
-        tr.fit(model, datamodule=L.LightningDataModule.from_datasets(masked_rows(48, 1), masked_rows(16, 2),
-                                                                     batch_size=8))
-        return model.state_dict(), float(tr.callback_metrics["val_loss"])
+        return _fit_traced(MaskedLM, masked_rows(48, 1), masked_rows(16, 2), strategy, devices)
 
     want, want_val = run("auto", 1)
     name, G, R = scheme
@@ -487,13 +493,7 @@ def test_traced_causal_lm_on_padded_batches_equals_one_device() -> None:
     weighs by its labels after the shift (found from the model, no user code), under LPP."""
 
     def run(strategy: Any, devices: int) -> tuple[dict[str, torch.Tensor], float]:
-        L.seed_everything(0, verbose=False)
-        model = PaddedCausalLM()
-        tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=3, gradient_clip_val=CLIP,
-                           val_check_interval=3, limit_val_batches=2)
-        tr.fit(model, datamodule=L.LightningDataModule.from_datasets(padded_rows(48, 3), padded_rows(16, 4),
-                                                                     batch_size=8))
-        return model.state_dict(), float(tr.callback_metrics["val_loss"])
+        return _fit_traced(PaddedCausalLM, padded_rows(48, 3), padded_rows(16, 4), strategy, devices)
 
     want, want_val = run("auto", 1)
     got, got_val = run(UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4, split="auto"), 4)
