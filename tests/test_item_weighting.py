@@ -28,7 +28,7 @@ import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from helpers.cli import run_launcher
 from helpers.training import last_state, max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
-from launcher.lightning.items import loss_items
+from launcher.lightning.item_counts import loss_items
 from launcher.runtime import Engine, StagedModel, launch
 from launcher.runtime.init import empty_init, init_units
 from launcher.runtime.items import shares

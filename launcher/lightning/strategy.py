@@ -58,7 +58,7 @@ from ..runtime.torch_private import FoundInfHookScaler, default_store, retype_gr
 from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.schemes import SCHEMES
-from .items import loss_items
+from .item_counts import loss_items
 from .launcher import ForkLauncher
 from .lightning_private import init_dist_connection, retype_precision_plugin, sync_ddp_if_available, train_dataloaders
 from .staging import example_microbatch, first_batch, split_batch, stage_module, uses_trace
@@ -477,7 +477,7 @@ class UnifiedStrategy(ParallelStrategy):
     def _microbatches(self, batch: Any, weigh: bool = True) -> tuple[list[tuple[Any, Any]], list[Any] | None]:
         """The batch cut into ``microbatches`` (input, target) pieces (:func:`split_batch`), as equal
         as they can be (a last batch may not divide), and the items each one's loss averages over
-        (:func:`~launcher.lightning.items.loss_items`; None: its rows), by which the engine weighs
+        (:func:`~launcher.lightning.item_counts.loss_items`; None: its rows), by which the engine weighs
         it; not counted unless ``weigh`` (a prediction batch may hold no target to count)."""
         batch = self.precision_plugin.convert_input(batch)
         x, y = split_batch(self.lightning_module, batch, self.traced)
