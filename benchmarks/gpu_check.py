@@ -17,7 +17,7 @@ budget is stopped and the part fails:
    is under ``FP32_TOL`` of the largest gradient, and the same for the parameters (summation
    order is all that differs). bf16-mixed passes when the engine's parameter update is within
    ``BF16_FACTOR`` times the single-device bf16-vs-fp32 gap of single-device bf16's update (the
-   yardstick of ``tests/test_precision.py``: the engine casts stage outputs to bf16 at every
+   yardstick of ``tests/lightning/test_precision.py``: the engine casts stage outputs to bf16 at every
    boundary, which single-device autocast does not);
 3. ``overhead``: the engine on one worker against plain PyTorch on the same stages, a Llama of
    about 1 B parameters under bf16 autocast (fp32 master weights, AdamW): step time, tokens/s and

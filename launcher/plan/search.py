@@ -40,7 +40,7 @@ when the unlimited step does not fit, every uniform limit from the least that ca
 micro-batch's activations ahead, so a limit above the budget can keep the peak inside it). The
 upward scan stops at the first limit above those tried first whose step fits nowhere: a heuristic
 (the peak rarely falls again as the limit grows), the one part of the search that is not exhaustive
-over uniform limits. The brute force of ``tests/test_planner.py`` tries every uniform limit.
+over uniform limits. The brute force of ``tests/plan/test_planner.py`` tries every uniform limit.
 """
 
 from __future__ import annotations

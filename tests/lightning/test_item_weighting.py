@@ -186,7 +186,7 @@ class Padded(LightningDataModule):
         labels = ids.masked_fill(mask == 0, -100)
         self.rows = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)]
 
-    # not shuffled: the order of the user's data under a scheme is tests/test_user_data.py's subject
+    # not shuffled: the order of the user's data under a scheme is tests/lightning/test_user_data.py's subject
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.rows[16:], batch_size=self.batch_size)
 
@@ -267,7 +267,7 @@ def test_hf_on_padded_batches_equals_one_device(scheme: list[str], hf_padded_ora
 # ---- a BERT masked LM in a user's LightningModule, traced, on dict batches ------------------
 
 #: the gradient clipping a user of the launcher gets
-CLIP = float(OmegaConf.load(Path(__file__).parents[1] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
+CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
 
 
 class MaskedLM(L.LightningModule):

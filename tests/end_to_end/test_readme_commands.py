@@ -10,7 +10,7 @@ import pytest
 
 from helpers.cli import run_launcher
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PER_WORKER = ("busy", "act_recv", "grad_recv", "weight_fetch_stages", "weight_fetch_jobs", "peak_activations",
               "weights_owned", "weights_peak_resident")
 

@@ -1,6 +1,6 @@
-"""Sweeps as Slurm job arrays, against a real single-node Slurm started by tests/slurm/setup.sh
+"""Sweeps as Slurm job arrays, against a real single-node Slurm started by tests/end_to_end/slurm/setup.sh
 (Debian's slurmctld, slurmd and munge, no systemd). The test cluster keeps no accounting
-database, so tests/slurm/bin/sacct answers submitit's polls from ``scontrol``. Skipped, with the
+database, so tests/end_to_end/slurm/bin/sacct answers submitit's polls from ``scontrol``. Skipped, with the
 reason, where Slurm cannot be installed or started (not root, no apt-get, no network)."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Every ``python -m launcher`` command shown in README.md and docs/*.md is a valid config: its
 overrides compose (Hydra's compose API, as the command line does) and break no rule of the step.
-Commands that train are run end to end elsewhere (tests/test_train_cli.py and the model tests);
+Commands that train are run end to end elsewhere (tests/end_to_end/test_train_cli.py and the model tests);
 this keeps the documentation from drifting when keys or rules change. Commands with placeholders
 (your own module, a path of yours, ``...``) and the error examples (``$ ...``, which must fail)
-are left out; recipes are composed in tests/test_cli.py."""
+are left out; recipes are composed in tests/end_to_end/test_readme_commands.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from launcher.cli import _compose
 from launcher.config import check_overrides, errors
 from launcher.config.validate import check_sweep_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLACEHOLDERS = ("mymodule", "mymodel", "/path/to", "...", "outputs/", "/shared/", "--config-dir", "<", "node0")
 

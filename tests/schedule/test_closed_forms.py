@@ -21,10 +21,10 @@ from launcher.schedule.closed_form import closed_forms, simulated_counterparts
 from launcher.schedule.metrics import summarize
 from launcher.schedule.simulate import unchecked_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 report = importlib.import_module("closed_form_report")  # the document's generator, a script beside the package
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "closed-forms.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "closed-forms.md"
 
 
 def test_the_committed_document_is_the_generators_output():

@@ -1,4 +1,4 @@
-"""The models of ``tests/test_real_models.py`` through the command line, one scheme each (the five
+"""The models of ``tests/models/test_real_models.py`` through the command line, one scheme each (the five
 schemes spread over the five models; every pair runs through the Python API there): the final
 checkpoint equals the same module, built from the same config and seed, trained on one device in
 this process as ``strategy=single`` trains it (tests/helpers/oracle.py; float64, within 1e-10), the

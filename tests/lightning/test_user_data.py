@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(400)
 TOL = 1e-10
 STEPS = 3
 #: the gradient clipping a user of the launcher gets
-CLIP = float(OmegaConf.load(Path(__file__).parents[1] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
+CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
 
 #: a user's own code, as a module on the path: a LightningModule around a Hugging Face causal LM
 #: (random weights, no download) whose training step takes dict batches, and its data

@@ -93,7 +93,7 @@ def reverse_stages(s: int, b: int, d: str) -> tuple[int, int]:
 def gpt2(weight_decay: float = 0.0) -> HFCausalLM:
     """Tied GPT-2 for the Python API's cases, its dropout off: they isolate clipping and weight
     decay over orders and placements (dropout stays on in the command-line test above, and every
-    scheme's draws are tests/test_random_streams.py's)."""
+    scheme's draws are tests/runtime/test_random_streams.py's)."""
     torch.manual_seed(0)
     return HFCausalLM(arch="gpt2", config={**GPT2, **NO_DROPOUT}, max_steps=STEPS, weight_decay=weight_decay)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from launcher.runtime import launch
 from launcher.runtime.comm import host_staged, staged_irecv, staged_isend
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 

@@ -49,7 +49,7 @@ def demo() -> L.LightningModule:
 def resnet() -> L.LightningModule:
     """resnet10t with stochastic depth as timm builds it for ``drop_path_rate=0.3`` (a DropPath per
     residual block, its rate growing with depth), trained by SGD with momentum (BatchNorm leaves
-    rounding-level gradients that Adam would amplify; see tests/test_real_models.py)."""
+    rounding-level gradients that Adam would amplify; see tests/models/test_real_models.py)."""
     import timm
 
     model = TimmClassifier(name="resnet10t", num_classes=4, max_steps=STEPS)
