@@ -65,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vs_native_transformer as vt  # noqa: E402 - the benchmarks' own directory, put on the path above
 import vs_torch_native as vn  # noqa: E402
 
-from launcher.report.profile import stage_job_seconds  # noqa: E402
+from launcher.report.measured_costs import stage_job_seconds  # noqa: E402
 from launcher.runtime import Engine, StagedModel, launch  # noqa: E402
 from launcher.runtime.model import flat_params, reference_step  # noqa: E402
 from launcher.schedule import make_step, simulate  # noqa: E402

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from engine_step_cpu import _cpu  # one step's CPU time, measured as that benchmark measures it
 
 import launcher  # noqa: F401  (before transformers: the torchvision fallback)
-from launcher.lightning.partition import group_modules
+from launcher.lightning.stage_groups import group_modules
 from launcher.models import HFCausalLM
 from launcher.runtime import Engine, StagedModel
 from launcher.runtime.streams import install_stages

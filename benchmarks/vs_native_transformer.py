@@ -52,7 +52,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from launcher.report.profile import stage_job_seconds
+from launcher.report.measured_costs import stage_job_seconds
 from launcher.runtime import Engine, StagedModel, launch
 from launcher.schedule import make_step, simulate
 

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from launcher.report.profile import (
+from launcher.report.measured_costs import (
     end_seconds,
     job_seconds,
     message_cpu_seconds,
@@ -49,7 +49,7 @@ from launcher.report.profile import (
     shared_cores,
 )
 from launcher.runtime import Engine, StagedModel, launch
-from launcher.runtime.link import measure as measure_link
+from launcher.runtime.link_probe import measure as measure_link
 from launcher.schedule import make_step, simulate
 from launcher.schedule.cores import job_work, replay
 from launcher.schedule.link import Link, exchanges, partners

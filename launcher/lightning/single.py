@@ -28,7 +28,7 @@ from ..runtime.items import rows
 from ..runtime.items import shares as item_shares
 from ..runtime.model import run_stage
 from ..runtime.values import as_tree, chunk
-from ..split.trace import loss_module
+from ..split.capture import loss_module
 from .item_counts import loss_items
 from .lightning_private import train_dataloaders
 from .staging import _mapping_type, example_microbatch, first_batch, split_batch, stage_module, uses_trace

@@ -28,7 +28,7 @@ from ..runtime.model import ModelError, StagedModel, model_errors
 from ..runtime.rng import kept_random_state, peek
 from ..runtime.streams import install_stages
 from ..runtime.values import as_tree, chunk
-from .partition import group_modules
+from .stage_groups import group_modules
 
 #: the keys of a dict batch that hold the targets, in the order looked for (Hugging Face's first)
 TARGET_KEYS = ("labels", "label", "targets", "target", "y")
@@ -207,7 +207,7 @@ def profiled_partition(module: nn.Module, S: int, by: str, batch: Any, microbatc
     holds), within ``cap`` bytes per worker when given. Raises :class:`ModelError`."""
     from ..plan.partition import PartitionError, cut
     from ..split.cost import profile_chain
-    from .partition import param_sizes
+    from .stage_groups import param_sizes
 
     name = type(module).__name__
     stages = getattr(module, "stages", None)

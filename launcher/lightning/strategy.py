@@ -50,7 +50,7 @@ from ..config.spec import CUSTOM
 from ..runtime import DEFAULT_TIMEOUT, Engine
 from ..runtime.failure import Watchdog, blocked, current_watchdog, set_current_watchdog
 from ..runtime.init import empty_init, has_meta
-from ..runtime.link import measure as measure_link
+from ..runtime.link_probe import measure as measure_link
 from ..runtime.nonfinite import MODES as NONFINITE_MODES
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
 from ..runtime.processes import auto_backend

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from . import plan, simulate, train
+from . import planning, simulation, train
 
 MODES: dict[str, Callable[[DictConfig], dict[str, Any]]] = {
-    "train": train.run, "simulate": simulate.run, "plan": plan.run,
+    "train": train.run, "simulate": simulation.run, "plan": planning.run,
 }

@@ -384,7 +384,7 @@ def _build_job(cfg: DictConfig) -> _Built:
     """Validate ``cfg``; build and check its data, model and step settings (nothing is started)."""
     chosen = None
     if cfg.strategy.name == "auto" and cfg.strategy.get("placement") is None:
-        from .plan import chosen as plan_choice
+        from .planning import chosen as plan_choice
 
         cfg, best = plan_choice(cfg)  # the planner's pick, applied to the config
         chosen = list(best.overrides)
@@ -511,7 +511,7 @@ def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, A
     from hydra.utils import instantiate
 
     from ..lightning import requeue
-    from ..lightning.metrics import RunMetrics
+    from ..lightning.metrics_callback import RunMetrics
 
     config = OmegaConf.to_container(cfg, resolve=True)
     from ..report.progress import Progress
@@ -727,7 +727,7 @@ def _interrupted(cfg: DictConfig, out: Path, run_info: dict[str, Any], e: BaseEx
     import sys
 
     from ..atomic import write_json, write_sentence
-    from ..report import metrics as report
+    from ..report import metrics_json as report
     from ..report import progress
 
     signum = getattr(e, "signum", signal.SIGINT)

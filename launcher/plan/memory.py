@@ -18,7 +18,7 @@ For worker ``w`` (``p_s``, ``g_s``, ``o_s``: parameter, gradient and optimizer-s
 
 Under cache ``step`` a fetched stage's gradient buffer lives to the end of the step, so it is
 counted for every fetched stage the worker computes; under ``job`` the owner takes each sum in
-during the step and the sender frees it (:func:`launcher.schedule.memory.sum_handovers`). Live
+during the step and the sender frees it (:func:`launcher.schedule.activations.sum_handovers`). Live
 activations are swept exactly: ``x_s^b`` is held on ``F(s,b)``'s worker from that job's start to
 the end of the backward that consumes it, a release at time t before an acquisition at t (as in the
 simulator).
@@ -26,7 +26,7 @@ simulator).
 
 from __future__ import annotations
 
-from ..schedule.memory import activation_peaks, gradient_peaks, recomputed_forwards
+from ..schedule.activations import activation_peaks, gradient_peaks, recomputed_forwards
 from ..schedule.simulate import Timeline
 from .profile import Profile
 
@@ -58,7 +58,7 @@ def static_bytes(owned: list[set[int]], fetched: list[set[int]], prof: Profile, 
 def activation_bytes(tl: Timeline, prof: Profile, cache: str = "step") -> list[float]:
     """The exact peak of live activation bytes per worker: inputs, plus each forward's autograd
     graph (``saved``) unless it recomputes (the sweep the run report predicts with,
-    :func:`launcher.schedule.memory.activation_peaks`)."""
+    :func:`launcher.schedule.activations.activation_peaks`)."""
     act = [prof.stage_bytes("activation", s) for s in range(tl.step.S)]
     saved = [prof.stage_bytes("saved", s) for s in range(tl.step.S)]
     return activation_peaks(tl, lambda s, b: act[s], (lambda s, b: saved[s]) if any(saved) else None,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from textwrap import indent
 from typing import Iterable
 
-from launcher.schedule.memory import sum_handovers
+from launcher.schedule.activations import sum_handovers
 from launcher.schedule.metrics import WEIGHT_CACHES, per_worker
 from launcher.schedule.simulate import Timeline
 
@@ -305,7 +305,7 @@ def add_wgrad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
 
     The owner takes the sums in at the end of the step, by stage and sender; under
     ``weight_cache="job"`` a stage's only owner takes each in at one of its jobs, and the sender
-    frees it once delivered (:func:`~launcher.schedule.memory.sum_handovers`), so no worker holds
+    frees it once delivered (:func:`~launcher.schedule.activations.sum_handovers`), so no worker holds
     every fetched stage's sum to the end of the step."""
     space = tl.step.space
     S, B, SB = space.S, space.B, space.S * space.B

@@ -45,7 +45,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from launcher.schedule.memory import activation_peaks
+from launcher.schedule.activations import activation_peaks
 from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.simulate import Step, Timeline, simulate
 
@@ -383,7 +383,7 @@ class Engine:
 
     def activation_peaks(self, microbatches: Sequence[Batch]) -> list[int]:
         """Predicted peak activation bytes per worker for these micro-batches: inputs ``x_s^b``
-        plus the forwards' graphs, swept over the timeline (:mod:`launcher.schedule.memory`);
+        plus the forwards' graphs, swept over the timeline (:mod:`launcher.schedule.activations`);
         equal to what each worker's meter measures (``peak_activation_bytes``)."""
         _, act, _ = self.sizes(microbatches)
         saved = self.saved_sizes(microbatches)

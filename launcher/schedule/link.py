@@ -13,7 +13,7 @@ The simulator's timeline ends with each worker's last job; the runtime then fini
   reduces those a worker completes early during its backward (gloo's ring), or all with NCCL's.
 
 A message of ``n`` bytes costs ``latency_s + n / bytes_per_s`` (a :class:`Link`, measured on the
-real workers by a ping-pong, :mod:`launcher.runtime.link`). A worker's end phase lasts its
+real workers by a ping-pong, :mod:`launcher.runtime.link_probe`). A worker's end phase lasts its
 message rounds' latency plus its busier direction's bytes over the bandwidth (links are full
 duplex), and the step ends when the last worker's end phase does:
 

@@ -6,7 +6,7 @@ stages share the module's parameters and follow the engine's stage contract; :fu
 turns a LightningModule's ``training_step`` into a ``batch -> loss`` module to split whole.
 """
 
+from launcher.split.capture import LossModule, SplitError, loss_module
 from launcher.split.cut import Split, Traced, split_module, trace_module
-from launcher.split.trace import LossModule, SplitError, loss_module
 
 __all__ = ["LossModule", "Split", "SplitError", "Traced", "loss_module", "split_module", "trace_module"]

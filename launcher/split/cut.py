@@ -43,7 +43,7 @@ from launcher.runtime.torch_private import (
     set_pytree_codegen,
 )
 from launcher.schedule.graph import StageGraph
-from launcher.split.trace import SplitError, alias_base, export_graph, node_path, written_args
+from launcher.split.capture import SplitError, alias_base, export_graph, node_path, written_args
 
 aten = torch.ops.aten
 # Ops whose train flag (third argument) export fixed at trace time: a stage passes its own

@@ -22,7 +22,7 @@ import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from helpers.cli import launcher_env, run_launcher
 from launcher.config import check_overrides, errors
 from launcher.config.paths import dir_error, file_error
-from launcher.modes.simulate import simulate_config
+from launcher.modes.simulation import simulate_config
 from launcher.runtime import lowering as plan_module
 from launcher.runtime.lowering import LoweringError, lower
 from launcher.schedule import ScheduleError, StepError, make_step, simulate

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from launcher.config import ConfigError, check_overrides, errors, to_step
 from launcher.config.validate import check_sweep_overrides
-from launcher.modes.simulate import simulate_config
+from launcher.modes.simulation import simulate_config
 from launcher.schedule import make_step, simulate
 
 

@@ -155,7 +155,7 @@ def test_metrics_count_a_tied_parameter_once(reference, tmp_path: Path) -> None:
     """``metrics.json``'s training state per worker and in total: worker 0 holds both uses of the
     tied weight (stages 0 and 3 under LPP G=1, R=3), its value and optimizer state once but each
     stage's gradient sum apart; the model's total holds it once, as one device does."""
-    from launcher.lightning.metrics import RunMetrics
+    from launcher.lightning.metrics_callback import RunMetrics
 
     st = UnifiedStrategy("lpp", G=1, R=3, stages=4, microbatches=4)
     metrics = RunMetrics(tmp_path, {}, {"scheme": "lpp"})

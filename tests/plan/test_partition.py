@@ -87,7 +87,7 @@ def test_stage_durations_sum_the_modules_and_scale_to_config_units():
 
 
 def test_lightning_partition_keeps_balanced_groups():
-    from launcher.lightning import partition
+    from launcher.lightning import stage_groups as partition
 
     assert partition.balanced_groups is balanced_groups
     mods = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 40)]
@@ -156,7 +156,7 @@ def test_partition_key_is_validated_in_one_sentence():
 
 # ---- predictions and the planner -------------------------------------------------------------
 def test_report_uses_each_stages_measured_time():
-    from launcher.report.profile import job_seconds, stage_job_seconds
+    from launcher.report.measured_costs import job_seconds, stage_job_seconds
 
     rec = {"records": [{"measured_only": {"jobs": [[0, 0, "F", 1.0], [1, 0, "F", 3.0], [0, 0, "B", 2.0],
                                                     [1, 0, "B", 6.0]], "device": "cuda"}}]}

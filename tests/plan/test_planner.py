@@ -14,7 +14,7 @@ import pytest
 import launcher.config  # noqa: F401  (registers the schema)
 from helpers.cli import run_launcher
 from launcher.config import errors
-from launcher.modes.simulate import simulate_config
+from launcher.modes.simulation import simulate_config
 from launcher.plan import Budget, ProfileError, load, memory, parse_bytes, search, unit
 from launcher.plan.profile import from_dict
 from launcher.plan.search import job_cache_time, shared_cores_time

@@ -2,7 +2,7 @@
 
 Pure Python (no torch): the Lightning layer gathers what every worker measured and hands it here
 with the plan. The prediction is the simulator's, fed with what this run's own workers measured
-(:mod:`launcher.report.profile`): seconds per job kind (CPU seconds on CPU workers), what a
+(:mod:`launcher.report.measured_costs`): seconds per job kind (CPU seconds on CPU workers), what a
 message took, each worker's end of step and its time outside the engine; the simulated programs
 are replayed on the cores the workers shared (:mod:`launcher.schedule.cores`), so the prediction
 is in seconds.
@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..runtime.lowering import KINDS, Lowered
-from ..schedule import Timeline, memory
+from ..schedule import Timeline, activations
 from ..schedule.cores import Replayed, job_work, replay
 from ..schedule.link import Link, exchanges
 from ..schedule.simulate import Step
-from .profile import (
+from .measured_costs import (
     end_seconds,
     job_seconds,
     message_cpu_seconds,
@@ -67,11 +67,11 @@ def _median_after_first(xs: Sequence[float]) -> float:
 def activation_peaks(tl: Timeline, act_bytes: Sequence[Sequence[int]],
                      saved_bytes: Sequence[Sequence[int]] | None = None,
                      recomputed: Sequence[bool] | None = None) -> list[int]:
-    """Peak bytes of live activations per worker on the timeline (:mod:`launcher.schedule.memory`):
+    """Peak bytes of live activations per worker on the timeline (:mod:`launcher.schedule.activations`):
     ``x_s^b`` from the start of ``F(s,b)`` to the end of the backward that consumes it, plus,
     given ``saved_bytes``, each forward's autograd graph (``recomputed``: per forward job)."""
     saved = (lambda s, b: saved_bytes[s][b]) if saved_bytes is not None else None
-    return memory.activation_peaks(tl, lambda s, b: act_bytes[s][b], saved, recomputed)
+    return activations.activation_peaks(tl, lambda s, b: act_bytes[s][b], saved, recomputed)
 
 
 def traffic(plan: Lowered, msg_bytes: Sequence[int]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:

@@ -1,5 +1,5 @@
 """Live activation bytes per worker, swept exactly over a simulated timeline: the one sweep the
-run report's prediction (:mod:`launcher.report.metrics`) and the planner's memory model
+run report's prediction (:mod:`launcher.report.metrics_json`) and the planner's memory model
 (:mod:`launcher.plan.memory`) share, and that the runtime's meter reproduces.
 
 For each micro-batch ``b`` of stage ``s``, on the worker of ``F(s,b)``:

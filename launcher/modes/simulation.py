@@ -115,12 +115,12 @@ def want_png(png: Any, jobs: int) -> bool:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One run (or one point of a sweep): never raises for an invalid config, records it.
-    ``strategy=auto`` simulates the planner's choice (:func:`launcher.modes.plan.chosen`)."""
+    ``strategy=auto`` simulates the planner's choice (:func:`launcher.modes.planning.chosen`)."""
     where = point()
     clear_outcomes()  # a reused run directory must not keep the last run's verdict
     try:
         if cfg.strategy.name == "auto" and cfg.strategy.get("placement") is None:
-            from .plan import chosen
+            from .planning import chosen
 
             cfg, best = chosen(cfg)
             console().print("auto: chose " + " ".join(best.overrides), highlight=False, soft_wrap=True)

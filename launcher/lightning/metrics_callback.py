@@ -1,5 +1,5 @@
 """``RunMetrics``: the Lightning callback that turns a run into ``metrics.json`` (and its diagram
-and W&B summary). A thin adapter: the numbers come from :mod:`launcher.report.metrics`, the W&B
+and W&B summary). A thin adapter: the numbers come from :mod:`launcher.report.metrics_json`, the W&B
 records from :mod:`launcher.report.wandb_log`.
 
 Every worker times its training steps and keeps the loss Lightning hands back; at the end of
@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
-from ..report import metrics as report
+from ..report import metrics_json as report
 from .lightning_private import started_experiment
 from .strategy import UnifiedStrategy
 
