@@ -23,7 +23,8 @@ from launcher.schedule import schemes as registry
 from launcher.schedule.closed_form import METRICS, SEEDS, TABLES, closed_forms, simulated_counterparts
 from launcher.schedule.diagram import ascii_diagram
 from launcher.schedule.metrics import summarize
-from launcher.schedule.simulate import ScheduleError, make_step, simulate, unchecked_step
+from launcher.schedule.settings import make_step, unchecked_step
+from launcher.schedule.simulate import ScheduleError, simulate
 
 SCHEMES = tuple(registry.SCHEMES)
 ORDERS = ("1f1b", "breadth_first", "depth_first")

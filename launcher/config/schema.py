@@ -1,5 +1,9 @@
 """The structured schema of the launcher's Hydra config: every key, its type and its default.
 
+The step's keys take their defaults from :data:`launcher.schedule.settings.DEFAULT` (each default
+is written there once); :data:`SETTING_KEYS` says which config key holds each field of
+:class:`~launcher.schedule.settings.Settings`.
+
 Registered in Hydra's ConfigStore as ``launcher_schema`` (the first entry of ``conf/config.yaml``'s
 defaults list), so Hydra rejects a value of the wrong type while composing. The rules between keys
 (``W = G * R``, ``R <= stages``, ...) live in :mod:`launcher.config.validate`.
@@ -10,12 +14,15 @@ the code still checks ``W == G * R`` (a user may override ``W``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+
+from ..schedule.settings import DEFAULT, Settings
 
 SCHEMA_NAME = "launcher_schema"
 
@@ -30,16 +37,16 @@ class StrategyConf:
     callable ``(s, b, d) -> (w_weights, w_compute)`` (then ``name`` is only a label).
     ``ownership`` picks FSLPP's owner: ``seed`` = ``h(s, s)``, ``balanced`` = ``h(s, floor(s/R))``."""
 
-    name: str = "lpp"
+    name: str = DEFAULT.name
     placement: Any = None
-    ownership: str = "seed"
+    ownership: str = DEFAULT.ownership
 
 
 @dataclass
 class OrderConf:
     """A named tie-break order, or ``n``: a node instantiated into a callable ``n(s, b, d)``."""
 
-    name: str = "1f1b"
+    name: str = DEFAULT.order_name
     n: Any = None
 
 
@@ -47,10 +54,10 @@ class OrderConf:
 class DurationsConf:
     """Time of one job of each kind, in duration units (``I``/``W`` when the backward is split)."""
 
-    F: float = 1.0
-    B: float = 1.0
-    I: float = 0.5  # noqa: E741 - the input-gradient job kind, a config key (durations.I)
-    W: float = 0.5
+    F: float = DEFAULT.durations["F"]
+    B: float = DEFAULT.durations["B"]
+    I: float = DEFAULT.durations["I"]  # noqa: E741 - the input-gradient job kind, a config key (durations.I)
+    W: float = DEFAULT.durations["W"]
 
 
 @dataclass
@@ -74,19 +81,19 @@ class LauncherConf:
     mode: str = "train"
     strategy: StrategyConf = field(default_factory=StrategyConf)
     order: OrderConf = field(default_factory=OrderConf)
-    G: int = 2
-    R: int = 4
+    G: int = DEFAULT.G
+    R: int = DEFAULT.R
     W: int = "${mul:${G},${R}}"  # type: ignore[assignment]  # interpolation, resolved to an int
-    stages: int = 8
-    microbatches: int = 16
+    stages: int = DEFAULT.stages
+    microbatches: int = DEFAULT.microbatches
     durations: DurationsConf = field(default_factory=DurationsConf)
-    comm: float = 0.0
-    memory_limit: Any = None  # null | int | list of ints, one per worker
-    warmup: Optional[str] = None  # null = the order's default; classic | none
-    split_backward: bool = False
-    weight_cache: str = "step"  # step | job
-    recompute: Any = "none"  # none | full | [stage indices]: their backward recomputes the forward
-    prefetch: int = 1  # jobs of lookahead of the runtime; mode=simulate reports its resident weights
+    comm: float = DEFAULT.comm
+    memory_limit: Any = DEFAULT.memory_limit  # null | int | list of ints, one per worker
+    warmup: Optional[str] = DEFAULT.warmup  # null = the order's default; classic | none
+    split_backward: bool = DEFAULT.split_backward
+    weight_cache: str = DEFAULT.weight_cache  # step | job
+    recompute: Any = DEFAULT.recompute  # none | full | [stage indices]: their backward recomputes the forward
+    prefetch: int = DEFAULT.prefetch  # jobs of lookahead of the runtime; mode=simulate reports its resident weights
     seed: int = 0  # mode=train: seed_everything(seed) before the model and data are built
     png: Any = "auto"  # pipeline.png: true | false | auto (drawn up to report.png.AUTO_MAX_JOBS jobs)
     # mode=train: groups instantiated with hydra.utils.instantiate (conf/model, conf/data, conf/logger)
@@ -96,7 +103,7 @@ class LauncherConf:
     trainer: Any = None
     logger: Any = None
     split: Any = None  # mode=train: null (the model's self.stages) | auto | [module paths where stages begin]
-    partition: str = "params"  # mode=train: self.stages cut balanced by params | time (profiled) | memory
+    partition: str = DEFAULT.partition  # mode=train: self.stages cut balanced by params | time (profiled) | memory
     timeout: float = 30.0  # seconds without progress, while its peers wait, after which a worker is named as hung
     ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
     nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step (launcher.runtime.nonfinite)
@@ -104,6 +111,13 @@ class LauncherConf:
     # what a run returns to a sweeper (hparams_search=optuna): a metric's name or a list of them
     # (launcher.hparams.METRICS), one hydra.sweeper.direction per metric
     optimized_metric: Any = "val_loss"
+
+
+#: the config key that holds each field of :class:`Settings` (the key of the same name otherwise)
+_RENAMED = {"scheme": "strategy.name", "order": "order.name", "ownership": "strategy.ownership",
+            "plan_memory": "plan.memory"}
+SETTING_KEYS: dict[str, str] = {f.name: _RENAMED.get(f.name, f.name) for f in dataclasses.fields(Settings)
+                                if f.name != "stage_durations"}  # measured on the workers, never configured
 
 
 def _mul(*xs: Any) -> Any:

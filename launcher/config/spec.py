@@ -1,110 +1,53 @@
-""":class:`RunSpec`: a step's settings, validated once where they enter and trusted after.
+"""The :class:`~launcher.schedule.settings.Settings` of a composed config, checked once where they
+enter and trusted after.
 
 A run's schedule settings arrive from the command line (a composed Hydra config) or from
 ``UnifiedStrategy``'s keywords. Either edge checks them once (:mod:`launcher.config.validate`,
 whose step rules are :mod:`launcher.schedule.rules`), builds any custom placement or order once,
-and hands on a frozen :class:`RunSpec`. The strategy, the forked workers (which inherit it) and the
-simulator read it without checking again; :meth:`RunSpec.step` builds the schedule from it.
+says in one warning line each setting that has no effect under the scheme, and hands on frozen
+:class:`Settings`. The strategy, the forked workers (which inherit them) and the simulator read
+them without checking again; :meth:`Settings.step` builds the schedule from them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import MappingProxyType
+import logging
 from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..schedule import Step
-from ..schedule.rules import StepError, recompute_stages
-from ..schedule.simulate import unchecked_step
+from ..schedule.settings import CUSTOM, Settings
 from .step import one_line, target_error
-from .validate import ConfigError, validate
+from .validate import ConfigError, raw_settings, validate
 
-#: ``scheme`` and ``order`` of a spec whose placement or order is a callable of the user's
-CUSTOM = "custom"
+log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class RunSpec:
-    """The settings of one step (the config keys of the same names); see ``conf/config.yaml``."""
-
-    scheme: str  # a registered scheme (launcher.schedule.SCHEMES) or "custom"
-    G: int
-    R: int
-    stages: int
-    microbatches: int
-    order: str = "1f1b"  # a built-in order or "custom"
-    warmup: str | None = None
-    durations: Mapping[str, float] = field(default_factory=dict)
-    comm: float = 0.0
-    memory_limit: int | tuple[int, ...] | None = None
-    split_backward: bool = False
-    weight_cache: str = "step"
-    prefetch: int = 1
-    ownership: str = "seed"
-    recompute: str | tuple[int, ...] = "none"
-    partition: str = "params"
-    plan_memory: str | None = None  # plan.memory: the bytes a stage may hold under partition=time
-    placement: Callable[[int, int, str], Any] | None = field(default=None, compare=False)  # scheme == "custom"
-    order_fn: Callable[[int, int, str], Any] | None = field(default=None, compare=False)  # order == "custom"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "durations", MappingProxyType(dict(self.durations)))
-
-    @property
-    def W(self) -> int:
-        return self.G * self.R
-
-    @property
-    def recompute_stages(self) -> frozenset[int]:
-        return recompute_stages(list(self.recompute) if isinstance(self.recompute, tuple) else self.recompute,
-                                self.stages)
-
-    def step(self, graph: Any = None) -> Step:
-        """The schedule these settings describe, on the stage ``graph`` (a chain when ``None``)."""
-        if graph is not None and graph.stages != self.stages:
-            raise StepError([f"stages={self.stages} is invalid: the stage graph has {graph.stages} stages."])
-        return unchecked_step(
-            self.placement if self.placement is not None else self.scheme, self.stages, self.microbatches,
-            self.G, self.R, self.order_fn if self.order_fn is not None else self.order, self.warmup,
-            dict(self.durations), self.comm, self.memory_limit, self.split_backward, graph, self.ownership,
-            recompute=list(self.recompute) if isinstance(self.recompute, tuple) else self.recompute)
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig | Mapping[str, Any], check: bool = True) -> RunSpec:
-        """The spec of a composed config; its rules are checked first unless ``check`` is false (the
-        caller checked them). A custom placement or order is built here, and only here."""
-        if check:
-            validate(cfg)
-        c = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
-        if c.strategy.name == "auto" and c.strategy.get("placement") is None:
-            raise ConfigError(["strategy=auto is chosen by the planner: apply launcher.plan.choose(cfg)'s "
-                               "overrides first."])
-        node, n = c.strategy.get("placement"), c.order.get("n")
-        placement = order_fn = None
-        if node is not None:
-            built = _instantiate(node, "strategy.placement", "(s, b, d) -> (w_weights, w_compute)")
-            placement = _guarded(built, "strategy.placement", node.get("_target_"), c.strategy.name, pair=True)
-        if n is not None:
-            order_fn = _guarded(_instantiate(n, "order.n", "n(s, b, d)"), "order.n", n.get("_target_"), c.order.name)
-        plan = c.get("plan")
-        return cls(
-            scheme=CUSTOM if placement is not None else str(c.strategy.name),
-            G=int(c.G), R=int(c.R), stages=int(c.stages), microbatches=int(c.microbatches),
-            order=CUSTOM if order_fn is not None else str(c.order.name),
-            warmup=c.warmup, durations=dict(c.durations), comm=float(c.comm),
-            memory_limit=_plain(c.memory_limit), split_backward=bool(c.split_backward),
-            weight_cache=str(c.get("weight_cache", "step")), prefetch=int(c.get("prefetch", 1)),
-            ownership=str(c.strategy.get("ownership") or "seed"), recompute=_plain(c.get("recompute", "none")),
-            partition=str(c.get("partition", "params")),
-            plan_memory=plan.get("memory") if plan is not None else None,
-            placement=placement, order_fn=order_fn)
+__all__ = ["CUSTOM", "settings_of"]
 
 
-def _plain(v: Any) -> Any:
-    """A list node as a tuple (a spec is frozen); anything else as it is."""
-    return tuple(OmegaConf.to_container(v)) if OmegaConf.is_list(v) else tuple(v) if isinstance(v, list) else v
+def settings_of(cfg: DictConfig | Mapping[str, Any], check: bool = True, **given: Any) -> Settings:
+    """The settings of a composed config; its rules are checked first unless ``check`` is false
+    (the caller checked them). A custom placement or order is built here, and only here; a setting
+    the scheme ignores is said in one warning line. ``given``: fields the caller has built (a
+    placement or order callable given from Python)."""
+    if check:
+        validate(cfg)
+    c = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    if c.strategy.name == "auto" and c.strategy.get("placement") is None:
+        raise ConfigError(["strategy=auto is chosen by the planner: apply launcher.plan.choose(cfg)'s "
+                           "overrides first."])
+    node, n = c.strategy.get("placement"), c.order.get("n")
+    built: dict[str, Any] = dict(given)
+    if node is not None:
+        placement = _instantiate(node, "strategy.placement", "(s, b, d) -> (w_weights, w_compute)")
+        built["scheme"] = _guarded(placement, "strategy.placement", node.get("_target_"), c.strategy.name, pair=True)
+    if n is not None:
+        order = _instantiate(n, "order.n", "n(s, b, d)")
+        built["order"] = _guarded(order, "order.n", n.get("_target_"), c.order.name)
+    settings = raw_settings(c, **built)
+    for sentence in settings.ignored():
+        log.warning("warning: %s", sentence)
+    return settings
 
 
 def _instantiate(node: Any, key: str, what: str) -> Callable:

@@ -1,8 +1,8 @@
-"""Config -> :class:`launcher.schedule.Step` (through :class:`~launcher.config.spec.RunSpec`), and the
-sentences a config's failing ``_target_`` gets.
+"""Config -> :class:`launcher.schedule.Step` (through :class:`~launcher.schedule.settings.Settings`),
+and the sentences a config's failing ``_target_`` gets.
 
 The simulator (``mode=simulate``), the runtime entry (``python -m launcher.runtime``) and training
-all start from :class:`RunSpec`, so they plan the same step from the same config.
+all start from :func:`~launcher.config.spec.settings_of`, so they plan the same step from the same config.
 """
 
 from __future__ import annotations
@@ -58,6 +58,6 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any = None) -> Step:
     """The step a (composed) config describes; validated first unless ``check`` is false.
     ``graph``: the model's stage graph, when it is not a chain (a traced model's)."""
-    from .spec import RunSpec
+    from .spec import settings_of
 
-    return RunSpec.from_config(cfg, check).step(graph)
+    return settings_of(cfg, check).step(graph)

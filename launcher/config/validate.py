@@ -33,8 +33,9 @@ from ..schedule import rules
 from ..schedule.order import SPLIT_ONLY
 from ..schedule.placement import OWNERSHIPS
 from ..schedule.rules import DURATION_KINDS, StepError
+from ..schedule.settings import DEFAULT, Settings
 from .paths import dir_error
-from .schema import MODES, SIZES, LauncherConf
+from .schema import MODES, SETTING_KEYS, LauncherConf
 
 GROUPS = ("strategy", "order", "model", "data", "trainer", "logger", "hparams_search")
 #: strategies only the launcher has (no schedule of their own), and how the sentences name them
@@ -125,16 +126,7 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     schedule's own rules (:mod:`launcher.schedule.rules`, shared with the Python API) plus the
     config's (a custom callable must name its ``_target_``; no key outside the schema)."""
     out: list[str] = unknown_keys(cfg)
-    values: dict[str, Any] = {k: _get(cfg, k) for k in (*SIZES, "W", "warmup", "comm", "memory_limit")}
-    values["memory_limit"] = _plain(values["memory_limit"])
-    values["split_backward"] = _get(cfg, "split_backward", False)
-    values["weight_cache"] = _get(cfg, "weight_cache", "step")
-    values["prefetch"] = _get(cfg, "prefetch", 1)
-    values["recompute"] = _plain(_get(cfg, "recompute", "none"))
-    values["comm"] = _get(cfg, "comm", 0.0)
-    durations = _plain(_get(cfg, "durations"))
-    values["durations"] = durations if isinstance(durations, Mapping) else {k: None for k in DURATION_KINDS}
-
+    given: dict[str, Any] = {}  # a custom callable, checked as the user's own
     placement = _get(cfg, "strategy.placement")
     if placement is not None:
         if not _has_target(placement):
@@ -142,17 +134,15 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
                 f"strategy.placement._target_={_target(placement)} is invalid: a custom placement needs "
                 f"it to name a callable (s, b, d) -> (w_weights, w_compute), e.g. mymodule.my_placement."
             )
-        values["strategy"] = _custom
+        given["scheme"] = _custom
     elif _get(cfg, "strategy.name") == "auto":  # the planner picks the scheme (plan_errors)
-        values["strategy"] = _custom
-    else:
-        values["strategy"] = _get(cfg, "strategy.name")
+        given["scheme"] = _custom
     strategy = _get(cfg, "strategy.name")
-    ownership = _get(cfg, "strategy.ownership", "seed")
+    ownership = _get(cfg, "strategy.ownership", DEFAULT.ownership)
     if ownership not in OWNERSHIPS:
         out.append(f"strategy.ownership={ownership} is invalid: use {' or '.join(OWNERSHIPS)} (FSLPP's owner h(s, s) "
                    f"or h(s, floor(s/R))).")
-    elif ownership != "seed" and (placement is not None or strategy != "fslpp"):
+    elif ownership != DEFAULT.ownership and (placement is not None or strategy != "fslpp"):
         out.append(f"strategy.ownership={ownership} is invalid for strategy={strategy}: only strategy=fslpp has a "
                    f"choice of owner; leave it at seed.")
     out += partition_errors(cfg)
@@ -163,45 +153,37 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
                 f"order.n._target_={_target(n)} is invalid: a custom order needs it to name a "
                 f"callable n(s, b, d) -> comparable, e.g. mymodule.my_order."
             )
-        values["order"] = _custom
-    else:
-        values["order"] = _get(cfg, "order.name")
-        if values["order"] in SPLIT_ONLY and values["split_backward"] is False:
-            out.append(f"split_backward=false is invalid with order={values['order']}: it defers the weight-gradient "
-                       f"jobs W, which exist only when the backward is split; leave split_backward at true.")
-    out += _inert_errors(cfg, placement)
-    return out + rules.step_errors(values)
+        given["order"] = _custom
+    settings = raw_settings(cfg, **given)
+    if settings.order in SPLIT_ONLY and settings.split_backward is False:
+        out.append(f"split_backward=false is invalid with order={settings.order}: it defers the weight-gradient "
+                   f"jobs W, which exist only when the backward is split; leave split_backward at true.")
+    W = _get(cfg, "W", _ABSENT)
+    return out + settings.errors(**({} if W is _ABSENT else {"W": W}))
 
 
-#: named schemes whose every worker holds the weights of the stages it computes (none fetched)
-NO_FETCH = ("ddp", "gpipe", "lpp")
+#: a key the config does not have (its setting keeps the default)
+_ABSENT = object()
 
 
-def _inert_errors(cfg: DictConfig | Mapping[str, Any], placement: Any) -> list[str]:
-    """A key set to something that does nothing under the scheme is refused, not ignored: an order
-    under DDP (each worker takes its one micro-batch through every stage alone: no pipeline, no
-    bubble for an order to fill), a weight cache where no weights are fetched."""
-    if placement is not None:
-        return []
-    out: list[str] = []
-    strategy = _get(cfg, "strategy.name")
-    order = _get(cfg, "order.name")
-    if strategy == "ddp" and _get(cfg, "order.n") is None and isinstance(order, str) and order != "1f1b":
-        out.append(f"order={order} is invalid with strategy=ddp: each DDP worker takes its one micro-batch through "
-                   f"every stage alone, with no pipeline bubble for an order to fill; leave order at 1f1b.")
-    cache = _get(cfg, "weight_cache", "step")
-    if strategy in NO_FETCH and cache == "job":
-        out.append(f"weight_cache=job is invalid with strategy={strategy}: every {strategy} worker holds the weights "
-                   f"of the stages it computes, so no weights are fetched and none are cached; leave weight_cache "
-                   f"at step (it matters under fsdp, fslpp and custom placements).")
-    return out
+def raw_settings(cfg: DictConfig | Mapping[str, Any], **given: Any) -> Settings:
+    """The :class:`Settings` the config's keys hold, unchecked (the rules read them); a key the
+    config lacks keeps the setting's default. ``given``: fields built elsewhere (a custom callable)."""
+    found: dict[str, Any] = {}
+    for name, key in SETTING_KEYS.items():
+        if name not in given and (v := _get(cfg, key, _ABSENT)) is not _ABSENT:
+            found[name] = _plain(v)
+    d = found.get("durations")
+    if "durations" in found and not isinstance(d, Mapping):  # each kind then reads as missing
+        found["durations"] = {k: None for k in DURATION_KINDS}
+    return Settings(**found, **given)
 
 
 def partition_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     """``partition``: how the model's ``self.stages`` are cut (:mod:`launcher.plan.partition`)."""
     from ..plan.partition import PARTITIONS
 
-    by, split = _get(cfg, "partition", "params"), _plain(_get(cfg, "split"))
+    by, split = _get(cfg, "partition", DEFAULT.partition), _plain(_get(cfg, "split"))
     if by not in PARTITIONS:
         return [f"partition={rules.shown(by)} is invalid: use params (balanced parameter counts), time (balanced "
                 f"profiled forward and backward seconds) or memory (balanced profiled bytes)."]

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import resource
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 
-from ..config import ConfigError, LauncherConf, RunSpec, step_errors
-from ..config.spec import CUSTOM
+from ..config import ConfigError, LauncherConf, settings_of, step_errors
 from ..runtime import DEFAULT_TIMEOUT, Engine
 from ..runtime.failure import Watchdog, blocked, current_watchdog, set_current_watchdog
 from ..runtime.init import empty_init, has_meta
@@ -58,6 +57,7 @@ from ..runtime.torch_private import FoundInfHookScaler, default_store, retype_gr
 from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.schemes import SCHEMES
+from ..schedule.settings import CUSTOM, DEFAULT, OrderLike, SchemeLike, Settings
 from .item_counts import loss_items
 from .launcher import ForkLauncher
 from .lightning_private import init_dist_connection, retype_precision_plugin, sync_ddp_if_available, train_dataloaders
@@ -84,13 +84,12 @@ class _Elsewhere(nn.Module):
         return f"on workers {self.owners}"
 
 
-def keyword_spec(scheme: str | Callable, G: int | None, R: int | None, stages: int, microbatches: int,
-                 order: str | Callable, extra: Mapping[str, Any]) -> RunSpec:
-    """The :class:`RunSpec` ``UnifiedStrategy``'s keywords describe, checked by the config's rules
+def keyword_settings(scheme: SchemeLike, G: int | None, R: int | None, stages: int, microbatches: int,
+                     order: OrderLike, extra: Mapping[str, Any]) -> Settings:
+    """The :class:`Settings` ``UnifiedStrategy``'s keywords describe, checked by the config's rules
     (:func:`launcher.config.step_errors`) as the command line's are; raises :class:`ConfigError`
-    with one sentence per broken rule. A callable placement or order is checked as a custom one."""
-    from dataclasses import replace
-
+    with one sentence per broken rule. A callable placement or order is checked as a custom one.
+    ``G`` and ``R`` left out are the sizes a named scheme fixes, else 1 (:meth:`Settings.of`)."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.structured(LauncherConf)
@@ -99,15 +98,11 @@ def keyword_spec(scheme: str | Callable, G: int | None, R: int | None, stages: i
         raise ConfigError([f"UnifiedStrategy got {unknown[0]}={extra[unknown[0]]!r}, which is not a launcher config "
                            f"key; use one of {', '.join(k for k in cfg.keys() if k not in ('mode', 'W'))}."])
     extra = dict(extra)
+    sized = Settings.of(scheme, stages, microbatches, G, R)
     cfg.strategy.name = CUSTOM if callable(scheme) else scheme
     if "ownership" in extra:  # FSLPP's owner formula: a key of the strategy node
         cfg.strategy.ownership = extra.pop("ownership")
-    cfg.stages, cfg.microbatches = stages, microbatches
-    # the G and R a named scheme fixes, when they are not given
-    registered = SCHEMES.get(scheme) if isinstance(scheme, str) else None
-    dG, dR = (registered.sizes(stages, microbatches) if registered is not None else None) or (1, 1)
-    cfg.G = dG if G is None else G
-    cfg.R = dR if R is None else R
+    cfg.stages, cfg.microbatches, cfg.G, cfg.R = stages, microbatches, sized.G, sized.R
     cfg.order.name = CUSTOM if callable(order) else order
     try:
         cfg = OmegaConf.merge(cfg, dict(extra))
@@ -122,8 +117,8 @@ def keyword_spec(scheme: str | Callable, G: int | None, R: int | None, stages: i
     found = step_errors(checked)
     if found:
         raise ConfigError(found)
-    spec = RunSpec.from_config(cfg, check=False)
-    return replace(spec, placement=scheme if callable(scheme) else None, order_fn=order if callable(order) else None)
+    callables = {k: v for k, v in (("scheme", scheme), ("order", order)) if callable(v)}
+    return settings_of(cfg, check=False, **callables)
 
 
 class UnifiedStrategy(ParallelStrategy):
@@ -137,19 +132,23 @@ class UnifiedStrategy(ParallelStrategy):
     cuts ``module.stages`` by each module's cost, profiled once on the launching process (on rank 0
     under torchrun or Slurm, and broadcast), each stage within ``plan={"memory": "2GB"}`` when given.
     ``timeout``: seconds within which every worker stops after one fails.
+
+    ``settings``: the step's :class:`~launcher.schedule.settings.Settings`, checked already (the
+    command line's), in place of the keywords, which build the same object.
     """
 
     strategy_name = "unified"
 
     def __init__(
         self,
-        scheme: str | Callable = "lpp",
+        scheme: SchemeLike = DEFAULT.name,
         G: int | None = None,
         R: int | None = None,
         stages: int | None = None,
         microbatches: int = 1,
-        order: str | Callable = "1f1b",
+        order: OrderLike = DEFAULT.order_name,
         *,
+        settings: Settings | None = None,
         split: Sequence[str] | str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         nonfinite: str = "stop",
@@ -164,10 +163,11 @@ class UnifiedStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self.placement = scheme if callable(scheme) else None
-        self.order_fn = order if callable(order) else None
-        self.scheme = getattr(scheme, "__name__", "custom") if callable(scheme) else scheme
-        self._args = dict(G=G, R=R, microbatches=microbatches, order=order, config=config)
+        if settings is not None and (config or stages is not None or G is not None or R is not None):
+            raise TypeError("UnifiedStrategy takes the step's settings either as settings=Settings(...) or as "
+                            "keywords, not both")
+        #: the keywords' settings but the stage count, when that is the module's (``stages=None``)
+        self._keywords = dict(scheme=scheme, G=G, R=R, microbatches=microbatches, order=order, extra=config)
         self.split = list(split) if isinstance(split, (list, tuple)) else split
         self.traced = False  # set up from a traced training step: the batch goes whole to stage 0
         #: the dtype the loss has on one device: its stage's weights', which may differ from the
@@ -187,9 +187,9 @@ class UnifiedStrategy(ParallelStrategy):
         self.step_skipped = False  # the last training step was dropped (nonfinite=skip)
         self._backend = process_group_backend
         self._num_nodes = 1
-        self.spec: RunSpec | None = None  # the step's settings, once the stage count is known
-        if stages is not None:
-            self._configure(stages)
+        #: the step's settings: given (trusted: the command line checked them), or the keywords'
+        #: once the stage count is known (here, or from the module: :meth:`_settings_for`)
+        self._settings = settings if settings is not None or stages is None else self._from_keywords(stages)
         self.engine: Engine | None = None
         self.layout: Layout | None = None
         self.records: list[dict[str, Any]] = []  # this worker's record of every training step
@@ -199,26 +199,31 @@ class UnifiedStrategy(ParallelStrategy):
         self._watchdog: Watchdog | None = None
 
     # ---- configuration -------------------------------------------------------------------
-    def _configure(self, stages: int) -> None:
-        a = self._args
-        self.spec = keyword_spec(self.placement or self.scheme, a["G"], a["R"], stages, a["microbatches"],
-                                 self.order_fn or a["order"], a["config"])
+    def _from_keywords(self, stages: int) -> Settings:
+        k = self._keywords
+        return keyword_settings(k["scheme"], k["G"], k["R"], stages, k["microbatches"], k["order"], k["extra"])
 
-    @classmethod
-    def from_spec(cls, spec: RunSpec, **kwargs: Any) -> UnifiedStrategy:
-        """The strategy for settings already checked (the command line's :class:`RunSpec`): it
-        trusts them. ``kwargs``: the keywords that are not settings of the step (``split``,
-        ``timeout``, ``nonfinite``, ...)."""
-        strategy = cls(spec.placement or spec.scheme, G=spec.G, R=spec.R, microbatches=spec.microbatches,
-                       order=spec.order_fn or spec.order, **kwargs)
-        strategy.spec = spec
-        return strategy
+    def _settings_for(self, module: Any) -> Settings | None:
+        """The settings, the keywords' completed with the stage count of ``module`` when it has
+        ``self.stages`` (a traced module's count is ``split``'s); ``None`` when it is not known."""
+        if self._settings is None:
+            if not uses_trace(module, self.split):
+                self._settings = self._from_keywords(len(module.stages))
+            elif isinstance(self.split, list):
+                self._settings = self._from_keywords(len(self.split) + 1)
+        return self._settings
 
     @property
-    def settings(self) -> RunSpec:
+    def settings(self) -> Settings:
         """The step's settings (set once the stage count is known)."""
-        assert self.spec is not None, "the strategy is configured when its module's stages are known"
-        return self.spec
+        assert self._settings is not None, "the strategy is configured when its module's stages are known"
+        return self._settings
+
+    @property
+    def scheme(self) -> str:
+        """The scheme's name (a placement callable's ``__name__``)."""
+        s = self._settings
+        return s.name if s is not None else Settings.of(self._keywords["scheme"], 1, 1).name
 
     @property
     def W(self) -> int:
@@ -340,11 +345,9 @@ class UnifiedStrategy(ParallelStrategy):
                              f"UnifiedStrategy: it accumulates over microbatches={self.B} itself; leave it at 1.")
         stages = getattr(module, "stages", None)
         traced = uses_trace(module, self.split)
-        if self.spec is None:
-            if traced and not isinstance(self.split, list):
-                raise ValueError(f"{type(module).__name__} is traced and cut into stages: "
-                                 f"give UnifiedStrategy(stages=...) or split=[module paths where stages begin]")
-            self._configure(len(stages) if not traced else len(self.split) + 1)
+        if self._settings_for(module) is None:
+            raise ValueError(f"{type(module).__name__} is traced and cut into stages: "
+                             f"give UnifiedStrategy(stages=...) or split=[module paths where stages begin]")
         S = self.settings.stages
         if self.W > self.world_size:
             raise ValueError(f"the scheme needs W=G*R={self.W} workers but {self.world_size} processes were started")
@@ -403,9 +406,8 @@ class UnifiedStrategy(ParallelStrategy):
             with self.model_sharded_context():
                 module.configure_model()
         self.meta = has_meta(module)
-        if self.spec is None and not uses_trace(module, self.split):
-            self._configure(len(module.stages))
-        S = self.spec.stages if self.spec is not None else len(self.split) + 1 if isinstance(self.split, list) else None
+        settings = self._settings_for(module)
+        S = settings.stages if settings is not None else None
         if S is None:
             raise ModelError([f"{type(module).__name__} is traced and cut into stages: "
                               f"give UnifiedStrategy(stages=...) or split=[module paths where stages begin]."])

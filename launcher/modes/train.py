@@ -350,7 +350,7 @@ class _Built:
     chosen: list[str] | None
     model: Any
     data: Any
-    spec: Any  # the step's RunSpec; None for strategy=single
+    spec: Any  # the step's Settings; None for strategy=single
     checked: Any = None  # the strategy that staged the model as the workers will run it (check_before_fork)
     rng: Any = None  # the random state after the check, which the run goes on from
 
@@ -406,11 +406,11 @@ def _build_job(cfg: DictConfig) -> _Built:
         _check_inputs(model, data, batch, cfg)  # the data's output against the model
     spec = None
     if not is_single(cfg):
-        from ..config import RunSpec
+        from ..config import settings_of
 
         # the settings checked above, as the strategy and its workers will trust them; a custom
         # placement or order is built (and so checked) here, once
-        spec = RunSpec.from_config(cfg, check=False)
+        spec = settings_of(cfg, check=False)
         _plannable(spec)
     return _Built(cfg, chosen, model, data, spec)
 
@@ -443,8 +443,8 @@ def prepare(cfg: DictConfig, out_dir: Path | None) -> Prepared:
             split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
         devices: dict[str, Any] = {"devices": 1}
     else:
-        strategy = UnifiedStrategy.from_spec(
-            spec, timeout=float(cfg.timeout), nonfinite=cfg.get("nonfinite", "stop"),
+        strategy = UnifiedStrategy(
+            settings=spec, timeout=float(cfg.timeout), nonfinite=cfg.get("nonfinite", "stop"),
             split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
         if built.checked is not None:
             strategy.adopt(built.checked)

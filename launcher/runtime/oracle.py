@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from launcher.schedule.simulate import make_step
+from launcher.schedule.settings import make_step
 
 from .model import flat_params, mlp_batches, reference_step, staged_mlp
 from .worker import Engine

@@ -5,9 +5,11 @@ from .order import Order, make_order
 from .placement import Placement, h
 from .rules import StepError
 from .schemes import SCHEMES, named
-from .simulate import ScheduleError, Step, Timeline, make_step, simulate
+from .settings import DEFAULT, Settings, make_step, unchecked_step
+from .simulate import ScheduleError, Step, Timeline, simulate
 
 __all__ = [
     "Job", "JobSpace", "StageGraph", "Order", "make_order", "Placement", "h", "named", "SCHEMES",
-    "ScheduleError", "StepError", "Step", "Timeline", "make_step", "simulate",
+    "ScheduleError", "StepError", "Step", "Timeline", "simulate", "DEFAULT", "Settings", "make_step",
+    "unchecked_step",
 ]

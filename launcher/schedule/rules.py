@@ -1,13 +1,13 @@
 """The rules a step must meet, one sentence per broken rule naming the key, the value and the rule.
 
-Shared by every entry point: the Python API (:func:`launcher.schedule.make_step`) raises
+They check the fields of :class:`launcher.schedule.settings.Settings` (:meth:`~.Settings.errors`),
+which every entry point builds: the Python API (:func:`launcher.schedule.make_step`) raises
 :class:`StepError` with these sentences, and the command line (:mod:`launcher.config.validate`)
 reports the same ones, so a bad value reads the same wherever it is given. Pure Python: no torch,
 no omegaconf (the config layer depends on the schedule, never the reverse).
 
-:func:`step_errors` takes the step's values by key name (the command line's keys); a key that is
-absent is not checked, so the API checks what it has (it has no ``W``, ``weight_cache`` or
-``prefetch``) and the command line checks everything.
+:func:`step_errors` takes the values by key name (the command line's keys: ``strategy`` for the
+scheme); a key that is absent is not checked (``W`` is the config's own key).
 """
 
 from __future__ import annotations
@@ -247,10 +247,3 @@ def recompute_stages(value: Any, stages: int) -> frozenset[int]:
     if value == "full":
         return frozenset(range(stages))
     return frozenset(int(x) for x in value)
-
-
-def check(values: Mapping[str, Any]) -> None:
-    """Raise :class:`StepError` (every broken rule, one sentence each) unless ``values`` is valid."""
-    found = step_errors(values)
-    if found:
-        raise StepError(found)

@@ -1,9 +1,10 @@
-"""The one registry of named schemes: placement, worker-count rule, default ``(G, R)``, description.
+"""The one registry of named schemes: placement, worker-count rule, default ``(G, R)``, description,
+and the settings that have no effect under a scheme (what it fetches, passes, orders).
 
-Everything that lists schemes reads it: the rules (:mod:`launcher.schedule.rules`), the simulator's
-:func:`~launcher.schedule.make_step`, the Lightning strategy's defaults, the planner's space, the
-closed-form report, and the YAML of ``conf/strategy/`` (through the ``scheme_default`` resolver of
-:mod:`launcher.config.schema`). Adding a scheme is one entry here.
+Everything that lists schemes reads it: the rules (:mod:`launcher.schedule.rules`), the settings
+(:class:`launcher.schedule.settings.Settings`: what a scheme ignores, the ``G``/``R`` it fixes),
+the planner's space, the closed-form report, and the YAML of ``conf/strategy/`` (through the
+``scheme_size`` resolver of :mod:`launcher.config.schema`). Adding a scheme is one entry here.
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ class Scheme:
     description: str
     build: Callable[[int, int, str], Placement]  # (G, R, ownership) -> placement
     W_equals: Fixed | None = None
+    #: whether some worker fetches weights it does not own (then ``weight_cache`` matters)
+    fetches: bool = False
+    #: whether activations pass between workers (then, or when it fetches, ``prefetch`` matters)
+    passes: bool = True
+    #: why a tie-break order has no effect, when it has none (``order`` is then ignored)
+    why_no_order: str | None = None
+
+    @property
+    def has_order(self) -> bool:
+        """Whether the tie-break order changes the schedule."""
+        return self.why_no_order is None
 
     def sizes(self, stages: int, microbatches: int) -> tuple[int, int] | None:
         """The ``(G, R)`` the scheme fixes, or ``None`` when ``G`` and ``R`` are free."""
@@ -49,15 +61,17 @@ SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
         Scheme("ddp", "one worker per micro-batch, every stage's weights on every worker (G = B, R = 1)",
-               lambda G, R, own: DDP(), "microbatches"),
+               lambda G, R, own: DDP(), "microbatches", passes=False,
+               why_no_order="each DDP worker takes its one micro-batch through every stage alone, with no "
+                            "pipeline bubble for an order to fill"),
         Scheme("fsdp", "one worker per micro-batch, each stage's weights sharded and fetched (G = B, R = 1)",
-               lambda G, R, own: FSDP(G * R), "microbatches"),
+               lambda G, R, own: FSDP(G * R), "microbatches", fetches=True, passes=False),
         Scheme("gpipe", "one worker per stage, activations sent along the pipeline (G = 1, R = S)",
                lambda G, R, own: GPipe(), "stages"),
         Scheme("lpp", "looped pipeline: G pipelines of R workers that loop over the S stages",
                lambda G, R, own: LPP(G, R)),
         Scheme("fslpp", "fully sharded looped pipeline: lpp with each stage's weights owned by one worker",
-               lambda G, R, own: FSLPP(G, R, own)),
+               lambda G, R, own: FSLPP(G, R, own), fetches=True),
     )
 }
 

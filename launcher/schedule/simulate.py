@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .graph import JobSpace, StageGraph
-from .order import Order, make_order
+from .graph import JobSpace
+from .order import Order
 from .placement import Placement
-from .rules import StepError, check, recompute_stages, value_error
-from .schemes import named
-
-DEFAULT_DURATIONS = {"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}
+from .rules import StepError, value_error
 
 
 class ScheduleError(ValueError):
@@ -43,15 +40,16 @@ class ScheduleError(ValueError):
 
 @dataclass
 class Step:
-    """Everything that defines one step's schedule."""
+    """Everything that defines one step's schedule, as :meth:`launcher.schedule.settings.Settings.step`
+    builds it from the step's settings."""
 
     space: JobSpace
     placement: Placement
     workers: int
     order: Order
-    durations: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_DURATIONS))
-    comm: float = 0.0
-    memory_limit: int | Sequence[int] | None = None
+    durations: dict[str, float]
+    comm: float
+    memory_limit: int | Sequence[int] | None
     name: str = "custom"
     #: per stage, its own time per job kind (measured stages differ: a vocabulary head is slow);
     #: a kind a stage leaves out takes ``durations``'s time
@@ -85,90 +83,6 @@ class Step:
     @property
     def B(self) -> int:
         return self.space.B
-
-
-def make_step(
-    strategy: str | Placement,
-    stages: int,
-    microbatches: int,
-    G: int = 1,
-    R: int = 1,
-    order: str | Order = "1f1b",
-    warmup: str | None = None,
-    durations: dict[str, float] | None = None,
-    comm: float = 0.0,
-    memory_limit: int | Sequence[int] | None = None,
-    split_backward: bool = False,
-    graph: StageGraph | None = None,
-    ownership: str = "seed",
-    stage_durations: Sequence[Mapping[str, float]] | None = None,
-    recompute: str | Sequence[int] | None = None,
-) -> Step:
-    """Convenience builder: a named scheme (or a placement callable) on ``W = G * R`` workers;
-    ``ownership`` (``seed`` or ``balanced``) picks FSLPP's owner formula; ``stage_durations``
-    gives stages their own job times (:attr:`Step.stage_durations`); ``recompute`` (``none``,
-    ``full`` or stage indices) names the stages whose backward recomputes the forward.
-
-    Checks the same rules, with the same sentences, as the command line
-    (:mod:`launcher.schedule.rules`); raises :class:`~launcher.schedule.rules.StepError`, one
-    sentence per broken rule.
-    """
-    values: dict[str, object] = dict(strategy=strategy, stages=stages, microbatches=microbatches, G=G, R=R,
-                                     warmup=warmup, comm=comm, memory_limit=memory_limit,
-                                     split_backward=split_backward)
-    if not isinstance(order, Order):
-        values["order"] = order
-    if durations is not None:
-        values["durations"] = durations
-    if recompute is not None:
-        values["recompute"] = sorted(recompute) if isinstance(recompute, (tuple, set, frozenset)) else recompute
-    check(values)
-    graph = graph or StageGraph.chain(stages)
-    if graph.stages != stages:
-        raise StepError([f"stages={stages} is invalid: the stage graph has {graph.stages} stages."])
-    return unchecked_step(strategy, stages, microbatches, G, R, order, warmup, durations, comm, memory_limit,
-                          split_backward, graph, ownership, stage_durations, recompute)
-
-
-def unchecked_step(
-    strategy: str | Placement,
-    stages: int,
-    microbatches: int,
-    G: int = 1,
-    R: int = 1,
-    order: str | Order = "1f1b",
-    warmup: str | None = None,
-    durations: dict[str, float] | None = None,
-    comm: float = 0.0,
-    memory_limit: int | Sequence[int] | None = None,
-    split_backward: bool = False,
-    graph: StageGraph | None = None,
-    ownership: str = "seed",
-    stage_durations: Sequence[Mapping[str, float]] | None = None,
-    recompute: str | Sequence[int] | None = None,
-) -> Step:
-    """:func:`make_step` without the rules a config must meet: for analyses that study steps the
-    launcher refuses on purpose (the LPP configuration ``G = B/2, R = 2S/M`` of docs/design.md,
-    "Closed forms", leaves workers without a stage)."""
-    graph = graph or StageGraph.chain(stages)
-    placement = named(strategy, G, R, ownership) if isinstance(strategy, str) else strategy
-    o = order if isinstance(order, Order) else make_order(order, warmup)
-    if o.defer_w and not split_backward:
-        raise ValueError(f"order={o.name} defers the weight-gradient jobs W, so it needs split_backward=True")
-    d = dict(DEFAULT_DURATIONS)
-    d.update(durations or {})
-    return Step(
-        JobSpace(graph, microbatches, split_backward),
-        placement,
-        G * R,
-        o,
-        d,
-        comm,
-        memory_limit,
-        strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "custom"),
-        stage_durations,
-        recompute_stages(recompute, stages),
-    )
 
 
 @dataclass

@@ -207,3 +207,29 @@ def test_custom_target_that_cannot_be_built(cfg_of):
         f"the working directory ({os.getcwd()}) or on PYTHONPATH; run from the directory that holds "
         "no_such_module.py (or the package no_such_module/), or add that directory to PYTHONPATH."
     ]
+
+
+def test_a_key_without_effect_under_the_scheme_warns_once_and_runs(cfg_of, caplog):
+    """An order under DDP, a weight cache or a prefetch where nothing is fetched: valid, one
+    warning line each, and the step is the one the scheme's defaults give."""
+    from launcher.config import settings_of
+
+    c = cfg_of("strategy=ddp", "order=breadth_first", "weight_cache=job", "prefetch=3", "stages=4", "microbatches=6")
+    assert errors(c) == []
+    with caplog.at_level("WARNING", logger="launcher"):
+        tl = simulate(settings_of(c).step())
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "warning: order=breadth_first has no effect with strategy=ddp: each DDP worker takes its one micro-batch "
+        "through every stage alone, with no pipeline bubble for an order to fill; the run goes on.",
+        "warning: weight_cache=job has no effect with strategy=ddp: every ddp worker holds the weights of the stages "
+        "it computes, so no weights are fetched and none are cached; the run goes on (it matters under fsdp, fslpp "
+        "and custom placements).",
+        "warning: prefetch=3 has no effect with strategy=ddp: its workers neither fetch weights nor receive "
+        "activations, so there is nothing to look ahead for; the run goes on."]
+    ref = simulate(make_step("ddp", 4, 6))
+    assert (tl.start, tl.finish, tl.compute) == (ref.start, ref.finish, ref.compute)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="launcher"):
+        settings_of(cfg_of("strategy=gpipe", "order=breadth_first", "prefetch=3"))  # each has an effect there
+    assert caplog.records == []

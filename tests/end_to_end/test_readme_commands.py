@@ -112,6 +112,24 @@ def test_multirun_skips_the_invalid_point_and_runs_the_others(tmp_path):
     assert "sweep: 3 points" in p.stdout and "skipped: invalid" in p.stdout
 
 
+@pytest.mark.slow
+def test_multirun_runs_a_point_whose_order_has_no_effect(tmp_path):
+    """``-m strategy=ddp,gpipe order=breadth_first``: DDP has no order to choose, so its point says
+    so in one warning line and runs, beside GPipe's."""
+    sweep = tmp_path / "sweep"
+    p = launcher("-m", "mode=simulate", "strategy=ddp,gpipe", "order=breadth_first", "stages=4", "microbatches=4",
+                 "png=false", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    warned = [line for line in p.stderr.splitlines() if line.startswith("warning:")]
+    assert warned == ["warning: order=breadth_first has no effect with strategy=ddp: each DDP worker takes its one "
+                      "micro-batch through every stage alone, with no pipeline bubble for an order to fill; the run "
+                      "goes on."]
+    for n, name in ((0, "ddp"), (1, "gpipe")):
+        rec = json.loads((sweep / str(n) / "simulation.json").read_text())
+        assert rec["config"]["strategy"]["name"] == name and rec["config"]["order"]["name"] == "breadth_first"
+    assert "sweep: 2 points" in p.stdout
+
+
 def test_recipe_all_schemes(tmp_path):
     sweep = tmp_path / "all"
     p = launcher("--config-dir", str(ROOT / "recipes"), "-cn", "all_schemes", "stages=4", "microbatches=4",

@@ -19,7 +19,7 @@ from helpers.schedules import steps
 from launcher.schedule import ScheduleError, StepError, make_step, simulate
 from launcher.schedule.closed_form import closed_forms, simulated_counterparts
 from launcher.schedule.metrics import summarize
-from launcher.schedule.simulate import unchecked_step
+from launcher.schedule.settings import unchecked_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 report = importlib.import_module("closed_form_report")  # the document's generator, a script beside the package

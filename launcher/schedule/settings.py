@@ -1,0 +1,206 @@
+""":class:`Settings`: the settings of one step, typed and frozen, each default written here once.
+
+Every entry point builds one: the command line (:func:`launcher.config.spec.settings_of`, from the
+composed Hydra config, whose schema takes its defaults from :data:`DEFAULT`), ``UnifiedStrategy``'s
+keywords, and the Python API (:func:`make_step`). The rules of :mod:`.rules` check its fields
+(:meth:`Settings.errors`), and :meth:`Settings.step` is the one way to build a
+:class:`~launcher.schedule.simulate.Step`. Pure Python: no torch, no omegaconf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence, Union
+
+from .graph import JobSpace, StageGraph
+from .order import Order, make_order
+from .placement import Placement
+from .rules import StepError, step_errors
+from .schemes import SCHEMES, named
+from .simulate import Step
+
+#: ``scheme`` and ``order`` as a config names a placement or order callable of the user's
+CUSTOM = "custom"
+#: time of one job of each kind, in duration units (``I`` and ``W`` when the backward is split)
+DEFAULT_DURATIONS: Mapping[str, float] = MappingProxyType({"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5})
+
+#: a scheme by name, or a placement callable ``(s, b, d) -> (w_weights, w_compute)``
+SchemeLike = Union[str, Placement, Callable[[int, int, str], Any]]
+#: an order by name, an :class:`Order`, or a callable ``n(s, b, d)``
+OrderLike = Union[str, Order, Callable[[int, int, str], Any]]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings of one step (the config keys of the same names; ``scheme`` is ``strategy``,
+    ``ownership`` is ``strategy.ownership``, ``plan_memory`` is ``plan.memory``).
+
+    Built unchecked: :meth:`errors` lists the rules it breaks and :meth:`checked` raises them, so an
+    entry point checks once where the settings enter and every later reader trusts them.
+    """
+
+    scheme: SchemeLike = "lpp"
+    G: int = 2  # groups (replicas of the pipeline)
+    R: int = 4  # workers per group
+    stages: int = 8
+    microbatches: int = 16
+    order: OrderLike = "1f1b"
+    warmup: str | None = None  # None: the order's own (classic for 1f1b) | classic | none
+    #: a partial mapping is completed from :data:`DEFAULT_DURATIONS`
+    durations: Mapping[str, float] = field(default_factory=lambda: DEFAULT_DURATIONS)
+    comm: float = 0.0  # delay added when a dependency crosses workers
+    memory_limit: int | tuple[int, ...] | None = None  # live activations per worker
+    split_backward: bool = False
+    weight_cache: str = "step"  # fetched weights kept for the step | for one job
+    prefetch: int = 1  # jobs of lookahead for inputs and weights on the workers
+    ownership: str = "seed"  # FSLPP's owner: seed = h(s, s) | balanced = h(s, floor(s/R))
+    recompute: str | tuple[int, ...] = "none"  # none | full | stage indices
+    partition: str = "params"  # how a model's self.stages are cut: params | time | memory
+    plan_memory: str | None = None  # the bytes a stage may hold under partition=time (plan.memory)
+    #: per stage, its own time per job kind (profiled stages differ); ``None``: ``durations``
+    stage_durations: tuple[Mapping[str, float], ...] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        # frozen and plain: lists become tuples, durations a read-only mapping over the defaults
+        d = self.durations
+        if isinstance(d, Mapping):
+            object.__setattr__(self, "durations", MappingProxyType({**DEFAULT_DURATIONS, **d}))
+        for k in ("memory_limit", "recompute", "stage_durations"):
+            if isinstance(v := getattr(self, k), list):
+                object.__setattr__(self, k, tuple(v))
+
+    # ---- building ------------------------------------------------------------------------
+    @classmethod
+    def of(cls, scheme: SchemeLike, stages: int, microbatches: int, G: int | None = None, R: int | None = None,
+           **kw: Any) -> Settings:
+        """The settings of the Python API: ``G`` and ``R`` left out are the sizes a named scheme
+        fixes (DDP: ``G = microbatches``), else 1; every other setting keeps its default."""
+        registered = SCHEMES.get(scheme) if isinstance(scheme, str) else None
+        fixed = (registered.sizes(stages, microbatches) if registered is not None else None) or (1, 1)
+        return cls(scheme=scheme, stages=stages, microbatches=microbatches,
+                   G=fixed[0] if G is None else G, R=fixed[1] if R is None else R, **kw)
+
+    def replace(self, **changes: Any) -> Settings:
+        return replace(self, **changes)
+
+    # ---- reading -------------------------------------------------------------------------
+    @property
+    def W(self) -> int:
+        return self.G * self.R
+
+    @property
+    def name(self) -> str:
+        """The scheme's name (a callable's ``__name__``)."""
+        return self.scheme if isinstance(self.scheme, str) else getattr(self.scheme, "__name__", CUSTOM)
+
+    @property
+    def order_name(self) -> str:
+        o = self.order
+        return o if isinstance(o, str) else o.name if isinstance(o, Order) else getattr(o, "__name__", CUSTOM)
+
+    @property
+    def recompute_stages(self) -> frozenset[int]:
+        from .rules import recompute_stages
+
+        return recompute_stages(self.recompute, self.stages)
+
+    def values(self) -> dict[str, Any]:
+        """The settings by the rules' key names (:func:`launcher.schedule.rules.step_errors`); an
+        :class:`Order` object is the caller's own and has no rule."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)
+                               if f.name not in ("scheme", "order", "stage_durations", "plan_memory")}
+        out["strategy"] = self.scheme
+        if not isinstance(self.order, Order):
+            out["order"] = self.order
+        for k in ("recompute", "memory_limit"):
+            if isinstance(out[k], tuple):
+                out[k] = list(out[k])
+        out["durations"] = dict(self.durations) if isinstance(self.durations, Mapping) else self.durations
+        return out
+
+    # ---- checking ------------------------------------------------------------------------
+    def errors(self, **extra: Any) -> list[str]:
+        """One sentence per rule of :mod:`.rules` these settings break (``extra``: more values to
+        check with them, such as the config's ``W``)."""
+        return step_errors({**self.values(), **extra})
+
+    def checked(self) -> Settings:
+        """These settings, or :class:`StepError` with every rule they break."""
+        found = self.errors()
+        if found:
+            raise StepError(found)
+        return self
+
+    def ignored(self) -> list[str]:
+        """One sentence per setting that has no effect under the named scheme (its run goes on);
+        the scheme registry says what a scheme ignores (:class:`~launcher.schedule.schemes.Scheme`)."""
+        registered = SCHEMES.get(self.scheme) if isinstance(self.scheme, str) else None
+        if registered is None:
+            return []
+        out: list[str] = []
+        s = registered.name
+        if not registered.has_order and self.order_name != DEFAULT.order:
+            out.append(f"order={self.order_name} has no effect with strategy={s}: {registered.why_no_order}; "
+                       "the run goes on.")
+        if not registered.fetches and self.weight_cache != DEFAULT.weight_cache:
+            out.append(f"weight_cache={self.weight_cache} has no effect with strategy={s}: every {s} worker holds the "
+                       f"weights of the stages it computes, so no weights are fetched and none are cached; the run "
+                       f"goes on (it matters under {', '.join(n for n, x in SCHEMES.items() if x.fetches)} and custom "
+                       f"placements).")
+        if not registered.fetches and not registered.passes and self.prefetch != DEFAULT.prefetch:
+            out.append(f"prefetch={self.prefetch} has no effect with strategy={s}: its workers neither fetch weights "
+                       f"nor receive activations, so there is nothing to look ahead for; the run goes on.")
+        return out
+
+    # ---- the schedule --------------------------------------------------------------------
+    def step(self, graph: StageGraph | None = None) -> Step:
+        """The schedule these settings describe, on the stage ``graph`` (a chain when ``None``).
+        Trusts the settings (:meth:`checked` them first): analyses may study steps the launcher
+        refuses on purpose (workers without a stage)."""
+        graph = graph or StageGraph.chain(self.stages)
+        if graph.stages != self.stages:
+            raise StepError([f"stages={self.stages} is invalid: the stage graph has {graph.stages} stages."])
+        placement: Placement = named(self.scheme, self.G, self.R, self.ownership) if isinstance(self.scheme, str) \
+            else self.scheme  # type: ignore[assignment]  # a user's callable, as Placement describes it
+        o = self.order if isinstance(self.order, Order) else make_order(self.order, self.warmup)
+        if o.defer_w and not self.split_backward:
+            raise ValueError(f"order={o.name} defers the weight-gradient jobs W, so it needs split_backward=True")
+        return Step(JobSpace(graph, self.microbatches, self.split_backward), placement, self.W, o,
+                    dict(self.durations), self.comm, self.memory_limit, self.name,
+                    list(self.stage_durations) if self.stage_durations is not None else None,
+                    self.recompute_stages)
+
+
+#: every default, once: the config's schema and every entry point read them from here
+DEFAULT = Settings()
+
+
+def make_step(strategy: SchemeLike, stages: int, microbatches: int, G: int | None = None, R: int | None = None,
+              order: OrderLike = DEFAULT.order, graph: StageGraph | None = None,
+              stage_durations: Sequence[Mapping[str, float]] | None = None, **settings: Any) -> Step:
+    """The step of :meth:`Settings.of` (a named scheme or a placement callable on ``W = G * R``
+    workers; any other field of :class:`Settings` as a keyword), checked by the rules the command
+    line applies, with the same sentences: :class:`StepError`, one per broken rule."""
+    return _settings(strategy, stages, microbatches, G, R, order, stage_durations, settings).checked().step(graph)
+
+
+def unchecked_step(strategy: SchemeLike, stages: int, microbatches: int, G: int | None = None, R: int | None = None,
+                   order: OrderLike = DEFAULT.order, graph: StageGraph | None = None,
+                   stage_durations: Sequence[Mapping[str, float]] | None = None, **settings: Any) -> Step:
+    """:func:`make_step` without the rules a config must meet: for analyses that study steps the
+    launcher refuses on purpose (the LPP configuration ``G = B/2, R = 2S/M`` of docs/design.md,
+    "Closed forms", leaves workers without a stage)."""
+    return _settings(strategy, stages, microbatches, G, R, order, stage_durations, settings).step(graph)
+
+
+def _settings(strategy: SchemeLike, stages: int, microbatches: int, G: int | None, R: int | None, order: OrderLike,
+              stage_durations: Sequence[Mapping[str, float]] | None, settings: dict[str, Any]) -> Settings:
+    if settings.get("recompute", "") is None:  # the API's "no recompute"
+        settings["recompute"] = DEFAULT.recompute
+    if isinstance(settings.get("recompute"), (set, frozenset)):
+        settings["recompute"] = sorted(settings["recompute"])
+    if settings.get("durations", "") is None:
+        settings["durations"] = DEFAULT.durations
+    return Settings.of(strategy, stages, microbatches, G, R, order=order,
+                       stage_durations=tuple(stage_durations) if stage_durations is not None else None, **settings)
