@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
 from ..runtime.processes import launch
 from .lightning_private import Launcher, WorkerOutput
@@ -43,12 +44,15 @@ class ForkLauncher(Launcher):
         self._already_fit = False
 
     @property
+    @override
     def is_interactive_compatible(self) -> bool:
         return True
 
+    @override
     def kill(self, signum: signal.Signals | int) -> None:
         pass  # launch() stops every worker itself before it returns or raises
 
+    @override
     def launch(self, function: Callable, *args: Any, trainer: "pl.Trainer | None" = None, **kwargs: Any) -> Any:
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             raise NotImplementedError(

@@ -14,6 +14,7 @@ from typing import Any
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from typing_extensions import override
 
 #: ``lightning.pytorch.strategies.launchers.launcher._Launcher``: the interface a strategy's launcher
 #: implements (``launch``, ``kill``, ``is_interactive_compatible``). Lightning has no public base for
@@ -121,6 +122,7 @@ class RichProgressBarBase(RichProgressBar):
         """The training bar's title; Lightning's is ``Epoch <current_epoch>/<max_epochs - 1>``."""
         return super()._get_train_description(current_epoch)
 
+    @override
     def _get_train_description(self, current_epoch: int) -> str:
         return self.train_title(current_epoch)
 

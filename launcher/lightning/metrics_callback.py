@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
+from typing_extensions import override
 
 from ..report import metrics_json as report
 from .lightning_private import started_experiment
@@ -41,9 +42,11 @@ class RunMetrics(Callback):
         self._t0 = self._cpu0 = 0.0
         self._span: tuple[float, float] | None = None  # the last step's start and end (trace.json)
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._t0, self._cpu0 = time.perf_counter(), time.process_time()
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         end = time.perf_counter()
@@ -58,20 +61,24 @@ class RunMetrics(Callback):
             self.skipped.append(len(self.losses))
         pl_module.log_dict({"step_s": wall, "samples_per_s": n / wall}, on_step=True, on_epoch=False)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The curve so far, so that a run resumed from a checkpoint (a requeued Slurm job) reports
         every step, not only those after the resume."""
         return {"walls": self.walls, "losses": self.losses, "samples": self.samples, "val": self.val,
                 "skipped": self.skipped}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for key in ("walls", "losses", "samples", "val", "skipped"):
             setattr(self, key, list(state_dict.get(key, [])))
 
+    @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if "val_loss" in trainer.callback_metrics and not trainer.sanity_checking:
             self.val.append({"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val_loss"])})
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
         if isinstance(strategy, UnifiedStrategy):
@@ -118,6 +125,7 @@ class RunMetrics(Callback):
             if isinstance(logger, WandbLogger):
                 wandb_log.log_summary(logger.experiment, self.metrics, self.out_dir)
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.global_rank == 0:
             for logger in trainer.loggers:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from typing_extensions import override
+
 from .lightning_private import RichProgressBarBase
 
 
@@ -24,9 +26,11 @@ class StepProgressBar(RichProgressBarBase):
         return t is not None and t.max_epochs in (None, -1) and (t.max_steps or 0) > 0
 
     @property
+    @override
     def total_train_batches(self) -> int | float:
         return self.trainer.max_steps if self._by_steps() else super().total_train_batches
 
+    @override
     def train_title(self, current_epoch: int) -> str:
         if not self._by_steps():
             return super().train_title(current_epoch)
@@ -36,11 +40,13 @@ class StepProgressBar(RichProgressBarBase):
         # as Lightning pads it: the same width as the validation bar's title, so neither flickers
         return f"{text:{len(self.validation_description)}}" if len(self.validation_description) > len(text) else text
 
+    @override
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         if self._by_steps() and not self.is_disabled:  # Lightning resets the bar to 0 each epoch
             self.set_train_bar(trainer.global_step)
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self._by_steps():
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

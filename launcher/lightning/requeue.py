@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
+from typing_extensions import override
 
 from .lightning_private import hpc_save_path
 
@@ -95,6 +96,7 @@ class RequeueOnSignal(Callback):
     """After each training step: if any worker got Slurm's warning, every worker saves the HPC
     checkpoint together and training stops (the launching process requeues the job)."""
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         flag = torch.tensor([1.0 if _received else 0.0])

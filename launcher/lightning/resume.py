@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
 from ..config import ConfigError
 from ..config.step import one_line
@@ -183,10 +184,12 @@ class LastCheckpoint(ModelCheckpoint):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(save_last=True, **kwargs)
 
+    @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.save_last and not skips_saving(self, trainer):
             save_last_checkpoint(self, trainer)
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A run resumed with ``ckpt_path=<other run>/checkpoints/last.ckpt`` writes into its own run
         directory: the checkpoint's directory differs by design, and Lightning's warning about it

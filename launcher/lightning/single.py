@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from typing_extensions import override
 
 from ..runtime import streams
 from ..runtime.items import rows
@@ -46,6 +47,7 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         self.seed = seed  # None: torch's initial seed (seed_everything's) when training starts
         self._head: int | None = None  # a traced module's unit before any submodule, seeded at job start
 
+    @override
     def setup_environment(self) -> None:
         # built before the trainer resolves its accelerator: its first device, as "auto" would pick
         if self.accelerator is not None:
@@ -53,6 +55,7 @@ class StreamedSingleDevice(SingleDeviceStrategy):
             self._root_device = kind.get_parallel_devices(kind.parse_devices(1))[0]
         super().setup_environment()
 
+    @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if self.seed is None:
@@ -90,6 +93,7 @@ class StreamedSingleDevice(SingleDeviceStrategy):
                 return module.loss(out, yb)
             yield loss
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         batch, rest = self.precision_plugin.convert_input(args[0]), args[1:]

@@ -44,6 +44,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
+from typing_extensions import override
 
 from ..config import ConfigError, LauncherConf, settings_of, step_errors
 from ..runtime import DEFAULT_TIMEOUT, Engine
@@ -264,6 +265,7 @@ class UnifiedStrategy(ParallelStrategy):
         return self._backend or ("nccl" if self.root_device.type == "cuda" else auto_backend("gloo"))
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank % len(self.parallel_devices)]
@@ -287,14 +289,17 @@ class UnifiedStrategy(ParallelStrategy):
         return False
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": 1, "rank": 0}
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = ForkLauncher(self, self.timeout)
 
+    @override
     def setup_environment(self) -> None:
         self.setup_distributed()
         super().setup_environment()
@@ -314,10 +319,12 @@ class UnifiedStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if _process_group_up():
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _process_group_up():
             return obj
@@ -325,16 +332,19 @@ class UnifiedStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
             return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
     # ---- set-up: partition the module, build the engine ----------------------------------
+    @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.base_memory = resident_bytes(self.root_device)  # the process before any stage is materialised
@@ -465,6 +475,7 @@ class UnifiedStrategy(ParallelStrategy):
         return example_microbatch(self.lightning_module, self.precision_plugin.convert_input(batch), self.B, self.split)
 
     @contextlib.contextmanager
+    @override
     def model_sharded_context(self) -> Iterator[None]:
         """Where Lightning calls ``configure_model``: layers made there get their parameters on the
         meta device, and each worker materialises only the stages it owns (:mod:`launcher.runtime.init`)."""
@@ -472,6 +483,7 @@ class UnifiedStrategy(ParallelStrategy):
             yield
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # each worker takes its own stages back, so the partition must exist first
 
@@ -492,6 +504,7 @@ class UnifiedStrategy(ParallelStrategy):
         _all_reduce(t)
         return t[0]
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self.engine is not None
         mbs, items = self._microbatches(args[0])
@@ -526,6 +539,7 @@ class UnifiedStrategy(ParallelStrategy):
         if self.global_rank == 0:
             log.warning("warning: step %d skipped (nonfinite=skip): %s.", step, what)
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The engine has run the backward already: install its reduced gradients, with the hooks
         Lightning calls around a backward (none in a dropped step: the optimizer then changes nothing)."""
@@ -549,12 +563,15 @@ class UnifiedStrategy(ParallelStrategy):
             self.lightning_module.log(key, loss, prog_bar=key == "val_loss")  # the same on every worker
         return loss, preds
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._evaluate(args[0], "val_loss")[0]
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._evaluate(args[0], "test_loss")[0]
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The loss stage's outputs for the whole batch, on every rank."""
         _, preds = self._evaluate(args[0], None)
@@ -564,15 +581,18 @@ class UnifiedStrategy(ParallelStrategy):
         return joined([merged[b] for b in range(self.B)], self.root_device)
 
     # ---- checkpoints -----------------------------------------------------------------------
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None and self.layout is not None
         return gather_module_state(self.lightning_module, self.layout, self.engine.modules, self.engine.stages)
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         assert self.layout is not None
         opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the real one
         return gather_optimizer_state(opt, self.lightning_module, self.layout)
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.engine is not None and self.layout is not None
         state = checkpoint["state_dict"]
@@ -586,6 +606,7 @@ class UnifiedStrategy(ParallelStrategy):
         if rest:
             self.lightning_module.load_state_dict(rest, strict=False)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.layout is not None
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
@@ -638,6 +659,7 @@ class UnifiedStrategy(ParallelStrategy):
         assert self.engine is not None and self._last_batch is not None
         return self.engine.saved_sizes(self._last_batch)
 
+    @override
     def teardown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop(done=True)
