@@ -28,6 +28,7 @@ from ..runtime.model import ModelError, StagedModel, model_errors
 from ..runtime.rng import kept_random_state, peek
 from ..runtime.streams import install_stages
 from ..runtime.values import as_tree, chunk
+from ..schedule.settings import DEFAULT
 from .stage_groups import group_modules
 
 #: the keys of a dict batch that hold the targets, in the order looked for (Hugging Face's first)
@@ -234,7 +235,7 @@ def profiled_partition(module: nn.Module, S: int, by: str, batch: Any, microbatc
 
 
 def check_staging(module: nn.Module, S: int, split: Sequence[str] | str | None, batch: Any,
-                  microbatches: int, partition: str = "params", cap: float | None = None,
+                  microbatches: int, partition: str = DEFAULT.partition, cap: float | None = None,
                   profile: bool = True) -> Staging:
     """``module`` staged on one process as every worker will, with one micro-batch of ``batch``
     (if given) through the stages on the meta device (or for real, where a stage reads values;

@@ -15,6 +15,7 @@ from ..report.png import AUTO_MAX_JOBS as PNG_AUTO_MAX_JOBS
 from ..schedule import ScheduleError, Timeline, simulate
 from ..schedule.diagram import ascii_diagram, legend
 from ..schedule.metrics import summarize
+from ..schedule.settings import DEFAULT
 from .common import clear_outcomes, console, in_sweep, output_dir, phase, point, reject, write_invalid
 
 
@@ -85,7 +86,7 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
         f"[bold]simulate[/bold] strategy={cfg.strategy.name} G={cfg.G} R={cfg.R} W={summary['workers']} "
         f"stages={cfg.stages} microbatches={cfg.microbatches} order={cfg.order.name} (warmup {warmup})"
         f"{' split_backward' if cfg.split_backward else ''}"
-        f"{' ownership ' + cfg.strategy.ownership if cfg.strategy.get('ownership', 'seed') != 'seed' else ''}",
+        f"{' ownership ' + cfg.strategy.ownership if cfg.strategy.ownership != DEFAULT.ownership else ''}",
         highlight=False,
     )
     con.print(

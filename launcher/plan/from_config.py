@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..schedule.settings import DEFAULT
 from .profile import Profile, load, parse_bytes, unit
 from .search import Budget, Candidate, Ranking, search
 
@@ -30,7 +31,7 @@ def profile_of(cfg: Mapping[str, Any]) -> Profile:
     path = _get(cfg, "plan.profile")
     if path:
         return load(path)
-    return unit(dict(_get(cfg, "durations")), float(_get(cfg, "comm", 0.0)))
+    return unit(dict(_get(cfg, "durations")), float(_get(cfg, "comm", DEFAULT.comm)))
 
 
 def budget_of(cfg: Mapping[str, Any]) -> Budget:

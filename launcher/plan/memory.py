@@ -27,6 +27,7 @@ simulator).
 from __future__ import annotations
 
 from ..schedule.activations import activation_peaks, gradient_peaks, recomputed_forwards
+from ..schedule.settings import DEFAULT
 from ..schedule.simulate import Timeline
 from .profile import Profile
 
@@ -45,7 +46,8 @@ def owned_and_fetched(tl: Timeline) -> tuple[list[set[int]], list[set[int]]]:
     return owned, fetched
 
 
-def static_bytes(owned: list[set[int]], fetched: list[set[int]], prof: Profile, cache: str = "step") -> list[float]:
+def static_bytes(owned: list[set[int]], fetched: list[set[int]], prof: Profile,
+                 cache: str = DEFAULT.weight_cache) -> list[float]:
     """Owned stages' parameters, gradients and optimizer state, plus fetched stages' gradient sums:
     all of them under cache ``step``; under ``job`` the largest (at least one is live at a time:
     a lower bound, without a timeline)."""
@@ -55,7 +57,7 @@ def static_bytes(owned: list[set[int]], fetched: list[set[int]], prof: Profile, 
             + (sum(g) if cache == "step" else max(g, default=0.0)) for own, g in zip(owned, fet)]
 
 
-def activation_bytes(tl: Timeline, prof: Profile, cache: str = "step") -> list[float]:
+def activation_bytes(tl: Timeline, prof: Profile, cache: str = DEFAULT.weight_cache) -> list[float]:
     """The exact peak of live activation bytes per worker: inputs, plus each forward's autograd
     graph (``saved``) unless it recomputes (the sweep the run report predicts with,
     :func:`launcher.schedule.activations.activation_peaks`)."""

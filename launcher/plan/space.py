@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from ..schedule.placement import OWNERSHIPS
 from ..schedule.schemes import SCHEMES
+from ..schedule.settings import DEFAULT
 
 #: (order, warmup) pairs: 1f1b with and without its warm-up, breadth_first, depth_first, zb_h1
 ORDERS: tuple[tuple[str, str], ...] = (
@@ -28,7 +29,7 @@ class Variant:
     choice; the planner tries each variant that computes at a ``(G, R)``."""
 
     name: str
-    ownership: str = "seed"
+    ownership: str = DEFAULT.ownership
 
     @property
     def label(self) -> str:
@@ -65,9 +66,9 @@ class Point:
     memory_limit: int | tuple[int, ...] | None
     weight_cache: str
     durations: dict[str, float] = field(compare=False, hash=False)
-    comm: float = 0.0
+    comm: float = DEFAULT.comm
     partition: str | None = None  # how self.stages are cut (searched when the profile has modules)
-    recompute: str = "none"  # none | full: every backward recomputes its forward (searched under a byte budget)
+    recompute: str = DEFAULT.recompute  # type: ignore[assignment]  # none | full: every backward recomputes its forward (searched under a byte budget)
 
     def settings(self) -> dict[str, Any]:
         """Dotted config keys and values (what :func:`overrides` spells out)."""

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from launcher.schedule.settings import make_step
+from launcher.schedule.settings import DEFAULT, make_step
 
 from .model import flat_params, mlp_batches, reference_step, staged_mlp
 from .worker import Engine
@@ -29,11 +29,11 @@ class Case:
     R: int
     S: int
     B: int
-    order: str = "1f1b"
+    order: str = DEFAULT.order_name
     optimizer: str = "sgd"
     split: bool = False
-    weight_cache: str = "step"
-    prefetch: int = 1
+    weight_cache: str = DEFAULT.weight_cache
+    prefetch: int = DEFAULT.prefetch
     steps: int = 3
     placement: Callable | None = field(default=None, compare=False)
     W: int | None = None  # with a custom placement

@@ -19,6 +19,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .settings import DEFAULT
 from .simulate import Timeline
 
 Bytes = Callable[[int, int], float]
@@ -57,7 +58,7 @@ def _peak(events: list[tuple[float, int, float]]) -> float:
     return peak
 
 
-def recomputed_forwards(tl: Timeline, weight_cache: str = "step") -> list[bool]:
+def recomputed_forwards(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> list[bool]:
     """Per forward job ``j = s * B + b``: whether it keeps only its input, its backward
     recomputing it: its stage is in ``step.recompute``, or, under ``weight_cache="job"``, it runs
     on a fetched copy that it frees when it ends (the runtime's rule)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .settings import DEFAULT
 from .simulate import Timeline
 
 PER_WORKER_KEYS = (
@@ -131,7 +132,7 @@ def _job_cache(tl: Timeline) -> tuple[list[int], list[int], list[int]]:
     return jobs, [len(x) for x in stages], peak
 
 
-def per_worker(tl: Timeline, weight_cache: str = "step") -> dict[str, list]:
+def per_worker(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> dict[str, list]:
     """Every per-worker metric, keyed as in ``simulation.json``'s ``per_worker``."""
     if weight_cache not in WEIGHT_CACHES:
         raise ValueError(f"weight_cache={weight_cache!r} is not valid; choose one of {list(WEIGHT_CACHES)}")
@@ -151,7 +152,7 @@ def per_worker(tl: Timeline, weight_cache: str = "step") -> dict[str, list]:
     return {k: out[k] for k in PER_WORKER_KEYS}
 
 
-def summarize(tl: Timeline, weight_cache: str = "step") -> dict[str, Any]:
+def summarize(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> dict[str, Any]:
     """Latency, utilization, throughput and the per-worker metrics of one simulated step.
 
     ``latency`` is in duration units; ``latency_fb`` in units where a forward plus a backward is 1,
