@@ -233,3 +233,17 @@ def test_a_key_without_effect_under_the_scheme_warns_once_and_runs(cfg_of, caplo
     with caplog.at_level("WARNING", logger="launcher"):
         settings_of(cfg_of("strategy=gpipe", "order=breadth_first", "prefetch=3"))  # each has an effect there
     assert caplog.records == []
+
+
+def test_the_strategy_keywords_build_the_settings_the_command_line_does(cfg_of):
+    """``UnifiedStrategy``'s keyword form and the command line arrive at the same :class:`Settings`;
+    the strategy takes them as they are (``settings=``), checked once where they entered."""
+    from launcher.config import settings_of
+    from launcher.lightning import UnifiedStrategy
+
+    cli = settings_of(cfg_of("strategy=fsdp", "stages=4", "microbatches=2", "weight_cache=job", "prefetch=2"))
+    kw = UnifiedStrategy("fsdp", stages=4, microbatches=2, weight_cache="job", prefetch=2).settings
+    assert kw == cli and (kw.G, kw.R) == (2, 1)
+    assert UnifiedStrategy(settings=cli).settings is cli
+    with pytest.raises(TypeError, match="either as settings"):
+        UnifiedStrategy(settings=cli, stages=4)
