@@ -32,7 +32,7 @@ def settings_of(cfg: DictConfig | Mapping[str, Any], check: bool = True, **given
     placement or order callable given from Python)."""
     if check:
         validate(cfg)
-    c = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    c = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
     if c.strategy.name == "auto" and c.strategy.get("placement") is None:
         raise ConfigError(["strategy=auto is chosen by the planner: apply launcher.plan.choose(cfg)'s "
                            "overrides first."])
