@@ -53,7 +53,7 @@ def runtime_peaks(tl: Timeline, summary: dict[str, Any], prefetch: int) -> None:
     resident weights depend on ``prefetch``: report the value the runtime's plan predicts (and
     measures), not the simulator's just-in-time lower bound. A placement the runtime cannot
     lower (a job apart from its forward's worker) keeps the lower bound."""
-    from ..runtime.lowering import LoweringError, lower  # pure Python; imported only when needed
+    from ..schedule.lowering import LoweringError, lower
 
     try:
         plan = lower(tl, "job", prefetch)

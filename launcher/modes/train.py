@@ -290,8 +290,8 @@ def _run_info(cfg: DictConfig) -> dict[str, Any]:
 def _plannable(spec: Any) -> None:
     """Simulate and lower the step once here: a memory limit it cannot finish under, or a
     placement the runtime cannot run, is refused before any worker starts."""
-    from ..runtime.lowering import LoweringError, lower
     from ..schedule import ScheduleError, simulate
+    from ..schedule.lowering import LoweringError, lower
 
     try:
         lower(simulate(spec.step()), spec.weight_cache, spec.prefetch)

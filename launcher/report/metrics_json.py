@@ -43,10 +43,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..runtime.lowering import KINDS, Lowered
 from ..schedule import Timeline, activations
 from ..schedule.cores import Replayed, job_work, replay
 from ..schedule.link import Link, exchanges
+from ..schedule.program import KINDS, Lowered
 from ..schedule.simulate import Step
 from .measured_costs import (
     end_seconds,

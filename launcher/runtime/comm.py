@@ -18,8 +18,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from launcher.schedule.program import ACT, GRAD, WGRAD, Lowered, Msg
+
 from .failure import Watchdog, WorkerAborted, blocked
-from .lowering import ACT, GRAD, WGRAD, Lowered, Msg
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 

@@ -2,7 +2,7 @@
 
 Replicas: the owners of a replicated stage (DDP, LPP with G > 1) sum its gradient across
 themselves. Stages of one owner set are merged, in the plan's
-:attr:`~launcher.runtime.lowering.Lowered.reduce_order`, into buckets (DistributedDataParallel's sizes:
+:attr:`~launcher.schedule.program.Lowered.reduce_order`, into buckets (DistributedDataParallel's sizes:
 the first closes at 1 MiB so it starts early, the others at 25 MiB so they are few); the gradient
 is accumulated straight into its bucket's buffer (allocated once, as DDP's), so a bucket costs no
 copy. Every owner launches a bucket's all-reduce as soon as its own share is complete
@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 
 from launcher.schedule.link import ROOT_BYTES
+from launcher.schedule.program import Lowered
 
 from .collectives import halving_doubling, through_root
 from .failure import Watchdog, blocked
-from .lowering import Lowered
 
 #: buckets close once they hold this many bytes, the first one sooner: DistributedDataParallel's
 #: sizes (``bucket_cap_mb`` and its first bucket), so the first stages' transfer starts early and

@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from launcher.schedule.activations import activation_peaks
+from launcher.schedule.lowering import TAG_LIMIT, lower
+from launcher.schedule.program import ACT, GRAD, WEIGHTS, JobOp, Lowered, Msg, forward_only
 from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.simulate import Step, Timeline, simulate
 
@@ -57,7 +59,6 @@ from .groups import BUCKET_BYTES, Replicas, warm_pairs
 from .init import has_meta, init_units
 from .items import Count
 from .items import shares as item_shares
-from .lowering import ACT, GRAD, TAG_LIMIT, WEIGHTS, JobOp, Lowered, Msg, forward_only, lower
 from .measure import HOST, Meter, worker_record
 from .model import (
     Batch,

@@ -87,7 +87,7 @@ class SumHandover:
 
 def sum_handovers(tl: Timeline) -> list[SumHandover]:
     """Every partial sum a worker sends an owner, and when it is handed over
-    (:class:`SumHandover`): the one rule the runtime lowers (``launcher.runtime.lowering``) and the
+    (:class:`SumHandover`): the one rule the runtime lowers (:mod:`launcher.schedule.lowering`) and the
     memory model counts."""
     space, W = tl.step.space, tl.step.workers
     B, SB, S = space.B, space.S * space.B, space.S

@@ -57,7 +57,7 @@ def replay(
     ``durations`` (per job kind, or per job id) and ``comm`` (default: the step's) time the
     programs: the runtime runs the programs of the timeline it was given, whatever durations
     chose that order, so a measured run is replayed as it ran. Weight fetches wait for nothing:
-    owners hand copies over ahead of the job that needs them (:mod:`launcher.runtime.lowering`)."""
+    owners hand copies over ahead of the job that needs them (:mod:`launcher.schedule.lowering`)."""
     step = tl.step
     W = step.workers
     d = step.durations if durations is None else durations

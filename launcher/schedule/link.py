@@ -1,7 +1,7 @@
 """What a step's gradient exchange adds to the simulated compute: a latency-bandwidth link model.
 
 The simulator's timeline ends with each worker's last job; the runtime then finishes the step
-(docs/design.md, "Placement and data movement", and the lowering in :mod:`launcher.runtime.lowering`):
+(docs/design.md, "Placement and data movement", and the lowering in :mod:`launcher.schedule.lowering`):
 
 - every worker sends its weight-gradient sum of stage ``s`` to each other owner it computed for,
   and each owner receives them: one message of ``grad_bytes[s]`` per ``(s, sender, owner)``, all

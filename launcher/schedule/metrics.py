@@ -25,7 +25,7 @@ job that fetches it to its end, except that an ``I``'s copy is held to the end o
 split backward can hold several): the value if every copy arrives just as its job starts, a lower
 bound. A runtime that receives weights ahead of their job (lookahead, or a receive posted early so
 a later message to the same peer can go out in order) holds more, so the runtime does not take
-this value: :func:`launcher.runtime.lowering.lower` computes the exact one for its lookahead
+this value: :func:`launcher.schedule.lowering.lower` computes the exact one for its lookahead
 (``prefetch``) and message order.
 """
 

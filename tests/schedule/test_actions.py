@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from launcher.runtime.actions import (
+from launcher.schedule import make_step, simulate
+from launcher.schedule.actions import (
     BEFORE,
     COMPUTE,
     FREE_WEIGHTS,
@@ -25,8 +26,8 @@ from launcher.runtime.actions import (
     format_programs,
     parse_programs,
 )
-from launcher.runtime.lowering import ACT, GRAD, WEIGHTS, WGRAD, Lowered, LoweringError, assemble, lower, lower_actions
-from launcher.schedule import make_step, simulate
+from launcher.schedule.lowering import LoweringError, assemble, lower, lower_actions
+from launcher.schedule.program import ACT, GRAD, WEIGHTS, WGRAD, Lowered
 
 # (scheme, S, B, G, R, order, split backward): every scheme, both backward forms, W <= 4
 CONFIGS = [

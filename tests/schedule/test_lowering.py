@@ -6,19 +6,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from launcher.runtime.lowering import (
-    ACT,
-    GRAD,
-    WEIGHTS,
-    WGRAD,
-    Lowered,
-    LoweringError,
-    lower,
-    predicted_receives,
-    resident_peaks,
-)
 from launcher.schedule import ScheduleError, make_step, simulate
+from launcher.schedule.lowering import LoweringError, lower
 from launcher.schedule.metrics import per_worker
+from launcher.schedule.program import ACT, GRAD, WEIGHTS, WGRAD, Lowered, predicted_receives, resident_peaks
 
 SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("lpp", 2, 2, 4, 4),
            ("fslpp", 2, 2, 4, 4), ("lpp", 2, 2, 8, 8), ("fslpp", 4, 2, 8, 8)]

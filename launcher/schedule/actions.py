@@ -1,8 +1,8 @@
-"""Per-worker action lists: the form a step takes between the timeline and the plan.
+"""Per-worker action lists: the form a step takes between the timeline and the workers' programs.
 
-Pure Python, no torch. :mod:`launcher.runtime.lowering` lowers a timeline by passes over one list of
+Pure Python, no torch. :mod:`launcher.schedule.lowering` lowers a timeline by passes over one list of
 :class:`Action` per worker (its jobs in timeline order, then the messages, weight copies and
-reductions around them) and turns the finished lists into a :class:`~launcher.runtime.lowering.Lowered`.
+reductions around them) and turns the finished lists into a :class:`~launcher.schedule.program.Lowered`.
 Every action has a compact text form that :meth:`Action.from_str` reads back, and a whole step
 prints one line per worker (:func:`format_programs`, :func:`parse_programs`); GPipe, two stages,
 one micro-batch::
@@ -22,6 +22,8 @@ them (what is handed over or received before it runs; after the last job: at the
 from __future__ import annotations
 
 import re
+from itertools import compress
+from operator import itemgetter
 from typing import Mapping, NamedTuple, Sequence
 
 COMPUTE = ("F", "B", "I", "W")
@@ -109,27 +111,46 @@ def weave(programs: Sequence[Sequence[Action]], before: Sequence[Mapping[int, Se
     depend on which pass added what."""
     out = []
     for w, prog in enumerate(programs):
-        jobs = [n for n, a in enumerate(prog) if a.op in JOBS]
-        bounds = [-1, *jobs, len(prog)]  # gap g (between job g and job g + 1) is prog[bounds[g+1]+1 : bounds[g+2]]
+        aft, bef = after[w], before[w]
+        if not aft and not bef:
+            out.append(list(prog))
+            continue
+        # gap g (between job g and job g + 1) is prog[bounds[g+1]+1 : bounds[g+2]]
+        bounds = [-1, *job_positions(prog), len(prog)]
         new: list[Action] = []
         done = 0
-        for g in sorted({*after[w], *(i - 1 for i in before[w])}):
+        for g in sorted({*aft, *(i - 1 for i in bef)}):
             lo, hi = bounds[g + 1] + 1, bounds[g + 2]
-            gap = prog[lo:hi]
-            k = next((n for n, a in enumerate(gap) if a.op not in AFTER), len(gap)) if gap else 0
             new += prog[done:lo]
-            new += _sorted([*gap[:k], *after[w].get(g, ())])
-            new += _sorted([*gap[k:], *before[w].get(g + 1, ())])
+            if lo == hi:  # an empty gap (every gap, before the first pass): nothing to interleave
+                if (part := aft.get(g)) is not None:
+                    new += _sorted(part)
+                if (part := bef.get(g + 1)) is not None:
+                    new += _sorted(part)
+            else:
+                gap = prog[lo:hi]
+                k = next((n for n, a in enumerate(gap) if a.op not in AFTER), len(gap))
+                new += _sorted([*gap[:k], *aft.get(g, ())])
+                new += _sorted([*gap[k:], *bef.get(g + 1, ())])
             done = hi
-        out.append(new + list(prog[done:]))
+        new += prog[done:]
+        out.append(new)
     return out
+
+
+def job_positions(prog: Sequence[Action]) -> list[int]:
+    """The indices of ``prog``'s jobs."""
+    return list(compress(range(len(prog)), map(JOBS.__contains__, map(_OP, prog))))
+
+
+_OP = itemgetter(0)  # an action's ``op``
 
 
 def _rank(a: Action) -> int:
     return _RANK[a.op]
 
 
-def _sorted(part: list[Action]) -> list[Action]:
+def _sorted(part: Sequence[Action]) -> Sequence[Action]:
     return sorted(part, key=_rank) if len(part) > 1 else part
 
 

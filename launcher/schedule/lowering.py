@@ -1,0 +1,538 @@
+"""Lower a simulated :class:`~launcher.schedule.Timeline` into one program per worker.
+
+Pure Python, no torch. Every worker calls :func:`lower` on the same timeline and gets the same
+:class:`~launcher.schedule.program.Lowered`, so every send has its matching receive without a
+coordinator.
+
+What the placement implies (docs/design.md, "Placement and data movement") is lowered by passes
+over one list of :class:`~launcher.schedule.actions.Action` per worker, each pass documenting the
+traffic it adds: the jobs in timeline order (:func:`job_actions`), then :data:`PASSES`: ``act``
+and ``grad`` messages (:func:`add_act_grad`), ``weights`` under the weight cache policy
+(:func:`add_weights`), ``wgrad`` (:func:`add_wgrad`), the replicas' all-reduces
+(:func:`add_reduces`). :func:`assemble` then pairs every send with its receive, keys and
+numbers the messages in the order NCCL needs (:func:`messages`) and fills each worker's
+:class:`~launcher.schedule.program.Program`. :func:`lower_actions` gives the lists themselves:
+:func:`~launcher.schedule.actions.format_programs` prints them, one line per worker, and
+:func:`assemble` of what :func:`~launcher.schedule.actions.parse_programs` reads back is the
+same lowered step.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+from itertools import accumulate, compress
+from operator import attrgetter, itemgetter, not_, sub
+from textwrap import indent
+from typing import Iterable
+
+from .actions import (
+    AFTER,
+    FREE_WEIGHTS,
+    FREE_WGRAD,
+    JOBS,
+    RECV_ACT,
+    RECV_GRAD,
+    RECV_WEIGHTS,
+    RECV_WGRAD,
+    REDUCE,
+    SEND_ACT,
+    SEND_GRAD,
+    SEND_WEIGHTS,
+    SEND_WGRAD,
+    Action,
+    format_programs,
+    job_positions,
+    weave,
+)
+from .activations import sum_handovers
+from .metrics import WEIGHT_CACHES, per_worker
+from .program import ACT, GRAD, WEIGHTS, WGRAD, JobOp, Lowered, Msg, Program, StageReduce, reduce_rounds, resident_peaks
+from .simulate import Timeline
+
+#: point-to-point tags are C ints: a message's tag is its id, the engine's own exchanges follow
+TAG_LIMIT = 2**31 - 1
+
+
+class LoweringError(ValueError):
+    """A timeline the runtime cannot lower."""
+
+
+
+Programs = list[list[Action]]  # one action list per worker
+_OP = itemgetter(0)  # an action's ``op``
+Slots = list[defaultdict[int, list[Action]]]  # per worker, job index -> actions to weave in beside that job
+
+#: columns of the grid an error message shows on each side of the marked action
+AROUND = 8
+
+
+def _marked(progs: Programs, mark: tuple[int, int] | None, what: str, why: str = "") -> LoweringError:
+    """A :class:`LoweringError`: ``what``, the grid of ``progs`` with the action at ``mark`` marked, then ``why``."""
+    jobs_only = all(a.op in JOBS for prog in progs for a in prog)
+    grid = indent(format_programs(progs, mark, AROUND, align=jobs_only), "  ")
+    return LoweringError(f"{what}{' (marked below)' if mark else ''}:\n{grid}" + (f"\n{why}" if why else ""))
+
+
+def _check_options(weight_cache: str, prefetch: int | None = None) -> None:
+    if weight_cache not in WEIGHT_CACHES:
+        raise LoweringError(f"weight_cache={weight_cache!r} is not valid; choose one of {list(WEIGHT_CACHES)}")
+    if prefetch is not None and not (isinstance(prefetch, int) and prefetch >= 0):
+        raise LoweringError(f"prefetch={prefetch!r} is not valid; it must be an int >= 0 (jobs of lookahead)")
+
+
+def _slots(tl: Timeline) -> tuple[Slots, Slots]:
+    return [defaultdict(list) for _ in tl.program], [defaultdict(list) for _ in tl.program]
+
+
+def _positions(tl: Timeline) -> list[int]:
+    """Each job's index in its worker's program."""
+    at = [0] * tl.step.space.N
+    for prog in tl.program:
+        for i, j in enumerate(prog):
+            at[j] = i
+    return at
+
+
+def _owners(tl: Timeline) -> list[list[int]]:
+    """Per stage, its owners (the ``w_weights`` of its jobs), sorted."""
+    space = tl.step.space
+    S, B = space.S, space.B
+    owners: list[set[int]] = [set() for _ in range(S)]
+    for q in range(space.K * S):  # the jobs of one (kind, stage) are a run of B ids
+        owners[q % S].update(tl.weights[q * B : (q + 1) * B])
+    return [sorted(o) for o in owners]
+
+
+def _jobs(tl: Timeline) -> Programs:
+    """Each worker's jobs in timeline order, as actions."""
+    space = tl.step.space
+    S, B, kinds = space.S, space.B, space.kinds
+    acts = [Action(kinds[k], s, b) for k in range(space.K) for s in range(S) for b in range(B)]  # by job id
+    return [[acts[j] for j in prog] for prog in tl.program]
+
+
+def job_actions(tl: Timeline) -> Programs:
+    """Each worker's jobs in timeline order. Every job of ``(s, b)`` must run where ``F(s, b)``
+    ran: its activation stash lives there."""
+    space, progs = tl.step.space, _jobs(tl)
+    SB = space.S * space.B
+    for j in range(SB, space.N):
+        if tl.compute[j] != tl.compute[j % SB]:
+            s, b, d = space.job(j)
+            w = tl.compute[j]
+            raise _marked(progs, (w, tl.program[w].index(j)),
+                          f"placement {tl.step.name} runs F({s},{b}) on worker {tl.compute[j % SB]} but "
+                          f"{d}({s},{b}) on worker {w}", "the runtime needs every job of a (stage, micro-batch) "
+                          "on the worker that holds its activations")
+    return progs
+
+
+def add_act_grad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
+    """One message per edge of the job graph that crosses workers, sent after the job that
+    produces it and received before the job that consumes it:
+
+    - ``act``: ``F(p,b) -> F(c,b)`` across workers carries ``x_c^b`` (the output of stage ``p``);
+    - ``grad``: backward ``(c,b) -> (p,b)`` across workers carries ``dL/d(output of p)``.
+    """
+    space, comp = tl.step.space, tl.compute
+    S, B = space.S, space.B
+    at = _positions(tl)
+    before, after = _slots(tl)
+    # the edges of the job graph within a direction (JobSpace.pred), a stage's micro-batches at once
+    for k, (edges, send, recv) in enumerate(((space.stage_preds, SEND_ACT, RECV_ACT),
+                                             (space.stage_succs, SEND_GRAD, RECV_GRAD))):
+        for s in range(S):
+            for ps in edges[s]:
+                j0, p0 = (k * S + s) * B, (k * S + ps) * B  # the consumer's and producer's job ids at b = 0
+                for b, cw, pw in zip(range(B), comp[j0 : j0 + B], comp[p0 : p0 + B]):
+                    if cw != pw:
+                        after[pw][at[p0 + b]].append(Action(send, ps, b, cw, s))
+                        before[cw][at[j0 + b]].append(Action(recv, s, b, pw, ps))
+    return weave(progs, before, after)
+
+
+def add_weights(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
+    """``weights``: a job with ``w_compute != w_weights`` runs on a copy of stage ``s`` sent by the
+    owner ``w_weights``. With ``weight_cache="step"`` a worker fetches each stage once, for the
+    first job that needs it, and keeps it to the end of the step; with ``"job"`` every such job
+    fetches its own copy and frees it when it finishes, except that a backward whose forward ran on
+    this worker's own weights backpropagates through that forward's graph (no copy), and a ``W``
+    takes its gradient from its ``I``'s graph, on the copy ``I`` kept until then (no copy either).
+
+    An owner hands a copy over just before its first job that starts at or after the consuming
+    job's start (owners hold weights all step): just in time, so a consumer is never made to post a
+    receive for weights it needs much later (``Program.weight_release``)."""
+    space = tl.step.space
+    S, B, SB, kinds = space.S, space.B, space.S * space.B, space.kinds
+    before, after = _slots(tl)
+    starts = [[tl.start[j] for j in prog] for prog in tl.program]
+    hand: list[tuple[int, int, float, int, Action]] = []  # (owner, its job index, consumer's start, consumer, send)
+    for w, prog in enumerate(tl.program):
+        cached: set[int] = set()
+        for i, j in enumerate(prog):
+            o = tl.weights[j]
+            if o == w:
+                continue
+            q = j // B
+            s, d = q % S, kinds[q // S]
+            if weight_cache == "step" and s in cached:
+                continue
+            if weight_cache == "job":
+                if d == "W" or (d != "F" and tl.weights[j % SB] == w):
+                    continue  # reuses the graph (and copy) of F or I: no transfer
+                after[w][i].append(Action(FREE_WEIGHTS, s))
+            cached.add(s)
+            before[w][i].append(Action(RECV_WEIGHTS, s, peer=o))
+            hand.append((o, bisect_left(starts[o], tl.start[j]), tl.start[j], j, Action(SEND_WEIGHTS, s, peer=w)))
+    for o, i, *_, send in sorted(hand, key=lambda h: h[:4]):  # in key order at each release point
+        before[o][i].append(send)
+    return weave(progs, before, after)
+
+
+def add_wgrad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
+    """``wgrad``: each worker sends its weight-gradient sum of a stage to every other owner it
+    computed for (one message per ``(stage, owner)``) as soon as its last backward of that stage
+    for that owner ends, so the transfer overlaps the rest of its backward.
+
+    The owner takes the sums in at the end of the step, by stage and sender; under
+    ``weight_cache="job"`` a stage's only owner takes each in at one of its jobs, and the sender
+    frees it once delivered (:func:`~launcher.schedule.activations.sum_handovers`), so no worker holds
+    every fetched stage's sum to the end of the step."""
+    space = tl.step.space
+    S, B, SB = space.S, space.B, space.S * space.B
+    last: dict[tuple[int, int, int], int] = {}  # (stage, worker, owner) -> its last gradient job
+    for w, prog in enumerate(tl.program):
+        for j in prog:
+            if j // SB == space.K - 1 and tl.weights[j] != w:  # B, or W when split: it yields the gradient
+                last[((j // B) % S, w, tl.weights[j])] = j
+    hand = {(h.stage, h.sender, h.owner): h for h in sum_handovers(tl)} if weight_cache == "job" else {}
+    at = _positions(tl)
+    before, after = _slots(tl)
+    for (s, w, o), j in sorted(last.items(), key=lambda kv: (tl.finish[kv[1]], kv[1], kv[0][2])):  # in key order
+        after[w][at[j]].append(Action(SEND_WGRAD, s, peer=o))
+        h = hand.get((s, w, o))
+        if h is not None and h.post is not None:
+            before[o][h.post].append(Action(RECV_WGRAD, s, peer=w))
+        if h is not None and h.deliver is not None:
+            before[w][h.deliver].append(Action(FREE_WGRAD, s, peer=o))
+    for s, w, o in sorted(last):  # the rest at the end, in the order the owner takes them in
+        if (h := hand.get((s, w, o))) is None or h.post is None:
+            before[o][len(tl.program[o])].append(Action(RECV_WGRAD, s, peer=w))
+    return weave(progs, before, after)
+
+
+def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
+    """Replicas: the owners of a replicated stage (DDP, LPP with G > 1) all-reduce its gradient on
+    their own subgroup (a collective, not a message: :mod:`launcher.runtime.groups`) once their
+    partial sums are in; then each owner steps its optimizer for the stages it owns.
+
+    An owner's share is complete (``REDUCE``, ``Program.reduce_ready``) after its last gradient job
+    of the stage that it owns itself, at once if it computes nothing of it, or at the end of its
+    program if others send it partial sums."""
+    space = tl.step.space
+    S, B, SB = space.S, space.B, space.S * space.B
+    owners = _owners(tl)
+    sums = {(w, prog[n].stage) for w, prog in enumerate(progs)
+            for n in compress(range(len(prog)), map(RECV_WGRAD.__eq__, map(_OP, prog)))}
+    before, after = _slots(tl)
+    for w, prog in enumerate(tl.program):
+        ready = {(j // B) % S: i for i, j in enumerate(prog) if j // SB == space.K - 1 and tl.weights[j] == w}
+        for s in range(S):
+            if len(owners[s]) > 1 and w in owners[s]:
+                if (w, s) in sums:
+                    before[w][len(prog)].append(Action(REDUCE, s))
+                else:
+                    after[w][ready.get(s, -1)].append(Action(REDUCE, s))
+    return weave(progs, before, after)
+
+
+#: the passes of :func:`lower_actions`, in order, after :func:`job_actions`
+PASSES = (add_act_grad, add_weights, add_wgrad, add_reduces)
+
+
+def lower_actions(tl: Timeline, weight_cache: str = "step") -> Programs:
+    """Every worker's actions for ``tl``: its jobs, then what each pass of :data:`PASSES` adds."""
+    _check_options(weight_cache)
+    progs = job_actions(tl)
+    for add in PASSES:
+        progs = add(tl, progs, weight_cache)
+    return progs
+
+
+def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Lowered:
+    """Lower ``tl`` into per-worker programs; identical on every worker.
+
+    ``lowered.predicted`` is the simulator's :func:`~launcher.schedule.metrics.per_worker`, except
+    ``weights_peak_resident`` under ``weight_cache="job"``: the exact peak of the engine running
+    with lookahead ``prefetch`` (:func:`~launcher.schedule.program.resident_peaks`), which the simulator cannot know.
+    """
+    _check_options(weight_cache, prefetch)
+    return assemble(tl, lower_actions(tl, weight_cache), weight_cache, prefetch, check=False)
+
+
+# ---- from actions to the programs -------------------------------------------------------------
+
+# each receive's send and message kind; a free of a partial sum names it as its send does
+_RECEIVES = {RECV_ACT: (SEND_ACT, ACT), RECV_GRAD: (SEND_GRAD, GRAD), RECV_WEIGHTS: (SEND_WEIGHTS, WEIGHTS),
+             RECV_WGRAD: (SEND_WGRAD, WGRAD), FREE_WGRAD: None}
+_SENDS = frozenset((SEND_ACT, SEND_GRAD, SEND_WEIGHTS, SEND_WGRAD))
+_AFTER = frozenset(AFTER)
+# kinds about the job beside them -> the job kinds that may be (a gradient sum goes after B or W)
+_OF_JOB = {SEND_ACT: "F", RECV_ACT: "F", SEND_GRAD: "BI", RECV_GRAD: "BI", RECV_WEIGHTS: "FBIW",
+           FREE_WEIGHTS: "FBIW", SEND_WGRAD: "BW"}
+_AT_END = frozenset((SEND_WEIGHTS, RECV_WGRAD, REDUCE))  # what may follow a worker's last job's own actions
+_EDGE = frozenset((SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD))  # messages along an edge of one micro-batch
+
+
+def _belongs(prog: list[Action]) -> list[int]:
+    """Per action, the index of the job it belongs to (:mod:`launcher.schedule.actions`): -1
+    before the first job, the job count after the last."""
+    ops = list(map(_OP, prog))
+    jobs_before = accumulate(map(JOBS.__contains__, ops), initial=0)  # at each action, the jobs before it
+    return list(map(sub, jobs_before, map(_AFTER.__contains__, ops)))
+
+
+def _check_actions(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> None:
+    """Each worker runs the timeline's jobs in its order; an action about a job of its own sits
+    beside one of that stage (and micro-batch); a message goes to another worker."""
+    S, W, owners = tl.step.space.S, tl.step.workers, _owners(tl)
+    if len(progs) != W:
+        raise LoweringError(f"the step has {W} workers but {len(progs)} programs")
+    for w, (prog, want) in enumerate(zip(progs, _jobs(tl))):
+        jobs = [n for n, a in enumerate(prog) if a.op in JOBS]
+        if [prog[n] for n in jobs] != want:
+            k = next((k for k, (n, a) in enumerate(zip(jobs, want)) if prog[n] != a), min(len(jobs), len(want)))
+            raise _marked(progs, (w, jobs[k]) if k < len(jobs) else None,
+                          f"worker {w} does not run the timeline's jobs: its job {k} should be "
+                          f"{repr(want[k]) if k < len(want) else 'none'}")
+        for n, (a, i) in enumerate(zip(prog, belongs[w])):
+            if a.op in JOBS:
+                continue
+            job = want[i] if 0 <= i < len(want) else None
+            if not 0 <= a.stage < S:
+                fits = False
+            elif job is None:  # before the first job or after the last
+                fits = a.op == REDUCE if i < 0 else a.op in _AT_END
+            else:
+                fits = a.op not in _OF_JOB or job.op in _OF_JOB[a.op] and a.stage == job.stage and \
+                    a.microbatch in ((job.microbatch,) if a.op in _EDGE else (job.microbatch, -1))
+            if not fits or a.op == REDUCE and (w not in owners[a.stage] or len(owners[a.stage]) < 2):
+                raise _marked(progs, (w, n), f"worker {w}'s {a!r} does not sit beside a job it belongs to",
+                              "an action belongs to the job before it (sends, frees, REDUCE) or the one after it "
+                              "(the rest); one about a job needs a job of its kind, stage and micro-batch; REDUCE "
+                              "needs a replicated stage the worker owns")
+            if (a.op in _SENDS or a.op in _RECEIVES) and not (0 <= a.peer < W and a.peer != w):
+                raise _marked(progs, (w, n), f"worker {w}'s {a!r} names worker {a.peer}, not another of the {W}")
+
+
+def messages(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> tuple[list[Msg], list[list[int]]]:
+    """Every message of the step, and per worker its action index -> message id.
+
+    A send and a receive match when kind, workers, stages and micro-batch agree (the k-th send with
+    the k-th receive). Message ids: ``act``/``grad`` by consuming job, then ``weights`` by worker
+    and job, then ``wgrad`` by stage, sender and owner.
+
+    Message order, for NCCL: NCCL ignores tags, matches point-to-point operations between a pair of
+    ranks in issue order, and runs a pair's operations (both directions) one after another. So every
+    message gets a sort ``key``: the simulated time at which its data is ready at the sender
+    (``act``/``grad``: the producing job's finish; ``wgrad``: the finish of the last job whose
+    gradient it sums; ``weights``: the consuming job's start, since owners hold weights all step). An
+    owner hands a weights message over just before its first job that starts at or after that key
+    (``Program.weight_release``). Both ends issue a pair's operations in key order. A worker only
+    ever waits for data whose key is earlier than the simulated start of the job that waits, so
+    issuing in key order cannot deadlock (the simulated timeline is a witness).
+    """
+    space, program, start, finish = tl.step.space, tl.program, tl.start, tl.finish
+    S, B, N, W = space.S, space.B, space.N, len(progs)
+    # the producer's place among the consumer's predecessors (JobSpace.pred), from the stage graph:
+    # act by the consumer's stage, grad by the producing backward's
+    act_place = [{p: k for k, p in enumerate(ps)} for ps in space.stage_preds]
+    grad_place = [{c: k for k, c in enumerate(cs)} for cs in space.stage_succs]
+    base_weights = 2 * N * S  # numbering order as one int: act/grad by consumer job and place, then ...
+    base_wgrad = base_weights + W * (N + 1)  # ... weights by worker and job, then wgrad by stage, sender, owner
+    # each worker's sends by action (the k-th send of an action matches the k-th receive of its mirror)
+    sent: list[dict[tuple, list[int]]] = []
+    for prog in progs:
+        is_send = list(map(_SENDS.__contains__, map(_OP, prog)))
+        at: dict = dict(zip(compress(prog, is_send), compress(range(len(prog)), is_send)))
+        if len(at) < sum(is_send):  # the same send twice (a stage fetched for two jobs): in order
+            at = {}
+            for n in compress(range(len(prog)), is_send):
+                at.setdefault(prog[n], []).append(n)
+        sent.append(at)
+    # (numbering order, key, (kind, src, dst, stage, microbatch, peer_stage), sender, its action, receiver, its action)
+    found = []
+    frees: list[tuple[int, int]] = []
+    for wr, prog in enumerate(progs):
+        for nr in compress(range(len(prog)), map(_RECEIVES.__contains__, map(_OP, prog))):  # receives and frees
+            op, stage, mb, ws, peer_stage = prog[nr]
+            if op == FREE_WGRAD:
+                frees.append((wr, nr))
+                continue
+            send_op, kind = _RECEIVES[op]
+            # the send this receive mirrors: the same message seen from the sender's side
+            if kind == ACT or kind == GRAD:
+                mirror = (send_op, peer_stage, mb, wr, stage)
+                x, y = (peer_stage, stage) if kind == ACT else (stage, peer_stage)  # ``stage`` produces the edge
+            else:
+                mirror = (send_op, stage, mb, wr, peer_stage)
+                x = y = stage
+            at = sent[ws] if 0 <= ws < len(sent) else {}
+            ns = at.pop(mirror, None)
+            if isinstance(ns, list):  # duplicates: the first left, then the rest
+                at[mirror] = ns
+                ns = ns.pop(0) if ns else None
+            if ns is None:
+                raise _marked(progs, (wr, nr), f"worker {wr}'s {progs[wr][nr]!r} has no matching send on worker {ws}")
+            ident = (kind, ws, wr, x, mb if kind in (ACT, GRAD) else -1, y)
+            if kind == ACT or kind == GRAD:  # the jobs at both ends are the ident's (they sit beside them)
+                if kind == ACT:
+                    producer, consumer, k = x * B + mb, y * B + mb, act_place[y].get(x)
+                else:
+                    producer, consumer, k = (S + y) * B + mb, (S + x) * B + mb, grad_place[x].get(y)
+                if k is None:
+                    raise _marked(progs, (wr, nr), f"worker {wr}'s {progs[wr][nr]!r} carries no edge of the stage "
+                                  "graph")
+                found.append((consumer * S + k, (finish[producer], 0, producer, consumer), ident, ws, ns, wr, nr))
+            elif kind == WEIGHTS:  # ready when its consumer starts: owners hold weights all step
+                i = belongs[wr][nr]
+                consumer = program[wr][i]
+                found.append((base_weights + wr * (N + 1) + i, (start[consumer], -1, consumer, consumer), ident,
+                              ws, ns, wr, nr))
+            else:  # ready when the last job it sums ends
+                producer = program[ws][belongs[ws][ns]]
+                found.append((base_wgrad + (stage * W + ws) * W + wr, (finish[producer], 1, producer, wr), ident,
+                              ws, ns, wr, nr))
+    for w, at in enumerate(sent):
+        left = [n for v in at.values() for n in (v if isinstance(v, list) else (v,))]
+        if left:
+            n = min(left)
+            raise _marked(progs, (w, n), f"worker {w}'s {progs[w][n]!r} has no matching receive on worker "
+                          f"{progs[w][n].peer}")
+    found.sort(key=itemgetter(0))
+    msgs: list[Msg] = []
+    mids = [[-1] * len(prog) for prog in progs]
+    for mid, (_, key, (kind, src, dst, stage, mb, peer), ws, ns, wr, nr) in enumerate(found):
+        mids[ws][ns] = mids[wr][nr] = mid
+        msgs.append(Msg(mid, kind, src, dst, stage, mb, peer, key))
+    wgrad = {(m.src, m.dst, m.stage): m.mid for m in msgs if m.kind == WGRAD}
+    for w, n in frees:
+        a = progs[w][n]
+        if (w, a.peer, a.stage) not in wgrad:
+            raise _marked(progs, (w, n), f"worker {w} frees a sum {a!r} it never sends")
+        mids[w][n] = wgrad[(w, a.peer, a.stage)]
+    return msgs, mids
+
+
+def assemble(tl: Timeline, progs: Programs, weight_cache: str = "step", prefetch: int = 1,
+             check: bool = True) -> Lowered:
+    """The :class:`~launcher.schedule.program.Lowered` step that the per-worker actions ``progs``
+    describe (:func:`lower_actions`, or what :func:`~launcher.schedule.actions.parse_programs`
+    reads back): messages paired, keyed and numbered (:func:`messages`), each worker's
+    :class:`~launcher.schedule.program.Program` filled in. With ``check``, an action that does not
+    fit ``tl`` raises :class:`LoweringError` with the grid, that action marked (the passes' own
+    programs fit by construction: :func:`lower` skips it)."""
+    _check_options(weight_cache, prefetch)
+    S, W = tl.step.space.S, tl.step.workers
+    belongs = [_belongs(prog) for prog in progs]
+    if check:
+        _check_actions(tl, progs, belongs)
+    msgs, mids = messages(tl, progs, belongs)
+    if len(msgs) + 2 * S + S * reduce_rounds(W) > TAG_LIMIT:  # the step's tags, then the engine's ranges
+        raise LoweringError(
+            f"the step has {len(msgs):,} messages and {S} stages, more than the {TAG_LIMIT:,} point-to-point "
+            f"message tags torch.distributed can tell apart; use fewer stages or micro-batches"
+        )
+    owners = _owners(tl)
+    pair: list[dict[int, list[int]]] = [{} for _ in range(W)]
+    for m in sorted(msgs, key=_KEY):
+        pair[m.src].setdefault(m.dst, []).append(m.mid)
+        pair[m.dst].setdefault(m.src, []).append(m.mid)
+    programs = [_program(tl, w, progs[w], belongs[w], mids[w], msgs, owners, pair[w]) for w in range(W)]
+    lowered = Lowered(tl, weight_cache, msgs, programs, owners, per_worker(tl, weight_cache), prefetch,
+                      _reduce_order(tl, programs, owners))
+    if weight_cache == "job":
+        owned = lowered.predicted["weights_owned"]
+        lowered.predicted["weights_peak_resident"] = [o + r for o, r in zip(owned, resident_peaks(lowered, prefetch))]
+    return lowered
+
+
+_KEY = attrgetter("key")
+
+
+def _program(tl: Timeline, w: int, prog: list[Action], belongs: list[int], mids: list[int], msgs: list[Msg],
+             owners: list[list[int]], pair: dict[int, list[int]]) -> Program:
+    """Worker ``w``'s :class:`~launcher.schedule.program.Program` from its actions (``mids``: per
+    action, its message's id; -1: none)."""
+    weights, start = tl.weights, tl.start
+    jobs = [JobOp(j, prog[n].stage, prog[n].microbatch, prog[n].op, weights[j], start=start[j])
+            for j, n in zip(tl.program[w], job_positions(prog))]
+    reduces = {s: StageReduce(s, replicas=tuple(o) if len(o) > 1 else ()) for s, o in enumerate(owners) if w in o}
+    held: dict[int, int] = {}  # stage -> the fetched copy its jobs here run on
+    at: dict[str, dict[int, list[int]]] = {SEND_WEIGHTS: {}, RECV_WGRAD: {}, FREE_WGRAD: {}}  # job index -> mids
+    ready: dict[int, int] = {}
+    # a job on fetched weights runs on the copy received before it: the jobs matter only with fetches
+    ops = list(map(_OP, prog))
+    every = range(len(ops))
+    for n in every if RECV_WEIGHTS in ops else compress(every, map(not_, map(JOBS.__contains__, ops))):
+        a, i, mid = prog[n], belongs[n], mids[n]
+        kind = a.op
+        if kind in JOBS:
+            job = jobs[i]
+            if job.owner != w:
+                job.weights = held.get(a.stage)
+        elif kind == RECV_ACT or kind == RECV_GRAD:
+            jobs[i].recv[a.peer_stage] = mid
+        elif kind == SEND_ACT or kind == SEND_GRAD:
+            jobs[i].send.append(mid)
+        elif kind in at:
+            if kind == RECV_WGRAD:
+                reduces.setdefault(a.stage, StageReduce(a.stage)).recv_from.append(mid)
+            if i < len(jobs) or kind == SEND_WEIGHTS:  # a sum received at the end is not posted
+                at[kind].setdefault(i, []).append(mid)
+        elif kind == REDUCE:
+            ready[a.stage] = i
+        elif kind == RECV_WEIGHTS:
+            held[a.stage] = mid
+        elif kind == FREE_WEIGHTS:
+            jobs[i].free_weights = True
+            held.pop(a.stage, None)
+        elif kind == SEND_WGRAD:
+            jobs[i].wgrad_send.append(mid)
+            reduces.setdefault(a.stage, StageReduce(a.stage)).send_to_owner[a.peer] = mid
+    _in_id_order(jobs, reduces.values())
+
+    def keyed(by_job: dict[int, list[int]]) -> dict[int, list[int]]:
+        return {i: sorted(v, key=lambda mid: msgs[mid].key) for i, v in sorted(by_job.items())}
+
+    return Program(w, jobs, [reduces[s] for s in sorted(reduces)], [s for s, o in enumerate(owners) if w in o], pair,
+                   keyed(at[SEND_WEIGHTS]), {s: len(jobs) if reduces[s].recv_from else i for s, i in ready.items()},
+                   keyed(at[RECV_WGRAD]), keyed(at[FREE_WGRAD]))
+
+
+def _in_id_order(jobs: list[JobOp], reduces: Iterable[StageReduce]) -> None:
+    """Each job's and stage's messages by id, whatever order the actions listed them in."""
+    for op in jobs:
+        if len(op.send) > 1:
+            op.send.sort()
+        if len(op.wgrad_send) > 1:
+            op.wgrad_send.sort()
+        if len(op.recv) > 1:
+            op.recv = dict(sorted(op.recv.items(), key=lambda kv: kv[1]))
+    for red in reduces:
+        red.send_to_owner = dict(sorted(red.send_to_owner.items(), key=lambda kv: kv[1]))
+        red.recv_from.sort()
+
+
+def _reduce_order(tl: Timeline, programs: list[Program], owners: list[list[int]]) -> list[int]:
+    """Replicated stages in the one order every owner launches their all-reduces in: by when the
+    last owner's share is complete on the simulated timeline (then owner set, stage)."""
+    ready_time: dict[int, float] = {}
+    for prog in programs:
+        for s, i in prog.reduce_ready.items():
+            t = tl.finish[prog.jobs[i].job] if 0 <= i < len(prog.jobs) else (0.0 if i < 0 else tl.latency)
+            ready_time[s] = max(ready_time.get(s, 0.0), t)
+    return sorted(ready_time, key=lambda s: (ready_time[s], tuple(owners[s]), s))
+
+

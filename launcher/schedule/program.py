@@ -1,0 +1,301 @@
+"""What each worker runs in a step (its :class:`Program`), and the one rule for when its messages go out.
+
+Pure Python, no torch. :mod:`launcher.schedule.lowering` builds a :class:`Lowered` step (every
+worker's program and the messages between them); the runtime's engine walks a program in the
+order :meth:`Program.handovers` and :meth:`Program.wants` give, and its communication
+(:mod:`launcher.runtime.comm`) issues each peer's operations by :class:`PairIssue`.
+:func:`resident_peaks` replays the same two rules without torch, so the weight copies the engine
+holds are predicted by the code that decides them, not by a copy of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, NamedTuple, Sequence
+
+from .simulate import Timeline
+
+ACT, GRAD, WEIGHTS, WGRAD = "act", "grad", "weights", "wgrad"
+KINDS = (ACT, GRAD, WEIGHTS, WGRAD)
+
+
+def reduce_rounds(n: int) -> int:
+    """Message rounds of one all-reduce among at most ``n`` workers by recursive halving and
+    doubling (:mod:`launcher.runtime.collectives`): ``2 log2(p)`` for the largest power of two
+    ``p <= n``, plus 2 to fold in the rest."""
+    return 2 * max(n.bit_length() - 1, 0) + 2
+
+
+class Msg(NamedTuple):
+    """One point-to-point message of the step (a tuple: cheap to make by the hundred thousand).
+
+    ``stage``: the stage whose tensor it carries (``act``/``grad``: the producing stage ``p`` of
+    the edge ``p -> peer_stage``; weight kinds: the stage). ``microbatch`` is -1 for weight kinds.
+    """
+
+    mid: int
+    kind: str
+    src: int
+    dst: int
+    stage: int
+    microbatch: int
+    peer_stage: int
+    key: tuple
+
+
+@dataclass(slots=True)
+class JobOp:
+    """A compute job with the messages it consumes and produces."""
+
+    job: int
+    stage: int
+    microbatch: int
+    kind: str
+    owner: int  # w_weights of this job
+    recv: dict[int, int] = field(default_factory=dict)  # pred stage (F) or succ stage (B/I) -> mid
+    send: list[int] = field(default_factory=list)  # mids this job's output feeds
+    wgrad_send: list[int] = field(default_factory=list)  # weight-gradient sums complete after this job
+    weights: int | None = None  # weights message this job runs on (None: owned stage)
+    free_weights: bool = False  # drop the fetched copy when the job ends (cache "job")
+    start: float = 0.0  # simulated start, for reports
+
+
+@dataclass(slots=True)
+class StageReduce:
+    """The gradient traffic of one stage on one worker."""
+
+    stage: int
+    send_to_owner: dict[int, int] = field(default_factory=dict)  # owner -> wgrad mid (sent after a job)
+    recv_from: list[int] = field(default_factory=list)  # wgrad mids into this owner
+    replicas: tuple[int, ...] = ()  # the owners that all-reduce this stage (empty: one owner)
+
+
+@dataclass
+class Program:
+    """Everything one worker does in a step, in order."""
+
+    worker: int
+    jobs: list[JobOp]
+    reduces: list[StageReduce]
+    owned: list[int]  # stages this worker is a source of truth for
+    pair_order: dict[int, list[int]]  # peer -> mids to or from that peer, in issue order
+    # job index -> weights this owner hands over before that job (index len(jobs): at the end);
+    # just in time, so a consumer is never made to post a receive for weights it needs much later
+    weight_release: dict[int, list[int]] = field(default_factory=dict)
+    # replicated stage this worker owns -> index of the job after which its own share of the
+    # stage's gradient is complete (len(jobs): at the end, when partial sums come in from others;
+    # -1: at once, when it computes nothing of the stage)
+    reduce_ready: dict[int, int] = field(default_factory=dict)
+    # cache "job": job index -> partial sums of a stage this worker alone owns that it receives
+    # before that job and adds into its total after it, instead of all at the end of the step ...
+    wgrad_post: dict[int, list[int]] = field(default_factory=dict)
+    # ... and job index -> partial sums this worker sent that are received by then (the owner's
+    # job that takes them in started earlier on the timeline): it waits for their delivery and
+    # frees them, so no worker holds every fetched stage's sum to the end of the step
+    wgrad_deliver: dict[int, list[int]] = field(default_factory=dict)
+
+    # ---- the engine's order of calls, before each job ----------------------------------------
+    def handovers(self, i: int, prefetch: int) -> Iterator[int]:
+        """The weights messages this owner hands over before job ``i`` (``i = len(jobs)``: at the
+        end of the step): its release points up to ``prefetch`` jobs ahead that it had not reached
+        before job ``i - 1``."""
+        lo = 0 if i == 0 else i + prefetch
+        hi = i + prefetch if i < len(self.jobs) else len(self.jobs)
+        for r in range(lo, hi + 1):
+            yield from self.weight_release.get(r, ())
+
+    def wants(self, i: int, prefetch: int) -> Iterator[int]:
+        """The incoming messages the engine asks for before job ``i``: the inputs and weights of
+        jobs ``i`` to ``i + prefetch``, then the partial sums it takes in after job ``i``."""
+        for op in self.jobs[i : i + 1 + prefetch]:
+            yield from op.recv.values()
+            if op.weights is not None:
+                yield op.weights
+        yield from self.wgrad_post.get(i, ())
+
+
+@dataclass
+class Lowered:
+    """The step lowered for every worker, plus the counts the simulator predicts."""
+
+    timeline: Timeline
+    weight_cache: str
+    messages: list[Msg]
+    programs: list[Program]
+    owners: list[list[int]]  # stage -> sorted owner workers
+    predicted: dict[str, list]
+    prefetch: int = 1  # the engine's lookahead (jobs) that ``predicted["weights_peak_resident"]`` is for
+    # replicated stages in the one order every owner launches their all-reduces in: by when the
+    # last owner's share is complete on the simulated timeline (then owner set, stage)
+    reduce_order: list[int] = field(default_factory=list)
+
+    @property
+    def workers(self) -> int:
+        return len(self.programs)
+
+    @property
+    def tag_base(self) -> int:
+        """The first message tag after the step's own (each message's tag is its id): the
+        engine's exchanges outside the step (replica sync, gather_state) start here, so no step
+        size can make their tags collide with the step's."""
+        return len(self.messages)
+
+    def reduce_tag(self, bucket: int, round_: int) -> int:
+        """The tag of round ``round_`` of the ``bucket``-th all-reduce of the step (its place in
+        :attr:`reduce_order`'s buckets), after the step's messages and the two per-stage ranges."""
+        return self.tag_base + 2 * self.timeline.step.space.S + bucket * reduce_rounds(self.workers) + round_
+
+    def counts(self) -> dict[str, list[int]]:
+        """Messages received per worker and kind, straight from the programs."""
+        out = {k: [0] * self.workers for k in KINDS}
+        for m in self.messages:
+            out[m.kind][m.dst] += 1
+        return out
+
+
+class PairIssue:
+    """When one worker's messages of a step go out: the rule its communication follows.
+
+    NCCL matches a pair's point-to-point operations in issue order, so per peer the operations
+    are issued strictly in the program's pair order. A send is *ready* once its data exists; a
+    receive is *wanted* once the engine asks for it (its job within the prefetch window). Issuing
+    stops at the first send that is not ready; a receive that is not wanted yet is posted early
+    when a later operation of the same pair is wanted or ready (posting a receive never blocks).
+    :meth:`ready` and :meth:`want` return the operations that may go out now, in order.
+    """
+
+    def __init__(self, messages: Sequence[Msg], worker: int, pair_order: Mapping[int, list[int]]) -> None:
+        self.msgs = messages
+        self.me = worker
+        self.queue = pair_order
+        self.next = {p: 0 for p in pair_order}
+        # where each message stands in its pair's order, and per pair the furthest operation that is
+        # wanted or ready: nothing past it can be issued, so a pump never scans beyond it
+        self.pos = {mid: k for q in pair_order.values() for k, mid in enumerate(q)}
+        self.horizon = {p: -1 for p in pair_order}
+        self.sendable: set[int] = set()  # ready sends not issued yet
+        self.wanted: set[int] = set()
+
+    def ready(self, mid: int) -> list[int]:
+        """The data of outgoing ``mid`` exists: the operations that go out now."""
+        self.sendable.add(mid)
+        return self.pump(self._reach(mid))
+
+    def want(self, mid: int) -> list[int]:
+        """The engine asks for incoming ``mid``: the operations that go out now (none if asked before)."""
+        if mid in self.wanted:
+            return []
+        self.wanted.add(mid)
+        return self.pump(self._reach(mid))
+
+    def pump(self, peer: int) -> list[int]:
+        """Issue the pair's operations in order, up to the furthest wanted or ready one, stopping
+        at a send whose data does not exist yet (receives before it are posted early)."""
+        q, i = self.queue[peer], self.next[peer]
+        last = i - 1
+        for k in range(i, self.horizon[peer] + 1):
+            if q[k] not in self.sendable and self.msgs[q[k]].src == self.me:
+                break
+            last = k
+        out = q[i : last + 1]
+        self.sendable.difference_update(out)
+        self.next[peer] = last + 1
+        return out
+
+    def pending(self, peer: int) -> list[int]:
+        """The pair's operations not issued yet."""
+        return self.queue[peer][self.next[peer] :]
+
+    def _reach(self, mid: int) -> int:
+        """Extend the pair's horizon to ``mid``; return the peer."""
+        m = self.msgs[mid]
+        peer = m.dst if m.src == self.me else m.src
+        if self.pos[mid] > self.horizon[peer]:
+            self.horizon[peer] = self.pos[mid]
+        return peer
+
+
+def resident_peaks(lowered: Lowered, prefetch: int) -> list[int]:
+    """Most fetched weight copies each worker's engine holds at once, with lookahead ``prefetch``.
+
+    A copy is resident from the moment its receive buffer is posted until the engine frees it: at
+    the end of its job (``F``/``B``), at the end of the ``W`` after an ``I``, or at the end of the
+    step (cache ``step``). When a receive is posted depends only on the worker's own program, so
+    this walks it as the engine does (before each job :meth:`Program.handovers` and
+    :meth:`Program.wants`; in the job its sends, its frees; after it its partial sums for owners)
+    through the same :class:`PairIssue` its communication follows.
+    """
+    msgs, out = lowered.messages, []
+    for prog in lowered.programs:
+        issue = PairIssue(msgs, prog.worker, prog.pair_order)
+        held = peak = 0
+
+        def posted(mids: list[int]) -> None:
+            nonlocal held, peak
+            for mid in mids:
+                if msgs[mid].kind == WEIGHTS and msgs[mid].dst == prog.worker:
+                    held += 1
+                    peak = max(peak, held)
+
+        kept: set[tuple[int, int]] = set()
+        for i, op in enumerate(prog.jobs):
+            for mid in prog.handovers(i, prefetch):
+                posted(issue.ready(mid))
+            for mid in prog.wants(i, prefetch):
+                posted(issue.want(mid))
+            for mid in op.send:
+                posted(issue.ready(mid))
+            if op.kind == "I" and op.free_weights:
+                kept.add((op.stage, op.microbatch))
+            elif op.free_weights:
+                held -= 1
+            if op.kind == "W" and (op.stage, op.microbatch) in kept:
+                kept.discard((op.stage, op.microbatch))
+                held -= 1
+            for mid in op.wgrad_send:  # after the job, as the engine sends them
+                posted(issue.ready(mid))
+        out.append(peak)
+    return out
+
+
+def predicted_receives(lowered: Lowered) -> dict[str, list[int]]:
+    """What the simulator predicts the runtime will receive, per kind, in the programs' terms.
+
+    ``weights`` is the distinct-stage fetch count with ``weight_cache="step"`` and the per-job
+    count with ``"job"`` (the jobs that need a transfer): the two policies the simulator's metrics
+    describe.
+    """
+    p = lowered.predicted
+    fetch = p["weight_fetch_stages"] if lowered.weight_cache == "step" else p["weight_fetch_jobs"]
+    return {ACT: list(p["act_recv"]), GRAD: list(p["grad_recv"]), WEIGHTS: list(fetch)}
+
+
+def forward_only(lowered: Lowered) -> Lowered:
+    """The forward half of ``lowered``, for evaluation: each worker's ``F`` jobs in the same order,
+    the activation messages between them and the weights they run on; no gradients, no
+    reduction. A subsequence of a deadlock-free pair order is deadlock-free (every wait is still
+    for data keyed before the waiting job's simulated start), so this needs no new schedule."""
+    keep: set[int] = set()
+    programs: list[Program] = []
+    for prog in lowered.programs:
+        jobs = [op for op in prog.jobs if op.kind == "F"]
+        for op in jobs:
+            keep.update(op.recv.values())
+            keep.update(op.send)
+            if op.weights is not None:
+                keep.add(op.weights)
+        programs.append(Program(prog.worker, jobs, [], prog.owned, {}, {}))
+    for prog, old in zip(programs, lowered.programs):
+        prog.pair_order = {p: [m for m in q if m in keep] for p, q in old.pair_order.items()}
+        prog.pair_order = {p: q for p, q in prog.pair_order.items() if q}
+        # release points move with the jobs: index i of the old program -> forwards before it
+        new_index, n = [], 0
+        for op in [*old.jobs, None]:
+            new_index.append(n)
+            n += op is not None and op.kind == "F"
+        for i, mids in old.weight_release.items():
+            kept = [m for m in mids if m in keep]
+            if kept:
+                prog.weight_release.setdefault(new_index[i], []).extend(kept)
+    return Lowered(lowered.timeline, lowered.weight_cache, lowered.messages, programs, lowered.owners,
+                   lowered.predicted, lowered.prefetch)
