@@ -96,7 +96,7 @@ class RunMetrics(Callback):
                            "optimizer": [opt.get(s, 0) for s in range(len(params))],
                            "activation": [max(a) for a in act], "saved": [max(g) for g in saved]}
             self.metrics, tl = report.build(
-                config=self.config, run=self.run, plan=strategy.engine.plan, per_rank=gathered, msg_bytes=msg,
+                config=self.config, run=self.run, lowered=strategy.engine.plan, per_rank=gathered, msg_bytes=msg,
                 act_bytes=act, stage_bytes=stage_bytes, steps=self._steps(walls), val=self.val,
                 samples_per_step=self.samples[-1] if self.samples else 0,
                 module_costs=[c.to_json() for c in strategy.module_costs] if strategy.module_costs else None,

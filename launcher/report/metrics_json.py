@@ -1,7 +1,7 @@
 """``metrics.json`` of a training run: predicted beside measured, per step, per worker, per kind.
 
 Pure Python (no torch): the Lightning layer gathers what every worker measured and hands it here
-with the plan. The prediction is the simulator's, fed with what this run's own workers measured
+with the lowered step. The prediction is the simulator's, fed with what this run's own workers measured
 (:mod:`launcher.report.measured_costs`): seconds per job kind (CPU seconds on CPU workers), what a
 message took, each worker's end of step and its time outside the engine; the simulated programs
 are replayed on the cores the workers shared (:mod:`launcher.schedule.cores`), so the prediction
@@ -74,11 +74,11 @@ def activation_peaks(tl: Timeline, act_bytes: Sequence[Sequence[int]],
     return activations.activation_peaks(tl, lambda s, b: act_bytes[s][b], saved, recomputed)
 
 
-def traffic(plan: Lowered, msg_bytes: Sequence[int]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+def traffic(lowered: Lowered, msg_bytes: Sequence[int]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """Messages and bytes each worker receives, per kind, as planned."""
-    counts = {k: [0] * plan.workers for k in KINDS}
-    nbytes = {k: [0] * plan.workers for k in KINDS}
-    for m in plan.messages:
+    counts = {k: [0] * lowered.workers for k in KINDS}
+    nbytes = {k: [0] * lowered.workers for k in KINDS}
+    for m in lowered.messages:
         counts[m.kind][m.dst] += 1
         nbytes[m.kind][m.dst] += msg_bytes[m.mid]
     return counts, nbytes
@@ -88,7 +88,7 @@ def build(
     *,
     config: Mapping[str, Any],
     run: Mapping[str, Any],
-    plan: Lowered,
+    lowered: Lowered,
     per_rank: Sequence[Mapping[str, Any]],
     msg_bytes: Sequence[int],
     act_bytes: Sequence[Sequence[int]],
@@ -109,10 +109,10 @@ def build(
     micro-batch) and ``recomputed`` (per forward job): the forwards' autograd graphs, counted in
     the predicted peak activation bytes as the workers measure them.
     """
-    W = plan.workers
+    W = lowered.workers
     ranks = [r for r in per_rank if r["rank"] < W]
-    measured = _measure(ranks, plan.timeline.step, act_bytes)
-    replayed, tl = _predict(plan, ranks, measured, stage_bytes["grads"])
+    measured = _measure(ranks, lowered.timeline.step, act_bytes)
+    replayed, tl = _predict(lowered, ranks, measured, stage_bytes["grads"])
     predicted_s = replayed.seconds
     measured_s = _median_after_first([s["step_s"] for s in steps])
     bubble, bubble_per_worker = _bubble_fractions(replayed.busy, predicted_s, W, _measured_bubbles(ranks, steps))
@@ -127,7 +127,7 @@ def build(
                                      "measured": samples_per_step / measured_s if measured_s else None},
         "bubble_fraction": bubble,
         "profile": _profile(measured, module_costs, stage_bytes),
-        "per_worker": _per_worker(plan, ranks, tl, msg_bytes, act_bytes, saved_bytes, recomputed, bubble_per_worker),
+        "per_worker": _per_worker(lowered, ranks, tl, msg_bytes, act_bytes, saved_bytes, recomputed, bubble_per_worker),
         "memory_kind": ranks[0]["memory_kind"] if ranks else None,
         "diagram": "pipeline.png",
     }, tl
@@ -164,14 +164,14 @@ def _measure(ranks: Sequence[Mapping[str, Any]], step: Step, act_bytes: Sequence
                      outside_seconds(ranks), message_cpu_seconds(ranks))
 
 
-def _predict(plan: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Measured,
+def _predict(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Measured,
              grad_bytes: Sequence[int]) -> tuple[Replayed, Timeline]:
     """The programs the workers ran, timed by what they measured and replayed on the cores they
     shared: the replay, and its timeline (drawn and reported: what ran, as predicted)."""
-    W = plan.workers
-    step = plan.timeline.step
+    W = lowered.workers
+    step = lowered.timeline.step
     # measured backwards include any recomputation: the replay adds none
-    tl = replace(plan.timeline, step=replace(step, stage_durations=measured.per_stage, recompute=frozenset()))
+    tl = replace(lowered.timeline, step=replace(step, stage_durations=measured.per_stage, recompute=frozenset()))
     timed = ({k: max(v, 1e-9) for k, v in measured.durations.items()}
              | {k: 1.0 for k in "FBIW" if k not in step.space.kinds})
     delays = [e.rounds * measured.round_s for e in exchanges(tl, grad_bytes)]
@@ -218,24 +218,24 @@ def _profile(measured: _Measured, module_costs: Sequence[Mapping[str, float]] | 
             "bytes": {k: list(v) for k, v in stage_bytes.items()}}
 
 
-def _per_worker(plan: Lowered, ranks: Sequence[Mapping[str, Any]], tl: Timeline, msg_bytes: Sequence[int],
+def _per_worker(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], tl: Timeline, msg_bytes: Sequence[int],
                 act_bytes: Sequence[Sequence[int]], saved_bytes: Sequence[Sequence[int]] | None,
                 recomputed: Sequence[bool] | None, bubble_fraction: dict[str, Any]) -> dict[str, Any]:
-    """The record's ``per_worker``: the plan's (or the predicted timeline's) counts beside each
+    """The record's ``per_worker``: the programs' (or the predicted timeline's) counts beside each
     worker's last record."""
     last = [next((x for x in reversed(r["records"]) if x), None) for r in ranks]
 
     def pw(key: str) -> dict[str, list]:
-        return {"predicted": list(plan.predicted[key]),
+        return {"predicted": list(lowered.predicted[key]),
                 "measured": [rec["per_worker"][key]["measured"] if rec else None for rec in last]}
 
     def received(key: str, planned: dict[str, list[int]]) -> dict[str, dict[str, list]]:
-        """Per message kind, what the plan sends each worker beside the ``key`` it counted."""
+        """Per message kind, what the programs send each worker beside the ``key`` it counted."""
         return {k: {"predicted": planned[k],
                     "measured": [rec["measured_only"][key].get(k, 0) if rec else None for rec in last]}
                 for k in KINDS}
 
-    counts, nbytes = traffic(plan, msg_bytes)
+    counts, nbytes = traffic(lowered, msg_bytes)
     traffic_count, traffic_bytes = received("recv_count", counts), received("recv_bytes", nbytes)
     peak_bytes_meas = [max((x["measured_only"]["peak_activation_bytes"] for x in r["records"] if x), default=None)
                        for r in ranks]

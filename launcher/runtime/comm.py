@@ -1,12 +1,10 @@
-"""Point-to-point messages of one step over ``torch.distributed``, issued in the plan's pair order.
+"""Point-to-point messages of one step over ``torch.distributed``, issued in the program's pair order.
 
 Every operation is asynchronous (``isend``/``irecv``); the communication backend moves data on its
 own threads while the worker computes: a prefetch running beside the compute, without a Python thread
-fighting the compute for the GIL. A receive is *wanted* once its consuming job is within the
-prefetch window; a send is *ready* once its data exists. Per peer, operations are issued strictly
-in the plan's order (what NCCL needs): issuing stops at the first send whose data is not ready,
-and a receive that is not wanted yet is posted early when a later operation of the same pair must
-go out (posting a receive never blocks).
+fighting the compute for the GIL. When each operation goes out is
+:class:`~launcher.schedule.program.PairIssue`'s rule (per peer, strictly in the pair order, as NCCL
+needs), the one the lowering's memory prediction replays.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from launcher.schedule.program import ACT, GRAD, WGRAD, Lowered, Msg
+from launcher.schedule.program import ACT, GRAD, WGRAD, Lowered, Msg, PairIssue
 
 from .failure import Watchdog, WorkerAborted, blocked
 
@@ -127,7 +125,7 @@ class Comm:
 
     def __init__(
         self,
-        plan: Lowered,
+        lowered: Lowered,
         worker: int,
         spec: Callable[[Msg], Spec],
         device: torch.device,
@@ -138,22 +136,17 @@ class Comm:
         timed: bool = True,
         traced: bool = False,
     ) -> None:
-        self.msgs = plan.messages
+        self.msgs = lowered.messages
         self.me = worker
         self.spec = spec
         self.device = device
         self.watchdog = watchdog
         self.group = group
-        self.ranks = ranks or list(range(plan.workers))  # worker -> rank in ``group``
+        self.ranks = ranks or list(range(lowered.workers))  # worker -> rank in ``group``
         self.on_alloc = on_alloc
-        self.queue = plan.programs[worker].pair_order
-        self.next = {p: 0 for p in self.queue}
-        # where each message stands in its pair's order, and per pair the furthest operation that is
-        # wanted or ready: nothing past it can be issued, so a pump never scans beyond it
-        self.pos = {mid: k for q in self.queue.values() for k, mid in enumerate(q)}
-        self.horizon = {p: -1 for p in self.queue}
-        self.ready: dict[int, torch.Tensor] = {}
-        self.wanted: set[int] = set()
+        self.queue = lowered.programs[worker].pair_order
+        self.issue = PairIssue(self.msgs, worker, self.queue)  # when each operation may go out
+        self.ready: dict[int, torch.Tensor] = {}  # outgoing data handed over, not issued yet
         self.works: dict[int, dist.Work] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.sends: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # mid -> its send, until delivered
@@ -171,29 +164,6 @@ class Comm:
         self.recv_bytes: dict[str, int] = defaultdict(int)
         self.sent_count: dict[str, int] = defaultdict(int)
         self.sent_bytes: dict[str, int] = defaultdict(int)
-
-    def _peer(self, m: Msg) -> int:
-        return m.dst if m.src == self.me else m.src
-
-    def _pump(self, peer: int) -> None:
-        """Issue the pair's operations in order, up to the furthest wanted or ready one, stopping
-        at a send whose data does not exist yet (receives before it are posted early)."""
-        q, i = self.queue[peer], self.next[peer]
-        last = i - 1
-        for k in range(i, self.horizon[peer] + 1):
-            if self.msgs[q[k]].src == self.me and q[k] not in self.ready:
-                break
-            last = k
-        for k in range(i, last + 1):
-            self._issue(q[k])
-        self.next[peer] = last + 1
-
-    def _reach(self, mid: int) -> int:
-        """Extend the pair's horizon to ``mid``; return the peer."""
-        peer = self._peer(self.msgs[mid])
-        if self.pos[mid] > self.horizon[peer]:
-            self.horizon[peer] = self.pos[mid]
-        return peer
 
     def _issue(self, mid: int) -> None:
         m = self.msgs[mid]
@@ -226,13 +196,13 @@ class Comm:
             self.handed.append((mid, time.perf_counter(), tensor.numel() * tensor.element_size()))
         if self.msgs[mid].kind in TIMED:
             self.clock.sent(mid)
-        self._pump(self._reach(mid))
+        for m in self.issue.ready(mid):
+            self._issue(m)
 
     def want(self, mid: int) -> None:
         """Ask for an incoming message ahead of time (prefetch)."""
-        if mid not in self.wanted:
-            self.wanted.add(mid)
-            self._pump(self._reach(mid))
+        for m in self.issue.want(mid):
+            self._issue(m)
 
     def wait(self, mid: int) -> torch.Tensor:
         """The data of an incoming message, blocking until it is here; counted once."""
@@ -258,14 +228,14 @@ class Comm:
             if self.waits is not None:
                 self.waits.append((mid, t0, t1, nbytes))
         if mid not in self.buffers:  # never posted: only possible if the pair order is broken
-            raise RuntimeError(f"message {self.msgs[mid]} was not posted; the plan's pair order is inconsistent")
+            raise RuntimeError(f"message {self.msgs[mid]} was not posted; the programs' pair order is inconsistent")
         return self.buffers[mid]
 
     def deliver(self, mid: int) -> None:
         """Wait until an outgoing message that went out is delivered, and let go of its data: the
         engine has dropped its own reference (a partial sum under cache ``job``), so the memory
         goes back now, not at the end of the step. (gloo reports a send complete only once it is
-        waited for, so the plan says when the receiver has posted it: the wait is short.)"""
+        waited for, so the program says when the receiver has posted it: the wait is short.)"""
         sent = self.sends.pop(mid, None)
         if sent is None:  # not issued yet (the pair order holds it back): it goes at the end
             return
@@ -283,11 +253,11 @@ class Comm:
     def finish(self) -> None:
         """Wait for every outgoing message to be delivered."""
         for peer in self.queue:
-            self._pump(peer)
-            if self.next[peer] != len(self.queue[peer]):
-                pending = [self.msgs[m] for m in self.queue[peer][self.next[peer] :]]
+            for m in self.issue.pump(peer):
+                self._issue(m)
+            if pending := self.issue.pending(peer):
                 raise RuntimeError(f"worker {self.me} ends its step with messages to/from {peer} not issued: "
-                                   f"{pending[:3]}")
+                                   f"{[self.msgs[m] for m in pending[:3]]}")
         for work, _ in self.sends.values():
             self._check()
             try:

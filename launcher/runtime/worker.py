@@ -540,20 +540,15 @@ class Engine:
         comm = Comm(plan, w, spec, self.device, self.watchdog, self.group, self.ranks,
                     on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
                     timed=train and self.steps <= TIMED_STEPS, traced=meter.spans is not None)
-        # owners hand weights over just in time (the plan's release points, ``prefetch`` jobs early)
+        # owners hand weights over just in time (the program's release points, ``prefetch`` jobs early)
         packed: dict[int, torch.Tensor] = {}
-        released = -1
 
-        def release(upto: int) -> None:
-            nonlocal released
-            for i in range(released + 1, upto + 1):
-                for mid in prog.weight_release.get(i, ()):
-                    s = msgs[mid].stage
-                    if s not in packed:
-                        flat = self.layouts[s].pack([p.detach() for p in self.modules[s].parameters()])
-                        packed[s] = flat.to(self.wire_dtype(s))  # mixed precision: cast once, sent to all
-                    comm.send(mid, packed[s])
-            released = max(released, upto)
+        def hand_over(mid: int) -> None:
+            s = msgs[mid].stage
+            if s not in packed:
+                flat = self.layouts[s].pack([p.detach() for p in self.modules[s].parameters()])
+                packed[s] = flat.to(self.wire_dtype(s))  # mixed precision: cast once, sent to all
+            comm.send(mid, packed[s])
 
         st = _StepState(self, comm, meter, microbatches, shapes, train, shares)
         jobs = prog.jobs
@@ -562,12 +557,12 @@ class Engine:
         for i, op in enumerate(jobs):
             # a job's time runs from here (the engine's own work for it included) to its end
             t, cpu, mine, waited = clock(), cpu_clock(), thread_clock(), comm.waited
-            release(i + self.prefetch)
-            for k in range(i, min(len(jobs), i + 1 + self.prefetch)):
-                st.request(jobs[k])
-            for mid in prog.wgrad_post.get(i, ()):  # partial sums to take in after this job
+            # the order of calls the lowering's memory prediction replays (Program.handovers, .wants)
+            for mid in prog.handovers(i, self.prefetch):
+                hand_over(mid)
+            for mid in prog.wants(i, self.prefetch):  # the next jobs' inputs and weights, partial sums to take in
                 comm.want(mid)
-                st.incoming.append(mid)
+            st.incoming += prog.wgrad_post.get(i, ())
             for mid in prog.wgrad_deliver.get(i, ()):  # sums sent earlier, received by now: free them
                 comm.deliver(mid)
             if self.watchdog is not None:
@@ -589,7 +584,8 @@ class Engine:
                                thread_clock() - mine])
             if meter.spans is not None:
                 meter.spans.append((t, end))
-        release(len(jobs))
+        for mid in prog.handovers(len(jobs), self.prefetch):
+            hand_over(mid)
         return st
 
     # ---- state -------------------------------------------------------------------------------
@@ -777,12 +773,6 @@ class _StepState:
         self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # acc key -> per-parameter views of the total
         self.incoming: list[int] = []  # partial sums asked for before this job (cache "job"), not yet added
         self.absorbed: set[int] = set()  # partial sums already added into an owned stage's total
-
-    def request(self, op: JobOp) -> None:
-        for mid in op.recv.values():
-            self.comm.want(mid)
-        if op.weights is not None:
-            self.comm.want(op.weights)
 
     # ---- weights -----------------------------------------------------------------------------
     def fetch(self, op: JobOp) -> tuple[torch.nn.Module, dict | None, list[torch.Tensor]]:

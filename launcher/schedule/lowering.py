@@ -19,12 +19,14 @@ same lowered step.
 
 from __future__ import annotations
 
+import gc
 from bisect import bisect_left
 from collections import defaultdict
+from contextlib import contextmanager
 from itertools import accumulate, compress
 from operator import attrgetter, itemgetter, not_, sub
 from textwrap import indent
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from .actions import (
     AFTER,
@@ -265,17 +267,35 @@ def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Lowere
 
     ``lowered.predicted`` is the simulator's :func:`~launcher.schedule.metrics.per_worker`, except
     ``weights_peak_resident`` under ``weight_cache="job"``: the exact peak of the engine running
-    with lookahead ``prefetch`` (:func:`~launcher.schedule.program.resident_peaks`), which the simulator cannot know.
+    with lookahead ``prefetch`` (:func:`~launcher.schedule.program.resident_peaks`), which the
+    simulator cannot know.
     """
     _check_options(weight_cache, prefetch)
-    return assemble(tl, lower_actions(tl, weight_cache), weight_cache, prefetch, check=False)
+    with _collector_paused():
+        return assemble(tl, lower_actions(tl, weight_cache), weight_cache, prefetch, check=False)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a step is lowered: lowering makes a few hundred
+    thousand small containers and no reference cycles, and each collection the allocations set off
+    walks them all again (as much time as the lowering itself on a 32,768-job step)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 # ---- from actions to the programs -------------------------------------------------------------
 
 # each receive's send and message kind; a free of a partial sum names it as its send does
-_RECEIVES = {RECV_ACT: (SEND_ACT, ACT), RECV_GRAD: (SEND_GRAD, GRAD), RECV_WEIGHTS: (SEND_WEIGHTS, WEIGHTS),
-             RECV_WGRAD: (SEND_WGRAD, WGRAD), FREE_WGRAD: None}
+_RECEIVES: dict[str, tuple[str, str] | None] = {
+    RECV_ACT: (SEND_ACT, ACT), RECV_GRAD: (SEND_GRAD, GRAD), RECV_WEIGHTS: (SEND_WEIGHTS, WEIGHTS),
+    RECV_WGRAD: (SEND_WGRAD, WGRAD), FREE_WGRAD: None}
 _SENDS = frozenset((SEND_ACT, SEND_GRAD, SEND_WEIGHTS, SEND_WGRAD))
 _AFTER = frozenset(AFTER)
 # kinds about the job beside them -> the job kinds that may be (a gradient sum goes after B or W)
@@ -283,6 +303,7 @@ _OF_JOB = {SEND_ACT: "F", RECV_ACT: "F", SEND_GRAD: "BI", RECV_GRAD: "BI", RECV_
            FREE_WEIGHTS: "FBIW", SEND_WGRAD: "BW"}
 _AT_END = frozenset((SEND_WEIGHTS, RECV_WGRAD, REDUCE))  # what may follow a worker's last job's own actions
 _EDGE = frozenset((SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD))  # messages along an edge of one micro-batch
+_JOB_OR_EDGE = JOBS | _EDGE
 
 
 def _belongs(prog: list[Action]) -> list[int]:
@@ -326,8 +347,10 @@ def _check_actions(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> N
                 raise _marked(progs, (w, n), f"worker {w}'s {a!r} names worker {a.peer}, not another of the {W}")
 
 
-def messages(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> tuple[list[Msg], list[list[int]]]:
-    """Every message of the step, and per worker its action index -> message id.
+def messages(tl: Timeline, progs: Programs, belongs: list[list[int]]) \
+        -> tuple[list[Msg], list[list[int]], list[tuple[int, int, int, int]]]:
+    """Every message of the step, per worker each action's message id (-1: none), and per message
+    where its send and its receive are (``(sender, index, receiver, index)``).
 
     A send and a receive match when kind, workers, stages and micro-batch agree (the k-th send with
     the k-th receive). Message ids: ``act``/``grad`` by consuming job, then ``weights`` by worker
@@ -367,10 +390,10 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> tuple[l
     for wr, prog in enumerate(progs):
         for nr in compress(range(len(prog)), map(_RECEIVES.__contains__, map(_OP, prog))):  # receives and frees
             op, stage, mb, ws, peer_stage = prog[nr]
-            if op == FREE_WGRAD:
+            if (how := _RECEIVES[op]) is None:
                 frees.append((wr, nr))
                 continue
-            send_op, kind = _RECEIVES[op]
+            send_op, kind = how
             # the send this receive mirrors: the same message seen from the sender's side
             if kind == ACT or kind == GRAD:
                 mirror = (send_op, peer_stage, mb, wr, stage)
@@ -413,16 +436,18 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> tuple[l
     found.sort(key=itemgetter(0))
     msgs: list[Msg] = []
     mids = [[-1] * len(prog) for prog in progs]
+    ends = []
     for mid, (_, key, (kind, src, dst, stage, mb, peer), ws, ns, wr, nr) in enumerate(found):
         mids[ws][ns] = mids[wr][nr] = mid
         msgs.append(Msg(mid, kind, src, dst, stage, mb, peer, key))
+        ends.append((ws, ns, wr, nr))
     wgrad = {(m.src, m.dst, m.stage): m.mid for m in msgs if m.kind == WGRAD}
     for w, n in frees:
         a = progs[w][n]
         if (w, a.peer, a.stage) not in wgrad:
             raise _marked(progs, (w, n), f"worker {w} frees a sum {a!r} it never sends")
         mids[w][n] = wgrad[(w, a.peer, a.stage)]
-    return msgs, mids
+    return msgs, mids, ends
 
 
 def assemble(tl: Timeline, progs: Programs, weight_cache: str = "step", prefetch: int = 1,
@@ -438,7 +463,7 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = "step", prefetch
     belongs = [_belongs(prog) for prog in progs]
     if check:
         _check_actions(tl, progs, belongs)
-    msgs, mids = messages(tl, progs, belongs)
+    msgs, mids, ends = messages(tl, progs, belongs)
     if len(msgs) + 2 * S + S * reduce_rounds(W) > TAG_LIMIT:  # the step's tags, then the engine's ranges
         raise LoweringError(
             f"the step has {len(msgs):,} messages and {S} stages, more than the {TAG_LIMIT:,} point-to-point "
@@ -449,7 +474,16 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = "step", prefetch
     for m in sorted(msgs, key=_KEY):
         pair[m.src].setdefault(m.dst, []).append(m.mid)
         pair[m.dst].setdefault(m.src, []).append(m.mid)
-    programs = [_program(tl, w, progs[w], belongs[w], mids[w], msgs, owners, pair[w]) for w in range(W)]
+    jobs = [[JobOp(j, prog[n].stage, prog[n].microbatch, prog[n].op, tl.weights[j], start=tl.start[j])
+             for j, n in zip(tl.program[w], job_positions(prog))] for w, prog in enumerate(progs)]
+    for m, (ws, ns, wr, nr) in zip(msgs, ends):  # by id: each job's messages in id order
+        if m.kind == ACT:
+            jobs[wr][belongs[wr][nr]].recv[m.stage] = m.mid
+            jobs[ws][belongs[ws][ns]].send.append(m.mid)
+        elif m.kind == GRAD:
+            jobs[wr][belongs[wr][nr]].recv[m.peer_stage] = m.mid
+            jobs[ws][belongs[ws][ns]].send.append(m.mid)
+    programs = [_program(w, progs[w], jobs[w], belongs[w], mids[w], msgs, owners, pair[w]) for w in range(W)]
     lowered = Lowered(tl, weight_cache, msgs, programs, owners, per_worker(tl, weight_cache), prefetch,
                       _reduce_order(tl, programs, owners))
     if weight_cache == "job":
@@ -461,13 +495,10 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = "step", prefetch
 _KEY = attrgetter("key")
 
 
-def _program(tl: Timeline, w: int, prog: list[Action], belongs: list[int], mids: list[int], msgs: list[Msg],
+def _program(w: int, prog: list[Action], jobs: list[JobOp], belongs: list[int], mids: list[int], msgs: list[Msg],
              owners: list[list[int]], pair: dict[int, list[int]]) -> Program:
     """Worker ``w``'s :class:`~launcher.schedule.program.Program` from its actions (``mids``: per
-    action, its message's id; -1: none)."""
-    weights, start = tl.weights, tl.start
-    jobs = [JobOp(j, prog[n].stage, prog[n].microbatch, prog[n].op, weights[j], start=start[j])
-            for j, n in zip(tl.program[w], job_positions(prog))]
+    action, its message's id; -1: none) and its jobs, their activations and gradients filled in."""
     reduces = {s: StageReduce(s, replicas=tuple(o) if len(o) > 1 else ()) for s, o in enumerate(owners) if w in o}
     held: dict[int, int] = {}  # stage -> the fetched copy its jobs here run on
     at: dict[str, dict[int, list[int]]] = {SEND_WEIGHTS: {}, RECV_WGRAD: {}, FREE_WGRAD: {}}  # job index -> mids
@@ -475,17 +506,15 @@ def _program(tl: Timeline, w: int, prog: list[Action], belongs: list[int], mids:
     # a job on fetched weights runs on the copy received before it: the jobs matter only with fetches
     ops = list(map(_OP, prog))
     every = range(len(ops))
-    for n in every if RECV_WEIGHTS in ops else compress(every, map(not_, map(JOBS.__contains__, ops))):
+    for n in every if RECV_WEIGHTS in ops else compress(every, map(not_, map(_JOB_OR_EDGE.__contains__, ops))):
         a, i, mid = prog[n], belongs[n], mids[n]
         kind = a.op
         if kind in JOBS:
             job = jobs[i]
             if job.owner != w:
                 job.weights = held.get(a.stage)
-        elif kind == RECV_ACT or kind == RECV_GRAD:
-            jobs[i].recv[a.peer_stage] = mid
-        elif kind == SEND_ACT or kind == SEND_GRAD:
-            jobs[i].send.append(mid)
+        elif kind in _EDGE:  # filled in from the messages
+            continue
         elif kind in at:
             if kind == RECV_WGRAD:
                 reduces.setdefault(a.stage, StageReduce(a.stage)).recv_from.append(mid)
@@ -513,13 +542,9 @@ def _program(tl: Timeline, w: int, prog: list[Action], belongs: list[int], mids:
 
 def _in_id_order(jobs: list[JobOp], reduces: Iterable[StageReduce]) -> None:
     """Each job's and stage's messages by id, whatever order the actions listed them in."""
-    for op in jobs:
-        if len(op.send) > 1:
-            op.send.sort()
+    for op in jobs:  # (``send`` and ``recv`` are filled in id order)
         if len(op.wgrad_send) > 1:
             op.wgrad_send.sort()
-        if len(op.recv) > 1:
-            op.recv = dict(sorted(op.recv.items(), key=lambda kv: kv[1]))
     for red in reduces:
         red.send_to_owner = dict(sorted(red.send_to_owner.items(), key=lambda kv: kv[1]))
         red.recv_from.sort()

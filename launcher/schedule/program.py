@@ -290,9 +290,10 @@ def forward_only(lowered: Lowered) -> Lowered:
         prog.pair_order = {p: q for p, q in prog.pair_order.items() if q}
         # release points move with the jobs: index i of the old program -> forwards before it
         new_index, n = [], 0
-        for op in [*old.jobs, None]:
+        for job in old.jobs:
             new_index.append(n)
-            n += op is not None and op.kind == "F"
+            n += job.kind == "F"
+        new_index.append(n)
         for i, mids in old.weight_release.items():
             kept = [m for m in mids if m in keep]
             if kept:
