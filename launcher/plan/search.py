@@ -450,7 +450,7 @@ def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = 
                    work: Sequence[float] | None = None) -> list[float]:
     """Per job, its work (:func:`~launcher.schedule.cores.job_work`, or ``work`` when already
     known) under weight cache ``job``: a backward (``B``, or ``I`` when split) on fetched weights
-    fetches them again and recomputes its forward first (:mod:`launcher.runtime.plan`), so it also
+    fetches them again and recomputes its forward first (:func:`launcher.schedule.lowering.add_weights`), so it also
     lasts an ``F``."""
     S, B = tl.step.space.S, tl.step.space.B
     base = job_work(tl, d, message_s) if work is None else work

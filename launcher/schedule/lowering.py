@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 from bisect import bisect_left
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from itertools import accumulate, compress
 from operator import attrgetter, itemgetter, not_, sub
@@ -91,9 +91,14 @@ def _positions(tl: Timeline) -> list[int]:
     """Each job's index in its worker's program."""
     at = [0] * tl.step.space.N
     for prog in tl.program:
-        for i, j in enumerate(prog):
-            at[j] = i
+        deque(map(at.__setitem__, prog, range(len(prog))), maxlen=0)  # at[j] = i, without a Python loop
     return at
+
+
+def _all_on_own_weights(tl: Timeline) -> bool:
+    """Whether every job computes on its own worker's weights (DDP, GPipe, LPP): nothing to fetch,
+    no partial sum to send."""
+    return tl.weights == tl.compute
 
 
 def _owners(tl: Timeline) -> list[list[int]]:
@@ -165,6 +170,8 @@ def add_weights(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     An owner hands a copy over just before its first job that starts at or after the consuming
     job's start (owners hold weights all step): just in time, so a consumer is never made to post a
     receive for weights it needs much later (``Program.weight_release``)."""
+    if _all_on_own_weights(tl):
+        return progs
     space = tl.step.space
     S, B, SB, kinds = space.S, space.B, space.S * space.B, space.kinds
     before, after = _slots(tl)
@@ -202,6 +209,8 @@ def add_wgrad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     frees it once delivered (:func:`~launcher.schedule.activations.sum_handovers`), so no worker holds
     every fetched stage's sum to the end of the step."""
     space = tl.step.space
+    if _all_on_own_weights(tl):
+        return progs
     S, B, SB = space.S, space.B, space.S * space.B
     last: dict[tuple[int, int, int], int] = {}  # (stage, worker, owner) -> its last gradient job
     for w, prog in enumerate(tl.program):
