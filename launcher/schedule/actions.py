@@ -115,9 +115,22 @@ def weave(programs: Sequence[Sequence[Action]], before: Sequence[Mapping[int, Se
         if not aft and not bef:
             out.append(list(prog))
             continue
+        jobs = job_positions(prog)
+        new: list[Action]
+        if len(jobs) == len(prog):  # jobs only (before the first pass): each job between its own
+            new = [*_sorted(aft.get(-1, ()))]
+            for i, job in enumerate(prog):
+                if (part := bef.get(i)) is not None:
+                    new += _sorted(part)
+                new.append(job)
+                if (part := aft.get(i)) is not None:
+                    new += _sorted(part)
+            new += _sorted(bef.get(len(prog), ()))
+            out.append(new)
+            continue
         # gap g (between job g and job g + 1) is prog[bounds[g+1]+1 : bounds[g+2]]
-        bounds = [-1, *job_positions(prog), len(prog)]
-        new: list[Action] = []
+        bounds = [-1, *jobs, len(prog)]
+        new = []
         done = 0
         for g in sorted({*aft, *(i - 1 for i in bef)}):
             lo, hi = bounds[g + 1] + 1, bounds[g + 2]

@@ -44,7 +44,6 @@ from .actions import (
     SEND_WGRAD,
     Action,
     format_programs,
-    job_positions,
     weave,
 )
 from .activations import sum_handovers
@@ -483,8 +482,10 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = "step", prefetch
     for m in sorted(msgs, key=_KEY):
         pair[m.src].setdefault(m.dst, []).append(m.mid)
         pair[m.dst].setdefault(m.src, []).append(m.mid)
-    jobs = [[JobOp(j, prog[n].stage, prog[n].microbatch, prog[n].op, tl.weights[j], start=tl.start[j])
-             for j, n in zip(tl.program[w], job_positions(prog))] for w, prog in enumerate(progs)]
+    weights, start = tl.weights, tl.start
+    jobs = [[JobOp(j, stage, mb, op, weights[j], {}, [], [], None, False, start[j])
+             for j, (op, stage, mb, _, _) in zip(tl.program[w], compress(prog, map(JOBS.__contains__, map(_OP, prog))))]
+            for w, prog in enumerate(progs)]
     for m, (ws, ns, wr, nr) in zip(msgs, ends):  # by id: each job's messages in id order
         if m.kind == ACT:
             jobs[wr][belongs[wr][nr]].recv[m.stage] = m.mid
