@@ -59,10 +59,10 @@ class LoweringError(ValueError):
     """A timeline the runtime cannot lower."""
 
 
-
 Programs = list[list[Action]]  # one action list per worker
-_OP = itemgetter(0)  # an action's ``op``
 Slots = list[defaultdict[int, list[Action]]]  # per worker, job index -> actions to weave in beside that job
+_OP = itemgetter(0)  # an action's ``op``
+_KEY = attrgetter("key")  # a message's sort key
 
 #: columns of the grid an error message shows on each side of the marked action
 AROUND = 8
@@ -501,8 +501,6 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = "step", prefetch
         lowered.predicted["weights_peak_resident"] = [o + r for o, r in zip(owned, resident_peaks(lowered, prefetch))]
     return lowered
 
-
-_KEY = attrgetter("key")
 
 
 def _program(w: int, prog: list[Action], jobs: list[JobOp], belongs: list[int], mids: list[int], msgs: list[Msg],
