@@ -14,6 +14,7 @@ from ..config.validate import errors as config_errors
 from ..report.png import AUTO_MAX_JOBS as PNG_AUTO_MAX_JOBS
 from ..schedule import ScheduleError, Timeline, simulate
 from ..schedule.diagram import ascii_diagram, legend
+from ..schedule.lowering import LoweringError, lower
 from ..schedule.metrics import summarize
 from ..schedule.settings import DEFAULT
 from .common import clear_outcomes, console, in_sweep, output_dir, phase, point, reject, write_invalid
@@ -50,16 +51,14 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
 
 def runtime_peaks(tl: Timeline, summary: dict[str, Any], prefetch: int) -> None:
     """Under ``weight_cache=job`` the runtime holds weights ``prefetch`` jobs ahead, so its peak
-    resident weights depend on ``prefetch``: report the value the runtime's plan predicts (and
-    measures), not the simulator's just-in-time lower bound. A placement the runtime cannot
+    resident weights depend on ``prefetch``: report the value its lowered programs predict (and
+    it measures), not the simulator's just-in-time lower bound. A placement the runtime cannot
     lower (a job apart from its forward's worker) keeps the lower bound."""
-    from ..schedule.lowering import LoweringError, lower
-
     try:
-        plan = lower(tl, "job", prefetch)
+        lowered = lower(tl, "job", prefetch)
     except LoweringError:
         return
-    peaks = list(plan.predicted["weights_peak_resident"])
+    peaks = list(lowered.predicted["weights_peak_resident"])
     summary["per_worker"]["weights_peak_resident"] = peaks
     summary["total"]["weights_peak_resident"] = sum(peaks)
 
