@@ -61,7 +61,7 @@ from ..schedule.simulate import Timeline, place_all
 from . import memory
 from .partition import PARTITIONS, PartitionError, cut, group_sums, stage_durations
 from .profile import Profile
-from .space import CACHES, ORDERS, Point, placements, schemes_at
+from .space import CACHES, ORDERS, Point, order_fits, placements, schemes_at
 
 
 @dataclass(frozen=True)
@@ -261,8 +261,8 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
                     table = prof.stage_table(S) if rc == "none" else _recomputed_table(S, split, d, prof.stage_table(S))
                     lb = time_bound(S, B, G, R, split, d, prof.comm, table) + prof.outside
                     for order, warmup in ORDERS:
-                        if order == "zb_h1" and not split:
-                            continue  # ZB-H1 exists only on the split backward
+                        if not order_fits(order, R, S, split):
+                            continue  # ZB-H1 exists only on the split backward, interleaving only when looped
                         jobs.append((lb / B, len(jobs), B, G, R, split, order, warmup, rc))
     jobs.sort()
     static: dict[tuple[int, int, int], Any] = {}

@@ -12,13 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from ..schedule.order import ORDERS as ORDER_CLASSES
 from ..schedule.placement import OWNERSHIPS
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT
 
-#: (order, warmup) pairs: 1f1b with and without its warm-up, breadth_first, depth_first, zb_h1
+#: (order, warmup) pairs: 1f1b with and without its warm-up, breadth_first, depth_first, zb_h1 (split
+#: backward only) and interleaved_1f1b (looped pipelines only: :func:`order_fits`)
 ORDERS: tuple[tuple[str, str], ...] = (
     ("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"), ("zb_h1", "classic"),
+    ("interleaved_1f1b", "classic"),
 )
 CACHES = ("step", "job")
 
@@ -42,6 +45,13 @@ def schemes_at(G: int, R: int, S: int, B: int) -> list[Variant]:
     found = [s for s in SCHEMES.values() if s.computes_at(G, R, S, B)]
     found.sort(key=lambda s: s.W_equals is not None)  # stable: the looped schemes, then the fixed ones
     return [Variant(s.name, own) for s in found for own in (OWNERSHIPS if s.name == "fslpp" else ("seed",))]
+
+
+def order_fits(order: str, R: int, S: int, split: bool) -> bool:
+    """Whether a built-in order exists at this point: ZB-H1 defers the split backward's weight
+    gradients; the interleaved 1F1B needs a looped pipeline (``1 < R < S``)."""
+    o = ORDER_CLASSES[order]
+    return (split or not o.defer_w) and (not o.looped_only or 1 < R < S)
 
 
 def placements(workers: int, S: int, B: int) -> Iterator[tuple[int, int]]:

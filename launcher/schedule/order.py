@@ -18,13 +18,20 @@ same time.
   worker has no ``F`` or ``I`` left, the rest are flushed. Every worker then has the same number
   of micro-batches in flight counting deferred ``W`` (the paper's memory argument), and the ``W``
   jobs fill the tail of the step. :mod:`launcher.schedule.simulate` applies the deferral.
+- ``interleaved_1f1b``: the interleaved 1F1B of Narayanan et al., "Efficient Large-Scale Language
+  Model Training on GPU Clusters Using Megatron-LM" (SC 2021), as Megatron and
+  ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` order it, for looped pipelines
+  (:func:`interleaved_sequence`). Its ranks depend on where jobs run, so the simulator computes
+  them from the placement. With its default ``warmup="classic"`` each worker runs exactly that
+  sequence, waiting for the next job in it (its warm-up count is what bounds its memory);
+  ``warmup="none"`` uses the sequence's ranks as a pure tie-break.
 - any callable ``key(s, b, d) -> comparable`` (:class:`Custom`; ``order.n`` in the config).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 from .graph import JobSpace
 
@@ -47,10 +54,26 @@ class Order:
     by_ready_time: ClassVar[bool] = False  # the job's ready time goes ahead of its key
     defer_w: ClassVar[bool] = False  # ZB-H1's deferral of weight-gradient jobs (needs the split backward)
     integer_keys: ClassVar[bool] = True  # keys are small non-negative ints the simulator may pack
+    looped_only: ClassVar[bool] = False  # valid only on a looped pipeline (1 < R < stages)
+
+    @property
+    def in_flight_limit(self) -> bool:
+        """Whether 1F1B's classic limit of micro-batches in flight applies."""
+        return self.warmup == "classic"
+
+    @property
+    def in_sequence(self) -> bool:
+        """Whether each worker runs its jobs strictly in key order, waiting for the next one."""
+        return False
 
     def keys(self, space: JobSpace) -> list:
         """The key of every job, indexed by job id."""
         raise NotImplementedError
+
+    def placed_keys(self, space: JobSpace, compute: Sequence[int]) -> list:
+        """The key of every job, given ``compute[j]``, the worker that runs job ``j`` (what the
+        simulator calls; only orders whose ranks depend on the placement need it)."""
+        return self.keys(space)
 
 
 def _ranked(space: JobSpace, rank: dict[str, int], breadth: bool) -> list[int]:
@@ -113,6 +136,34 @@ class ZBH1(Order):
 
 
 @dataclass(frozen=True)
+class Interleaved(Order):
+    """Megatron's interleaved 1F1B (:func:`interleaved_sequence`); with ``warmup="classic"`` (the
+    default) each worker follows it strictly, as Megatron and PyTorch do."""
+
+    name: ClassVar[str] = "interleaved_1f1b"
+    default_warmup: ClassVar[str] = "classic"
+    looped_only: ClassVar[bool] = True
+
+    @property
+    def in_flight_limit(self) -> bool:
+        return False  # its warm-up is the sequence's own
+
+    @property
+    def in_sequence(self) -> bool:
+        return self.warmup == "classic"
+
+    def keys(self, space: JobSpace) -> list:
+        raise TypeError("order=interleaved_1f1b ranks jobs by where they run: use placed_keys(space, compute)")
+
+    def placed_keys(self, space: JobSpace, compute: Sequence[int]) -> list:
+        keys = [0] * space.N
+        for seq in interleaved_sequence(space, compute):
+            for i, j in enumerate(seq):
+                keys[j] = i
+        return keys
+
+
+@dataclass(frozen=True)
 class Custom(Order):
     """A callable ``key(s, b, d) -> comparable`` of the user's (``order.n`` in the config)."""
 
@@ -151,8 +202,54 @@ def _zb_h1_keys(space: JobSpace) -> list[int]:
     return out
 
 
+def interleaved_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
+    """Each worker's jobs in Megatron's interleaved 1F1B order (``ScheduleInterleaved1F1B``'s).
+
+    A worker at place ``r`` of a pipeline of ``P`` workers (those that micro-batch ``b``'s forwards
+    visit, by lowest stage; ``P = R``, ``r = w mod R`` on a looped placement) holds ``n`` stages,
+    its chunks, and ``M`` micro-batches. They go in rounds of ``m`` micro-batches (``M // m =
+    max(1, M // P)`` rounds): the forwards chunk by chunk upward within a round, the backwards
+    chunk by chunk downward. Its first ``(n - 1) m + 2 (P - 1 - r)`` jobs are forwards (the
+    warm-up), then one forward and one backward alternate, then the last backwards; with the split
+    backward, ``I`` takes the backward's place and the ``W`` jobs follow in the order of their ``I``.
+    Where ``M`` is not a multiple of the rounds (PyTorch refuses it) the last round is shorter."""
+    S, B = space.S, space.B
+    SB = S * B
+    W = max(compute[:SB], default=-1) + 1
+    forwards: list[list[int]] = [[] for _ in range(W)]
+    for j in range(SB):
+        forwards[compute[j]].append(j)
+    out: list[list[int]] = []
+    for w, jobs in enumerate(forwards):
+        if not jobs:
+            out.append([])
+            continue
+        b0 = min(j % B for j in jobs)
+        path = list(dict.fromkeys(compute[s * B + b0] for s in range(S)))  # the pipeline, in stage order
+        P, r = len(path), path.index(w)  # w runs F(s, b0) for some s, so it is on the path
+        chunk = {s: c for c, s in enumerate(sorted({j // B for j in jobs}))}
+        index: dict[int, int] = {}  # forward job -> its place among its stage's micro-batches here
+        count = [0] * S
+        for j in jobs:  # in (stage, micro-batch) order
+            index[j] = count[j // B]
+            count[j // B] += 1
+        n, M = len(chunk), max(count)
+        m = -(-M // max(1, M // P))
+        fwd = sorted(jobs, key=lambda j: (index[j] // m, chunk[j // B], index[j]))
+        bwd = [j + SB for j in sorted(jobs, key=lambda j: (index[j] // m, -chunk[j // B], index[j]))]
+        warm = min((n - 1) * m + 2 * (P - 1 - r), len(fwd))
+        seq = fwd[:warm]
+        for k in range(len(fwd) - warm):
+            seq += [fwd[warm + k], bwd[k]]
+        seq += bwd[len(fwd) - warm:]
+        if space.K == 3:
+            seq += [j + SB for j in bwd]  # W(s, b) after I(s, b)'s turn, in the same order
+        out.append(seq)
+    return out
+
+
 #: the built-in orders by name
-ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1)}
+ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1, Interleaved)}
 BUILTIN = tuple(ORDERS)
 #: built-in orders that only exist on the split backward
 SPLIT_ONLY = tuple(name for name, o in ORDERS.items() if o.defer_w)
@@ -161,7 +258,8 @@ SPLIT_ONLY = tuple(name for name, o in ORDERS.items() if o.defer_w)
 def make_order(spec: str | Callable[[int, int, str], Any], warmup: str | None = None) -> Order:
     """Build an order from a built-in name or a callable ``key(s, b, d)``.
 
-    ``warmup`` defaults to ``classic`` for ``1f1b`` and ``zb_h1``, ``none`` for every other order.
+    ``warmup`` defaults to ``classic`` for ``1f1b``, ``zb_h1`` and ``interleaved_1f1b``, ``none`` for
+    every other order.
     """
     if warmup is not None and warmup not in WARMUPS:
         raise ValueError(f"warmup={warmup!r} is not valid; choose one of {list(WARMUPS)}")

@@ -17,6 +17,7 @@ import math
 from typing import Any, Iterable, Mapping, TypeGuard
 
 from .order import BUILTIN as ORDERS
+from .order import ORDERS as ORDER_CLASSES
 from .order import WARMUPS
 from .schemes import SCHEMES
 
@@ -174,6 +175,8 @@ def _size_errors(values: Mapping[str, Any], G: int, R: int, S: int, B: int) -> l
         out.append(f"G={G} is invalid: G must not exceed microbatches={B}, or some groups get no micro-batch.")
     if e := _scheme_workers_error(values.get("strategy"), G, R, S, B):
         out.append(e)
+    if e := _looped_order_error(values.get("strategy"), values.get("order"), R, S):
+        out.append(e)
     kinds = 3 if values.get("split_backward") is True else 2
     jobs = S * B * kinds
     if jobs > MAX_JOBS:
@@ -196,6 +199,18 @@ def _scheme_workers_error(strategy: Any, G: int, R: int, S: int, B: int) -> str 
         f"strategy={strategy} needs W = {key}, but W=G*R={G * R} and {key}={want}; "
         f"set G={fixed[0]} R={fixed[1]} (the {strategy} layout) or {key}={G * R}."
     )
+
+
+def _looped_order_error(strategy: Any, order: Any, R: int, S: int) -> str | None:
+    """The sentence for an order made for looped pipelines (``interleaved_1f1b``) on a named scheme
+    that is not one: every worker of a pipeline of ``1 < R < stages`` holds several stages."""
+    cls = ORDER_CLASSES.get(order) if isinstance(order, str) else None
+    if cls is None or not cls.looped_only or not isinstance(strategy, str) or strategy not in SCHEMES:
+        return None
+    if SCHEMES[strategy].W_equals is None and 1 < R < S:
+        return None
+    return (f"order={order} is invalid with strategy={strategy} R={R} stages={S}: it interleaves the stages each "
+            f"worker of a pipeline holds, so it needs a looped pipeline (strategy=lpp or fslpp with 1 < R < stages).")
 
 
 def _duration_errors(values: Mapping[str, Any]) -> list[str]:

@@ -19,6 +19,10 @@ per-worker heap. A worker runs the oldest one first when more than its slack are
 ``height(0) - height(lowest stage)``, ``s`` on a chain: the last stage defers most, as in ZB-H1),
 and flushes them once it has no ``F`` or ``I`` left; otherwise a ``W`` never runs (the hand-made
 schedule's fixed order, which the paper's bubble rates are computed from).
+
+Fixed sequences (``order=interleaved_1f1b`` with its default warm-up): the order's keys number each
+worker's jobs 0, 1, ...; a worker starts only the next one and waits for it, as Megatron's and
+PyTorch's hand-made schedules do.
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ def worker_limits(step: Step, compute: list[int]) -> tuple[list[float], list[flo
     else:
         act = [float(x) for x in ml]
     mb = [math.inf] * W
-    if step.order.warmup == "classic":
+    if step.order.in_flight_limit:
         height = space.graph.height()
         lowest = [space.S] * W
         for s in range(space.S):
@@ -216,11 +220,11 @@ def _checked_deferral(step: Step, compute: list[int]) -> tuple[list[int], list[i
     return deferral(step, compute)
 
 
-def _heap_keys(step: Step) -> tuple[list, bool, bool]:
+def _heap_keys(step: Step, compute: list[int]) -> tuple[list, bool, bool]:
     """Every job's tie-break key, whether the job's ready time goes ahead of it (``by_ready``) and
     whether the keys are packed: built-in static orders give int keys, so the job id is folded in
     and a heap entry is one int."""
-    keys = step.order.keys(step.space)
+    keys = step.order.placed_keys(step.space, compute)
     by_ready = step.order.by_ready_time
     packed = not by_ready and step.order.integer_keys
     if packed:
@@ -315,12 +319,16 @@ def simulate(step: Step) -> Timeline:
     compute, weights = place_all(step)
     act_limit, mb_limit = worker_limits(step, compute)
     _check_limits(step, compute, act_limit)
-    limited = step.memory_limit is not None or step.order.warmup == "classic"
+    limited = step.memory_limit is not None or step.order.in_flight_limit
     defer = step.order.defer_w
     if defer:
         slack, fi_left = _checked_deferral(step, compute)
         wq: list[list] = [[] for _ in range(W)]  # ready W jobs per worker, by key
-    keys, by_ready, packed = _heap_keys(step)
+    keys, by_ready, packed = _heap_keys(step, compute)
+    # an order that is a fixed sequence per worker (its keys 0, 1, ... there): a worker starts only
+    # the next job of its sequence, and waits for it
+    strict = step.order.in_sequence and packed
+    turn = [0] * W  # per worker, the key of its next job
     _check_stage_durations(step)
     dur = step.duration_table()  # by kind * S + stage
     comm = float(step.comm)
@@ -403,6 +411,8 @@ def simulate(step: Step) -> Timeline:
                             continue
                     best = hc[0]
                     bc = c
+        if strict and best is not None and best // N != turn[w]:
+            best = None  # the next job of the sequence is not ready: wait for it
         if best is None:
             nxt = pw[0][0] if pw else math.inf
             if rel and rel[0][0] < nxt:
@@ -416,6 +426,8 @@ def simulate(step: Step) -> Timeline:
         j = j % N if packed else j[-1]
         if defer and j < 2 * SB:
             fi_left[w] -= 1
+        if strict:
+            turn[w] += 1
         fin = T + dur[j // B]
         start[j] = T
         finish[j] = fin
