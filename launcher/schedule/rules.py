@@ -203,14 +203,16 @@ def _scheme_workers_error(strategy: Any, G: int, R: int, S: int, B: int) -> str 
 
 def _looped_order_error(strategy: Any, order: Any, R: int, S: int) -> str | None:
     """The sentence for an order made for looped pipelines (``interleaved_1f1b``) on a named scheme
-    that is not one: every worker of a pipeline of ``1 < R < stages`` holds several stages."""
+    that is not one: each worker of a pipeline of ``1 < R < stages`` workers holds ``stages / R``
+    stages (Megatron's warm-up counts them, so every worker holds as many)."""
     cls = ORDER_CLASSES.get(order) if isinstance(order, str) else None
     if cls is None or not cls.looped_only or not isinstance(strategy, str) or strategy not in SCHEMES:
         return None
-    if SCHEMES[strategy].W_equals is None and 1 < R < S:
+    if SCHEMES[strategy].W_equals is None and 1 < R < S and S % R == 0:
         return None
     return (f"order={order} is invalid with strategy={strategy} R={R} stages={S}: it interleaves the stages each "
-            f"worker of a pipeline holds, so it needs a looped pipeline (strategy=lpp or fslpp with 1 < R < stages).")
+            f"worker of a pipeline holds, so it needs a looped pipeline whose workers hold equally many "
+            f"(strategy=lpp or fslpp with 1 < R < stages and stages a multiple of R).")
 
 
 def _duration_errors(values: Mapping[str, Any]) -> list[str]:

@@ -48,6 +48,7 @@ CASES = [
       for o in ("1f1b", "breadth_first", "depth_first") if s != "ddp" or o == "1f1b"],  # DDP has no order to choose
     ("gpipe", None, None, 4, 2, "1f1b", {}),  # fewer micro-batches than stages
     ("lpp", 1, 2, 2, 4, "1f1b", {}),  # 6 modules grouped into 2 stages by parameter count
+    ("lpp", 1, 2, 4, 8, "interleaved_1f1b", {}),  # Megatron's interleaved order, two stages per worker
     ("fslpp", 2, 2, 4, 4, "1f1b", {"split_backward": True, "weight_cache": "job", "prefetch": 2}),
 ]
 

@@ -26,7 +26,7 @@ PROFILE = {"durations_s": {"F": 1.0, "B": 2.2, "I": 1.3, "W": 0.9}, "comm_s": 0.
            "bytes": {"params": [10, 20, 20, 10], "grads": [10, 20, 20, 10], "optimizer": [20, 40, 40, 20],
                      "activation": [5, 8, 8, 3]}}
 ORDERS = [("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"),
-          ("zb_h1", "classic")]
+          ("zb_h1", "classic"), ("interleaved_1f1b", "classic")]
 
 
 def fits(tl, prof, budget: Budget, caches=("step", "job")) -> bool:
@@ -54,7 +54,8 @@ def brute_force(S: int, B: int, workers: int, prof, budget: Budget) -> float:
             scheme, [(G, R) for G in range(1, B + 1) for R in range(1, S + 1)])
         owns = ("seed", "balanced") if scheme == "fslpp" else ("seed",)
         for (G, R), own, (order, warmup), split in itertools.product(grs, owns, ORDERS, (False, True)):
-            if G * R > workers or (order == "zb_h1" and not split):
+            if G * R > workers or (order == "zb_h1" and not split) or (
+                    order == "interleaved_1f1b" and (scheme not in ("lpp", "fslpp") or not 1 < R < S or S % R)):
                 continue
             for ml in [None, *range(1, S * B + 1)]:
                 try:

@@ -43,6 +43,9 @@ CASES_W4 = (
     # FSLPP's balanced ownership h(s, floor(s/R)): every worker owns a stage (S = G R) or two (S = 2 G R)
     + [Case("fslpp_balanced", 2, 2, 4, 4, optimizer="adam", placement=FSLPP(2, 2, "balanced"), W=4),
        Case("fslpp_balanced", 2, 2, 8, 4, weight_cache="job", placement=FSLPP(2, 2, "balanced"), W=4)]
+    # Megatron's interleaved 1F1B on looped pipelines: each worker follows its sequence strictly
+    + [Case("lpp", 1, 4, 8, 8, order="interleaved_1f1b", optimizer="adam"),
+       Case("fslpp", 2, 2, 8, 4, order="interleaved_1f1b", split=True)]
     # ZB-H1: split backward, weight-gradient jobs deferred by up to the stage index
     + [Case("gpipe", 1, 4, 4, 8, order="zb_h1", split=True)]
     # replicas' all-reduce: a bucket per stage, launched mid-step (gloo's collective) rather than
