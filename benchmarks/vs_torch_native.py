@@ -84,7 +84,7 @@ PAIRS = [
     Pair("gpipe-w8", "gpipe", 1, 8, 8, 8, "breadth_first", False, "gpipe"),
     Pair("1f1b-w4", "gpipe", 1, 4, 4, 8, "1f1b", False, "1f1b"),
     Pair("looped-bfs-w2", "lpp", 1, 2, 4, 8, "breadth_first", False, "looped_bfs"),
-    Pair("interleaved-1f1b-w4", "lpp", 1, 4, 8, 8, "1f1b", False, "interleaved_1f1b"),
+    Pair("interleaved-1f1b-w4", "lpp", 1, 4, 8, 8, "interleaved_1f1b", False, "interleaved_1f1b"),
     Pair("interleaved-zb-w4", "lpp", 1, 4, 8, 8, "1f1b", True, "interleaved_zb"),
     Pair("fslpp-w4", "fslpp", 2, 2, 4, 8, "breadth_first", False, "fsdp_looped_bfs"),
 ]
