@@ -69,6 +69,10 @@ def _steps(rank: dict) -> list[dict]:
     return recs[1:] if len(recs) > 1 else recs
 
 
+def _ms(seconds: list[float]) -> str:
+    return ", ".join(f"{x * 1e3:.1f}" for x in seconds)
+
+
 def _per_step(ranks: list[dict], key) -> list[float]:
     """Per worker, the median over its steps of ``key(step record)``."""
     return [statistics.median(key(m) for m in _steps(r)) for r in ranks]
@@ -110,15 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         job_cpu = _per_step(ranks, lambda m: sum(j[5] for j in m["jobs"]))
         job_proc = _per_step(ranks, lambda m: sum(j[4] for j in m["jobs"]))
         end_cpu = _per_step(ranks, lambda m: m["end_cpu_s"])
-        print(f"  (b) per worker per step: process CPU {', '.join(f'{c * 1e3:.1f}' for c in cpu)} ms; jobs' compute "
-              f"thread {', '.join(f'{c * 1e3:.1f}' for c in job_cpu)} ms; jobs' process CPU "
-              f"{', '.join(f'{c * 1e3:.1f}' for c in job_proc)} ms; end of step {', '.join(f'{c * 1e3:.1f}' for c in end_cpu)}"
-              f" ms; outside jobs and end {', '.join(f'{(c - p - e) * 1e6 / jobs:.0f}' for c, p, e in zip(cpu, job_proc, end_cpu))}"
-              f" us per job ({jobs} jobs)")
+        outside = [(c - p - e) * 1e6 / jobs for c, p, e in zip(cpu, job_proc, end_cpu)]
+        print(f"  (b) per worker per step: process CPU {_ms(cpu)} ms; jobs' compute thread {_ms(job_cpu)} ms; "
+              f"jobs' process CPU {_ms(job_proc)} ms; end of step {_ms(end_cpu)} ms; outside jobs and end "
+              f"{', '.join(f'{u:.0f}' for u in outside)} us per job ({jobs} jobs)")
         waited = _per_step(ranks, lambda m: m["step_s"] - sum(j[3] for j in m["jobs"]) - m["end_s"])
         step = _per_step(ranks, lambda m: m["step_s"])
-        print(f"  (c) per worker per step: wall {', '.join(f'{s * 1e3:.1f}' for s in step)} ms, of which blocked on "
-              f"messages (wall less jobs' work less end of step) {', '.join(f'{w * 1e3:.1f}' for w in waited)} ms")
+        print(f"  (c) per worker per step: wall {_ms(step)} ms, of which blocked on messages (wall less jobs' work "
+              f"less end of step) {_ms(waited)} ms")
     return 0
 
 
