@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vs_native_transformer as vt  # noqa: E402 - the benchmark's own directory, put on the path above
 from vs_torch_native import Pair, alternate, pair_device, pair_link  # noqa: E402
 
-from launcher.report.profile import shared_cores, stage_job_seconds  # noqa: E402
+from launcher.report.measured_costs import shared_cores, stage_job_seconds  # noqa: E402
 from launcher.runtime import launch  # noqa: E402
 from launcher.schedule import make_step, simulate  # noqa: E402
 from launcher.schedule.cores import replay  # noqa: E402
