@@ -208,6 +208,8 @@ def _looped_order_error(strategy: Any, order: Any, R: int, S: int) -> str | None
     cls = ORDER_CLASSES.get(order) if isinstance(order, str) else None
     if cls is None or not cls.looped_only or not isinstance(strategy, str) or strategy not in SCHEMES:
         return None
+    if not SCHEMES[strategy].has_order:
+        return None  # the order has no effect there (a warning says so), nothing to refuse
     if SCHEMES[strategy].W_equals is None and 1 < R < S and S % R == 0:
         return None
     return (f"order={order} is invalid with strategy={strategy} R={R} stages={S}: it interleaves the stages each "

@@ -87,12 +87,18 @@ def test_deadlock_free_on_looped_pipelines(G, R, per, B, split, scheme, warmup, 
             assert tl.finish[p] <= tl.start[j] + 1e-9
 
 
-@pytest.mark.parametrize("strategy,G,R,S", [("gpipe", 1, 4, 4), ("lpp", 1, 4, 4), ("lpp", 4, 1, 4), ("ddp", 4, 1, 4),
+@pytest.mark.parametrize("strategy,G,R,S", [("gpipe", 1, 4, 4), ("lpp", 1, 4, 4), ("lpp", 4, 1, 4), ("fsdp", 4, 1, 4),
                                             ("lpp", 1, 2, 5)])
 def test_refused_where_not_looped(strategy, G, R, S):
     with pytest.raises(StepError, match=rf"order=interleaved_1f1b is invalid with strategy={strategy} R={R} "
                                         rf"stages={S}: .* needs a looped pipeline"):
-        make_step(strategy, S, 8 if strategy != "ddp" else 4, G=G, R=R, order="interleaved_1f1b")
+        make_step(strategy, S, 8 if strategy != "fsdp" else 4, G=G, R=R, order="interleaved_1f1b")
+
+
+def test_no_effect_under_ddp_runs():
+    """DDP has no order to choose (a warning says so): its workers' one micro-batch runs through."""
+    tl = simulate(make_step("ddp", 4, 4, G=4, R=1, order="interleaved_1f1b"))
+    assert tl.latency == simulate(make_step("ddp", 4, 4, G=4, R=1)).latency
 
 
 def test_in_the_planner_space_where_looped():
