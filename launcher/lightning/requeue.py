@@ -31,6 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
+from .. import signals
 from .lightning_private import hpc_save_path
 
 log = logging.getLogger(__name__)
@@ -63,13 +64,11 @@ class Watch:
     def __enter__(self) -> "Watch":
         _received.clear()
         if in_slurm_job():
-            for s in warning_signals():
-                self.previous[s] = signal.signal(s, _raise_flag)
+            self.previous = signals.slurm_warnings(warning_signals(), _raise_flag)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for s, h in self.previous.items():
-            signal.signal(s, h)
+        signals.restore(self.previous)
 
     @property
     def signalled(self) -> int | None:

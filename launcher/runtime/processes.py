@@ -42,6 +42,8 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 
+from .. import signals
+from ..signals import Interrupted
 from .failure import (
     ABORT_KEY,
     DEFAULT_TIMEOUT,
@@ -169,10 +171,7 @@ def _child(
     report = _reporter(rank, conn)
     code = 0
     wd = None
-    # Ctrl-C reaches the whole foreground process group: the launcher alone handles it (and
-    # SIGTERM), stopping every worker with one line instead of a traceback from each
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signals.in_worker()  # the launcher alone handles Ctrl-C, stopping every worker with one line
     _name_process(f"launcher-rank{rank}")
     try:
         torch.set_num_threads(1)
@@ -244,7 +243,7 @@ class Supervisor:
         self.start_by: float | None = None
         self.end_by: float | None = None
         self.stop_by: float | None = None
-        self._previous_term: Any = None
+        self._previous_term: dict[int, Any] = {}
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -270,7 +269,7 @@ class Supervisor:
         # and abort it. Collect here, where destructors are safe, then freeze the rest across fork.
         gc.collect()
         gc.freeze()
-        self._previous_term = _raise_on_sigterm()
+        self._previous_term = signals.while_supervising()
         try:
             for r in range(self.world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
@@ -431,8 +430,8 @@ class Supervisor:
     def stop(self) -> None:
         """Kill every worker still running, then join them all and close the pipes."""
         self.phase = "stopping"
-        if self._previous_term is not None:
-            signal.signal(signal.SIGTERM, self._previous_term)
+        signals.restore(self._previous_term)
+        self._previous_term = {}
         # stragglers past the bound, or an interrupted parent: kill them all before joining any,
         # so none has time to see a peer's connection drop and print a traceback about it
         started = [r for r in sorted(self.alive) if r < len(self.procs)]  # all of them, unless the fork failed
@@ -490,34 +489,6 @@ def launch(
         raise
     supervisor.supervise()
     return supervisor.outcome()
-
-
-class Interrupted(BaseException):
-    """The launching process got SIGINT or SIGTERM; every worker has been stopped. A
-    ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` on the way up
-    (Hydra's job runner, a user's retry loop) mistakes it for a failed run and goes on."""
-
-    def __init__(self, signum: int, message: str) -> None:
-        super().__init__(message)
-        self.signum = int(signum)
-
-    @property
-    def exit_code(self) -> int:
-        """The shell's convention: 128 + the signal number (130 for SIGINT, 143 for SIGTERM)."""
-        return 128 + self.signum
-
-
-def _raise_on_sigterm() -> Any:
-    """While workers run, SIGTERM to the launcher stops them like Ctrl-C does; returns the handler
-    to restore (None off the main thread, where Python cannot install one)."""
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Interrupted(signum, "")
-
-    try:
-        return signal.signal(signal.SIGTERM, handler)
-    except ValueError:
-        return None
 
 
 def _where(jobs: dict[int, str], signum: int) -> str:
