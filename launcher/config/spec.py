@@ -16,13 +16,14 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..schedule import Step
 from ..schedule.settings import CUSTOM, Settings
 from .step import one_line, target_error
 from .validate import ConfigError, raw_settings, validate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CUSTOM", "settings_of"]
+__all__ = ["CUSTOM", "settings_of", "to_step"]
 
 
 def settings_of(cfg: DictConfig | Mapping[str, Any], check: bool = True, **given: Any) -> Settings:
@@ -82,3 +83,9 @@ def _guarded(fn: Callable, key: str, target: str, name: str, pair: bool = False)
 
     call.__name__ = name
     return call
+
+
+def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any = None) -> Step:
+    """The step a (composed) config describes; validated first unless ``check`` is false.
+    ``graph``: the model's stage graph, when it is not a chain (a traced model's)."""
+    return settings_of(cfg, check).step(graph)

@@ -1,17 +1,13 @@
-"""Config -> :class:`launcher.schedule.Step` (through :class:`~launcher.schedule.settings.Settings`),
-and the sentences a config's failing ``_target_`` gets.
-
-The simulator (``mode=simulate``), the runtime entry (``python -m launcher.runtime``) and training
-all start from :func:`~launcher.config.spec.settings_of`, so they plan the same step from the same config.
+"""The sentences a config's failing ``_target_`` gets (:func:`target_error`) and an error's first
+line (:func:`one_line`). Config -> :class:`launcher.schedule.Step` is
+:func:`launcher.config.spec.to_step` (through :class:`~launcher.schedule.settings.Settings`): the
+simulator (``mode=simulate``), the runtime entry (``python -m launcher.runtime``) and training all
+start from :func:`~launcher.config.spec.settings_of`, so they plan the same step from the same config.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from omegaconf import DictConfig
-
-from ..schedule import Step
+from typing import Any
 
 
 def target_error(target: str) -> str | None:
@@ -53,11 +49,3 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
     text = f"{type(e).__name__}: {text}" if text else type(e).__name__
     return (text if len(text) <= limit else text[: limit - 3] + "...").rstrip(".")
-
-
-def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any = None) -> Step:
-    """The step a (composed) config describes; validated first unless ``check`` is false.
-    ``graph``: the model's stage graph, when it is not a chain (a traced model's)."""
-    from .spec import settings_of
-
-    return settings_of(cfg, check).step(graph)
