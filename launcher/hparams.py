@@ -25,11 +25,11 @@ import math
 import re
 import shlex
 import sys
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 #: the metrics a run reports by name, and what each is
@@ -48,8 +48,15 @@ METRICS = (*NAMED, *SUMMARY)
 DIRECTIONS = ("minimize", "maximize")
 RESULTS = "optimization_results.yaml"  #: what the sweeper writes in the sweep directory
 
-#: the study this process runs (set when a multirun with the Optuna sweeper starts)
-STUDY: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class StudyInfo:
+    """An Optuna study, as its multirun started: where the sweeper writes and what it optimizes."""
+
+    dir: str  #: the sweep directory, where the sweeper writes :data:`RESULTS`
+    names: list[str]  #: the metrics of ``optimized_metric``
+    directions: list[str]  #: one ``minimize`` or ``maximize`` per metric
 
 
 def _plain(v: Any) -> Any:
@@ -249,20 +256,19 @@ def objective(cfg: DictConfig, result: Mapping[str, Any]) -> Any:
 # --- the sweep ------------------------------------------------------------------------------
 
 
-class Study(Callback):
-    """When a multirun with the Optuna sweeper starts: remember what it optimizes and where it
-    writes, and guard its sweep (:func:`_guard`)."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        STUDY.clear()
-        sweeper = OmegaConf.select(config, "hydra.sweeper", default=None)
-        if sweeper is None or not is_optuna(sweeper):
-            return
-        names = names_of(OmegaConf.select(config, "optimized_metric", default="val_loss")) or ["val_loss"]
-        STUDY.update(dir=str(config.hydra.sweep.dir), names=names,
-                     directions=directions_of(OmegaConf.select(sweeper, "direction", default="minimize")))
-        (Path(STUDY["dir"]) / RESULTS).unlink(missing_ok=True)  # an earlier study's best is not this one's
-        _guard()
+def start_study(config: DictConfig) -> StudyInfo | None:
+    """When a multirun starts (with its ``hydra`` node): the study, under the Optuna sweeper (else
+    ``None``), with an earlier study's results in its directory removed and its sweep guarded
+    (:func:`_guard`)."""
+    sweeper = OmegaConf.select(config, "hydra.sweeper", default=None)
+    if sweeper is None or not is_optuna(sweeper):
+        return None
+    names = names_of(OmegaConf.select(config, "optimized_metric", default="val_loss")) or ["val_loss"]
+    study = StudyInfo(dir=str(config.hydra.sweep.dir), names=names,
+                      directions=directions_of(OmegaConf.select(sweeper, "direction", default="minimize")))
+    (Path(study.dir) / RESULTS).unlink(missing_ok=True)  # an earlier study's best is not this one's
+    _guard()
+    return study
 
 
 class _PluginLines(logging.Filter):
@@ -308,7 +314,6 @@ def _guard() -> None:
         except ValueError as e:
             if "No trials are completed yet" not in str(e):
                 raise
-            STUDY["no_best"] = True
             return None
         finally:
             log.removeFilter(lines)
@@ -366,12 +371,12 @@ def reproduce(point: Mapping[str, Any], config_args: Sequence[str], config_name:
     """The command that runs the trial again as a single run, and a note when the config it
     composes is not the trial's. A config that sets ``hydra.mode: MULTIRUN`` (``hparams_search``)
     gets ``hydra.mode=RUN``, so the command runs once instead of searching again."""
-    from .cli import _compose
+    from .config.compose import compose
 
     overrides = _overrides_of(point)
     note = None
     try:
-        cfg = _compose(config_name, overrides, list(dirs))
+        cfg = compose(config_name, overrides, list(dirs))
         if "MULTIRUN" in str(cfg.hydra.mode):
             overrides = [*overrides, "hydra.mode=RUN"]
         saved = Path(str(point.get("dir"))) / ".hydra" / "config.yaml"
@@ -402,14 +407,14 @@ def _fmt(v: float) -> str:
     return f"{v:.6g}"
 
 
-def summarize(points: Sequence[Mapping[str, Any]], config_args: Sequence[str] = (), config_name: str = "config",
-              dirs: Sequence[str] = ()) -> bool:
+def summarize(points: Sequence[Mapping[str, Any]], study: StudyInfo, config_args: Sequence[str] = (),
+              config_name: str = "config", dirs: Sequence[str] = ()) -> bool:
     """Print the study's outcome: how many trials completed and failed, then the best trial (or the
     Pareto front) with its params, value(s), run directory and the command that reproduces it.
     When no trial completed, one sentence on stderr and ``False``."""
     from .modes.common import console
 
-    names, dirs_ = list(STUDY.get("names") or ["val_loss"]), list(STUDY.get("directions") or ["minimize"])
+    names, dirs_ = list(study.names or ["val_loss"]), list(study.directions or ["minimize"])
     done: list[tuple[int, list[float]]] = []
     why: dict[str, int] = {}
     for i, p in enumerate(points):
@@ -431,7 +436,7 @@ def summarize(points: Sequence[Mapping[str, Any]], config_args: Sequence[str] = 
     failed = n - len(done)
     con.print(f"study: {n} trials, {len(done)} completed, {failed} failed" + (f" ({counts})" if failed else "")
               + f"; optimized: {said}", highlight=False, soft_wrap=True)
-    results = Path(str(STUDY.get("dir"))) / RESULTS
+    results = Path(study.dir) / RESULTS
     chosen: list[tuple[dict[str, Any], list[float] | None]] = []
     if results.exists():
         r = OmegaConf.to_container(OmegaConf.load(results), resolve=True)

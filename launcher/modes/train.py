@@ -11,15 +11,15 @@ every worker and end the command (:class:`launcher.runtime.Interrupted`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from .. import signals
 from ..config import ConfigError
 from ..config.step import one_line
 from ..config.training import is_single, train_errors
@@ -51,7 +51,7 @@ class Prepared:
     strategy: Any
     run: dict[str, Any]
     chosen: list[str] | None = None  # strategy=auto: the planner's overrides
-    built: Any = None  # what was built before the Trainer (_Built)
+    built: Any = None  # what was built before the Trainer (Built)
 
 
 def _build(node: Any, key: str, want: type, what: str) -> Any:
@@ -343,8 +343,9 @@ def _quiet() -> None:
 
 
 @dataclass
-class _Built:
-    """What a config builds before its Trainer: checked, and kept by :func:`check` for the run."""
+class Built:
+    """What a config builds before its Trainer: checked by :func:`check`, and taken over by the run
+    of the same config."""
 
     cfg: DictConfig  # the config as run (strategy=auto: with the planner's pick applied)
     chosen: list[str] | None
@@ -353,24 +354,23 @@ class _Built:
     spec: Any  # the step's Settings; None for strategy=single
     checked: Any = None  # the strategy that staged the model as the workers will run it (check_before_fork)
     rng: Any = None  # the random state after the check, which the run goes on from
+    key: str | None = None  # the resolved config it was built from (:func:`_key`): a run of another config builds anew
 
 
-#: the command line's check of a single training run (:func:`check`): its config and what it built
-_CHECKED: dict[str, Any] = {}
-
-
-def check(cfg: DictConfig) -> None:
-    """Check a single training run whole before Hydra starts it (raises :class:`ConfigError`), and
-    keep what was built: the run of the same config takes it over rather than build the model,
-    data and staging a second time."""
+def check(cfg: DictConfig) -> Built | None:
+    """Check a single training run whole before Hydra starts it (raises :class:`ConfigError`);
+    returns what was built, which the run of the same config (:func:`run`) takes over rather than
+    build the model, data and staging a second time (``None`` when the config cannot be keyed)."""
     job = prepare(cfg, None)
     key = _key(cfg)
-    if key is not None:
-        job.built.checked = job.strategy if job.built.spec is not None else None
-        from ..runtime.rng import random_state
+    if key is None:
+        return None
+    job.built.checked = job.strategy if job.built.spec is not None else None
+    from ..runtime.rng import random_state
 
-        job.built.rng = random_state()
-        _CHECKED.update(key=key, built=job.built)
+    job.built.rng = random_state()
+    job.built.key = key
+    return job.built
 
 
 def _key(cfg: DictConfig) -> str | None:
@@ -380,7 +380,7 @@ def _key(cfg: DictConfig) -> str | None:
         return None
 
 
-def _build_job(cfg: DictConfig) -> _Built:
+def _build_job(cfg: DictConfig) -> Built:
     """Validate ``cfg``; build and check its data, model and step settings (nothing is started)."""
     chosen = None
     if cfg.strategy.name == "auto" and cfg.strategy.get("placement") is None:
@@ -412,16 +412,14 @@ def _build_job(cfg: DictConfig) -> _Built:
         # placement or order is built (and so checked) here, once
         spec = settings_of(cfg, check=False)
         _plannable(spec)
-    return _Built(cfg, chosen, model, data, spec)
+    return Built(cfg, chosen, model, data, spec)
 
 
-def prepare(cfg: DictConfig, out_dir: Path | None) -> Prepared:
+def prepare(cfg: DictConfig, out_dir: Path | None, checked: Built | None = None) -> Prepared:
     """Validate ``cfg`` and build the model, data, strategy and trainer (and, with ``out_dir``, the
     logger and callbacks writing there); raise :class:`ConfigError` with one sentence per problem.
-    A config the command line's :func:`check` built already is taken over from it."""
-    key = _CHECKED.pop("key", None)
-    built: _Built | None = _CHECKED.pop("built", None) if key is not None and key == _key(cfg) else None
-    _CHECKED.clear()
+    What the command line's :func:`check` built (``checked``) is taken over when it is of ``cfg``."""
+    built = checked if checked is not None and checked.key == _key(cfg) else None
     if built is None:
         built = _build_job(cfg)
     else:  # as if built again: the same generators' state, on the same objects
@@ -589,9 +587,10 @@ def previous_checkpoint(cfg: DictConfig, out: Path, sweep: bool = False) -> str 
             f"another {key} (or remove {folder}).")
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig, checked: Built | None = None) -> dict[str, Any]:
     """One training run (one point of a sweep), holding its run directory while it runs: a second
-    run in the same directory is refused (one sentence naming the holder's PID) and touches nothing."""
+    run in the same directory is refused (one sentence naming the holder's PID) and touches nothing.
+    ``checked``: what the command line's :func:`check` built, taken over when it is of ``cfg``."""
     where = point()
     out = output_dir()
     held = joined_rank() == 0  # under torchrun or Slurm, rank 0 holds the directory for every rank
@@ -603,13 +602,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         for other in [d for d in HELD if d != out.absolute()]:
             let_go(other)  # the command line's check held the directory it expected (another second)
     try:
-        return _run(cfg, out, where)
+        return _run(cfg, out, where, checked)
     finally:
         if held:
             let_go(out)
 
 
-def _run(cfg: DictConfig, out: Path, where: str) -> dict[str, Any]:
+def _run(cfg: DictConfig, out: Path, where: str, checked: Built | None) -> dict[str, Any]:
     from ..lightning import requeue
     from ..report import progress
     from ..runtime import Interrupted, WorkerFailed
@@ -621,7 +620,7 @@ def _run(cfg: DictConfig, out: Path, where: str) -> dict[str, Any]:
         (out / name).unlink(missing_ok=True)
     progress.remove(out)
     try:
-        job = prepare(cfg, out)
+        job = prepare(cfg, out, checked)
     except ConfigError as e:
         write_invalid(cfg, e.sentences)
         return reject(e.sentences, where, in_sweep())
@@ -634,7 +633,7 @@ def _run(cfg: DictConfig, out: Path, where: str) -> dict[str, Any]:
         console().print(f"slurm: requeued; resuming from {resumed}", highlight=False, soft_wrap=True)
     saved = set(requeue.hpc_checkpoints(out))
     try:
-        with requeue.Watch() as watch, _sigint_stops():
+        with requeue.Watch() as watch, signals.while_training():
             job.trainer.fit(job.model, datamodule=job.data, ckpt_path=ckpt_path)
     except WorkerFailed as e:
         return _failed(cfg, out, where, _error_line(e))
@@ -751,26 +750,3 @@ def _interrupted(cfg: DictConfig, out: Path, run_info: dict[str, Any], e: BaseEx
             print(f"error: {write_sentence(path, err)}", file=sys.stderr, flush=True)
         except Exception:  # noqa: BLE001
             pass
-
-
-@contextlib.contextmanager
-def _sigint_stops() -> Iterator[None]:
-    """While training runs, Ctrl-C and SIGTERM stop it (:class:`launcher.runtime.Interrupted`), on
-    one device too, where Lightning would otherwise end the process itself on Ctrl-C (exit 1)."""
-    import signal
-
-    from ..runtime import Interrupted
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Interrupted(signum, f"stopped by {signal.Signals(signum).name}")
-
-    try:
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)

@@ -120,7 +120,7 @@ def _main_in_fork(argv: list[str], cwd: Path) -> tuple[int, str, str]:
 @pytest.fixture(scope="module", autouse=True)
 def warm():
     """Every import and the data's first read once, here: each forked check inherits them."""
-    from launcher.cli import _preflight
+    from launcher.preflight import preflight as _preflight
 
     _, found = _preflight([*SMALL, "hydra.run.dir=/nonexistent/never-made"])
     assert not found.fatal, found.fatal
@@ -161,7 +161,7 @@ def test_the_defaults_stay_valid():
     """The new rules refuse nothing a default spells: DDP with its default order and cache, every
     built-in model and data with their defaults, the flagship; nor a key that only has no effect
     under the scheme (an order or a weight cache under DDP: a warning, and the run goes on)."""
-    from launcher.cli import _preflight
+    from launcher.preflight import preflight as _preflight
 
     for overrides in (["strategy=ddp"], ["strategy=ddp", "order=1f1b", "weight_cache=step"], ["strategy=fsdp",
                       "weight_cache=job"], ["strategy=fslpp", "G=4", "R=4"], ["model=mlp"], ["seed=4294967295"],

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cli import run_launcher
-from launcher.cli import _preflight
+from launcher.preflight import preflight as _preflight
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.cli import SMALL_RUN, start_launcher, survivors
-from launcher.cli import _preflight
+from launcher.preflight import preflight as _preflight
 from launcher.models import GPT
 
 pytestmark = pytest.mark.timeout(240)

@@ -57,7 +57,7 @@ def test_a_study_goes_on_past_an_invalid_trial_and_prints_its_best_trial(tmp_pat
     from hydra.types import RunMode
     from omegaconf import OmegaConf, open_dict
 
-    from launcher.cli import _compose
+    from launcher.config.compose import compose as _compose
 
     cfg = _compose("config", args, [])
     assert cfg.hydra.mode == RunMode.RUN
@@ -72,7 +72,7 @@ def test_a_study_goes_on_past_an_invalid_trial_and_prints_its_best_trial(tmp_pat
     ["-m", "hydra/sweeper=optuna", "model.lr=tag(log,interval(0.001,0.01))", "microbatches=choice(2,4)", "G=1"],
 ])
 def test_optunas_sweep_syntax_passes_the_command_line_check(argv):
-    from launcher.cli import _preflight
+    from launcher.preflight import preflight as _preflight
 
     new, found = _preflight(argv)
     assert (new, found.fatal, found.skipped) == (argv, [], [])

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from helpers.cli import run_launcher
 from helpers.training import last_state, max_diff
-from launcher.cli import _preflight
+from launcher.preflight import preflight as _preflight
 
 pytestmark = pytest.mark.timeout(600)
 

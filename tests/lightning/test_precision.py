@@ -181,7 +181,7 @@ def test_fetched_weights_are_bf16_and_masters_fp32(runs):
 
 
 def test_refused_before_any_worker():
-    from launcher.cli import _preflight
+    from launcher.preflight import preflight as _preflight
 
     for overrides, sentence in ((["trainer.precision=16-mixed"], "trainer.precision=16-mixed is invalid with "
                                  "trainer.accelerator=cpu: fp16 mixed precision needs a GPU"),

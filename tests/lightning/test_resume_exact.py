@@ -18,7 +18,7 @@ import torch
 
 from helpers.cli import finished, start_launcher
 from helpers.training import last_state, load_checkpoint, max_diff
-from launcher.cli import _preflight
+from launcher.preflight import preflight as _preflight
 from launcher.models import CharCorpus
 
 pytestmark = pytest.mark.timeout(300)

@@ -18,7 +18,7 @@ import torch
 
 from helpers.cli import finished, start_launcher, survivors
 from helpers.training import load_checkpoint
-from launcher.cli import _preflight
+from launcher.preflight import preflight as _preflight
 
 pytestmark = pytest.mark.timeout(300)
 
