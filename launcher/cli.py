@@ -46,7 +46,7 @@ import signal
 import sys
 
 from . import signals
-from .command import Command
+from .command import Command, SweepDir  # noqa: F401 - SweepDir: conf/config.yaml's hydra.callbacks name it here
 from .modes import common
 from .preflight import preflight
 

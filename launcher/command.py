@@ -6,14 +6,14 @@ exit code, on one object made per command (:class:`Command`) instead of in modul
   built (:attr:`Command.checked`, which that run takes over).
 - Hydra runs :meth:`Command.task` for each run (each point of a sweep), which records the point's
   outcome (:attr:`Command.points`) and returns ``optimized_metric`` to the sweeper.
-- When a multirun starts, Hydra's callbacks (:class:`SweepDir`, :class:`Study`, named in
-  ``conf/config.yaml``) record the sweep directory and the Optuna study on the command: the
-  end-of-sweep table reads back points that ran in other processes (a Slurm job array), and the
-  study's best trial is found from what its sweeper wrote.
+- When a multirun starts, a Hydra callback (:class:`SweepDir`, named in ``conf/config.yaml``)
+  records the sweep directory and the Optuna study on the command: the end-of-sweep table reads
+  back points that ran in other processes (a Slurm job array), and the study's best trial is found
+  from what its sweeper wrote.
 
-Hydra instantiates its callbacks itself, from the config, so they reach the command that runs
-Hydra through a context variable set only while it does (:meth:`Command.hydra`): nothing is left
-behind for the next command in the same process (a test, a notebook).
+Hydra instantiates its callbacks itself, from the config, so the callback reaches the command that
+runs Hydra through a context variable set only while it does (:meth:`Command.hydra`): nothing is
+left behind for the next command in the same process (a test, a notebook).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextvars
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from .hparams import StudyInfo
+from .hparams import StudyInfo, study_of
 from .modes import MODES, common, train
 
 #: the command whose Hydra is running (its callbacks record on it); unset outside :meth:`Command.hydra`
@@ -102,28 +102,14 @@ class Command:
         return points
 
 
-def _running() -> Iterator[Command]:
-    command = _RUNNING.get()
-    if command is not None:
-        yield command
-
-
 class SweepDir(Callback):
-    """Records the sweep directory on the command, so the end-of-sweep table can read back the
-    points that a remote launcher (Slurm) ran in other processes."""
+    """When a multirun starts: records its directory and its Optuna study (if any) on the command
+    that runs Hydra, so the end-of-sweep table can read back the points that a remote launcher
+    (Slurm) ran in other processes, and the study's best trial be found. (``conf/config.yaml``
+    names it ``launcher.cli.SweepDir``.)"""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        for command in _running():
+        command = _RUNNING.get()
+        if command is not None:
             command.sweep_dir = str(config.hydra.sweep.dir)
-
-
-class Study(Callback):
-    """When a multirun with the Optuna sweeper starts: records what it optimizes and where it
-    writes on the command, and guards its sweep (:func:`launcher.hparams.start_study`)."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from .hparams import start_study
-
-        study = start_study(config)
-        for command in _running():
-            command.study = study
+            command.study = study_of(config)

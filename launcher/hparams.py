@@ -30,6 +30,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 #: the metrics a run reports by name, and what each is
@@ -256,19 +257,28 @@ def objective(cfg: DictConfig, result: Mapping[str, Any]) -> Any:
 # --- the sweep ------------------------------------------------------------------------------
 
 
-def start_study(config: DictConfig) -> StudyInfo | None:
-    """When a multirun starts (with its ``hydra`` node): the study, under the Optuna sweeper (else
-    ``None``), with an earlier study's results in its directory removed and its sweep guarded
-    (:func:`_guard`)."""
+def study_of(config: DictConfig) -> StudyInfo | None:
+    """The study a multirun runs (its config with the ``hydra`` node), under the Optuna sweeper;
+    else ``None``."""
     sweeper = OmegaConf.select(config, "hydra.sweeper", default=None)
     if sweeper is None or not is_optuna(sweeper):
         return None
     names = names_of(OmegaConf.select(config, "optimized_metric", default="val_loss")) or ["val_loss"]
-    study = StudyInfo(dir=str(config.hydra.sweep.dir), names=names,
-                      directions=directions_of(OmegaConf.select(sweeper, "direction", default="minimize")))
-    (Path(study.dir) / RESULTS).unlink(missing_ok=True)  # an earlier study's best is not this one's
-    _guard()
-    return study
+    return StudyInfo(dir=str(config.hydra.sweep.dir), names=names,
+                     directions=directions_of(OmegaConf.select(sweeper, "direction", default="minimize")))
+
+
+class Study(Callback):
+    """When a multirun with the Optuna sweeper starts: an earlier study's results in its directory
+    are removed, and its sweep is guarded (:func:`_guard`). (The command records the study itself:
+    :class:`launcher.command.SweepDir`.)"""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        study = study_of(config)
+        if study is None:
+            return
+        (Path(study.dir) / RESULTS).unlink(missing_ok=True)  # an earlier study's best is not this one's
+        _guard()
 
 
 class _PluginLines(logging.Filter):
