@@ -391,9 +391,9 @@ def reproduce(point: Mapping[str, Any], config_args: Sequence[str], config_name:
             overrides = [*overrides, "hydra.mode=RUN"]
         saved = Path(str(point.get("dir"))) / ".hydra" / "config.yaml"
         if saved.exists():
-            mine = OmegaConf.to_container(cfg, resolve=False)
+            mine: Any = OmegaConf.to_container(cfg, resolve=False)
             mine.pop("hydra", None)
-            theirs = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+            theirs: Any = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
             differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             if differ:
                 note = f"this command composes a config that differs from the trial's in {', '.join(differ)}"
@@ -447,9 +447,9 @@ def summarize(points: Sequence[Mapping[str, Any]], study: StudyInfo, config_args
     con.print(f"study: {n} trials, {len(done)} completed, {failed} failed" + (f" ({counts})" if failed else "")
               + f"; optimized: {said}", highlight=False, soft_wrap=True)
     results = Path(study.dir) / RESULTS
-    chosen: list[tuple[dict[str, Any], list[float] | None]] = []
+    chosen: list[tuple[dict[str, Any], list[float]]] = []
     if results.exists():
-        r = OmegaConf.to_container(OmegaConf.load(results), resolve=True)
+        r: Any = OmegaConf.to_container(OmegaConf.load(results), resolve=True)
         if "solutions" in r:
             chosen = [(dict(s.get("params") or {}), list(s.get("values") or [])) for s in r["solutions"]]
         elif "best_params" in r:
@@ -457,8 +457,8 @@ def summarize(points: Sequence[Mapping[str, Any]], study: StudyInfo, config_args
     picked: list[tuple[int | None, dict[str, Any], list[float]]] = []
     if chosen:
         for params, values in chosen:
-            i = next((i for i, vals in done if _matches(points[i], params, values, vals)), None)
-            picked.append((i, params, values))
+            at = next((i for i, vals in done if _matches(points[i], params, values, vals)), None)
+            picked.append((at, params, values))
     else:  # the sweeper wrote no results: its rule, from the trials' values
         picked = [(i, {}, vals) for i, vals in _best(done, dirs_)]
     if len(names) == 1:
@@ -466,19 +466,19 @@ def summarize(points: Sequence[Mapping[str, Any]], study: StudyInfo, config_args
     else:
         con.print(f"Pareto front: {len(picked)} of {len(done)} completed trials", highlight=False, soft_wrap=True)
     pad = "  " if len(names) == 1 else "    "
-    for i, params, values in picked:
+    for at, params, values in picked:
         if len(names) > 1:
-            con.print(f"  {_trial_line((i, params, values), names)}", highlight=False, soft_wrap=True)
+            con.print(f"  {_trial_line((at, params, values), names)}", highlight=False, soft_wrap=True)
         if params:
             con.print(f"{pad}params: " + " ".join(f"{p}={v}" for p, v in params.items()), highlight=False,
                       soft_wrap=True)
-        if i is None:
+        if at is None:
             con.print(f"{pad}(a trial of an earlier run of this study: its run directory is not in this sweep)",
                       highlight=False, soft_wrap=True)
             continue
-        cmd, note = reproduce(points[i], config_args, config_name, dirs)
-        if points[i].get("dir"):
-            con.print(f"{pad}run: {_relative(points[i]['dir'])}", highlight=False, soft_wrap=True)
+        cmd, note = reproduce(points[at], config_args, config_name, dirs)
+        if points[at].get("dir"):
+            con.print(f"{pad}run: {_relative(points[at]['dir'])}", highlight=False, soft_wrap=True)
         con.print(f"{pad}reproduce: {cmd}", highlight=False, soft_wrap=True)
         if note:
             con.print(f"{pad}note: {note}", highlight=False, soft_wrap=True)
