@@ -7,7 +7,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from helpers.cli import SMALL_RUN
+import pytest
+
+from helpers.cli import SMALL_RUN, run_launcher
 from launcher.command import Command
 from launcher.preflight import preflight
 
@@ -26,6 +28,41 @@ def test_the_check_records_the_run_on_the_command_it_is_given(tmp_path):
     assert command.run_dir == tmp_path / "a" and other.checked is not command.checked  # nothing shared
     _, found = preflight([*args, "microbatches=3"], command)  # an invalid run records nothing new
     assert found.fatal and command.run_dir == tmp_path / "a"
+
+
+COUNTED = '''
+import sys
+
+import lightning as L
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Counted(L.LightningModule):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        print("built Counted", file=sys.stderr, flush=True)
+        self.emb = nn.Embedding(128, width)
+        self.head = nn.Linear(width, 128)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.emb(x)).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+'''
+
+
+@pytest.mark.slow
+def test_the_run_takes_over_what_the_check_built(tmp_path):
+    (tmp_path / "usermod.py").write_text(COUNTED)
+    p = run_launcher("strategy=lpp", "G=2", "R=1", "stages=2", "microbatches=2", "data.batch_size=4", "data.seq_len=8",
+                     "data.chars=2000", "logger=none", "model=custom", "split=auto", "model._target_=usermod.Counted",
+                     "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.count("built Counted") == 1, p.stderr[-3000:]  # by the check, once; the run reuses it
 
 
 def _modules() -> dict[str, tuple[ast.Module, bool]]:
