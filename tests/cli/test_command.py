@@ -13,7 +13,7 @@ from helpers.cli import SMALL_RUN, run_launcher
 from launcher.command import Command
 from launcher.preflight import preflight
 
-PACKAGE = Path(__file__).resolve().parent.parent / "launcher"
+PACKAGE = Path(__file__).resolve().parents[2] / "launcher"
 
 
 def test_the_check_records_the_run_on_the_command_it_is_given(tmp_path):
