@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from helpers.cli import SMALL_RUN, start_launcher, survivors
-from launcher.preflight import preflight as _preflight
 from launcher.models import GPT
+from launcher.preflight import preflight as _preflight
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from launcher.config.compose import compose as _compose
 from launcher.config import check_overrides, errors
+from launcher.config.compose import compose as _compose
 from launcher.config.validate import check_sweep_overrides
 
 ROOT = Path(__file__).resolve().parents[2]

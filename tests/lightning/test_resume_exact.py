@@ -18,8 +18,8 @@ import torch
 
 from helpers.cli import finished, start_launcher
 from helpers.training import last_state, load_checkpoint, max_diff
-from launcher.preflight import preflight as _preflight
 from launcher.models import CharCorpus
+from launcher.preflight import preflight as _preflight
 
 pytestmark = pytest.mark.timeout(300)
 
