@@ -131,3 +131,46 @@ def write_text(path: str | os.PathLike, text: str, *, sync: bool = True) -> Path
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2, sync: bool = True) -> Path:
     """``obj`` as JSON (anything JSON cannot hold is written as its ``str``), with a final newline."""
     return write_text(path, json.dumps(obj, indent=indent, default=str) + "\n", sync=sync)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or file system cannot."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    return renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0
+
+
+def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Put the finished directory ``tmp`` in place of ``path`` (a directory or a file, or nothing):
+    a reader sees the old one or the new one, never a mix. Where the two cannot be swapped in one
+    step (not Linux), the old one is renamed aside first, so a crash in between leaves both whole."""
+    import shutil
+
+    tmp, path = Path(tmp), Path(path)
+    _fsync_dir(tmp)
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+    elif _exchange(tmp, path):  # tmp now holds the previous checkpoint
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+    else:
+        old = path.with_name(f".{path.name}.{os.getpid()}.old")
+        os.rename(path, old)
+        os.rename(tmp, path)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+    _fsync_dir(path.parent)

@@ -77,6 +77,16 @@ class PlanConf:
 
 
 @dataclass
+class CheckpointConf:
+    """mode=train's checkpoints: ``format`` sharded (each stage's owner writes it, a directory) |
+    single (one file, gathered at rank 0) | null (the scheme's default: sharded for fsdp, gpipe and
+    fslpp); ``async_mode`` disabled | async (shards written in the background from a host copy)."""
+
+    format: Optional[str] = None
+    async_mode: str = "disabled"
+
+
+@dataclass
 class LauncherConf:
     mode: str = "train"
     strategy: StrategyConf = field(default_factory=StrategyConf)
@@ -105,6 +115,7 @@ class LauncherConf:
     split: Any = None  # mode=train: null (the model's self.stages) | auto | [module paths where stages begin]
     partition: str = DEFAULT.partition  # mode=train: self.stages cut balanced by params | time (profiled) | memory
     timeout: float = 30.0  # seconds without progress, while its peers wait, after which a worker is named as hung
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)  # mode=train: how checkpoints are written
     ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
     nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step (launcher.runtime.nonfinite)
     plan: PlanConf = field(default_factory=PlanConf)  # mode=plan (and strategy=auto)

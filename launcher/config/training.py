@@ -175,8 +175,14 @@ def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
         out.append(f"data.seq_len={seq} is invalid: a sample needs at least one position to predict (with none the "
                    f"loss is nan); use a positive integer.")
     ckpt = _get(cfg, "ckpt_path")
-    if ckpt is not None and not os.path.isfile(str(ckpt)):
-        out.append(f"ckpt_path={ckpt} is invalid: no such checkpoint file.")
+    if ckpt is not None and not os.path.exists(str(ckpt)):
+        out.append(f"ckpt_path={ckpt} is invalid: no such checkpoint file or directory.")
+    fmt, mode = _get(cfg, "checkpoint.format", None), _get(cfg, "checkpoint.async_mode", "disabled")
+    if fmt not in (None, "sharded", "single"):
+        out.append(f"checkpoint.format={fmt} is invalid: use sharded (each stage's owner writes it), single (one "
+                   f"file) or null (the scheme's default).")
+    if mode not in ("disabled", "async"):
+        out.append(f"checkpoint.async_mode={mode} is invalid: use disabled or async.")
     return out
 
 

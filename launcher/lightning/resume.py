@@ -132,6 +132,8 @@ def resume_errors(cfg: DictConfig, model: Any) -> list[str]:
     """One sentence per problem with ``cfg.ckpt_path`` for ``model`` (built as the run builds it);
     nothing when there is no checkpoint to resume from (a missing file is the config's rule)."""
     path = cfg.get("ckpt_path")
+    if path is not None and os.path.isdir(str(path)):
+        return _sharded_errors(f"ckpt_path={path}", str(path), cfg, model)
     if path is None or not os.path.isfile(str(path)):
         return []
     key = f"ckpt_path={path}"
@@ -163,6 +165,22 @@ def resume_errors(cfg: DictConfig, model: Any) -> list[str]:
         return [f"{key} cannot be read as a checkpoint ({one_line(e)}); it may be truncated or damaged: "
                 f"resume from another one (the run's checkpoints/ keeps one per validation)."]
     # a finished checkpoint first: raising trainer.max_steps is what to do, the schedule comes next
+    return found or _done_errors(key, ckpt, cfg) or _schedule_errors(key, ckpt, cfg, model)
+
+
+def _sharded_errors(key: str, path: str, cfg: DictConfig, model: Any) -> list[str]:
+    """A sharded checkpoint (a directory, :mod:`.sharded`): whole (every shard there, none cut
+    short), and of this model; read from its metadata only, no tensor is loaded."""
+    from . import sharded
+
+    why = sharded.problems(path)
+    if why is not None:
+        return [f"{key} {why}: resume from another checkpoint (a save interrupted midway leaves the previous "
+                f"last.ckpt whole), or start without ckpt_path."]
+    meta = sharded.read_meta(path)
+    ckpt = dict(meta, state_dict={k: torch.empty(v, device="meta") if v is not None else None
+                                  for k, v in sharded.shapes(path, meta).items()})
+    found = _model_errors(key, ckpt, model)
     return found or _done_errors(key, ckpt, cfg) or _schedule_errors(key, ckpt, cfg, model)
 
 

@@ -48,6 +48,15 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         self._head: int | None = None  # a traced module's unit before any submodule, seeded at job start
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """A sharded checkpoint (a directory) read whole, in the single-device layout."""
+        from . import sharded
+
+        if sharded.is_sharded(checkpoint_path):
+            return sharded.read(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
+    @override
     def setup_environment(self) -> None:
         # built before the trainer resolves its accelerator: its first device, as "auto" would pick
         if self.accelerator is not None:

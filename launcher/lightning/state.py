@@ -66,6 +66,23 @@ class Layout:
     def canonical(self, name: str) -> str:
         return self.aliases.get(name, name)
 
+    def first_stage(self) -> dict[str, int]:
+        """Every parameter's and stage buffer's name -> the first stage that holds it (a tied
+        parameter is written once, by that stage's writer)."""
+        out: dict[str, int] = {}
+        buffers_of = self.stage_buffers or [[] for _ in self.stage_names]
+        for s, (params, buffers) in enumerate(zip(self.stage_names, buffers_of)):
+            for n in [*params, *buffers]:
+                if n is not None:
+                    out.setdefault(n, s)
+        return out
+
+    @property
+    def written(self) -> set[str]:
+        """The names this worker writes into a sharded checkpoint: those whose first stage it writes."""
+        mine = set(self.writers)
+        return {n for n, s in self.first_stage().items() if s in mine}
+
 
 def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
     """Every rank's ``obj`` at rank 0 (None elsewhere); every rank must call it."""
@@ -103,6 +120,27 @@ def gather_module_state(module: nn.Module, layout: Layout, modules: dict[int, nn
     out.update(every)
     for alias, name in layout.aliases.items():  # a shared parameter under each of its names, as one process saves it
         out[alias] = every[name]
+    return out
+
+
+def local_module_state(module: nn.Module, layout: Layout, modules: dict[int, nn.Module], stages: list[nn.Module],
+                       rank_zero: bool) -> dict[str, torch.Tensor]:
+    """This worker's share of the module's state dict for a sharded checkpoint: the parameters and
+    buffers it writes (:attr:`Layout.written`), and on rank 0 also the module's entries outside the stages."""
+    written = layout.written
+    out: dict[str, torch.Tensor] = {}
+    if rank_zero:
+        staged = layout.staged_names
+        for k, v in module.state_dict().items():
+            if k not in staged and not k.startswith("_launcher"):
+                out[k] = v.detach().cpu()
+    for s in layout.writers:
+        for name, p in zip(layout.stage_names[s], modules[s].parameters()):
+            if name in written:
+                out[name] = p.detach().cpu()
+        for name, b in zip(layout.stage_buffers[s], stages[s].buffers()):
+            if name is not None and name in written:
+                out[name] = b.detach().cpu()
     return out
 
 

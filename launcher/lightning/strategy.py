@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import resource
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,11 +59,19 @@ from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import CUSTOM, DEFAULT, OrderLike, SchemeLike, Settings
+from . import sharded
 from .item_counts import loss_items
 from .launcher import ForkLauncher
 from .lightning_private import init_dist_connection, retype_precision_plugin, sync_ddp_if_available, train_dataloaders
 from .staging import example_microbatch, first_batch, split_batch, stage_module, uses_trace
-from .state import Layout, gather_module_state, gather_optimizer_state, load_stage_state, scatter_optimizer_state
+from .state import (
+    Layout,
+    gather_module_state,
+    gather_optimizer_state,
+    load_stage_state,
+    local_module_state,
+    scatter_optimizer_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +172,8 @@ class UnifiedStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
+        #: ``checkpoint``'s keys (``format``: sharded | single | None = the scheme's; ``async_mode``: disabled | async)
+        self.checkpoint_settings: dict[str, Any] = dict(config.pop("checkpoint", None) or {})
         if settings is not None and (config or stages is not None or G is not None or R is not None):
             raise TypeError("UnifiedStrategy takes the step's settings either as settings=Settings(...) or as "
                             "keywords, not both")
@@ -198,6 +208,7 @@ class UnifiedStrategy(ParallelStrategy):
         self.base_memory = 0  # bytes this worker held before its stages were materialised
         self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes
         self._watchdog: Watchdog | None = None
+        self._pending: Callable[[], None] | None = None  # a background checkpoint save to finish
 
     # ---- configuration -------------------------------------------------------------------
     def _from_keywords(self, stages: int) -> Settings:
@@ -581,16 +592,70 @@ class UnifiedStrategy(ParallelStrategy):
         return joined([merged[b] for b in range(self.B)], self.root_device)
 
     # ---- checkpoints -----------------------------------------------------------------------
+    @property
+    def checkpoint_format(self) -> str:
+        """``sharded`` (each stage's first owner writes it, :mod:`.sharded`) or ``single`` (one file
+        in the single-device layout, gathered at rank 0): ``checkpoint.format``, else the scheme's
+        default (:attr:`launcher.schedule.schemes.Scheme.checkpoint`)."""
+        if self.checkpoint_settings.get("format") is not None:
+            return str(self.checkpoint_settings["format"])
+        registered = SCHEMES.get(self.scheme) if isinstance(self.scheme, str) else None
+        return registered.checkpoint if registered is not None else "single"
+
+    @property
+    def _sharded(self) -> bool:
+        return self.checkpoint_format == "sharded"
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None and self.layout is not None
+        if self._sharded:  # this worker's share only: nobody gathers the model
+            return local_module_state(self.lightning_module, self.layout, self.engine.modules, self.engine.stages,
+                                      self.global_rank == 0)
         return gather_module_state(self.lightning_module, self.layout, self.engine.modules, self.engine.stages)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         assert self.layout is not None
         opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the real one
+        if self._sharded:
+            names = {id(p): self.layout.canonical(n) for n, p in self.lightning_module.named_parameters()}
+            return sharded.optimizer_entries(opt, names, self.layout.written)
         return gather_optimizer_state(opt, self.lightning_module, self.layout)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not self._sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        assert self.layout is not None
+        self.finish_checkpoint()  # the previous background save, if any, is complete first
+        background = self.checkpoint_settings.get("async_mode", "disabled") != "disabled"
+        with blocked(current_watchdog()):
+            self._pending = sharded.save(checkpoint, filepath, self.layout.staged_names, self.layout.names,
+                                         self.layout.aliases, self.global_rank, async_save=background)
+        return None
+
+    def finish_checkpoint(self) -> None:
+        """Wait for a background save (``checkpoint.async_mode=async``) and put it in place."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            with blocked(current_watchdog()):
+                pending()
+
+    @override
+    def on_train_end(self) -> None:
+        self.finish_checkpoint()
+        super().on_train_end()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """A sharded checkpoint: only the stages this worker owns (and every stage's buffers)."""
+        if not sharded.is_sharded(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        assert self.engine is not None and self.layout is not None
+        names = {n for s in self.engine.owned for n in self.layout.stage_names[s]}
+        names |= {n for buffers in self.layout.stage_buffers for n in buffers if n is not None}
+        return sharded.read(checkpoint_path, names)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -661,6 +726,7 @@ class UnifiedStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.finish_checkpoint()
         if self._watchdog is not None:
             self._watchdog.stop(done=True)
             self._watchdog = None

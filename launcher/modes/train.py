@@ -443,6 +443,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None, checked: Built | None = None)
     else:
         strategy = UnifiedStrategy(
             settings=spec, timeout=float(cfg.timeout), nonfinite=cfg.get("nonfinite", "stop"),
+            checkpoint=OmegaConf.to_container(cfg.checkpoint) if cfg.get("checkpoint") is not None else None,
             split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
         if built.checked is not None:
             strategy.adopt(built.checked)

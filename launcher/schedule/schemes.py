@@ -34,6 +34,9 @@ class Scheme:
     passes: bool = True
     #: why a tie-break order has no effect, when it has none (``order`` is then ignored)
     why_no_order: str | None = None
+    #: the default ``checkpoint.format``: ``sharded`` where each stage's weights have one owner (no
+    #: worker holds the whole model, so none should gather it), ``single`` where they are replicated
+    checkpoint: str = "single"
 
     @property
     def has_order(self) -> bool:
@@ -65,13 +68,13 @@ SCHEMES: dict[str, Scheme] = {
                why_no_order="each DDP worker takes its one micro-batch through every stage alone, with no "
                             "pipeline bubble for an order to fill"),
         Scheme("fsdp", "one worker per micro-batch, each stage's weights sharded and fetched (G = B, R = 1)",
-               lambda G, R, own: FSDP(G * R), "microbatches", fetches=True, passes=False),
+               lambda G, R, own: FSDP(G * R), "microbatches", fetches=True, passes=False, checkpoint="sharded"),
         Scheme("gpipe", "one worker per stage, activations sent along the pipeline (G = 1, R = S)",
-               lambda G, R, own: GPipe(), "stages"),
+               lambda G, R, own: GPipe(), "stages", checkpoint="sharded"),
         Scheme("lpp", "looped pipeline: G pipelines of R workers that loop over the S stages",
                lambda G, R, own: LPP(G, R)),
         Scheme("fslpp", "fully sharded looped pipeline: lpp with each stage's weights owned by one worker",
-               lambda G, R, own: FSLPP(G, R, own), fetches=True),
+               lambda G, R, own: FSLPP(G, R, own), fetches=True, checkpoint="sharded"),
     )
 }
 

@@ -1,0 +1,269 @@
+"""Sharded checkpoints: a directory in which every stage's first owner writes that stage with
+``torch.distributed.checkpoint`` (DCP), in parallel, and no process gathers the model.
+
+Layout of ``last.ckpt/`` (a directory):
+
+- ``.metadata`` and ``__<rank>_0.distcp``: DCP's files. Keys are single-device names:
+  ``state_dict.<name>`` for every parameter (a tied one once, under its first name) and every stage
+  buffer, ``optimizer_states.<k>.<name>.<key>`` for the optimizer state of parameter ``<name>``.
+  Each tensor is whole: a stage is never split below its parameters, so no resharding is needed.
+- ``lightning.pt``: everything else Lightning saves (step, epoch, loops, callbacks, schedulers,
+  hyperparameters, the module's entries outside the stages, the optimizers' parameter groups in the
+  single-device numbering), written by rank 0, small.
+
+Loading anywhere is carried by this stage layout, not by DCP's resharding: a worker asks DCP for
+the keys of the stages it will own, each a whole tensor under its single-device name, whatever
+scheme, worker count, stage count or partition wrote it (a stage cut differently is only a
+different set of names). A checkpoint is written under a hidden temporary name and swapped in whole
+(:func:`launcher.atomic.replace_dir`) once every worker's shard and the metadata are on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+#: the file holding everything but the stages' tensors
+META = "lightning.pt"
+#: the key of ``lightning.pt`` that marks a sharded checkpoint and holds the module's names
+MARK = "launcher_sharded"
+SD, OPT = "state_dict.", "optimizer_states."
+FORMATS = ("sharded", "single")
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path)
+
+
+def tmp_dir(path: str | os.PathLike) -> Path:
+    """Where a checkpoint is written before it is swapped in: hidden, and not ending in ``.ckpt``."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp")
+
+
+def optimizer_entries(optimizer: torch.optim.Optimizer, names: dict[int, str],
+                      writes: set[str]) -> dict[str, Any]:
+    """This worker's optimizer state by parameter name: ``state`` of the parameters it writes,
+    ``groups``: every parameter group's hyperparameters, ``members``: per group, the names of this
+    worker's parameters in it."""
+    local = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state: dict[str, dict[str, Any]] = {}
+    members: list[list[str]] = []
+    for g in local["param_groups"]:
+        members.append([])
+        for i in g["params"]:
+            n = names.get(id(params[i]))
+            if n is None:
+                continue
+            members[-1].append(n)
+            if n in writes and local["state"].get(i):
+                state[n] = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in local["state"][i].items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in local["param_groups"]]
+    return {"state": state, "groups": groups, "members": members}
+
+
+def save(checkpoint: dict[str, Any], path: str | os.PathLike, staged: set[str], names: list[str],
+         aliases: dict[str, str], rank: int, async_save: bool = False) -> Any:
+    """Write this worker's part of ``checkpoint`` into the directory ``path`` (collective: every rank
+    calls it). ``checkpoint["state_dict"]``: the tensors this worker writes (and, on rank 0, the
+    module's entries outside the stages); ``checkpoint["optimizer_states"]``: per optimizer, this
+    worker's :func:`optimizer_entries`. ``staged``: every key that belongs to a stage; ``names``:
+    the full module's parameter names in order; ``aliases``: other name -> first name of a tied
+    parameter. With ``async_save`` the shards are written in the background from a host copy, and
+    the returned callable finishes the save (waits, then swaps the directory in)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp = tmp_dir(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)  # a save that was interrupted
+    if distributed:
+        dist.barrier()
+    tmp.mkdir(parents=True, exist_ok=True)
+    shards: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for k, v in checkpoint["state_dict"].items():
+        if k in staged:
+            shards[SD + k] = v.detach().cpu()
+        else:
+            rest[k] = v
+    members: list[list[list[str]]] = []
+    for k, entry in enumerate(checkpoint.get("optimizer_states", [])):
+        for n, st in entry["state"].items():
+            for key, v in st.items():
+                shards[f"{OPT}{k}.{n}.{key}"] = v
+        members.append(entry["members"])
+    every = [None] * dist.get_world_size() if distributed and rank == 0 else None
+    if distributed:
+        dist.gather_object(members, every, dst=0)  # names only: which group each parameter is in
+    else:
+        every = [members]
+    meta: dict[str, Any] | None = None
+    if rank == 0:
+        assert every is not None
+        index = {n: i for i, n in enumerate(names)}
+        optimizers = []
+        for k, entry in enumerate(checkpoint.get("optimizer_states", [])):
+            groups = [dict(h, params=set()) for h in entry["groups"]]
+            for part in every:
+                for gi, group in enumerate(part[k]):  # type: ignore[index]
+                    groups[gi]["params"].update(index[n] for n in group if n in index)
+            optimizers.append({"param_groups": [dict(g, params=sorted(g["params"])) for g in groups]})
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta.update(state_dict=rest, optimizer_states=optimizers, **{MARK: {"names": names, "aliases": aliases}})
+    writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+    if not async_save:
+        dcp.save(shards, storage_writer=writer, no_dist=not distributed)
+        _finish(meta, tmp, path)
+        return None
+    future = dcp.async_save(shards, storage_writer=writer, no_dist=not distributed,
+                            process_group=_async_group() if distributed else None)
+
+    def finish() -> None:
+        future.result()
+        _finish(meta, tmp, path)
+
+    return finish
+
+
+_GROUP: Any = None
+
+
+def _async_group() -> Any:
+    """A gloo group for the background save's collectives (as torchtitan does), apart from the
+    training's own traffic; made once per process, by every rank together."""
+    global _GROUP
+    import torch.distributed as dist
+
+    if _GROUP is None:
+        _GROUP = dist.new_group(backend="gloo")
+    return _GROUP
+
+
+def _finish(meta: dict[str, Any] | None, tmp: Path, path: Path) -> None:
+    """Rank 0, once every shard and DCP's metadata are written: the rest, then the swap."""
+    if meta is None:
+        return
+    from ..atomic import replace_dir, replacing
+
+    with replacing(tmp / META, "wb") as f:
+        torch.save(meta, f)
+    replace_dir(tmp, path)
+
+
+# ---- reading --------------------------------------------------------------------------------
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """``lightning.pt`` of a sharded checkpoint (tensors and plain values only)."""
+    return torch.load(Path(path) / META, map_location="cpu", weights_only=True)
+
+
+def read_index(path: str | os.PathLike) -> Any:
+    """DCP's metadata: every key's size and dtype, and where its bytes lie."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def shapes(path: str | os.PathLike, meta: dict[str, Any] | None = None) -> dict[str, list[int] | None]:
+    """Every entry of the module's state dict the checkpoint holds, with its shape (``None``: not a tensor)."""
+    meta = meta if meta is not None else read_meta(path)
+    out: dict[str, list[int] | None] = {k: list(v.shape) if torch.is_tensor(v) else None
+                                        for k, v in meta["state_dict"].items()}
+    for key, md in read_index(path).state_dict_metadata.items():
+        if key.startswith(SD):
+            out[key[len(SD):]] = list(md.size) if hasattr(md, "size") else None
+    for alias, name in meta[MARK]["aliases"].items():
+        if name in out:
+            out[alias] = out[name]
+    return out
+
+
+def problems(path: str | os.PathLike) -> str | None:
+    """Why the directory ``path`` is not a whole sharded checkpoint, in words naming the file; None if it is."""
+    path = Path(path)
+    if not (path / META).is_file():
+        return f"lacks {path / META}, which a save writes last, so it is not a whole checkpoint"
+    if not (path / ".metadata").is_file():
+        return f"lacks {path / '.metadata'}, so it is not a whole checkpoint"
+    try:
+        meta = read_meta(path)
+    except Exception as e:  # noqa: BLE001 - a damaged file: one sentence
+        return f"cannot read {path / META} ({' '.join(str(e).split())[:200]})"
+    if not isinstance(meta, dict) or MARK not in meta:
+        return f"holds {path / META}, which is not a launcher checkpoint's"
+    try:
+        index = read_index(path)
+    except Exception as e:  # noqa: BLE001
+        return f"cannot read {path / '.metadata'} ({' '.join(str(e).split())[:200]})"
+    need: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        rel = info.relative_path
+        need[rel] = max(need.get(rel, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            return f"lacks its shard {f}"
+        have = f.stat().st_size
+        if have < size:
+            return f"has its shard {f} cut short ({have:,} of {size:,} bytes)"
+    return None
+
+
+def read(path: str | os.PathLike, names: Iterable[str] | None = None, optimizer: bool = True,
+         meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A sharded checkpoint as Lightning's single-device checkpoint dict; with ``names``, only
+    those parameters and stage buffers (and the module's entries outside the stages) are read, with
+    their optimizer state: what one worker needs. Reads nothing else from the shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dict(meta if meta is not None else read_meta(path))
+    index = read_index(path).state_dict_metadata
+    mark = meta[MARK]
+    wanted = None if names is None else {mark["aliases"].get(n, n) for n in names}
+    request: dict[str, Any] = {}
+    for key, md in index.items():
+        if key.startswith(SD):
+            name = key[len(SD):]
+        elif key.startswith(OPT) and optimizer:
+            name = key[len(OPT):].split(".", 1)[1].rsplit(".", 1)[0]
+        else:
+            continue
+        if wanted is not None and name not in wanted:
+            continue
+        request[key] = (torch.empty(list(md.size), dtype=md.properties.dtype)
+                        if isinstance(md, TensorStorageMetadata) else None)
+    if request:
+        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+    state = dict(meta["state_dict"])
+    opt_state: list[dict[int, dict[str, Any]]] = [{} for _ in meta["optimizer_states"]]
+    position = {n: i for i, n in enumerate(mark["names"])}
+    for key, v in request.items():
+        if key.startswith(SD):
+            state[key[len(SD):]] = v
+        else:
+            k, rest = key[len(OPT):].split(".", 1)
+            name, entry = rest.rsplit(".", 1)
+            opt_state[int(k)].setdefault(position[name], {})[entry] = v
+    for alias, name in mark["aliases"].items():  # a tied parameter under each of its names, as one process saves it
+        if name in state:
+            state[alias] = state[name]
+    meta["state_dict"] = state
+    meta["optimizer_states"] = [{"state": st, "param_groups": o["param_groups"]}
+                                for st, o in zip(opt_state, meta["optimizer_states"])]
+    meta.pop(MARK)
+    return meta
+
+
+def load(path: str | os.PathLike) -> dict[str, Any]:
+    """Any launcher checkpoint, sharded directory or single file, as the single-device checkpoint dict."""
+    if is_sharded(path):
+        return read(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
