@@ -57,7 +57,8 @@ def export_pretrained(path: str | os.PathLike, out: str | os.PathLike) -> None:
     ckpt = load(path)
     model = HFCausalLM(**ckpt["hyper_parameters"])
     model.load_state_dict(ckpt["state_dict"])
-    model.hf.save_pretrained(str(out))
+    hf: Any = model.hf  # the transformers model the stages are made of
+    hf.save_pretrained(str(out))
 
 
 def _refusal(path: str) -> str | None:

@@ -20,10 +20,12 @@ different set of names). A checkpoint is written under a hidden temporary name a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -79,6 +81,7 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, staged: set[str], 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    started = time.perf_counter()
     path = Path(path)
     tmp = tmp_dir(path)
     distributed = dist.is_available() and dist.is_initialized()
@@ -100,7 +103,7 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, staged: set[str], 
             for key, v in st.items():
                 shards[f"{OPT}{k}.{n}.{key}"] = v
         members.append(entry["members"])
-    every = [None] * dist.get_world_size() if distributed and rank == 0 else None
+    every: list[Any] | None = [None] * dist.get_world_size() if distributed and rank == 0 else None
     if distributed:
         dist.gather_object(members, every, dst=0)  # names only: which group each parameter is in
     else:
@@ -113,22 +116,26 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, staged: set[str], 
         for k, entry in enumerate(checkpoint.get("optimizer_states", [])):
             groups = [dict(h, params=set()) for h in entry["groups"]]
             for part in every:
-                for gi, group in enumerate(part[k]):  # type: ignore[index]
+                for gi, group in enumerate(part[k]):
                     groups[gi]["params"].update(index[n] for n in group if n in index)
             optimizers.append({"param_groups": [dict(g, params=sorted(g["params"])) for g in groups]})
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta.update(state_dict=rest, optimizer_states=optimizers, **{MARK: {"names": names, "aliases": aliases}})
     writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
     if not async_save:
-        dcp.save(shards, storage_writer=writer, no_dist=not distributed)
-        _finish(meta, tmp, path)
+        with _said(path, tmp, rank):
+            dcp.save(shards, storage_writer=writer, no_dist=not distributed)
+            _finish(meta, tmp, path, started, None)
         return None
-    future = dcp.async_save(shards, storage_writer=writer, no_dist=not distributed,
-                            process_group=_async_group() if distributed else None)
+    with _said(path, tmp, rank):
+        future: Any = dcp.async_save(shards, storage_writer=writer, no_dist=not distributed,
+                                     process_group=_async_group() if distributed else None)
+    blocked = time.perf_counter() - started
 
     def finish() -> None:
-        future.result()
-        _finish(meta, tmp, path)
+        with _said(path, tmp, rank):
+            future.result()
+            _finish(meta, tmp, path, started, blocked)
 
     return finish
 
@@ -147,15 +154,51 @@ def _async_group() -> Any:
     return _GROUP
 
 
-def _finish(meta: dict[str, Any] | None, tmp: Path, path: Path) -> None:
-    """Rank 0, once every shard and DCP's metadata are written: the rest, then the swap."""
+def _finish(meta: dict[str, Any] | None, tmp: Path, path: Path, started: float, blocked: float | None) -> None:
+    """Rank 0, once every shard and DCP's metadata are written: the rest, then the swap. The save's
+    timing goes with it: ``blocking_s``, how long rank 0's training waited for the save (a
+    synchronous one: all of it; an asynchronous one: the copy to host memory), ``write_s`` until now."""
     if meta is None:
         return
     from ..atomic import replace_dir, replacing
 
+    took = time.perf_counter() - started
+    meta[MARK]["save"] = {"blocking_s": took if blocked is None else blocked, "write_s": took,
+                          "async": blocked is not None}
     with replacing(tmp / META, "wb") as f:
         torch.save(meta, f)
     replace_dir(tmp, path)
+
+
+def _os_error(e: BaseException | None, seen: int = 0) -> OSError | None:
+    """The ``OSError`` behind a failed save: DCP wraps each rank's failure (``CheckpointException``)."""
+    if e is None or seen > 8:
+        return None
+    if isinstance(e, OSError):
+        return e
+    for inner in (getattr(e, "failures", None) or {}).values():
+        inner = getattr(inner, "exc", inner)  # DCP's _WrappedException holds the rank's exception
+        found = _os_error(inner if isinstance(inner, BaseException) else None, seen + 1)
+        if found is not None:
+            return found
+    return _os_error(e.__cause__ or e.__context__, seen + 1)
+
+
+@contextlib.contextmanager
+def _said(path: Path, tmp: Path, rank: int) -> Iterator[None]:
+    """A failed write (a full disk) raised as :class:`launcher.atomic.WriteError`, one sentence naming
+    the checkpoint; the temporary directory removed; the previous checkpoint of that name kept."""
+    from ..atomic import WriteError, write_sentence
+
+    try:
+        yield
+    except BaseException as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        found = _os_error(e)
+        if found is not None and not isinstance(e, WriteError):
+            raise WriteError(found.errno, write_sentence(path, found), str(path)) from e
+        raise
 
 
 # ---- reading --------------------------------------------------------------------------------
@@ -241,7 +284,11 @@ def read(path: str | os.PathLike, names: Iterable[str] | None = None, optimizer:
         request[key] = (torch.empty(list(md.size), dtype=md.properties.dtype)
                         if isinstance(md, TensorStorageMetadata) else None)
     if request:
-        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+        import warnings
+
+        with warnings.catch_warnings():  # each process reads its own keys, on purpose without collectives
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(request, checkpoint_id=str(path), no_dist=True)
     state = dict(meta["state_dict"])
     opt_state: list[dict[int, dict[str, Any]]] = [{} for _ in meta["optimizer_states"]]
     position = {n: i for i, n in enumerate(mark["names"])}

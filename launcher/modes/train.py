@@ -648,7 +648,12 @@ def _run(cfg: DictConfig, out: Path, where: str, checked: Built | None) -> dict[
     if new:
         requeue.requeue(watch, new[-1])
     for p in requeue.hpc_checkpoints(out):  # finished: a later run in this directory starts afresh
-        p.unlink(missing_ok=True)
+        if p.is_dir():  # a sharded checkpoint
+            import shutil
+
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     path = out / "metrics.json"
     if not path.exists():
         return _failed(cfg, out, where, "training ended without writing metrics.json")

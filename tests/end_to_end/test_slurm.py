@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cli import LAUNCHER, run_launcher, start_launcher
+from helpers.training import load_checkpoint
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -123,8 +124,8 @@ def test_slurm_tasks_join_one_group_and_train_like_the_forked_run(slurm_env, tmp
     q = run_launcher(*args, f"hydra.run.dir={local}", cwd=tmp_path, env=os.environ, timeout=200)
     assert q.returncode == 0, q.stderr[-3000:]
     assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == ["last.ckpt"]
-    a = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
-    b = torch.load(local / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    a = load_checkpoint(sweep / "0" / "checkpoints" / "last.ckpt")["state_dict"]
+    b = load_checkpoint(local / "checkpoints" / "last.ckpt")["state_dict"]
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-10
 
 
@@ -176,7 +177,7 @@ def test_a_signalled_task_checkpoints_is_requeued_and_ends_like_an_uninterrupted
                      env=dict(env, PROGRESS=str(tmp_path / "local-progress")), timeout=200)
     assert q.returncode == 0, q.stderr[-3000:]
     assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == ["last.ckpt"]
-    a = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", weights_only=False)
-    b = torch.load(local / "checkpoints" / "last.ckpt", weights_only=False)
+    a = load_checkpoint(sweep / "0" / "checkpoints" / "last.ckpt")
+    b = load_checkpoint(local / "checkpoints" / "last.ckpt")
     assert a["global_step"] == b["global_step"] == 12
     assert max((a["state_dict"][k] - b["state_dict"][k]).abs().max().item() for k in b["state_dict"]) < 1e-10

@@ -31,7 +31,11 @@ def quiet_trainer(strategy: Any = "auto", devices: int = 1, **kw: Any) -> L.Trai
 
 
 def load_checkpoint(path: Path) -> dict:
-    """A checkpoint file, on the CPU."""
+    """A checkpoint file, or a sharded checkpoint's directory in the single-device layout, on the CPU."""
+    if Path(path).is_dir():
+        from launcher.checkpoint import load
+
+        return load(path)
     return torch.load(path, weights_only=False, map_location="cpu")
 
 

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from helpers.cli import run_launcher
 from helpers.training import last_state, max_diff
+from launcher.checkpoint import as_file, load
 from launcher.preflight import preflight as _preflight
 
 pytestmark = pytest.mark.timeout(600)
@@ -107,7 +108,7 @@ def test_each_family_resumes_under_another_scheme_exactly(name: str, workdir: Pa
     first, whole, resumed, failed = _runs(name, workdir)
     assert not failed, failed[0][-3000:]
     ckpt = first / "checkpoints" / "last.ckpt"
-    saved = torch.load(ckpt, weights_only=True)  # tensors and plain values only
+    saved = load(ckpt)  # either format, tensors and plain values only (torch.load with weights_only=True)
     assert saved["global_step"] == 2
     assert max_diff(last_state(resumed), last_state(whole)) < 1e-10
     # Lightning's own way back to the module, with the hyperparameters it was built with
@@ -115,7 +116,7 @@ def test_each_family_resumes_under_another_scheme_exactly(name: str, workdir: Pa
     try:
         target = OmegaConf.load(whole / ".hydra" / "config.yaml").model._target_
         module, _, cls = target.rpartition(".")
-        model = getattr(importlib.import_module(module), cls).load_from_checkpoint(ckpt, map_location="cpu")
+        model = getattr(importlib.import_module(module), cls).load_from_checkpoint(as_file(ckpt), map_location="cpu")
     finally:
         sys.path.remove(str(workdir))
     # built in its default dtype (float32), as Lightning builds it: the saved values, in that dtype
