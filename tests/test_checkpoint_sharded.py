@@ -247,3 +247,35 @@ def test_replace_dir_swaps_whole_directories(tmp_path):
     tmp.mkdir()
     replace_dir(tmp, file)
     assert file.is_dir() and not tmp.exists()
+
+
+def _small_disk(limit: int) -> None:
+    """Files may not grow past ``limit`` bytes: a write past it fails with EFBIG, as on a full disk."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_sharded_save_is_one_sentence_and_keeps_the_previous(saved, tmp_path):
+    from functools import partial
+
+    run = saved.parent.parent
+    before = load(saved)
+    model = [*TINY, *GPT, "strategy=fsdp", "G=2", "R=1", "stages=2", "microbatches=2", "timeout=10"]
+    import subprocess
+
+    p = subprocess.run([os.sys.executable, "-m", "launcher", *model, "trainer.max_steps=3", f"ckpt_path={saved}",
+                        f"hydra.run.dir={run}"], cwd=tmp_path, env=launcher_env(tmp_path), capture_output=True,
+                       text=True, timeout=300, preexec_fn=partial(_small_disk, 100_000))
+    assert p.returncode == 1, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: could not write {saved}: the file is larger than this process may write (the "
+                      f"file-size limit, ulimit -f)."], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["last.ckpt"]  # no temporary directory left
+    after = load(saved)
+    assert after["global_step"] == before["global_step"] == 2
+    assert max_diff(after["state_dict"], before["state_dict"]) == 0.0

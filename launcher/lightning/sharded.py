@@ -50,8 +50,8 @@ def tmp_dir(path: str | os.PathLike) -> Path:
 def optimizer_entries(optimizer: torch.optim.Optimizer, names: dict[int, str],
                       writes: set[str]) -> dict[str, Any]:
     """This worker's optimizer state by parameter name: ``state`` of the parameters it writes,
-    ``groups``: every parameter group's hyperparameters, ``members``: per group, the names of this
-    worker's parameters in it."""
+    ``groups``: every parameter group's hyperparameters, ``members``: per group, the names of the
+    parameters it writes in it (every parameter is written by one worker, so each is in one group)."""
     local = optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state: dict[str, dict[str, Any]] = {}
@@ -60,10 +60,12 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, names: dict[int, str],
         members.append([])
         for i in g["params"]:
             n = names.get(id(params[i]))
-            if n is None:
+            if n is None or n not in writes:
                 continue
+            # each parameter's group as its writer has it: a tied parameter seen by another stage
+            # under its other name may sit in another group there (weight decay chosen by name)
             members[-1].append(n)
-            if n in writes and local["state"].get(i):
+            if local["state"].get(i):
                 state[n] = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in local["state"][i].items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in local["param_groups"]]
     return {"state": state, "groups": groups, "members": members}

@@ -38,9 +38,13 @@ class Layout:
     aliases: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, module: nn.Module, stages: list[nn.Module], writers: list[int]) -> "Layout":
+    def of(cls, module: nn.Module, stages: list[nn.Module], writers: list[int],
+           ties: list[list[tuple[int, int]]] | None = None) -> "Layout":
         """The layout of ``module`` cut into the stage modules ``stages`` (made of its own
-        submodules or holding its own tensors), read off the objects, not their names."""
+        submodules or holding its own tensors), read off the objects, not their names. ``ties``:
+        the parameters several stages share, as ``(stage, index)`` uses (:attr:`Engine.ties`,
+        found before the stages were placed): a worker that materialises one use of a tied
+        parameter and not the other holds two objects where one device holds one."""
         first: dict[int, str] = {}
         aliases: dict[str, str] = {}
         for n, p in module.named_parameters(remove_duplicate=False):
@@ -50,8 +54,18 @@ class Layout:
                 first[id(p)] = n
         kept = set(module.state_dict(keep_vars=True))
         buffer_name = {id(b): n for n, b in module.named_buffers(remove_duplicate=False) if n in kept}
-        return cls(list(first.values()), [[first[id(p)] for p in m.parameters()] for m in stages], writers,
-                   [[buffer_name.get(id(b)) for b in m.buffers()] for m in stages], aliases)
+        stage_names = [[first[id(p)] for p in m.parameters()] for m in stages]
+        names = list(first.values())
+        for uses in ties or []:
+            (s0, i0), *later = sorted(uses)
+            for s, i in later:
+                other = stage_names[s][i]
+                if other != stage_names[s0][i0]:  # the tie broken on this worker: one name again
+                    aliases[other] = stage_names[s0][i0]
+                    stage_names[s][i] = stage_names[s0][i0]
+                    names.remove(other)
+        return cls(names, stage_names, writers, [[buffer_name.get(id(b)) for b in m.buffers()] for m in stages],
+                   aliases)
 
     @property
     def index(self) -> dict[str, int]:

@@ -395,7 +395,8 @@ class UnifiedStrategy(ParallelStrategy):
         self.engine.streams = _agreed_seed(self.root_device)
         owners = self.engine.plan.owners
         me = self.engine.worker
-        self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me])
+        self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me],
+                                self.engine.ties)
         index = staging.groups or []
         for s, g in enumerate(index):  # keep only owned stages on the module
             if s not in self.engine.owned:

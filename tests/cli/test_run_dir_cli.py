@@ -138,8 +138,9 @@ def _small_disk() -> None:
 @pytest.mark.slow
 def test_full_disk_is_one_sentence_and_keeps_what_was_written(tmp_path):
     run = tmp_path / "run"
+    # one file per checkpoint (sharded ones: tests/test_checkpoint_sharded.py)
     common = ["strategy=fslpp", "G=2", "R=2", *SMALL, "model.max_steps=4", "trainer.val_check_interval=2",
-              "timeout=10", f"hydra.run.dir={run}"]
+              "timeout=10", "checkpoint.format=single", f"hydra.run.dir={run}"]
     first = launcher(*common, "trainer.max_steps=2", cwd=tmp_path)  # its checkpoints must stay as they were
     assert first.wait(timeout=120) == 0, first.stderr.read()[-3000:]
     last = run / "checkpoints" / "last.ckpt"
