@@ -179,7 +179,8 @@ def _os_error(e: BaseException | None, seen: int = 0) -> OSError | None:
     if isinstance(e, OSError):
         return e
     for inner in (getattr(e, "failures", None) or {}).values():
-        inner = getattr(inner, "exc", inner)  # DCP's _WrappedException holds the rank's exception
+        # DCP keeps each rank's failure as (exception, traceback), or an object holding it in .exc
+        inner = inner[0] if isinstance(inner, tuple) and inner else getattr(inner, "exc", inner)
         found = _os_error(inner if isinstance(inner, BaseException) else None, seen + 1)
         if found is not None:
             return found
