@@ -112,7 +112,6 @@ def test_a_job_that_dies_is_a_failed_point_within_a_bounded_time(slurm_env, tmp_
 def test_slurm_tasks_join_one_group_and_train_like_the_forked_run(slurm_env, tmp_path):
     """tasks_per_node=W: srun starts the W workers (Lightning's SLURMEnvironment) instead of the
     strategy forking them inside one task; the parameters equal a local forked run's (float64)."""
-    import torch
 
     args = ["strategy=fslpp", "G=2", "R=1", "stages=4", "microbatches=2", "data.batch_size=4", "data.seq_len=8",
             "data.chars=20000", "model.d_model=16", "model.n_head=2", "model.n_layer=2", "trainer.max_steps=3",
@@ -135,7 +134,6 @@ def test_a_signalled_task_checkpoints_is_requeued_and_ends_like_an_uninterrupted
     mid-run: the workers checkpoint after the step they are in, the job is requeued, resumes from
     that checkpoint and ends with the parameters of a run that was never interrupted (float64).
     Both when the task forks its workers and when srun starts them."""
-    import torch
 
     (tmp_path / "slow.py").write_text(SLOW)
     progress = tmp_path / "progress"
