@@ -91,7 +91,7 @@ class ForkLauncher(Launcher):
         # meta device stays there in the launching process: no process ever holds all of it (its
         # trained weights are in the run's checkpoints)
         back = fitting and not strategy.meta
-        state = strategy.lightning_module_state_dict() if back else None
+        state = strategy.gathered_module_state() if back else None
         if dist.get_rank() != 0:
             return None
         ckpt = trainer.checkpoint_callback

@@ -615,6 +615,12 @@ class UnifiedStrategy(ParallelStrategy):
                                       self.global_rank == 0)
         return gather_module_state(self.lightning_module, self.layout, self.engine.modules, self.engine.stages)
 
+    def gathered_module_state(self) -> dict[str, Any]:
+        """The whole module's state dict at rank 0, whatever the checkpoint format (collective): the
+        trained weights handed back to a launching process that holds the whole module anyway."""
+        assert self.engine is not None and self.layout is not None
+        return gather_module_state(self.lightning_module, self.layout, self.engine.modules, self.engine.stages)
+
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         assert self.layout is not None
