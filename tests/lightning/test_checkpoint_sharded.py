@@ -25,8 +25,8 @@ from helpers.cli import launcher_env, run_launcher
 from helpers.training import max_diff
 from launcher.atomic import replace_dir
 from launcher.checkpoint import as_file, load
-from launcher.cli import _preflight
 from launcher.lightning import sharded
+from launcher.preflight import preflight as _preflight
 
 pytestmark = pytest.mark.timeout(900)
 
