@@ -52,6 +52,7 @@ class _Loader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        assert module.__spec__ is not None  # the import system sets it before a loader runs
         module.__spec__.loader = module.__loader__ = self.loader  # the module is torchvision's as usual
         try:
             self.loader.exec_module(module)

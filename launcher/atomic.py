@@ -97,7 +97,7 @@ def replacing(path: str | os.PathLike, mode: str = "wb", *, sync: bool = True) -
     path = Path(path)
     tmp = _tmp_name(path)
     with _renamed(path, tmp):
-        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
             f.flush()
             if sync:

@@ -102,7 +102,8 @@ class SeededData(LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             return 0
-        return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+        # Lightning types ``total`` as the base tracker; the training loop's batch progress is a _ProcessedTracker
+        return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)  # type: ignore[attr-defined]
 
     def _epoch_samples(self) -> int:
         """Samples an epoch trains on: its whole batches, or ``limit_train_batches`` of them."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
@@ -233,7 +234,7 @@ def joined_rank() -> int:
 def in_sweep() -> bool:
     """Whether this run is one point of a Hydra multirun."""
     try:
-        return HydraConfig.get().mode.name == "MULTIRUN"
+        return HydraConfig.get().mode == RunMode.MULTIRUN
     except ValueError:
         return False
 

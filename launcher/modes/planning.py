@@ -5,7 +5,7 @@ planning half: the config with the planner's best applied."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,6 +21,7 @@ from .common import console, in_sweep, output_dir, point, reject, write_invalid
 def apply(cfg: DictConfig, c: Candidate) -> DictConfig:
     """``cfg`` with candidate ``c``'s settings, as its overrides would set them."""
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    assert isinstance(out, DictConfig)  # made from a mapping
     for key, value in c.point.settings().items():
         key = {"strategy": "strategy.name", "order": "order.name"}.get(key, key)
         OmegaConf.update(out, key, value, force_add=True)
@@ -81,7 +82,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                   highlight=False, soft_wrap=True)
     else:
         con.print(f"nothing fits {_budget_text(cfg)} on {workers} workers", highlight=False)
-    path = write_plan(plan_record(result, OmegaConf.to_container(cfg, resolve=True), prof.seconds), output_dir())
+    config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's container is a dict
+    path = write_plan(plan_record(result, config, prof.seconds), output_dir())
     con.print(f"wrote {path}", highlight=False, soft_wrap=True)
     best = result.best.to_json() if result.best else None
     return {"point": where, "ok": True, "summary": None, "plan": best}

@@ -4,7 +4,7 @@ text diagram, ``simulation.json`` and ``pipeline.png`` in the run directory)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -68,7 +68,7 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     from ..report import closed_form_table, per_worker_table, record, write_record
     from ..report.png import save_png
 
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's container is a dict
     scheme = cfg.strategy.name if cfg.strategy.get("placement") is None else "custom"
     rec = record(config, summary, scheme)
     jobs = tl.step.space.N

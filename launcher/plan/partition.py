@@ -44,6 +44,7 @@ def _minmax(cost: Sequence[float], S: int, allowed: Sequence[float] | None = Non
     pc = _prefix(cost)
     pa = _prefix(allowed) if allowed is not None and cap is not None else None
     inf = float("inf")
+    limit = cap if cap is not None else inf  # read only where pa (so cap) is given
     # best[k][i]: the smallest largest-group cost cutting the first i modules into k groups
     best = [[inf] * (n + 1) for _ in range(S + 1)]
     cut = [[-1] * (n + 1) for _ in range(S + 1)]
@@ -51,7 +52,7 @@ def _minmax(cost: Sequence[float], S: int, allowed: Sequence[float] | None = Non
     for k in range(1, S + 1):
         for i in range(k, n - (S - k) + 1):
             for j in range(k - 1, i):
-                if best[k - 1][j] == inf or (pa is not None and pa[i] - pa[j] > cap):  # type: ignore[operator]
+                if best[k - 1][j] == inf or (pa is not None and pa[i] - pa[j] > limit):
                     continue
                 v = max(best[k - 1][j], pc[i] - pc[j])
                 if v < best[k][i]:
@@ -89,8 +90,9 @@ def time_groups(seconds: Sequence[float], S: int, memory: Sequence[float] | None
         raise PartitionError(f"memory has {len(memory)} entries but seconds has {len(seconds)}; give one per module")
     groups = _minmax(seconds, S, memory, cap)
     if groups is None:
-        need = memory_groups(memory, S)  # type: ignore[arg-type]
-        least = max(sum(memory[i] for i in g) for g in need)  # type: ignore[index]
+        assert memory is not None and cap is not None  # only a memory cap can leave no cut
+        need = memory_groups(memory, S)
+        least = max(sum(memory[i] for i in g) for g in need)
         raise PartitionError(f"partition=time cannot fit every stage within the memory cap of {cap:.4g} bytes per "
                              f"worker: the best cut into {S} stages needs {least:.4g} bytes on its largest stage; "
                              f"raise plan.memory or use more stages")

@@ -143,8 +143,10 @@ def _neg(key: tuple) -> tuple:
 def _durations(prof: Profile, split: bool) -> dict[str, float]:
     d = dict(prof.durations)
     if d["I"] is None or d["W"] is None:  # not measured: unused unless split (then not searched)
-        d["I"] = d["W"] = d["B"] / 2
-    return {k: float(v) for k, v in d.items()}  # type: ignore[arg-type]
+        b = d["B"]
+        assert b is not None  # a profile always has F and B; only the split backward's I and W may lack
+        d["I"] = d["W"] = b / 2
+    return {k: float(v) for k, v in d.items() if v is not None}
 
 
 def time_bound(S: int, B: int, G: int, R: int, split: bool, d: dict[str, float], comm: float,
@@ -247,7 +249,8 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
     kept: list[list] = []  # a max-heap of [negated key, serial, candidate]: the top ``top`` candidates
     listed: dict[tuple, list] = {}  # schedule -> its entry in ``kept``
     serial = itertools.count()
-    jobs = []  # (bound, tiebreak, B, G, R, split, order, warmup, recompute)
+    # (bound, tiebreak, B, G, R, split, order, warmup, recompute)
+    jobs: list[tuple[float, int, int, int, int, bool, str, str, str]] = []
     # recomputation trades an extra forward per backward for the forwards' graphs: searched only
     # under a byte budget, and only when the profile knows what those graphs hold
     recomputes = ("none", "full") if budget.bytes is not None and prof.bytes and prof.bytes.get("saved") else ("none",)
@@ -373,7 +376,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
               ml: Any, d: dict[str, float], prof: Profile, budget: Budget, plan: Ranking,
               moves: dict, worst: float = math.inf) -> list[Candidate]:
     """Every scheme, ownership and cache on one simulated timeline, keeping those that fit.
-    ``moves`` caches each scheme's traffic: it depends on the placement and the split only.
+    ``moves`` caches each scheme's traffic and gradient exchange tails: they depend on the placement
+    and the split only.
     ``worst``: the step time a candidate must beat to enter the top (cache ``job``, never faster than
     cache ``step`` when every worker has a core, is then timed only when that beats it)."""
     S = tl.step.S
@@ -390,7 +394,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     rc = "full" if tl.step.recompute else "none"
     out = []
     step_time: dict = {}
-    grads = [prof.stage_bytes("grads", s) for s in range(S)] if prof.link and prof.bytes else None
+    link = prof.link
+    grads = [prof.stage_bytes("grads", s) for s in range(S)] if link and prof.bytes else None
     programs = tuple(map(tuple, tl.program))
     monotone = prof.cores is None or prof.cores >= tl.step.workers  # see job_cache_time
     # per job work on CPU workers: it depends on where jobs run only, the same for every scheme here
@@ -399,21 +404,22 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     for sch, weights, owned, fetched in per_scheme:
         view = Timeline(tl.step, tl.compute, weights * tl.step.space.K, tl.start, tl.finish, tl.program,
                         tl.peak_activations)
-        t = moves.get(sch)
-        if t is None:
-            t = moves[sch] = traffic(view)
-            if grads:  # the gradient exchange after the compute depends on who owns what
-                t["end_of_step"] = end_of_step(view, grads, prof.link)
+        cached: tuple[dict[str, list[int]], list[float] | None] | None = moves.get(sch)
+        if cached is None:
+            # the gradient exchange after the compute (its tails) depends on who owns what
+            tails = end_of_step(view, grads, link) if grads and link is not None else None
+            cached = moves[sch] = (traffic(view), tails)
+        t, tails = cached
         if prof.cores is not None:  # CPU workers: they share the cores
             step_time[sch] = shared_cores_time(view, prof, grads, work)
         else:
-            step_time[sch] = ((link_step_time(view, grads, prof.link, t["end_of_step"]) if grads else latency)
+            step_time[sch] = ((link_step_time(view, grads, link, tails) if grads and link is not None else latency)
                               + prof.outside)
         recompute = step_time[sch]
         # cache "job" (backwards on fetched weights recompute their forward) lasts at least as long
         # where every worker has a core; on shared cores more work can reorder who waits for whom
         if any(fetched) and (not monotone or step_time[sch] <= worst):
-            recompute = job_cache_time(view, prof, grads, d, step_time[sch], t.get("end_of_step"), work)
+            recompute = job_cache_time(view, prof, grads, d, step_time[sch], tails, work)
         step_fits = False
         for cache in CACHES:
             seconds = recompute if cache == "job" else step_time[sch]
@@ -429,7 +435,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
                                    [o + f for o, f in zip(t["weights_owned"], t["weight_fetch_stages"])])
             act_c = memory.activation_bytes(view, prof, cache) if cache == "job" and job_act and any(fetched) else act
             peak_bytes = (memory.worker_bytes(view, prof, cache, resident, owned, fetched, act_c)
-                          if act is not None else None)
+                          if act_c is not None else None)  # None exactly when act is (no profiled bytes)
             if budget.bytes is not None and peak_bytes is not None and max(peak_bytes) > budget.bytes:
                 plan.did_not_fit += 1
                 continue

@@ -66,7 +66,7 @@ def _median_after_first(xs: Sequence[float]) -> float:
 
 def activation_peaks(tl: Timeline, act_bytes: Sequence[Sequence[int]],
                      saved_bytes: Sequence[Sequence[int]] | None = None,
-                     recomputed: Sequence[bool] | None = None) -> list[int]:
+                     recomputed: Sequence[bool] | None = None) -> list[float]:
     """Peak bytes of live activations per worker on the timeline (:mod:`launcher.schedule.activations`):
     ``x_s^b`` from the start of ``F(s,b)`` to the end of the backward that consumes it, plus,
     given ``saved_bytes``, each forward's autograd graph (``recomputed``: per forward job)."""

@@ -34,8 +34,8 @@ def _fingerprint(x: Any) -> list[float]:
     if isinstance(x, (tuple, list, dict)):
         leaves, tree = pytree.tree_flatten(x)
         parts = [_fingerprint(leaf) for leaf in leaves]
-        head = zlib.crc32(f"{tree}|{[p[0] for p in parts]}".encode())
-        return [float(head), sum(p[1] for p in parts), sum(p[2] for p in parts)]
+        crc = zlib.crc32(f"{tree}|{[p[0] for p in parts]}".encode())
+        return [float(crc), sum(p[1] for p in parts), sum(p[2] for p in parts)]
     if not isinstance(x, torch.Tensor):
         return [float(zlib.crc32(repr(x).encode())), 0.0, 0.0]
     t = x.detach()

@@ -60,12 +60,16 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 def staged_isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Staged:
     host = _host_copy(t)
     host.copy_(t)  # waits for the kernels that write ``t``: the transport reads the copy on its own thread
-    return Staged(dist.isend(host, dst, group=group, tag=tag), host)
+    work = dist.isend(host, dst, group=group, tag=tag)
+    assert work is not None  # None only where this rank is outside the group: no worker sends there
+    return Staged(work, host)
 
 
 def staged_irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Staged:
     host = _host_copy(t)
-    return Staged(dist.irecv(host, src, group=group, tag=tag), host, into=t)
+    work = dist.irecv(host, src, group=group, tag=tag)
+    assert work is not None  # None only where this rank is outside the group: no worker receives there
+    return Staged(work, host, into=t)
 
 
 def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Any:

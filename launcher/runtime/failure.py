@@ -376,11 +376,11 @@ class HangMonitor:
         frozen = [r for r in state if now - self._seen[r][1] > self.timeout]
         if frozen:
             r = min(frozen, key=lambda q: (not stopped(q), q))
-            waiting = sorted(q for q, (_, w, _) in state.items() if w and q not in frozen)
+            waiters = sorted(q for q, (_, w, _) in state.items() if w and q not in frozen)
             how = ("its process is stopped (SIGSTOP, or a debugger)" if stopped(r) else
                    "its whole process stopped responding")
             return r, failure_message(r, state[r][2], f"it hung: {how}; no progress for {self.timeout:g} s" +
-                                      (f" while {_waited(waiting)}" if waiting else ""))
+                                      (f" while {_waited(waiters)}" if waiters else ""))
         if now - self._moved_at > self.timeout:
             return hang_culprit(state, self.timeout)
         return None

@@ -35,6 +35,7 @@ creates every pair a plan uses up front, in one global order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -118,8 +119,9 @@ class Replicas:
         nbytes = [L.numel * torch.empty(0, dtype=L.dtype).element_size() for L in layouts]
         every = plan_buckets(plan, nbytes, [L.numel for L in layouts], [L.dtype for L in layouts], bucket_bytes)
         self.buckets = [b for b in every if worker in b.owners]
-        for b in self.buckets:
-            b.ready = max(plan.programs[worker].reduce_ready[s] for s in b.stages)
+        if worker is not None:  # a rank that is no worker has no buckets
+            for b in self.buckets:
+                b.ready = max(plan.programs[worker].reduce_ready[s] for s in b.stages)
         self.flats = [torch.empty(b.numel, dtype=layouts[b.stages[0]].dtype, device=device) for b in self.buckets]
         self.slices: dict[int, torch.Tensor] = {}  # stage -> its slice of its bucket's buffer
         for b, flat in zip(self.buckets, self.flats):
@@ -222,7 +224,7 @@ class Replicas:
                     continue
                 algorithm = through_root if self._small(b, flat) else halving_doubling
                 algorithm(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
-                          lambda r, k=b.index: self.plan.reduce_tag(k, r), self.group, clock,
+                          functools.partial(self.plan.reduce_tag, b.index), self.group, clock,
                           self.scratch if self.scratch.dtype == flat.dtype else None)
             for work in self.pending:
                 work.wait()

@@ -84,7 +84,9 @@ class Finite:
     def reduced(self, totals: Mapping[int, torch.Tensor]) -> None:
         if self.grads:
             for s, t in totals.items():
-                self.marks.append((self._key(self.B, self.S - 1 - s), _total(t)))
+                total = _total(t)
+                if total is not None:  # a stage with no floating-point gradient has nothing to mark
+                    self.marks.append((self._key(self.B, self.S - 1 - s), total))
 
     def first(self) -> int | None:
         """This worker's first non-finite value of the step, as a code :func:`describe` reads

@@ -57,6 +57,7 @@ class Case:
         if self.placement is None:
             return make_step(self.strategy, self.S, self.B, G=self.G, R=self.R, order=self.order,
                              split_backward=self.split)
+        assert self.W is not None  # a custom placement comes with its worker count
         step = make_step(self.placement, self.S, self.B, order=self.order, split_backward=self.split)
         step.workers = self.W
         step.name = self.strategy
@@ -65,7 +66,7 @@ class Case:
 
 def run_case(case: Case, seed: int = 0) -> dict[str, Any]:
     """This rank's result for one case: max errors against the oracle and its per-step records."""
-    extra = {} if case.bucket_bytes is None else {"bucket_bytes": case.bucket_bytes}
+    extra: dict[str, Any] = {} if case.bucket_bytes is None else {"bucket_bytes": case.bucket_bytes}
     engine = Engine(staged_mlp(case.S, seed=seed), case.schedule(), case.make_optimizer,
                     prefetch=case.prefetch, weight_cache=case.weight_cache, **extra)
     ref = staged_mlp(case.S, seed=seed)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
+from torch import Generator, Tensor
 
 from .torch_private import drop_persistent_iterator, persistent_iterator
 
@@ -29,9 +30,10 @@ class RandomState:
 
     python: Any
     numpy: Any
-    torch: torch.Tensor
-    cuda: list[torch.Tensor] | None  # every CUDA device's, where CUDA was started; else untouched
-    own: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)  # generators of loaders
+    # the field ``torch`` hides the module in the class body: the names below are imported apart
+    torch: Tensor
+    cuda: list[Tensor] | None  # every CUDA device's, where CUDA was started; else untouched
+    own: list[tuple[Generator, Tensor]] = field(default_factory=list)  # generators of loaders
 
 
 def random_state(*generators: torch.Generator) -> RandomState:

@@ -33,6 +33,13 @@ def tracked(module: nn.Module) -> list[BatchNormBase]:
             and m.running_mean is not None]
 
 
+def _running(bn: BatchNormBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``bn``'s running mean, variance and batch count (a :func:`tracked` layer has all three)."""
+    mean, var, count = bn.running_mean, bn.running_var, bn.num_batches_tracked
+    assert mean is not None and var is not None and count is not None
+    return mean, var, count
+
+
 def _set(bn: BatchNormBase, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
     """Give ``bn`` new statistics tensors. New ones, not an in-place copy: a forward's autograd
     graph holds the tensors it ran with and checks that they were not changed since."""
@@ -64,8 +71,7 @@ class RunningStats:
         self.r0, self.sums = {}, {}
         for s, holders in enumerate(self.layers):
             if holders and holders[0]:
-                self.r0[s] = [(bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
-                              for bn in holders[0]]
+                self.r0[s] = [(mean.clone(), var.clone(), int(count)) for mean, var, count in map(_running, holders[0])]
                 self.sums[s] = [[torch.zeros_like(m), torch.zeros_like(v)] for m, v, _ in self.r0[s]]
 
     def _layers_of(self, s: int, module: nn.Module) -> list[BatchNormBase]:
@@ -92,8 +98,9 @@ class RunningStats:
                     w = 1.0
                     for k in range(b + 1, self.B):
                         w *= 1.0 - self._factor(bn, n0, k)
-                    acc[0].add_(bn.running_mean - (1.0 - f) * m0, alpha=w)
-                    acc[1].add_(bn.running_var - (1.0 - f) * v0, alpha=w)
+                    mean, var, _ = _running(bn)
+                    acc[0].add_(mean - (1.0 - f) * m0, alpha=w)
+                    acc[1].add_(var - (1.0 - f) * v0, alpha=w)
                 _set(bn, m0.clone(), v0.clone(), n0)
 
     def end(self, group: dist.ProcessGroup | None, device: torch.device, workers: int) -> None:

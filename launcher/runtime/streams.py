@@ -54,7 +54,8 @@ class _Job:
     __slots__ = ("key", "cuda", "seeded")
 
     def __init__(self, key: int, cuda: torch.Generator | None) -> None:
-        self.key, self.cuda, self.seeded = key, cuda, set()
+        self.key, self.cuda = key, cuda
+        self.seeded: set[int] = set()  # the units seeded so far in this job
 
 
 _current: _Job | None = None
@@ -102,7 +103,7 @@ def kept_generators(device: torch.device | None = None) -> Iterator[None]:
         yield
     finally:
         torch.default_generator.set_state(cpu)
-        if gpu is not None:
+        if gpu is not None and gstate is not None:  # both or neither
             gpu.set_state(gstate)
 
 

@@ -9,7 +9,7 @@ with torch 2.13. A new version that moves one of them breaks here, not across th
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -75,7 +75,7 @@ def import_dynamo() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def foreach_add_(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> None:
+def foreach_add_(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> None:
     """``tensors[i] += others[i]`` for every ``i`` in one call (``torch._foreach_add_``, the
     multi-tensor kernel torch's optimizers use). No public function adds lists of tensors in
     place without a loop of one kernel per tensor."""

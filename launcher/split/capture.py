@@ -180,7 +180,8 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _attr(root: nn.Module, target: str) -> Any:
+def _attr(root: nn.Module, target: fx.node.Target) -> Any:
+    assert isinstance(target, str)  # a get_attr node's target: the attribute's dotted name
     obj: Any = root
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -272,6 +273,9 @@ class LossModule(nn.Module):
     traced cannot be logged, and a stage has no trainer to log to.
     """
 
+    # any module with a training_step (a LightningModule); its log methods are swapped while it runs
+    lightning_module: Any
+
     def __init__(self, lightning_module: nn.Module, batch_type: type | None = None) -> None:
         super().__init__()
         self.batch_type = batch_type
@@ -287,7 +291,7 @@ class LossModule(nn.Module):
         for name, b in lightning_module.named_buffers(recurse=False, remove_duplicate=False):
             self.register_buffer(name, b, persistent=name not in transient)
 
-    @property  # type: ignore[override]
+    @property
     def training(self) -> bool:
         """The LightningModule's own mode: a training_step may read ``self.training``, and whatever
         puts this module's mode back (a check run in eval mode) puts the LightningModule's back too."""

@@ -156,7 +156,7 @@ def profile_chain(modules: Sequence[nn.Module], example: Any, loss: Callable[[An
                 roots = [root] if i == n - 1 else [t for t in pytree.tree_leaves(root) if differentiable(t)]
                 roots = [r for r in roots if r.requires_grad]
                 seeds = [None] if i == n - 1 else [torch.ones_like(r) for r in roots]
-                _, b_s = _timed(lambda: torch.autograd.backward(roots, seeds) if roots else None, device)  # type: ignore[arg-type]
+                _, b_s = _timed(lambda: torch.autograd.backward(roots, seeds) if roots else None, device)
                 if rep == warmup:  # bytes once: the same every repetition
                     inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(x)
                               if isinstance(t, torch.Tensor)}

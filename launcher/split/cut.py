@@ -353,18 +353,20 @@ class _Program:
                     seg = W[cands[i]] - W[cands[i2]]
                     if seg > T:
                         break
-                    if cost[i2] is None:
+                    prev, here = cost[i2], nxt[i]
+                    if prev is None:
                         continue
-                    c = (cost[i2][0] + seg * seg, cost[i2][1] + live[cands[i]], cost[i2][2] + depth[cands[i]])
-                    if nxt[i] is None or c < nxt[i]:
+                    c = (prev[0] + seg * seg, prev[1] + live[cands[i]], prev[2] + depth[cands[i]])
+                    if here is None or c < here:
                         nxt[i], arg[i] = c, i2
             back.append(arg)
             cost = nxt
         best, last = None, -1
         for i in range(m):
             seg = W[N] - W[cands[i]]
-            if cost[i] is not None and seg <= T:
-                c = (cost[i][0] + seg * seg, cost[i][1], cost[i][2])
+            last_cost = cost[i]
+            if last_cost is not None and seg <= T:
+                c = (last_cost[0] + seg * seg, last_cost[1], last_cost[2])
                 if best is None or c < best:
                     best, last = c, i
         picked = [last]
@@ -394,6 +396,7 @@ class _Program:
         """The name a stage gives a parameter or buffer: of its names in the module, the one under
         the innermost module of the node that uses it (a tied embedding reads ``head.weight`` in
         the last stage), else the name the trace gave it."""
+        assert isinstance(attr.target, str)  # a get_attr node's target: the attribute's dotted name
         names = self.aliases.get(id(_attr(self.gm, attr.target)), [])
         for path, _ in reversed(list((user.meta.get("nn_module_stack") or {}).values())):
             for name in names:
@@ -429,7 +432,7 @@ class _Program:
             if not any(p in ps for ps in preds):
                 preds[p + 1] = sorted(preds[p + 1] + [p])
                 picks[(p, p + 1)] = ()
-        modules = []
+        modules: list[nn.Module] = []
         for s in range(S):
             feeds = self.inputs if s == 0 else [exports[p][i] for p in preds[s] for i in picks[(p, s)]]
             modules.append(self._stage(s, S, stage_of, feeds, exports[s]))
@@ -616,7 +619,8 @@ def _first_body_node(g: fx.Graph) -> fx.Node:
     return next(n for n in g.nodes if n.op != "placeholder")
 
 
-def _attr(root: nn.Module, target: str) -> Any:
+def _attr(root: nn.Module, target: fx.node.Target) -> Any:
+    assert isinstance(target, str)  # a get_attr node's target: the attribute's dotted name
     obj: Any = root
     for part in target.split("."):
         obj = getattr(obj, part)
