@@ -29,6 +29,8 @@ def adamw_cosine(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: 
 class StagedLM(LightningModule):
     """A LightningModule whose layers are ``self.stages`` (set by the subclass), in order."""
 
+    stages: torch.nn.ModuleList
+
     def reset_stage(self, module: torch.nn.Module) -> None:
         """Initialise one module of ``self.stages`` as its layers' constructors do (the rule a
         model built on the meta device follows, :mod:`launcher.runtime.init`)."""

@@ -81,4 +81,5 @@ class GPT(StagedLM):
         )
 
     def configure_optimizers(self):  # noqa: ANN201 - Lightning's union of return types
-        return adamw_cosine(self.parameters(), self.hparams.lr, self.hparams.weight_decay, self.hparams.max_steps)
+        hp = self.hparams
+        return adamw_cosine(self.parameters(), hp["lr"], hp["weight_decay"], hp["max_steps"])

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from ..runtime.init import real_init
 from . import hf_stages
 from .base import adamw_cosine
 from .data import VOCAB
+
+if TYPE_CHECKING:  # transformers is imported where a model is built (it takes seconds)
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 #: a small model from scratch, for every key the family's config has; ``config`` overrides any of
 #: them. Dropout stays the architecture's own (GPT-2: 0.1): every scheme draws the same masks
@@ -54,7 +57,9 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 def _plain(config: Mapping[str, Any] | None) -> dict[str, Any]:
     if config is None:
         return {}
-    return dict(OmegaConf.to_container(config, resolve=True)) if isinstance(config, DictConfig) else dict(config)
+    if isinstance(config, DictConfig):
+        return cast(dict[str, Any], OmegaConf.to_container(config, resolve=True))  # a DictConfig's container is a dict
+    return dict(config)
 
 
 @functools.cache
@@ -62,13 +67,14 @@ def _default(cls: type) -> Any:
     return cls()
 
 
-def _fields(cls: type) -> set[str]:
+def _fields(cls: type[PreTrainedConfig]) -> set[str]:
     """The keys a config class has: its fields, their aliases, and what its default instance sets."""
     names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    return names | set(cls.attribute_map) | set(vars(_default(cls)))
+    # mypy checks a config class against Hashable with the instances' __hash__ (a false error)
+    return names | set(cls.attribute_map) | set(vars(_default(cls)))  # type: ignore[arg-type]
 
 
-def _overrides(arch: str, cls: type, config: Mapping[str, Any]) -> dict[str, Any]:
+def _overrides(arch: str, cls: type[PreTrainedConfig], config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with unset (null) keys dropped and aliases (GPT-2's ``num_hidden_layers`` for
     ``n_layer``) turned into the family's own names; one sentence for a key the family does not have
     or a field given twice."""
@@ -88,17 +94,17 @@ def _overrides(arch: str, cls: type, config: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
-def _small(cls: type, given: dict[str, Any]) -> dict[str, Any]:
+def _small(cls: type[PreTrainedConfig], given: dict[str, Any]) -> dict[str, Any]:
     """:data:`SMALL` under ``given``, for the keys ``cls`` has; ``head_dim`` follows the width, and a
     default token id beyond the vocabulary is dropped (an embedding cannot pad with it)."""
     known = _fields(cls)
     out = {cls.attribute_map.get(k, k): v for k, v in SMALL.items() if k in known}
     out.update(given)
     if "head_dim" in known and "head_dim" not in given:
-        width = out.get(cls.attribute_map.get("hidden_size", "hidden_size"))
-        heads = out.get(cls.attribute_map.get("num_attention_heads", "num_attention_heads"))
+        width = out[cls.attribute_map.get("hidden_size", "hidden_size")]
+        heads = out[cls.attribute_map.get("num_attention_heads", "num_attention_heads")]
         out["head_dim"] = width // heads
-    default = _default(cls)
+    default = _default(cls)  # type: ignore[arg-type]  # a config class is hashable (see _fields)
     for key in TOKEN_IDS:
         value = getattr(default, key, None)
         if key not in given and isinstance(value, int) and value >= out["vocab_size"]:
@@ -124,7 +130,7 @@ def _saved_config(pretrained: str) -> Any:
 
 
 def build(arch: str | None, config: Mapping[str, Any] | None, pretrained: str | None, dtype: str | None,
-          attn_implementation: str | None = None, experts_implementation: str | None = None) -> nn.Module:
+          attn_implementation: str | None = None, experts_implementation: str | None = None) -> PreTrainedModel:
     """The Hugging Face model: from ``arch``'s config (default :data:`DEFAULT_ARCH`) with
     :data:`SMALL` under ``config`` and random weights, or, with ``pretrained``, config and weights
     from that local directory (its ``config.json`` says the architecture), ``config`` over the saved
@@ -166,7 +172,7 @@ def build(arch: str | None, config: Mapping[str, Any] | None, pretrained: str | 
         return AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, local_files_only=True, **kw)
 
 
-def cut(model: nn.Module) -> list[nn.Module]:
+def cut(model: PreTrainedModel) -> list[nn.Module]:
     """``model``'s own submodules as stages (no copies): the embeddings, one stage per decoder
     layer (the last with the final norm), ``lm_head`` (:mod:`.hf_stages`). One sentence
     (``ValueError``) for a model that cannot be cut so, or whose state a stage could not keep."""
@@ -174,8 +180,9 @@ def cut(model: nn.Module) -> list[nn.Module]:
     if getattr(config, "output_router_logits", False):
         raise ValueError("model.config.output_router_logits=true is not supported: the load-balancing loss "
                          "couples the router logits of every layer; set it to false.")
-    if getattr(config, "layerdrop", 0) or 0:
-        raise ValueError(f"model.config.layerdrop={config.layerdrop} is not supported: the model's forward skips "
+    layerdrop = getattr(config, "layerdrop", 0) or 0
+    if layerdrop:
+        raise ValueError(f"model.config.layerdrop={layerdrop} is not supported: the model's forward skips "
                          f"layers at random, which no stage sees; set it to 0.")
     for module in model.modules():
         rope = str(getattr(module, "rope_type", "default"))
@@ -205,6 +212,9 @@ class HFCausalLM(LightningModule):
     ``grouped_mm``, which takes float32 and bf16 only; ``batched_mm`` computes in any dtype and
     runs on the meta device, which the engine's memory estimate needs; ``eager`` routes by value).
     """
+
+    stages: nn.ModuleList
+    hf: PreTrainedModel  # a plain attribute (see __init__)
 
     def __init__(self, arch: str | None = None, config: Mapping[str, Any] | None = None, pretrained: str | None = None,
                  lr: float = 3e-3, weight_decay: float = 0.0, max_steps: int = 0, dtype: str | None = None,
@@ -290,4 +300,5 @@ class HFCausalLM(LightningModule):
         return self(**inputs) if isinstance(inputs, Mapping) else self(inputs)
 
     def configure_optimizers(self):  # noqa: ANN201 - Lightning's union of return types
-        return adamw_cosine(self.parameters(), self.hparams.lr, self.hparams.weight_decay, self.hparams.max_steps)
+        hp = self.hparams
+        return adamw_cosine(self.parameters(), hp["lr"], hp["weight_decay"], hp["max_steps"])

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .twins import Reached as _Reached
 from .twins import twin as _twin
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ROUTE = "train it with model=custom split=auto (traced and cut at any module)"
 
@@ -89,6 +92,8 @@ class _Run(_Skip):
     hidden state the stage received (``hidden``, set for the call). Ends the forward there, unless
     it is the last layer (then the body's forward goes on to its final norm)."""
 
+    layer: nn.Module  # a plain attribute: the stage holds the layer
+
     def __init__(self, layer: nn.Module, last: bool) -> None:
         super().__init__(layer)
         object.__setattr__(self, "layer", layer)  # held by the stage, not registered twice
@@ -96,12 +101,14 @@ class _Run(_Skip):
         self.hidden: torch.Tensor | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        device = self.hidden.device  # meta in a shape-only run, whose masks were built on the CPU
+        hidden = self.hidden
+        assert hidden is not None  # the stage sets it for the call
+        device = hidden.device  # meta in a shape-only run, whose masks were built on the CPU
 
         def follow(t: Any) -> Any:
             return t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t
 
-        args, kwargs = _with_hidden(tree_map(follow, args), tree_map(follow, kwargs), self.hidden)
+        args, kwargs = _with_hidden(tree_map(follow, args), tree_map(follow, kwargs), hidden)
         out = self.layer(*args, **kwargs)
         if self.last:
             return out
@@ -110,6 +117,8 @@ class _Run(_Skip):
 
 class _Record(_Skip):
     """The probe's stand-in for layer ``index``: notes the call and what the layer was given."""
+
+    log: list[Any]  # a plain attribute: the probe's, shared by every layer's stand-in
 
     def __init__(self, layer: nn.Module, index: int, log: list[Any]) -> None:
         super().__init__(layer)
@@ -134,6 +143,8 @@ class _Shadow(nn.Module):
     computes the shape), floating-point ones in the stage's dtype (``dtype``, set for the call).
     The body builds its masks, positions and rotary embeddings from such values' shapes and dtype
     alone (the probe checks that no layer argument depends on them)."""
+
+    meta: nn.Module
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -206,7 +217,7 @@ class _Plan:
     its other children the forward calls before the first layer (``before``) and after the last
     one (``after``); any other child is ``unused``."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.arch = getattr(model.config, "model_type", type(model).__name__)
         self.path, self.body, self.list_name = self._find_body()
@@ -226,7 +237,7 @@ class _Plan:
         self.before, self.after = self._probe()
         self.unused = [n for n in self.others if n not in self.before and n not in self.after]
 
-    def refuse(self, why: str) -> None:
+    def refuse(self, why: str) -> NoReturn:
         raise CutError(f"model.arch={self.arch} cannot be cut into stages at its decoder layers: {why}; {ROUTE}.")
 
     def _find_body(self) -> tuple[str, nn.Module, str]:
@@ -350,6 +361,10 @@ class _Stage(nn.Module):
     """A stage: the modules it holds (registered under their names in the body), and a twin of the
     body that calls them (a plain attribute: deep copies of the stage copy it along)."""
 
+    twin: nn.Module
+    shadows: list[_Shadow]  # the stand-ins in the twin, given the stage's dtype and device for a call
+    plan_kwargs: Callable[..., dict[str, Any]]  # the body's keyword arguments for a batch
+
     def _hold(self, named: dict[str, nn.Module]) -> None:
         for name, module in named.items():
             if hasattr(self, name):
@@ -368,6 +383,8 @@ class Embeddings(_Stage):
     """The body's forward up to the first decoder layer: the token embedding (``tokens``) and the
     other modules it calls there. Returns the hidden state the first layer would receive, and the
     batch's ``input_ids``, ``attention_mask`` and ``position_ids`` for the later stages."""
+
+    shape_twin: nn.Module
 
     def __init__(self, plan: _Plan) -> None:
         super().__init__()
@@ -390,6 +407,7 @@ class Embeddings(_Stage):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> tuple[Any, ...]:
         weight = self.tokens.weight
+        assert isinstance(weight, torch.Tensor)  # the token embedding's matrix
         twin, inputs = self.twin, (input_ids, attention_mask, position_ids)
         if weight.is_meta:
             for shadow in self.shadows:
@@ -412,6 +430,8 @@ class DecoderLayer(_Stage):
     """Decoder layer ``index`` (``layer``), called by the body's own forward with the arguments it
     builds for that layer; the last layer's stage also runs what the forward does after the layers
     (the final norm), and returns the hidden state alone."""
+
+    run: _Run
 
     def __init__(self, plan: _Plan, index: int) -> None:
         super().__init__()
@@ -468,6 +488,8 @@ class Head(_Stage):
     """The causal LM's own forward on the hidden state it receives: ``lm_head`` (and whatever the
     family does to the logits)."""
 
+    hidden: _Hidden
+
     def __init__(self, plan: _Plan) -> None:
         super().__init__()
         self.lm_head = plan.head
@@ -486,7 +508,7 @@ class Head(_Stage):
         return out.logits if hasattr(out, "logits") else out[0]
 
 
-def cut(model: nn.Module) -> list[nn.Module]:
+def cut(model: PreTrainedModel) -> list[nn.Module]:
     """``model``'s own submodules as stages (no copies): the embeddings, one stage per decoder
     layer (the last with the final norm), the head. One sentence (:class:`CutError`) for a model
     whose forward does not fit."""

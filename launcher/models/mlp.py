@@ -35,4 +35,4 @@ class CharMLP(StagedLM):
                                      nn.Linear(width, vocab_size)])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)

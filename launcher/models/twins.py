@@ -9,7 +9,7 @@ hold the real module; a stop raises :class:`Reached` to end the forward where th
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Mapping
 
 from torch import nn
 
@@ -22,7 +22,7 @@ class Reached(Exception):
         self.value = value
 
 
-def twin(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
+def twin(module: nn.Module, children: Mapping[str, nn.Module | None]) -> nn.Module:
     """An object of ``module``'s class that shares its attributes (config, flags) and its
     submodules, except ``children``, which replace those of the same name. Its own hooks are
     copies, so registering on one does not touch the other."""

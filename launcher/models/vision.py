@@ -17,7 +17,7 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,8 @@ class _Twinned(nn.Module):
     """A stage that runs the timm model's own methods on a twin of it (a plain attribute, so deep
     copies of the stage copy it along), whose train/eval mode it keeps."""
 
+    twin: Any  # timm's models share no type that declares forward_features and forward_head
+
     def train(self, mode: bool = True) -> _Twinned:
         super().train(mode)
         if "twin" in self.__dict__:
@@ -79,7 +81,7 @@ class Stem(_Twinned):
     ``conv1``, ``bn1``, ``act1``, ``maxpool``; a ViT's patch embedding, with the class token and the
     position embedding, which the model holds as parameters of its own)."""
 
-    def __init__(self, model: nn.Module, held: dict[str, nn.Module], units: dict[str, nn.Module]) -> None:
+    def __init__(self, model: nn.Module, held: dict[str, nn.Module | None], units: dict[str, nn.Module]) -> None:
         super().__init__()
         for name, module in held.items():
             self.add_module(name, module)
@@ -139,7 +141,7 @@ def cut(model: nn.Module, name: str, in_chans: int = 3) -> list[nn.Module]:
     forward in eval mode, the random state untouched) finds which modules ``forward_features`` calls
     before the first unit and after the last, and which ``forward_head`` calls, and checks that the
     stages give the model's own output exactly; one sentence (``ValueError``) when not."""
-    def refuse(why: str) -> None:
+    def refuse(why: str) -> NoReturn:
         raise ValueError(f"model.name={name} cannot be cut into stages: {why}; {ROUTE}.")
 
     units, items = _units(model)
@@ -153,13 +155,14 @@ def cut(model: nn.Module, name: str, in_chans: int = 3) -> list[nn.Module]:
         handles.append(child.register_forward_pre_hook(
             lambda *_, n=child_name: log.append((phase[0], n))))
     x = _probe_input(model, in_chans)
+    timm_model: Any = model  # forward_features and forward_head exist (checked above); no type declares them
     was = model.training
     try:
         model.eval()
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            features = model.forward_features(x)
+            features = timm_model.forward_features(x)
             phase[0] = "head"
-            expected = model.forward_head(features)
+            expected = timm_model.forward_head(features)
     except Exception as e:  # noqa: BLE001 - any failure of the model's forward is the model's
         refuse(f"its forward failed on a probe of shape {tuple(x.shape)} ({type(e).__name__})")
     finally:
@@ -208,6 +211,9 @@ class TimmClassifier(LightningModule):
     ``kwargs`` go to ``timm.create_model`` as they are (``img_size`` for a ViT, ``drop_path_rate``,
     ...). AdamW with a cosine learning-rate schedule over ``max_steps``, like :class:`GPT`.
     """
+
+    stages: nn.ModuleList
+    net: nn.Module  # a plain attribute (see __init__)
 
     def __init__(self, name: str = "resnet10t", num_classes: int = 10, in_chans: int = 3, drop_rate: float = 0.0,
                  lr: float = 3e-3, weight_decay: float = 0.0, max_steps: int = 0,
@@ -265,7 +271,8 @@ class TimmClassifier(LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self):  # noqa: ANN201 - Lightning's union of return types
-        return adamw_cosine(self.parameters(), self.hparams.lr, self.hparams.weight_decay, self.hparams.max_steps)
+        hp = self.hparams
+        return adamw_cosine(self.parameters(), hp["lr"], hp["weight_decay"], hp["max_steps"])
 
 
 def shapes(n: int, size: int, num_classes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
