@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -72,7 +72,8 @@ def argument_errors(node: Any, key: str) -> list[str]:
 
     try:
         fn = locate(str(node.get("_target_")))
-        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+        # a class: its __init__'s hints (read by name: mypy refuses __init__ on a class object)
+        hints = typing.get_type_hints(getattr(fn, "__init__") if isinstance(fn, type) else fn)
     except Exception:  # noqa: BLE001 - a target that cannot be found or read: building it says why
         return []
     try:
@@ -105,7 +106,9 @@ def _shown(node: Any, k: str) -> Any:
     try:
         return _container(node.get(k))
     except Exception:  # noqa: BLE001 - an interpolation that cannot resolve
-        return OmegaConf.to_container(node, resolve=False).get(k) if isinstance(node, DictConfig) else "???"
+        if not isinstance(node, DictConfig):
+            return "???"
+        return cast(dict, OmegaConf.to_container(node, resolve=False)).get(k)  # a DictConfig's container is a dict
 
 
 def _trainer_params() -> set[str]:

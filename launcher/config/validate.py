@@ -24,7 +24,7 @@ import dataclasses
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, cast
 
 from omegaconf import BooleanNode, DictConfig, FloatNode, IntegerNode, ListConfig, OmegaConf, StringNode
 from omegaconf.errors import OmegaConfBaseException
@@ -237,7 +237,9 @@ def _node_value(node: Any, k: str) -> Any:
     try:
         return _plain(node[k]) if isinstance(node, Mapping) else _plain(node.get(k))
     except Exception:  # an interpolation that cannot resolve: show it as written
-        return OmegaConf.to_container(node, resolve=False).get(k) if isinstance(node, DictConfig) else None
+        if not isinstance(node, DictConfig):
+            return None
+        return cast(dict, OmegaConf.to_container(node, resolve=False)).get(k)  # a DictConfig's container is a dict
 
 
 def validate(cfg: DictConfig | Mapping[str, Any]) -> None:
@@ -249,7 +251,8 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> None:
 
 # --- the command line, before Hydra composes ------------------------------------------------
 
-_NODES = {int: IntegerNode, float: FloatNode, bool: BooleanNode, str: StringNode}
+# concrete node classes (their common base, ValueNode, is abstract)
+_NODES: dict[type, Callable[..., Any]] = {int: IntegerNode, float: FloatNode, bool: BooleanNode, str: StringNode}
 _WHAT = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 _ANY = object()
 _UNKNOWN = object()
@@ -366,10 +369,10 @@ def _check_each(overrides: Sequence[str], config_dirs: Iterable[str | Path]) -> 
     config_dirs = list(config_dirs)
     out: list[_Checked] = []
     for text, o in zip(overrides, parsed):
-        key = o.key_or_group
-        if key in OUTPUT_DIRS and not o.is_sweep_override() and isinstance(o.value(), str):
+        key, given = o.key_or_group, o.value()
+        if key in OUTPUT_DIRS and not o.is_sweep_override() and isinstance(given, str):
             # Hydra creates it before the run starts: an unwritable one is a traceback otherwise
-            e = dir_error(key, o.value())
+            e = dir_error(key, given)
             out.append(_Checked(text, o, e) if e else _Checked(text))
             continue
         if key.startswith("hydra") or o.is_delete() or o.package is not None:
@@ -382,7 +385,7 @@ def _check_each(overrides: Sequence[str], config_dirs: Iterable[str | Path]) -> 
             if t is _UNKNOWN:
                 # refused with or without ``+``: an added key would land in the config unchecked
                 # (keys under an untyped node, e.g. a custom placement's arguments, are _ANY)
-                value = o.input_line.partition("=")[2]
+                value = (o.input_line or "").partition("=")[2]  # parsed from text: always set
                 out.append(_Checked(text, o, rules.unknown_key(key, value, schema_keys())))
                 continue
         try:
@@ -473,12 +476,13 @@ def check_sweep_overrides(overrides: Sequence[str], config_dirs: Iterable[str | 
     kept: list[str] = []
     skipped: list[tuple[str, str]] = []
     for c in checked:
-        bad = [(shown, e) for _, shown, e in c.values or [] if e]
-        if c.key_error or (bad and (not c.override.is_sweep_override() or len(bad) == len(c.values))):
+        values = c.values or []
+        bad = [(shown, e) for _, shown, e in values if e]
+        if c.key_error or (bad and (not c.override.is_sweep_override() or len(bad) == len(values))):
             return SweepCheck(list(overrides), [s for c in checked for s in c.sentences], [])
         if bad:
             skipped.extend((f"{c.override.key_or_group}={shown}", e) for shown, e in bad)
-            kept.append(_sweep_text(c.override, [s for s, _, e in c.values if not e]))
+            kept.append(_sweep_text(c.override, [s for s, _, e in values if not e]))
         else:
             kept.append(c.text)
     return SweepCheck(kept, [], skipped)

@@ -59,7 +59,7 @@ class ForkLauncher(Launcher):
                 "calling trainer.fit() twice on one Trainer with UnifiedStrategy is not supported; create a new "
                 "Trainer and pass fit(ckpt_path=...)"
             )
-        strategy: UnifiedStrategy = self._strategy  # type: ignore[assignment]
+        strategy: UnifiedStrategy = self._strategy
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and args:
             # trainer.fit's arguments: (model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
             strategy.check_before_fork(args[0], args[3] if len(args) > 3 else None, args[1] if len(args) > 1 else None)
@@ -85,7 +85,7 @@ class ForkLauncher(Launcher):
         return self._collect(trainer, results)
 
     def _collect(self, trainer: "pl.Trainer", results: Any) -> WorkerOutput | None:
-        strategy: UnifiedStrategy = self._strategy  # type: ignore[assignment]
+        strategy: UnifiedStrategy = self._strategy
         fitting = trainer.state.fn == TrainerFn.FITTING
         # every stage from its owner: collective, so every rank takes part. A module built on the
         # meta device stays there in the launching process: no process ever holds all of it (its
@@ -97,7 +97,7 @@ class ForkLauncher(Launcher):
         ckpt = trainer.checkpoint_callback
         best = getattr(ckpt, "best_model_path", None) if ckpt is not None else None
         weights_path = None
-        if back:
+        if state is not None:  # back
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             strategy.checkpoint_io.save_checkpoint(state, weights_path)
         buffer = io.BytesIO()

@@ -130,7 +130,7 @@ class RichProgressBarBase(RichProgressBar):
         """Create the training bar's task, titled by :meth:`train_title`."""
         self._initialize_train_progress_bar_id()
 
-    def set_train_bar(self, completed: int | float) -> None:
+    def set_train_bar(self, completed: int) -> None:
         """Set how far the training bar has counted."""
         self._update(self.train_progress_bar_id, completed)
 

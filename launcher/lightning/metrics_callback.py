@@ -83,9 +83,11 @@ class RunMetrics(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, UnifiedStrategy):
             gathered = strategy.gather_run(self.walls, self.cpus, self._span)  # collective
-            sizes = strategy.sizes() if gathered is not None else None
             if gathered is None:
                 return
+            sizes = strategy.sizes()
+            engine = strategy.engine
+            assert engine is not None  # a step ran: the strategy's engine exists
             walls = [max(r["walls"][i] for r in gathered if i < len(r["walls"])) for i in range(len(self.walls))]
             msg, act, params = sizes
             saved = strategy.saved_sizes()  # each forward's autograd graph, per stage and micro-batch
@@ -96,11 +98,11 @@ class RunMetrics(Callback):
                            "optimizer": [opt.get(s, 0) for s in range(len(params))],
                            "activation": [max(a) for a in act], "saved": [max(g) for g in saved]}
             self.metrics, tl = report.build(
-                config=self.config, run=self.run, lowered=strategy.engine.plan, per_rank=gathered, msg_bytes=msg,
+                config=self.config, run=self.run, lowered=engine.plan, per_rank=gathered, msg_bytes=msg,
                 act_bytes=act, stage_bytes=stage_bytes, steps=self._steps(walls), val=self.val,
                 samples_per_step=self.samples[-1] if self.samples else 0,
                 module_costs=[c.to_json() for c in strategy.module_costs] if strategy.module_costs else None,
-                saved_bytes=saved, recomputed=strategy.engine.recomputed())
+                saved_bytes=saved, recomputed=engine.recomputed())
             _predict_memory(self.metrics, strategy, gathered, stage_bytes)
             from ..report.png import save_png
 
@@ -133,7 +135,7 @@ class RunMetrics(Callback):
                 if run is not None:
                     run.finish()
 
-    def _steps(self, walls: list[float]) -> list[dict[str, float]]:
+    def _steps(self, walls: list[float]) -> list[dict[str, Any]]:
         skipped = set(self.skipped)
         return [{"step": i + 1, "loss": loss, "step_s": w, "samples_per_s": n / w if w else None,
                  **({"skipped": True} if i + 1 in skipped else {})}

@@ -50,7 +50,7 @@ def warning_signals() -> list[signal.Signals]:
     """submitit's preemption signal (``SUBMITIT_PREEMPT_SIGNAL``, USR2 by default) and Lightning's
     requeue signal (USR1)."""
     name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
-    first = getattr(signal, f"SIG{name}", None) or getattr(signal, name, signal.SIGUSR2)
+    first = getattr(signal, f"SIG{name}", None) or getattr(signal, name, None) or signal.SIGUSR2
     return list(dict.fromkeys([signal.Signals(first), signal.SIGUSR1]))
 
 
@@ -108,7 +108,8 @@ class RequeueOnSignal(Callback):
             # stopping ends the epoch early, and checkpoint callbacks would save this step as the
             # epoch's end: without them for the rest of this run, the checkpoints left when the
             # requeued run finishes are those of a run never interrupted
-            trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, Checkpoint)]
+            # Trainer.callbacks is set by Lightning's callback connector, undeclared on the class
+            trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, Checkpoint)]  # type: ignore[attr-defined]
 
 
 def requeue(watch: Watch, checkpoint: Path) -> NoReturn:

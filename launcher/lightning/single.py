@@ -18,9 +18,11 @@ The units are those the strategies use (:mod:`launcher.runtime.streams`): the mo
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
@@ -32,7 +34,16 @@ from ..runtime.values import as_tree, chunk
 from ..split.capture import loss_module
 from .item_counts import loss_items
 from .lightning_private import train_dataloaders
-from .staging import _mapping_type, example_microbatch, first_batch, split_batch, stage_module, uses_trace
+from .staging import (
+    _mapping_type,
+    example_microbatch,
+    first_batch,
+    own_loss,
+    own_stages,
+    split_batch,
+    stage_module,
+    uses_trace,
+)
 
 
 class StreamedSingleDevice(SingleDeviceStrategy):
@@ -46,6 +57,13 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         self.B, self.split = int(microbatches), split
         self.seed = seed  # None: torch's initial seed (seed_everything's) when training starts
         self._head: int | None = None  # a traced module's unit before any submodule, seeded at job start
+
+    @property
+    def _attached(self) -> LightningModule:
+        """The LightningModule, which Lightning connects before any hook that reads it runs."""
+        module = self.lightning_module
+        assert module is not None
+        return module
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -69,10 +87,10 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         super().setup(trainer)
         if self.seed is None:
             self.seed = torch.initial_seed()
-        module = self.lightning_module
+        module = self._attached
         self._traced: Any = None  # a traced module's training step as a batch -> loss module
         if not uses_trace(module, self.split):
-            streams.install_stages(module.stages)
+            streams.install_stages(own_stages(module))
             return
         loaders = train_dataloaders(trainer)
         batch = self.precision_plugin.convert_input(first_batch(loaders)) if loaders is not None else None
@@ -87,24 +105,24 @@ class StreamedSingleDevice(SingleDeviceStrategy):
 
     def _losses(self, batch: Any, pieces: int) -> Iterator[Callable[[], torch.Tensor]]:
         """Each micro-batch's loss, computed when called: what the strategies compute for it."""
-        module = self.lightning_module
+        module = self._attached
         if self._traced is not None:  # the training step whole, as a traced module's stages run it
             for part in chunk(as_tree(batch), pieces, equal=False):
-                yield lambda part=part: self._traced(part)
+                yield functools.partial(self._traced, part)
             return
         x, y = split_batch(module, batch)  # a model with self.stages: its stages in turn, then its loss
         ys = chunk(y, pieces, equal=False) if y is not None else [None] * pieces
         for xb, yb in zip(chunk(x, pieces, equal=False), ys):
             def loss(xb: Any = xb, yb: Any = yb) -> torch.Tensor:
                 out = xb
-                for i, stage in enumerate(module.stages):
+                for i, stage in enumerate(own_stages(module)):
                     out = run_stage(stage, None, [out]) if i else run_stage(stage, None, [xb])
-                return module.loss(out, yb)
+                return own_loss(module)(out, yb)
             yield loss
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
+        module = self._attached
         batch, rest = self.precision_plugin.convert_input(args[0]), args[1:]
         pieces = min(self.B, rows(batch) or 1)  # a last batch smaller than B: a micro-batch per row
         weights = item_shares([None] * pieces, loss_items(module, batch, pieces) or
@@ -114,9 +132,11 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         # accumulate_grad_batches=k: the k batches of one step are its k * B micro-batches
         first = (rest[0] % trainer.accumulate_grad_batches) * self.B if rest and isinstance(rest[0], int) else 0
         total: torch.Tensor | None = None
+        seed = self.seed
+        assert seed is not None  # set in setup
         with self.precision_plugin.train_step_context(), streams.kept_generators(self.root_device):
             for b, compute in enumerate(self._losses(batch, pieces)):
-                with streams.job(self.seed, step, first + b, self.root_device):
+                with streams.job(seed, step, first + b, self.root_device):
                     if self._head is not None:
                         streams.seed_unit(self._head)
                     loss = compute()

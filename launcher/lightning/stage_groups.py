@@ -47,6 +47,6 @@ def group_modules(modules: Sequence[nn.Module], S: int,
     if len(groups) != S or flat != list(range(len(modules))) or not all(groups):
         raise ValueError(f"groups={[list(g) for g in groups]} is not a cut of {len(modules)} modules into {S} "
                          f"consecutive non-empty stages")
-    groups = [list(g) for g in groups]
-    stages = [modules[g[0]] if len(g) == 1 else Chain(*(modules[i] for i in g)) for g in groups]
-    return stages, groups
+    cut = [list(g) for g in groups]
+    stages = [modules[g[0]] if len(g) == 1 else Chain(*(modules[i] for i in g)) for g in cut]
+    return stages, cut

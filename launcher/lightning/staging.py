@@ -124,11 +124,25 @@ def first_batch(loaders: Any) -> Any:
     return peek(combined, combined.flattened)[0]
 
 
+def own_stages(module: nn.Module) -> nn.ModuleList:
+    """``module.stages``, of a module that has them (one :func:`uses_trace` does not trace)."""
+    stages = getattr(module, "stages", None)
+    assert isinstance(stages, nn.ModuleList)
+    return stages
+
+
+def own_loss(module: nn.Module) -> Callable[[Any, Any], torch.Tensor]:
+    """``module.loss(output, target)``, of a module with ``self.stages`` (:func:`stage_module` checks it)."""
+    loss = getattr(module, "loss", None)
+    assert callable(loss)
+    return loss
+
+
 def unit_init(module: nn.Module, groups: list[list[int]]) -> Callable[[Sequence[int]], None]:
     """How a worker materialises the stages it owns of a module built on the meta device: the
     units (modules of ``self.stages``) of those stages, by the rule of :mod:`launcher.runtime.init`
     under this process's seed (``seed_everything``), with the module's ``reset_stage`` if it has one."""
-    units, seed = list(module.stages), torch.initial_seed()
+    units, seed = list(own_stages(module)), torch.initial_seed()
     reset = getattr(module, "reset_stage", None)
     return lambda stages: init_units(units, seed, [i for s in stages for i in groups[s]], reset)
 
@@ -168,8 +182,9 @@ def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = 
     with one sentence per problem."""
     name = type(module).__name__
     if not uses_trace(module, split):
-        stages = module.stages
-        if not callable(getattr(module, "loss", None)):
+        stages = own_stages(module)
+        loss = getattr(module, "loss", None)
+        if not callable(loss):
             raise ModelError([f"{name} has self.stages but no self.loss(output, target); the last stage's output "
                               f"goes into it (or give split=auto to trace {name}.training_step instead)."])
         if len(stages) < S:
@@ -181,7 +196,7 @@ def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = 
                               f"self.stages (or give split=auto to trace the whole module)."])
         grouped, cut = group_modules(list(stages), S, groups)
         install_stages(stages)  # random streams: each module of self.stages is a unit
-        return Staging(StagedModel(grouped, module.loss, init=unit_init(module, cut)), False, groups=cut, costs=costs)
+        return Staging(StagedModel(grouped, loss, init=unit_init(module, cut)), False, groups=cut, costs=costs)
     from ..split import SplitError, loss_module, split_module
 
     if example is None:
@@ -192,11 +207,11 @@ def stage_module(module: nn.Module, S: int, split: Sequence[str] | str | None = 
     kind = _mapping_type(batch)
     try:
         with kept_random_state():  # tracing and its checks run the step: one device would not have
-            cut = split_module(loss_module(module, kind), (as_tree(batch),), S, "auto" if split is None else split)
+            traced = split_module(loss_module(module, kind), (as_tree(batch),), S, "auto" if split is None else split)
     except SplitError as e:
         raise ModelError([str(e)]) from e
-    return Staging(StagedModel(cut.stages, _loss_is_output, cut.graph, cut.picks), True, list(cut.starts),
-                   units=dict(cut.units))
+    return Staging(StagedModel(traced.stages, _loss_is_output, traced.graph, traced.picks), True, list(traced.starts),
+                   units=dict(traced.units))
 
 
 def profiled_partition(module: nn.Module, S: int, by: str, batch: Any, microbatches: int,
@@ -211,8 +226,8 @@ def profiled_partition(module: nn.Module, S: int, by: str, batch: Any, microbatc
     from .stage_groups import param_sizes
 
     name = type(module).__name__
-    stages = getattr(module, "stages", None)
-    if not isinstance(stages, nn.ModuleList) or not callable(getattr(module, "loss", None)):
+    stages, loss = getattr(module, "stages", None), getattr(module, "loss", None)
+    if not isinstance(stages, nn.ModuleList) or not callable(loss):
         raise ModelError([f"partition={by} is invalid for {name}: it cuts a model's self.stages (with self.loss) by "
                           f"measured cost; leave partition at params for a traced model."])
     if batch is None:
@@ -225,7 +240,7 @@ def profiled_partition(module: nn.Module, S: int, by: str, batch: Any, microbatc
     except (TypeError, ValueError) as e:
         raise ModelError([" ".join(str(e).split())]) from e
     with kept_random_state():  # profiling runs the stages (dropout draws): one device would not have
-        costs = profile_chain(list(stages), x, module.loss, y, reset=getattr(module, "reset_stage", None))
+        costs = profile_chain(list(stages), x, loss, y, reset=getattr(module, "reset_stage", None))
     try:
         groups = cut(by, S, param_sizes(list(stages)), [c.seconds for c in costs],
                      [c.memory(microbatches) for c in costs], cap)

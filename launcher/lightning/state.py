@@ -125,9 +125,9 @@ def gather_module_state(module: nn.Module, layout: Layout, modules: dict[int, nn
         if k not in staged and not k.startswith("_launcher"):
             out[k] = v.detach().cpu()
     for names, m in zip(layout.stage_buffers, stages):
-        for name, b in zip(names, m.buffers()):
-            if name is not None:
-                out[name] = b.detach().cpu()
+        for buffer_name, b in zip(names, m.buffers()):
+            if buffer_name is not None:
+                out[buffer_name] = b.detach().cpu()
     missing = [n for n in layout.names if n not in every and not n.startswith("_launcher")]
     if missing:
         raise RuntimeError(f"no worker wrote {missing[:3]} into the checkpoint; every stage must have an owner")
@@ -169,9 +169,9 @@ def load_stage_state(state: dict[str, Any], layout: Layout, modules: dict[int, n
                     p.copy_(state[name])
         S = len(layout.stage_buffers)
         for i, m in enumerate(holders):
-            for name, b in zip(layout.stage_buffers[i % S], m.buffers()):
-                if name is not None and name in state:
-                    b.copy_(state[name])
+            for buffer_name, b in zip(layout.stage_buffers[i % S], m.buffers()):
+                if buffer_name is not None and buffer_name in state:
+                    b.copy_(state[buffer_name])
 
 
 def gather_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, layout: Layout,

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -99,7 +100,7 @@ def keyword_settings(scheme: SchemeLike, G: int | None, R: int | None, stages: i
     (:func:`launcher.config.step_errors`) as the command line's are; raises :class:`ConfigError`
     with one sentence per broken rule. A callable placement or order is checked as a custom one.
     ``G`` and ``R`` left out are the sizes a named scheme fixes, else 1 (:meth:`Settings.of`)."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     cfg = OmegaConf.structured(LauncherConf)
     unknown = sorted(set(extra) - set(cfg.keys()) - {"mode", "ownership"})
@@ -117,6 +118,7 @@ def keyword_settings(scheme: SchemeLike, G: int | None, R: int | None, stages: i
         cfg = OmegaConf.merge(cfg, dict(extra))
     except Exception as e:  # noqa: BLE001 - omegaconf's type check of a keyword: one sentence
         raise ConfigError([f"UnifiedStrategy got an invalid value: {' '.join(str(e).split())}."]) from e
+    assert isinstance(cfg, DictConfig)  # merged into a structured config
     checked = cfg.copy()
     # a callable is checked as a custom node of the config is (no rule of a named scheme or order applies)
     if callable(scheme):
@@ -178,7 +180,8 @@ class UnifiedStrategy(ParallelStrategy):
             raise TypeError("UnifiedStrategy takes the step's settings either as settings=Settings(...) or as "
                             "keywords, not both")
         #: the keywords' settings but the stage count, when that is the module's (``stages=None``)
-        self._keywords = dict(scheme=scheme, G=G, R=R, microbatches=microbatches, order=order, extra=config)
+        self._keywords: dict[str, Any] = dict(scheme=scheme, G=G, R=R, microbatches=microbatches, order=order,
+                                              extra=config)
         self.split = list(split) if isinstance(split, (list, tuple)) else split
         self.traced = False  # set up from a traced training step: the batch goes whole to stage 0
         #: the dtype the loss has on one device: its stage's weights', which may differ from the
@@ -209,6 +212,13 @@ class UnifiedStrategy(ParallelStrategy):
         self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes
         self._watchdog: Watchdog | None = None
         self._pending: Callable[[], None] | None = None  # a background checkpoint save to finish
+
+    @property
+    def _attached(self) -> LightningModule:
+        """The LightningModule, which Lightning connects before any hook that reads it runs."""
+        module = self.lightning_module
+        assert module is not None
+        return module
 
     # ---- configuration -------------------------------------------------------------------
     def _from_keywords(self, stages: int) -> Settings:
@@ -328,7 +338,7 @@ class UnifiedStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's own attribute of the function
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -360,7 +370,7 @@ class UnifiedStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.base_memory = resident_bytes(self.root_device)  # the process before any stage is materialised
         self.accelerator.setup(trainer)
-        module = self.lightning_module
+        module = self._attached
         if getattr(trainer, "accumulate_grad_batches", 1) != 1:
             raise ValueError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
                              f"UnifiedStrategy: it accumulates over microbatches={self.B} itself; leave it at 1.")
@@ -381,7 +391,9 @@ class UnifiedStrategy(ParallelStrategy):
             with self.precision_plugin.train_step_context():  # traced as it runs: 64-true's default dtype is float64
                 staging = stage_module(module, S, self.split, example, groups, costs)
         self.traced, self.graph = staging.traced, staging.model.graph
-        self.loss_dtype = _loss_dtype(staging.model.stages, module.dtype)
+        nominal = module.dtype
+        assert isinstance(nominal, torch.dtype)  # Lightning types it str | dtype; a module's is a dtype
+        self.loss_dtype = _loss_dtype(staging.model.stages, nominal)
         self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
         self.engine = Engine(staging.model, self.make_step(), None, prefetch=self.settings.prefetch,
                              weight_cache=self.settings.weight_cache, device=self.root_device,
@@ -400,6 +412,7 @@ class UnifiedStrategy(ParallelStrategy):
         index = staging.groups or []
         for s, g in enumerate(index):  # keep only owned stages on the module
             if s not in self.engine.owned:
+                assert stages is not None  # groups cut self.stages
                 for i in g:
                     stages[i] = _Elsewhere(i, owners[s])
         if not self.engine.owned:  # configure_optimizers must still build an optimizer
@@ -481,10 +494,10 @@ class UnifiedStrategy(ParallelStrategy):
         loaders the trainer will train on (a fresh iterator, every random state kept)."""
         loaders = train_dataloaders(trainer)
         if loaders is None:
-            raise ValueError(f"{type(self.lightning_module).__name__} is traced on an example batch: pass "
+            raise ValueError(f"{type(self._attached).__name__} is traced on an example batch: pass "
                              f"trainer.fit(model, train_dataloaders=...) or a datamodule")
         batch = first_batch(loaders)
-        return example_microbatch(self.lightning_module, self.precision_plugin.convert_input(batch), self.B, self.split)
+        return example_microbatch(self._attached, self.precision_plugin.convert_input(batch), self.B, self.split)
 
     @contextlib.contextmanager
     @override
@@ -506,10 +519,10 @@ class UnifiedStrategy(ParallelStrategy):
         (:func:`~launcher.lightning.item_counts.loss_items`; None: its rows), by which the engine weighs
         it; not counted unless ``weigh`` (a prediction batch may hold no target to count)."""
         batch = self.precision_plugin.convert_input(batch)
-        x, y = split_batch(self.lightning_module, batch, self.traced)
+        x, y = split_batch(self._attached, batch, self.traced)
         xs = chunk(x, self.B, equal=False)
         ys = chunk(y, self.B, equal=False) if y is not None else [None] * self.B
-        return list(zip(xs, ys)), loss_items(self.lightning_module, batch, self.B) if weigh else None
+        return list(zip(xs, ys)), loss_items(self._attached, batch, self.B) if weigh else None
 
     def _sum_over_workers(self, value: float) -> torch.Tensor:
         t = torch.tensor([value], dtype=torch.float64, device=self.root_device)
@@ -524,7 +537,7 @@ class UnifiedStrategy(ParallelStrategy):
             scaler = getattr(self.precision_plugin, "scaler", None)
             if scaler is not None:  # 16-mixed: the backward runs here, on the scaled loss; the step unscales
                 self.engine.loss_scale = float(scaler.get_scale())
-            record = self.engine.compute_step(mbs, items, step=self.lightning_module.trainer.global_step)
+            record = self.engine.compute_step(mbs, items, step=self._attached.trainer.global_step)
         self.records.append(record)
         self._last_batch = mbs
         finite = self.engine.finite
@@ -534,19 +547,20 @@ class UnifiedStrategy(ParallelStrategy):
         if bad is not None:
             self._nonfinite(finite.describe(bad))
         loss = loss.to(self.loss_dtype)
-        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        self._attached.log("train_loss", loss, prog_bar=True)
         return loss
 
     def _nonfinite(self, what: str) -> None:
         """A step with a non-finite value, the same on every rank: stop (raise, before any weight
         or checkpoint changes), or drop the step (no gradient is installed, so the optimizer leaves
         every parameter as it is, as a GradScaler does; running statistics go back too)."""
-        step = self.lightning_module.trainer.global_step + 1
+        step = self._attached.trainer.global_step + 1
         if self.nonfinite == "stop":
             if self.engine is not None and self.engine.watchdog is not None:
                 self.engine.watchdog.set_job(f"the non-finite check of step {step}")
             raise NonFiniteError(f"step {step}: {what}, so training stopped before the step's update "
                                  f"(nonfinite=stop; nonfinite=skip drops such steps and goes on).")
+        assert self.engine is not None  # a step ran
         undo_statistics(self.engine.stats)
         if self.global_rank == 0:
             log.warning("warning: step %d skipped (nonfinite=skip): %s.", step, what)
@@ -556,14 +570,14 @@ class UnifiedStrategy(ParallelStrategy):
         """The engine has run the backward already: install its reduced gradients, with the hooks
         Lightning calls around a backward (none in a dropped step: the optimizer then changes nothing)."""
         assert self.engine is not None
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._attached)
         if self.step_skipped:
             for s in self.engine.owned:
                 for p in self.engine.modules[s].parameters():
                     p.grad = None
         else:
             self.engine.install_grads()
-        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        return self.precision_plugin.post_backward(closure_loss, self._attached)
 
     def _evaluate(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         assert self.engine is not None
@@ -572,7 +586,7 @@ class UnifiedStrategy(ParallelStrategy):
             share, preds = self.engine.evaluate(mbs, items)
         loss = self._sum_over_workers(share).to(self.loss_dtype)
         if key is not None and (mbs[0][1] is not None or self.traced):  # traced: the stages' output is the loss
-            self.lightning_module.log(key, loss, prog_bar=key == "val_loss")  # the same on every worker
+            self._attached.log(key, loss, prog_bar=key == "val_loss")  # the same on every worker
         return loss, preds
 
     @override
@@ -611,24 +625,24 @@ class UnifiedStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None and self.layout is not None
         if self._sharded:  # this worker's share only: nobody gathers the model
-            return local_module_state(self.lightning_module, self.layout, self.engine.modules, self.engine.stages,
+            return local_module_state(self._attached, self.layout, self.engine.modules, self.engine.stages,
                                       self.global_rank == 0)
-        return gather_module_state(self.lightning_module, self.layout, self.engine.modules, self.engine.stages)
+        return gather_module_state(self._attached, self.layout, self.engine.modules, self.engine.stages)
 
     def gathered_module_state(self) -> dict[str, Any]:
         """The whole module's state dict at rank 0, whatever the checkpoint format (collective): the
         trained weights handed back to a launching process that holds the whole module anyway."""
         assert self.engine is not None and self.layout is not None
-        return gather_module_state(self.lightning_module, self.layout, self.engine.modules, self.engine.stages)
+        return gather_module_state(self._attached, self.layout, self.engine.modules, self.engine.stages)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         assert self.layout is not None
         opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the real one
         if self._sharded:
-            names = {id(p): self.layout.canonical(n) for n, p in self.lightning_module.named_parameters()}
+            names = {id(p): self.layout.canonical(n) for n, p in self._attached.named_parameters()}
             return sharded.optimizer_entries(opt, names, self.layout.written)
-        return gather_optimizer_state(opt, self.lightning_module, self.layout)
+        return gather_optimizer_state(opt, self._attached, self.layout)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -676,13 +690,13 @@ class UnifiedStrategy(ParallelStrategy):
         staged = self.layout.staged_names
         rest = {k: v for k, v in state.items() if k not in staged}  # the module's own entries outside the stages
         if rest:
-            self.lightning_module.load_state_dict(rest, strict=False)
+            self._attached.load_state_dict(rest, strict=False)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.layout is not None
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(scatter_optimizer_state(optimizer, self.lightning_module, self.layout, full))
+            optimizer.load_state_dict(scatter_optimizer_state(optimizer, self._attached, self.layout, full))
 
     # ---- metrics ---------------------------------------------------------------------------
     def gather_run(self, walls: list[float], cpus: list[float] | None = None,
@@ -737,7 +751,7 @@ class UnifiedStrategy(ParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.stop(done=True)
             self._watchdog = None
-        module = self.lightning_module
+        module = self._attached
         if module is not None and has_meta(module):  # the launching process's meta module: nothing to move
             module.cpu = lambda: module  # type: ignore[method-assign]
             try:
@@ -885,7 +899,7 @@ def _with_global_clipping(strategy: UnifiedStrategy) -> None:
         if cls not in _CLIPPING:
             _CLIPPING[cls] = type(f"GlobalNorm{cls.__name__}", (cls,), {"clip_grad_by_norm": _clip_grad_by_norm})
         retype_precision_plugin(plugin, _CLIPPING[cls])
-    plugin.unified_strategy = strategy
+    setattr(plugin, "unified_strategy", strategy)  # read by _clip_grad_by_norm (the subclass is made at run time)
 
 StrategyRegistry.register("unified", UnifiedStrategy,
                           description=f"the schedule engine: {', '.join(SCHEMES)} or a custom placement",

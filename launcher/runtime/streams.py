@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -135,6 +135,6 @@ def install(units: Sequence[tuple[nn.Module, int]]) -> None:
         _installed[module] = (unit, module.register_forward_pre_hook(UnitHook(unit)))
 
 
-def install_stages(stages: Sequence[nn.Module]) -> None:
+def install_stages(stages: Iterable[nn.Module]) -> None:
     """Units of a model with ``self.stages``: module ``i`` of the list is unit ``i``."""
     install([(m, i) for i, m in enumerate(stages)])
