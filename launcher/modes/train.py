@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -212,7 +212,7 @@ def _check_inputs(model: Any, data_module: Any, batch: Any, cfg: DictConfig) -> 
         return
     try:
         for m, fn in patched:
-            m.forward = fn
+            setattr(m, "forward", fn)  # an instance attribute over the class's method, popped below
         with torch.no_grad():
             first(**x) if isinstance(x, dict) else first(x)
     except Exception:  # noqa: BLE001 - what follows the embeddings may not run on meta: checked as far as it got
@@ -433,23 +433,24 @@ def prepare(cfg: DictConfig, out_dir: Path | None, checked: Built | None = None)
 
     cfg, model, data, spec = built.cfg, built.model, built.data, built.spec
     single = spec is None
+    # a ListConfig's container is a list (of module paths)
+    split = cast(list[str], OmegaConf.to_container(cfg.split)) if OmegaConf.is_list(cfg.split) else cfg.split
     if single:  # Lightning's single-device strategy, each batch's micro-batches through the random streams
         from ..lightning.single import StreamedSingleDevice
 
-        strategy: Any = StreamedSingleDevice(
-            microbatches=int(cfg.microbatches),
-            split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
+        strategy: Any = StreamedSingleDevice(microbatches=int(cfg.microbatches), split=split)
         devices: dict[str, Any] = {"devices": 1}
     else:
         strategy = UnifiedStrategy(
             settings=spec, timeout=float(cfg.timeout), nonfinite=cfg.get("nonfinite", "stop"),
             checkpoint=OmegaConf.to_container(cfg.checkpoint) if cfg.get("checkpoint") is not None else None,
-            split=OmegaConf.to_container(cfg.split) if OmegaConf.is_list(cfg.split) else cfg.split)
+            split=split)
         if built.checked is not None:
             strategy.adopt(built.checked)
         devices = _devices(spec.W)
     run = _run_info(cfg)
-    kwargs: dict[str, Any] = dict(OmegaConf.to_container(cfg.trainer, resolve=True) or {})
+    # a DictConfig's container is a dict
+    kwargs: dict[str, Any] = dict(cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True) or {}))
     kwargs.update(devices, strategy=strategy, logger=False, enable_checkpointing=False)
     if out_dir is not None:
         kwargs.update(_outputs(cfg, out_dir, run))
@@ -512,7 +513,7 @@ def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, A
     from ..lightning import requeue
     from ..lightning.metrics_callback import RunMetrics
 
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's container is a dict
     from ..report.progress import Progress
 
     callbacks: list[Any] = [RunMetrics(out_dir, config, run), Progress(out_dir)]
@@ -552,9 +553,10 @@ def _no_anonymous(logger: Any) -> None:
 def _group(out_dir: Path) -> str:
     """Runs of one sweep share a W&B group: the sweep's directory; a single run is its own group."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     try:
-        if HydraConfig.get().mode.name == "MULTIRUN":
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
             return str(Path(HydraConfig.get().sweep.dir).name) or "sweep"
     except ValueError:
         pass
@@ -714,7 +716,7 @@ def _error_line(e: BaseException) -> str:
     at = text.find("could not write ")
     if "WriteError" in text and at >= 0:  # a worker's: "rank 0 failed while running ...: WriteError: ..."
         return text[at:].splitlines()[0].strip()
-    seen = e
+    seen: BaseException | None = e
     while seen is not None:
         if isinstance(seen, WriteError):
             return seen.sentence

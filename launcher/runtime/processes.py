@@ -318,7 +318,7 @@ class Supervisor:
             if obj in self.open_conns:
                 self._receive(obj)
                 continue
-            r = self.sentinels.get(obj)
+            r = self.sentinels.get(obj) if isinstance(obj, int) else None  # the rest: process sentinels
             if r is None or r not in self.alive:
                 continue  # a pipe already drained when its process ended
             self._on_exit(r)
@@ -345,6 +345,12 @@ class Supervisor:
         except (EOFError, OSError):
             self.open_conns.pop(conn, None)
 
+    @property
+    def _watch_store(self) -> dist.PrefixStore:
+        """The watchdog's keys of the store (served from :meth:`start` on)."""
+        assert self.wstore is not None
+        return self.wstore
+
     def _on_exit(self, r: int) -> None:
         """Rank ``r``'s process ended: keep its result, or name the failure its report (or silence) tells of."""
         self.procs[r].join()
@@ -363,8 +369,8 @@ class Supervisor:
             self.causes.append(msg)
             self._set_failure(msg)
         else:  # aborted because of someone else: that one is (or will be) the failure
-            if self.failure is None and self.wstore.check([ABORT_KEY]):
-                self._set_failure(self.wstore.get(ABORT_KEY).decode())
+            if self.failure is None and self._watch_store.check([ABORT_KEY]):
+                self._set_failure(self._watch_store.get(ABORT_KEY).decode())
 
     def _check(self, now: float) -> bool:
         """The timed decisions: a hang, ranks late to start, the grace or the deadline spent (False)."""
@@ -386,7 +392,7 @@ class Supervisor:
         """Every rank's heartbeat: a stuck one is named, and killed (it cannot stop itself)."""
         running = [r for r in sorted(self.alive) if r not in self.reports]
         try:
-            beats = {r: self.wstore.get(f"hb/{r}").decode() for r in running}
+            beats = {r: self._watch_store.get(f"hb/{r}").decode() for r in running}
         except Exception:  # noqa: BLE001 - a store hiccup: look again next time
             return
         found = self.monitor.update(beats, now, jobs={r: self._job(r) for r in running},
@@ -406,7 +412,7 @@ class Supervisor:
     def _set_failure(self, msg: str) -> None:
         """The first failure wins, here and in the store (a worker's watchdog may have named one first)."""
         if self.failure is None:
-            self.failure = self.wstore.compare_set(ABORT_KEY, "", msg).decode()
+            self.failure = self._watch_store.compare_set(ABORT_KEY, "", msg).decode()
             self.stop_by = time.monotonic() + self.grace + 2 * self.interval + 2.0
 
     def _take(self, r: int) -> None:
