@@ -152,9 +152,9 @@ def local_module_state(module: nn.Module, layout: Layout, modules: dict[int, nn.
         for name, p in zip(layout.stage_names[s], modules[s].parameters()):
             if name in written:
                 out[name] = p.detach().cpu()
-        for name, b in zip(layout.stage_buffers[s], stages[s].buffers()):
-            if name is not None and name in written:
-                out[name] = b.detach().cpu()
+        for buffer_name, b in zip(layout.stage_buffers[s], stages[s].buffers()):
+            if buffer_name is not None and buffer_name in written:
+                out[buffer_name] = b.detach().cpu()
     return out
 
 
