@@ -134,7 +134,7 @@ def test_a_checkpoint_holding_hydra_objects_is_one_sentence(workdir: Path) -> No
     run = workdir / "hydra-objects"
     p = launcher(*TWO["gpipe"], *COMMON, *overrides, "trainer.max_steps=2", f"hydra.run.dir={run}", cwd=workdir)
     assert p.returncode == 0, p.stderr[-3000:]
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    ckpt = load(run / "checkpoints" / "last.ckpt")  # gpipe writes a sharded directory: as one file's dict
     ckpt["hyper_parameters"] = OmegaConf.create(ckpt["hyper_parameters"])
     old = workdir / "old.ckpt"
     torch.save(ckpt, old)
