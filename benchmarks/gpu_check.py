@@ -67,7 +67,7 @@ import vs_torch_native as vn  # noqa: E402
 
 from launcher.report.measured_costs import stage_job_seconds  # noqa: E402
 from launcher.runtime import Engine, StagedModel, launch  # noqa: E402
-from launcher.runtime.model import flat_params, reference_step  # noqa: E402
+from launcher.runtime.oracle import flat_params, reference_step  # noqa: E402
 from launcher.schedule import make_step, simulate  # noqa: E402
 
 FP32_TOL = 1e-5  # float32: largest difference over the largest value (gradients; parameters)
@@ -343,9 +343,9 @@ def _ours(size: vt.Size, stages: list, loss: Any, mbs: list, S: int, steps: int,
     prof = Profile({}, 0.0, bytes={"params": tuple(params), "grads": tuple(params),
                                    "optimizer": tuple(opt_bytes.get(s, 0) for s in range(S)),
                                    "activation": tuple(max(a) for a in act_in), "saved": tuple(max(g) for g in saved)})
-    tl = engine.plan.timeline
+    tl = engine.lowered.timeline
     owned, fetched = memory.owned_and_fetched(tl)
-    model_bytes = memory.worker_bytes(tl, prof, "step", list(engine.plan.predicted["weights_peak_resident"]), owned,
+    model_bytes = memory.worker_bytes(tl, prof, "step", list(engine.lowered.predicted["weights_peak_resident"]), owned,
                                       fetched, act)
     per_rank = [{"records": records[warmup:], "optimizer_s": opt_s[warmup:], "optimizer_cpu_s": opt_s[warmup:]}]
     pair = vn.Pair("one-worker", "lpp", 1, 1, S, Bm, "1f1b", False, "none")

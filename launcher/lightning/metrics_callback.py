@@ -98,7 +98,7 @@ class RunMetrics(Callback):
                            "optimizer": [opt.get(s, 0) for s in range(len(params))],
                            "activation": [max(a) for a in act], "saved": [max(g) for g in saved]}
             self.metrics, tl = report.build(
-                config=self.config, run=self.run, lowered=engine.plan, per_rank=gathered, msg_bytes=msg,
+                config=self.config, run=self.run, lowered=engine.lowered, per_rank=gathered, msg_bytes=msg,
                 act_bytes=act, stage_bytes=stage_bytes, steps=self._steps(walls), val=self.val,
                 samples_per_step=self.samples[-1] if self.samples else 0,
                 module_costs=[c.to_json() for c in strategy.module_costs] if strategy.module_costs else None,
@@ -152,13 +152,13 @@ def _predict_memory(metrics: dict, strategy: UnifiedStrategy, gathered: list[dic
     from ..plan.profile import Profile
 
     assert strategy.engine is not None
-    plan, pw = strategy.engine.plan, metrics["per_worker"]
+    lowered, pw = strategy.engine.lowered, metrics["per_worker"]
     prof = Profile({}, 0.0, bytes={k: tuple(v) for k, v in stage_bytes.items()})
-    owned, fetched = memory.owned_and_fetched(plan.timeline)
+    owned, fetched = memory.owned_and_fetched(lowered.timeline)
     act = pw["peak_activation_bytes"]["predicted"]
-    model = memory.worker_bytes(plan.timeline, prof, strategy.settings.weight_cache,
-                                list(plan.predicted["weights_peak_resident"]), owned, fetched, act)
-    base = [r.get("base_memory_bytes", 0) for r in gathered if r["rank"] < plan.workers]
+    model = memory.worker_bytes(lowered.timeline, prof, strategy.settings.weight_cache,
+                                list(lowered.predicted["weights_peak_resident"]), owned, fetched, act)
+    base = [r.get("base_memory_bytes", 0) for r in gathered if r["rank"] < lowered.workers]
     pw["peak_memory_bytes"]["base"] = base
     pw["peak_memory_bytes"]["predicted"] = [b + m for b, m in zip(base, model)]
     state = [p + g + o for p, g, o in zip(stage_bytes["params"], stage_bytes["grads"], stage_bytes["optimizer"])]

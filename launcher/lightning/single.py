@@ -29,7 +29,7 @@ from typing_extensions import override
 from ..runtime import streams
 from ..runtime.items import rows
 from ..runtime.items import shares as item_shares
-from ..runtime.model import run_stage
+from ..runtime.staged import run_stage
 from ..runtime.values import as_tree, chunk
 from ..split.capture import loss_module
 from .item_counts import loss_items

@@ -23,9 +23,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..runtime.checks import ModelError, model_errors
 from ..runtime.init import init_units
-from ..runtime.model import ModelError, StagedModel, model_errors
 from ..runtime.rng import kept_random_state, peek
+from ..runtime.staged import StagedModel
 from ..runtime.streams import install_stages
 from ..runtime.values import as_tree, chunk
 from ..schedule.settings import DEFAULT

@@ -405,7 +405,7 @@ class UnifiedStrategy(ParallelStrategy):
         # random streams (launcher.runtime.streams): every job's draws from (seed, step, micro-batch,
         # unit), the seed rank 0's (seed_everything's), so processes started apart agree
         self.engine.streams = _agreed_seed(self.root_device)
-        owners = self.engine.plan.owners
+        owners = self.engine.lowered.owners
         me = self.engine.worker
         self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me],
                                 self.engine.ties)
@@ -429,10 +429,10 @@ class UnifiedStrategy(ParallelStrategy):
         run one micro-batch of the first training batch (of ``train_dataloaders``, else of the
         datamodule, else of the module's own ``train_dataloader``) through the stages: a module
         that cannot be trained is refused here, in one sentence per problem
-        (:class:`~launcher.runtime.model.ModelError`), before any worker starts. The staging is
+        (:class:`~launcher.runtime.checks.ModelError`), before any worker starts. The staging is
         kept: forked workers inherit it rather than trace the module again. Every random state
         and the trainer's loaders are left as they were (:func:`~.staging.first_batch`)."""
-        from ..runtime.model import ModelError
+        from ..runtime.checks import ModelError
         from .staging import check_staging, training_loaders
 
         if self._staged is not None and self._staged[0] is module:
@@ -472,7 +472,7 @@ class UnifiedStrategy(ParallelStrategy):
         profiles the modules and every rank takes its cut (collective), so no two ranks cut the
         model differently, even where their timings would differ. A failure on rank 0 is raised
         on every rank, with its sentences."""
-        from ..runtime.model import ModelError
+        from ..runtime.checks import ModelError
         from .staging import profiled_partition
 
         found: Any = None
@@ -718,7 +718,7 @@ class UnifiedStrategy(ParallelStrategy):
         tied_opt = [(s, i, opt_of(list(self.engine.modules[s].parameters())[i]))
                     for uses in self.engine.ties for s, i in uses if s in self.layout.writers]
         # the message cost the prediction and the planner use: workers 0 and 1 ping-pong (no step runs now)
-        link = measure_link(self.engine.group, self.engine.device) if self.engine.plan.workers > 1 else None
+        link = measure_link(self.engine.group, self.engine.device) if self.engine.lowered.workers > 1 else None
         mine = {"rank": self.global_rank, "records": self.records, "walls": list(walls), "cpus": list(cpus or []),
                 "peak_memory_bytes": peak, "base_memory_bytes": self.base_memory,
                 "memory_kind": "cuda_max_allocated" if self.root_device.type == "cuda" else "rss",
@@ -793,7 +793,7 @@ def clipped_gradients(engine: Engine) -> tuple[list[torch.Tensor], list[torch.Te
     same summed gradient, :meth:`Engine._sum_tied`). ``scaled``: every owned parameter's gradient
     once, on every worker that holds a copy: a parameter held by two stages of this worker (DDP's
     tied embedding) is one tensor, scaled once."""
-    owners, me = engine.plan.owners, engine.worker
+    owners, me = engine.lowered.owners, engine.worker
     later = {use for uses in engine.ties for use in sorted(uses)[1:]}
     counted: list[torch.Tensor] = []
     scaled: dict[int, torch.Tensor] = {}

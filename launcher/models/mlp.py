@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..runtime.checks import non_negative_ints, positive_ints, positive_number
 from .base import StagedLM
-from .checks import non_negative_ints, positive_ints, positive_number
 
 
 class Layer(nn.Module):

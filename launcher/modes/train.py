@@ -120,7 +120,7 @@ def _check_model(strategy: Any, model: Any, data: Any, cfg: DictConfig) -> None:
     """The module staged as the workers will (its self.stages cut, or its training step traced and
     cut) and one micro-batch of the data's first batch through the stages, before any worker
     starts; the workers inherit the staging."""
-    from ..runtime.model import ModelError
+    from ..runtime.checks import ModelError
 
     target = cfg.model.get("_target_")
     try:
@@ -163,65 +163,17 @@ def _check_inputs(model: Any, data_module: Any, batch: Any, cfg: DictConfig) -> 
     """The data's output against the model: every embedding of the model's first stage (its
     ``self.stages[0]``; a traced model is left to the staging check) must have a row for each index
     the first batch gives it: the data's symbols (and at least the ``vocab_size`` a data module
-    declares) and the positions of its sequences. The stage runs on the batch with each embedding replaced by a
-    check that returns a meta tensor of the right shape, so nothing is computed (the weights may
-    be on the meta device); a model this cannot run is left to the staging check."""
-    import torch
-    from torch import nn
-
+    declares) and the positions of its sequences (:func:`~launcher.runtime.checks.embedding_miss`)."""
     from ..lightning.staging import split_batch
+    from ..runtime.checks import embedding_miss
 
     try:
         x, _ = split_batch(model, batch)
     except Exception:  # noqa: BLE001 - the staging check reports a batch it cannot split
         return
-    stages = getattr(model, "stages", None)
-    first = stages[0] if isinstance(stages, nn.ModuleList) and len(stages) else None
-    if first is None:
-        return
-    tokens = x.detach().cpu().long() if isinstance(x, torch.Tensor) and not x.is_floating_point() else None
-    found: list[str] = []
-
-    def look(path: str, m: nn.Embedding, idx: torch.Tensor) -> list[str]:
-        """The sentence when embedding ``m`` (at ``path``) has no row for an index it is given."""
-        rows, T = int(m.num_embeddings), idx.shape[-1]
-        fed = tokens is not None and idx.shape == tokens.shape and torch.equal(idx, tokens)  # the data's symbols
-        positions = not fed and torch.equal(idx.reshape(-1, T)[0], torch.arange(T))  # 0 .. T-1 along a sequence
-        declared = getattr(data_module, "vocab_size", None) if fed else None
-        declared = declared if isinstance(declared, int) and not isinstance(declared, bool) else None
-        top = int(idx.max())
-        need = max(top + 1, declared or 0)
-        if need <= rows:
-            return []
-        return [_embedding_sentence(cfg, path, rows, need, top, fed, positions, T, declared)]
-
-    def checker(path: str, m: nn.Embedding) -> Any:
-        def forward(idx: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            if isinstance(idx, torch.Tensor) and not idx.is_meta and idx.dim() >= 1 and idx.numel() and not found:
-                try:
-                    found.extend(look(path, m, idx.detach().cpu().long()))
-                except Exception:  # noqa: BLE001 - an index this cannot read: not checked
-                    pass
-            shape = (*idx.shape, m.embedding_dim)
-            return torch.empty(shape, dtype=m.weight.dtype, device="meta")
-        return forward
-
-    patched = [(m, checker(f"stages.0.{name}" if name else "stages.0", m))
-               for name, m in first.named_modules() if isinstance(m, nn.Embedding)]
-    if not patched:
-        return
-    try:
-        for m, fn in patched:
-            setattr(m, "forward", fn)  # an instance attribute over the class's method, popped below
-        with torch.no_grad():
-            first(**x) if isinstance(x, dict) else first(x)
-    except Exception:  # noqa: BLE001 - what follows the embeddings may not run on meta: checked as far as it got
-        pass
-    finally:
-        for m, _ in patched:
-            vars(m).pop("forward", None)
-    if found:
-        raise ConfigError(found[:1])
+    miss = embedding_miss(model, x, getattr(data_module, "vocab_size", None))
+    if miss is not None:
+        raise ConfigError([_embedding_sentence(cfg, *miss)])
 
 
 def _leaves(node: Any, prefix: str, depth: int = 2) -> list[tuple[str, Any]]:

@@ -2,7 +2,7 @@
 chrome://tracing), the step the workers measured beside the step the prediction replayed.
 
 Pure Python (no torch). :func:`build` takes each worker's events of the traced step
-(:meth:`launcher.runtime.worker.Engine.trace`: the last training step of the run, with the
+(:meth:`launcher.runtime.engine.Engine.trace`: the last training step of the run, with the
 Lightning step around it), the predicted timeline (``tl`` of :func:`launcher.report.metrics_json.build`,
 in seconds) and the run's labels, and returns the Chrome Trace Event Format's JSON object form::
 

@@ -159,7 +159,7 @@ class Comm:
         # and gradients (the dependencies the simulator charges), the partial sums and the
         # all-reduces' rounds (the end of the step)
         self.clock = Clock(timed)
-        # the traced step (:meth:`~launcher.runtime.worker.Engine.trace`): each receive's first
+        # the traced step (:meth:`~launcher.runtime.engine.Engine.trace`): each receive's first
         # wait ``(mid, began, ended, bytes)`` and each send's hand-over ``(mid, at, bytes)``, on this
         # host's monotonic clock; None when not traced
         self.waits: list[tuple[int, float, float, int]] | None = [] if traced else None

@@ -1,13 +1,13 @@
 """Collectives of the step: the replicas' gradient all-reduce, and NCCL's pair communicators.
 
 Replicas: the owners of a replicated stage (DDP, LPP with G > 1) sum its gradient across
-themselves. Stages of one owner set are merged, in the plan's
+themselves. Stages of one owner set are merged, in the step's
 :attr:`~launcher.schedule.program.Lowered.reduce_order`, into buckets (DistributedDataParallel's sizes:
 the first closes at 1 MiB so it starts early, the others at 25 MiB so they are few); the gradient
 is accumulated straight into its bucket's buffer (allocated once, as DDP's), so a bucket costs no
 copy. Every owner launches a bucket's all-reduce as soon as its own share is complete
 (``Program.reduce_ready``), so the transfer of the last stages overlaps the backward of the first
-ones. The order, the buckets, their members and their algorithm follow from the plan and the
+ones. The order, the buckets, their members and their algorithm follow from the program and the
 stages' sizes, so they are the same on every worker and the collectives match.
 
 Algorithm, per bucket:
@@ -25,12 +25,12 @@ Algorithm, per bucket:
   (``ROOT_BYTES``), through one root in two rounds. On workers that share cores a round costs a
   peer's turn on a core, so few rounds win: DDP on 8 workers, 264 KB of gradient, 36 ms a step
   with gloo's ring and 20 ms through a root; 4 MB, 88 ms with the ring and 81 ms with
-  halving-doubling (``benchmarks/vs_torch_native.py``). Which is which follows from the plan, so
+  halving-doubling (``benchmarks/vs_torch_native.py``). Which is which follows from the program, so
   every owner of a bucket reduces it the same way.
 
 NCCL pairs: point-to-point communicators are created lazily on a pair's first message, which
 blocks both ends; two pairs whose first messages form a cycle deadlock. :func:`warm_pairs`
-creates every pair a plan uses up front, in one global order.
+creates every pair a program uses up front, in one global order.
 """
 
 from __future__ import annotations
@@ -82,15 +82,15 @@ class Bucket:
         return sum(self.numels)
 
 
-def plan_buckets(plan: Lowered, nbytes: Sequence[int], numels: Sequence[int], dtypes: Sequence[torch.dtype],
+def plan_buckets(lowered: Lowered, nbytes: Sequence[int], numels: Sequence[int], dtypes: Sequence[torch.dtype],
                  bucket_bytes: int) -> list[Bucket]:
     """Every bucket of the step, in the launch order common to all workers. Stages share a
     bucket only with stages of the same owners and dtype (one flat buffer each, as DDP's)."""
-    order = {s: k for k, s in enumerate(plan.reduce_order)}
+    order = {s: k for k, s in enumerate(lowered.reduce_order)}
     open_: dict[tuple, tuple[Bucket, int]] = {}
     every: list[Bucket] = []
-    for s in plan.reduce_order:
-        owners = tuple(plan.owners[s])
+    for s in lowered.reduce_order:
+        owners = tuple(lowered.owners[s])
         key = (owners, dtypes[s])
         b, size = open_.pop(key, (Bucket(-1, owners, [], []), 0))
         b.stages.append(s)
@@ -104,7 +104,7 @@ def plan_buckets(plan: Lowered, nbytes: Sequence[int], numels: Sequence[int], dt
     every.sort(key=lambda b: order[b.stages[-1]])  # launch order: when its last stage is ready
     for i, b in enumerate(every):
         b.index = i
-        b.at_end = all(max(plan.programs[o].reduce_ready[s] for s in b.stages) >= len(plan.programs[o].jobs) - 1
+        b.at_end = all(max(lowered.programs[o].reduce_ready[s] for s in b.stages) >= len(lowered.programs[o].jobs) - 1
                        for o in b.owners)
     return every
 
@@ -112,16 +112,16 @@ def plan_buckets(plan: Lowered, nbytes: Sequence[int], numels: Sequence[int], dt
 class Replicas:
     """This worker's all-reduces of replicated stages: buckets, launch, and the wait at the end."""
 
-    def __init__(self, plan: Lowered, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,
+    def __init__(self, lowered: Lowered, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,
                  layouts: Sequence, device: torch.device, bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.plan, self.worker, self.ranks, self.group = plan, worker, list(ranks), group
+        self.lowered, self.worker, self.ranks, self.group = lowered, worker, list(ranks), group
         self.nccl = dist.get_backend(group) == "nccl"
         nbytes = [L.numel * torch.empty(0, dtype=L.dtype).element_size() for L in layouts]
-        every = plan_buckets(plan, nbytes, [L.numel for L in layouts], [L.dtype for L in layouts], bucket_bytes)
+        every = plan_buckets(lowered, nbytes, [L.numel for L in layouts], [L.dtype for L in layouts], bucket_bytes)
         self.buckets = [b for b in every if worker in b.owners]
         if worker is not None:  # a rank that is no worker has no buckets
             for b in self.buckets:
-                b.ready = max(plan.programs[worker].reduce_ready[s] for s in b.stages)
+                b.ready = max(lowered.programs[worker].reduce_ready[s] for s in b.stages)
         self.flats = [torch.empty(b.numel, dtype=layouts[b.stages[0]].dtype, device=device) for b in self.buckets]
         self.slices: dict[int, torch.Tensor] = {}  # stage -> its slice of its bucket's buffer
         for b, flat in zip(self.buckets, self.flats):
@@ -148,7 +148,7 @@ class Replicas:
         ``new_group`` is collective over the default group, members or not (making only the
         members' groups locally can hang when one worker is in two sets), so every process of
         the world builds its engine, ranks with no worker too, and makes every such group; the
-        decision is the plan's, the same on every process. A set of every rank of the engine's
+        decision is the program's, the same on every process. A set of every rank of the engine's
         group uses that group."""
         sets = sorted({b.owners for b in every if self.nccl or not b.at_end})  # those with a collective
         if not sets:
@@ -212,7 +212,7 @@ class Replicas:
         :class:`~launcher.runtime.comm.Clock` that times the point-to-point rounds)."""
         if self.worker is None:
             return
-        self.launch_ready(len(self.plan.programs[self.worker].jobs))
+        self.launch_ready(len(self.lowered.programs[self.worker].jobs))
         with blocked(watchdog):
             for i, b in enumerate(self.buckets):  # the end of the step's, in the common order
                 if self._overlaps(b):
@@ -224,22 +224,22 @@ class Replicas:
                     continue
                 algorithm = through_root if self._small(b, flat) else halving_doubling
                 algorithm(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
-                          functools.partial(self.plan.reduce_tag, b.index), self.group, clock,
+                          functools.partial(self.lowered.reduce_tag, b.index), self.group, clock,
                           self.scratch if self.scratch.dtype == flat.dtype else None)
             for work in self.pending:
                 work.wait()
 
 
-def warm_pairs(plan: Lowered, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,
+def warm_pairs(lowered: Lowered, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,
                device: torch.device) -> None:
-    """Open every pair communicator this worker's plan uses, in one global order (NCCL only).
+    """Open every pair communicator this worker's program uses, in one global order (NCCL only).
 
     Pairs go in increasing ``(low, high)`` order; each is one tiny exchange from the lower worker to
     the higher. Every worker walks the same global list and takes part in its own pairs, so the
     first contacts cannot form a cycle (a worker only ever waits on the earliest pair still open)."""
     if worker is None:
         return
-    pairs = sorted({(min(m.src, m.dst), max(m.src, m.dst)) for m in plan.messages})
+    pairs = sorted({(min(m.src, m.dst), max(m.src, m.dst)) for m in lowered.messages})
     token = torch.zeros(1, device=device)
     for lo, hi in pairs:
         if worker == lo:

@@ -51,7 +51,7 @@ class Meter:
     cpu_s: float = 0.0  # process CPU of the whole step
     end_s: float = 0.0  # wall and CPU of the end of the step: gradient sums, all-reduces, last sends
     end_cpu_s: float = 0.0
-    # the traced step only (:meth:`~launcher.runtime.worker.Engine.trace`), on this host's
+    # the traced step only (:meth:`~launcher.runtime.engine.Engine.trace`), on this host's
     # monotonic clock: each job's (start, end), and the end of step's all-reduce of replicas
     spans: list | None = None
     allreduce_span: tuple[float, float] | None = None
@@ -161,7 +161,7 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 #: counts the runtime must reproduce exactly, under either weight cache (``weights_peak_resident``
-#: under ``"job"`` as the plan predicts it for the engine's lookahead). Not ``stash_recv``: the
+#: under ``"job"`` as the program predicts it for the engine's lookahead). Not ``stash_recv``: the
 #: runtime only runs placements that move no stash, so it has nothing to measure (``None``).
 EXACT_KEYS = ("act_recv", "grad_recv", "weight_fetch_stages", "weight_fetch_jobs", "weight_grad_send",
               "weight_allreduce", "peak_activations", "weights_owned", "weights_peak_resident")

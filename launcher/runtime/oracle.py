@@ -1,23 +1,112 @@
-"""Check the engine against plain single-process training, many schedules in one process group.
+"""The oracle: plain single-process training of a staged model (gradient accumulation over the same
+micro-batches), the small staged MLP the engine is checked on, and the engine checked against them.
 
 Call :func:`run_cases` on every rank of a group (e.g. through :func:`~launcher.runtime.launch`):
 for each :class:`Case` it trains the staged MLP with the engine and, beside it on every rank, the
-oracle (one process, gradient accumulation over the same micro-batches), and compares the stages
-each rank owns: the reduced gradient of every step and the parameters after every step. Ranks at
-or above a case's ``W`` sit it out. Cases share the group because starting one is expensive.
+oracle, and compares the stages each rank owns: the reduced gradient of every step and the
+parameters after every step. Ranks at or above a case's ``W`` sit it out. Cases share the group
+because starting one is expensive.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from launcher.schedule.settings import DEFAULT, make_step
 
-from .model import flat_params, mlp_batches, reference_step, staged_mlp
-from .worker import Engine
+from .engine import Engine
+from .staged import Batch, StagedModel, run_stage
+
+# ---- a small staged MLP, for tests and examples -------------------------------------------------
+
+
+class Block(nn.Module):
+    """``tanh(x W + b)``: one stage of the test MLP."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def staged_mlp(
+    stages: int, width: int = 8, d_in: int = 6, d_out: int = 3, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> StagedModel:
+    """A chain of ``stages`` tanh layers (the last one linear) with an MSE loss; deterministic in ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    mods: list[nn.Module] = []
+    for s in range(stages):
+        a = d_in if s == 0 else width
+        z = d_out if s == stages - 1 else width
+        m: nn.Module = nn.Linear(a, z) if s == stages - 1 else Block(a, z)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5)
+        mods.append(m.to(dtype))
+    return StagedModel(mods, nn.functional.mse_loss)
+
+
+def mlp_batches(
+    microbatches: int, size: int = 4, d_in: int = 6, d_out: int = 3, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> list[Batch]:
+    """``microbatches`` random (input, target) pairs of ``size`` rows each."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    return [
+        (torch.randn(size, d_in, generator=gen, dtype=dtype), torch.randn(size, d_out, generator=gen, dtype=dtype))
+        for _ in range(microbatches)
+    ]
+
+
+# ---- the oracle ---------------------------------------------------------------------------------
+
+
+def forward_all(model: StagedModel, x: Any) -> list[Any]:
+    """Outputs of every stage for one micro-batch, through the stage graph."""
+    outs: list[Any] = []
+    for s, m in enumerate(model.stages):
+        outs.append(run_stage(m, None, model.received(s, outs, x)))
+    return outs
+
+
+def reference_loss(model: StagedModel, batch: Batch, microbatches: int) -> torch.Tensor:
+    """One micro-batch's contribution to the step loss: the sum of its sinks' losses over ``B``."""
+    x, y = batch
+    outs = forward_all(model, x)
+    return sum(model.loss(outs[s], y) for s in model.graph.sinks) / microbatches
+
+
+def reference_step(
+    model: StagedModel, optimizer: torch.optim.Optimizer, microbatches: Sequence[Batch]
+) -> tuple[list[torch.Tensor], float]:
+    """Plain single-process training with gradient accumulation; returns per-stage flat grads and the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for batch in microbatches:
+        loss = reference_loss(model, batch, len(microbatches))
+        loss.backward()
+        total += float(loss.detach())
+    grads = [
+        torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in m.parameters()])
+        if list(m.parameters())
+        else torch.zeros(0)
+        for m in model.stages
+    ]
+    optimizer.step()
+    return grads, total
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    ps = [p.detach().reshape(-1) for p in module.parameters()]
+    return torch.cat(ps) if ps else torch.zeros(0)
+
+
+# ---- the engine against the oracle ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)

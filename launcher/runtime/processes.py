@@ -57,7 +57,7 @@ from .failure import (
     set_current_watchdog,
     transport_reason,
 )
-from .model import warm_up_meta
+from .signatures import warm_up_meta
 
 #: how long a blocking collective may take before the backend itself gives up; failure detection
 #: is the watchdog's job (a slow but healthy peer keeps beating), so this is generous

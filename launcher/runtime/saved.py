@@ -198,7 +198,7 @@ def _real_run(model: Any, x: Any, y: Any, device: torch.device) -> list[int]:
 
 
 def _call(m: nn.Module, state: dict | None, values: list[Any]) -> Any:
-    from .model import run_stage
+    from .staged import run_stage
 
     if state is None:
         return run_stage(m, None, values)

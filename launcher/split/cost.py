@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..runtime.model import run_stage
+from ..runtime.staged import run_stage
 from ..runtime.torch_private import pytree
 from ..runtime.values import differentiable, nbytes
 

@@ -32,7 +32,7 @@ from launcher.lightning.item_counts import loss_items
 from launcher.runtime import Engine, StagedModel, launch
 from launcher.runtime.init import empty_init, init_units
 from launcher.runtime.items import shares
-from launcher.runtime.model import flat_params, staged_mlp
+from launcher.runtime.oracle import flat_params, staged_mlp
 from launcher.schedule import make_step
 
 ATOL = 1e-10

@@ -60,7 +60,7 @@ class Keep(L.Callback):
         st = trainer.strategy
         if self.out is None or not isinstance(st, UnifiedStrategy):
             return
-        msgs = st.engine.plan.messages
+        msgs = st.engine.lowered.messages
         sizes = st.sizes()[0] if st.engine.worker is not None else []
         torch.save({"records": st.records, "losses": self.losses, "worker": st.engine.worker,
                     "predicted": [(m.kind, m.dst, n) for m, n in zip(msgs, sizes)]},
@@ -207,7 +207,7 @@ def _loss_scale_and_scaler() -> dict:
     """One rank of :func:`test_loss_scale_and_synced_scaler` (16-mixed's machinery, on CPU)."""
     from launcher.lightning.strategy import _SyncedScaler
     from launcher.runtime import Engine
-    from launcher.runtime.model import mlp_batches, staged_mlp
+    from launcher.runtime.oracle import mlp_batches, staged_mlp
     from launcher.schedule import make_step
 
     # the engine's backward on a scaled loss: fetched weights and weight-gradient sums (FSDP), float64

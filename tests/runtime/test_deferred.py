@@ -1,4 +1,4 @@
-"""The split backward (launcher.runtime.deferred): ``I`` then ``W`` give exactly the gradients of
+"""The split backward (launcher.runtime.backward): ``I`` then ``W`` give exactly the gradients of
 one backward, and ``W`` does not go over the input side of the graph again."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from launcher.models.gpt import Block
-from launcher.runtime.deferred import input_grads
-from launcher.runtime.model import stage_grads
+from launcher.runtime.backward import input_grads, stage_grads
 
 F64 = torch.float64
 

@@ -11,7 +11,8 @@ import torch
 
 from launcher.models.gpt import GPT, Block
 from launcher.runtime import Engine, StagedModel, launch
-from launcher.runtime.model import reference_step, stage_grads, stage_grads_into
+from launcher.runtime.backward import stage_grads, stage_grads_into
+from launcher.runtime.oracle import reference_step
 from launcher.schedule import make_step
 
 

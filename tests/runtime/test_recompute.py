@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from launcher.runtime import launch
-from launcher.runtime.model import flat_params, mlp_batches, reference_step, staged_mlp
-from launcher.runtime.worker import Engine
+from launcher.runtime.engine import Engine
+from launcher.runtime.oracle import flat_params, mlp_batches, reference_step, staged_mlp
 from launcher.schedule import StepError, make_step, simulate
 
 ATOL = 1e-10

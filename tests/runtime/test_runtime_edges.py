@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from launcher.runtime import Engine, StagedModel, WorkerFailed, launch, mlp_batches, staged_mlp
+from launcher.runtime.checks import ModelError, model_errors
 from launcher.runtime.failure import hang_message
-from launcher.runtime.model import ModelError, model_errors
 from launcher.schedule import make_step
 
 TIMEOUT = 3.0

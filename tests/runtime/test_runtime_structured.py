@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from launcher.runtime import Engine, StagedModel, launch, merge
-from launcher.runtime.model import flat_params, reference_step
+from launcher.runtime.oracle import flat_params, reference_step
 from launcher.schedule import make_step
 from launcher.schedule.graph import StageGraph
 
@@ -121,7 +121,7 @@ def test_structured_stages_equal_one_process(scheme: str, G: int, R: int, B: int
         reference_step(ref, ref_opt, batches(B, step))
     for m in ref.stages:
         m.eval()
-    from launcher.runtime.model import reference_loss
+    from launcher.runtime.oracle import reference_loss
 
     with torch.no_grad():
         want = sum(float(reference_loss(ref, mb, B)) for mb in batches(B, 9))

@@ -1,0 +1,584 @@
+"""The engine: one worker runs its program of a step over ``torch.distributed``.
+
+Usable on its own (plain Python) in any initialized process group, one engine per rank::
+
+    engine = Engine(staged_model, make_step("lpp", S, B, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    record = engine.train_step(microbatches)   # a list of B (input, target) pairs, the same on every rank
+
+A loss that is a mean over a data-dependent count (tokens with a label, rows of unequal
+micro-batches) weighs each micro-batch by its share of the step's items, ``items=[n_0, ...]``
+(:mod:`.items`; by default the rows of each micro-batch), so the step's loss and gradient are one
+device's on the whole batch.
+
+Rank ``w`` of the group is worker ``w`` of the schedule; ranks at or above ``W`` have nothing to
+do. Every rank builds every stage, then keeps real weights (and optimizer state) only for the
+stages it owns; for every stage it also keeps a skeleton (parameters on the meta device, its own
+copy of the buffers) to run fetched copies of the weights (``torch.func.functional_call``), and,
+apart, meta-device copies that only tell what each stage returns (:mod:`.values`).
+
+Activations: ``F(s, b)`` stashes its inputs ``x_s^b`` (and, unless it recomputes, the autograd
+graph of stage ``s``) from its start to the end of ``B(s, b)`` (or ``I(s, b)``), as the simulator
+counts. A forward on fetched weights under ``weight_cache="job"`` frees its copy when it ends, so
+its backward fetches again (unless the worker owns the stage) and recomputes the stage's forward
+from the stashed input (activation checkpointing, as FSDP does); so does every forward of a stage
+in ``recompute`` (its units draw from the job's random streams, :mod:`.streams`, or without them
+on the random state the forward ran with: dropout draws the same mask);
+everything else keeps the graph and does not recompute, and its backward fetches nothing under
+``"job"``. The meter counts a kept graph's saved tensors (:mod:`.saved`) with the input, until
+the backward frees it (``W`` when split), as :meth:`Engine.activation_peaks` predicts; it hooks a
+forward only when its key (stage, input shapes, grad mode, autocast, ...) is new or not yet
+confirmed, and on check steps (:class:`~launcher.runtime.saved.GraphCounts`: a hook per saved
+tensor costs a few percent of a transformer's step, and equal shapes save equal storages). A split backward's ``W``
+takes its gradient from its ``I``'s graph: under ``"job"`` it fetches nothing, and the copy ``I``
+fetched (if any) stays resident until ``W`` ends.
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import defaultdict
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from launcher.schedule.activations import activation_peaks
+from launcher.schedule.lowering import TAG_LIMIT, lower
+from launcher.schedule.program import ACT, GRAD, WEIGHTS, Lowered, Msg, forward_only
+from launcher.schedule.rules import StepError, value_error
+from launcher.schedule.simulate import Step, Timeline, simulate
+
+from .batches import check_same_batches
+from .checks import ModelError, model_errors
+from .comm import irecv, isend
+from .failure import Watchdog, blocked, current_watchdog
+from .groups import BUCKET_BYTES, Replicas, warm_pairs
+from .init import has_meta, init_units
+from .items import Count
+from .items import shares as item_shares
+from .layout import StageLayout
+from .measure import HOST, Meter, worker_record
+from .saved import GraphCounts, stage_saved_bytes
+from .shapes import Shapes, shape_key
+from .signatures import NoMeta, real_signatures, signatures
+from .staged import Batch, OptimizerFactory, StagedModel, as_meta, meta_copy, skeleton
+from .stats import RunningStats
+from .step_state import run_program
+from .streams import kept_generators
+from .values import nbytes as value_bytes
+
+#: steps between two batch checks (after the first step's): ranks fed different data are almost
+#: always so from the start (a loader seeded by rank), and the check is a collective, so it runs on
+#: step 1 and then every CHECK_EVERY steps (``Engine(check_batches=1)``: every step)
+CHECK_EVERY = 50
+
+
+
+def tied(stages: Sequence[torch.nn.Module]) -> list[list[tuple[int, int]]]:
+    """Parameters shared by several stages (tied embeddings): per shared parameter, its
+    ``(stage, index among the stage's parameters)`` in every stage that holds it."""
+    where: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for s, m in enumerate(stages):
+        for i, p in enumerate(m.parameters()):
+            where[id(p)].append((s, i))
+    return [uses for uses in where.values() if len(uses) > 1]
+
+
+def default_device(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _lowered(schedule: Step | Timeline | Lowered, weight_cache: str, prefetch: int) -> Lowered:
+    """The engine's program: the schedule lowered (simulated first, if need be) for ``prefetch``."""
+    found = [e for e in (value_error("prefetch", prefetch), value_error("weight_cache", weight_cache)) if e]
+    if found:  # the command line's sentences
+        raise StepError(found)
+    if isinstance(schedule, Lowered):
+        if schedule.prefetch != prefetch:
+            raise ValueError(f"the program was lowered for prefetch={schedule.prefetch} but the engine got "
+                             f"prefetch={prefetch}; its predicted peak resident weights would not hold")
+        return schedule
+    tl = schedule if isinstance(schedule, Timeline) else simulate(schedule)
+    return lower(tl, weight_cache, prefetch)
+
+
+def _check_model(model: StagedModel, space: Any) -> None:
+    found = model_errors(model, space.S)  # what StagedModel checked, in case the stages changed since
+    if found:
+        raise ModelError(found)
+    if model.graph.preds != space.graph.preds:
+        raise ValueError(f"the model has stage graph {model.graph.preds} but the schedule has {space.graph.preds}")
+
+
+def _recompute(timeline: Timeline, recompute: Iterable[int] | None) -> frozenset[int]:
+    """Stages whose forward keeps only its input and whose backward recomputes it (activation
+    checkpointing); default: what the schedule was simulated with."""
+    S = timeline.step.space.S
+    stages = frozenset(timeline.step.recompute if recompute is None else recompute)
+    if any(not 0 <= s < S for s in stages):
+        raise StepError([f"recompute={sorted(stages)} is invalid: stage "
+                         f"{next(s for s in sorted(stages) if not 0 <= s < S)} does not exist with stages={S}."])
+    return stages
+
+
+class Engine:
+    """Runs this rank's share of every training step of one schedule."""
+
+    def __init__(
+        self,
+        model: StagedModel,
+        schedule: Step | Timeline | Lowered,
+        optimizer: OptimizerFactory | None = None,
+        *,
+        prefetch: int = 1,
+        weight_cache: str = "step",
+        group: dist.ProcessGroup | None = None,
+        rank: int | None = None,
+        device: torch.device | str | None = None,
+        watchdog: Watchdog | None = None,
+        check_batches: bool | int = True,
+        recompute: Iterable[int] | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.lowered = _lowered(schedule, weight_cache, prefetch)
+        self.timeline = self.lowered.timeline
+        space = self.timeline.step.space
+        _check_model(model, space)
+        self.model, self.space, self.prefetch = model, space, prefetch
+        self.group = group
+        self.rank = dist.get_rank(group) if rank is None else rank
+        W = self.lowered.workers
+        if dist.get_world_size(group) < W:
+            raise ValueError(f"the schedule needs W={W} workers but the process group has {dist.get_world_size(group)}")
+        self.ranks = list(range(W))
+        self.worker: int | None = self.rank if self.rank < W else None
+        self.device = torch.device(device) if device is not None else default_device(dist.get_backend(group))
+        self.watchdog = watchdog if watchdog is not None else current_watchdog()
+        self._place_stages(model, space)
+        # the batch check: on the first step, then every ``check_batches`` steps (True: every
+        # CHECK_EVERY; 1: every step; False or 0: never)
+        self.check_every = CHECK_EVERY if check_batches is True else int(check_batches)
+        # random streams (:mod:`.streams`): the seed every job's draws are derived from, with the
+        # step and micro-batch; None: each worker draws from its own generator in the order it runs
+        self.streams: int | None = None
+        self.recompute = _recompute(self.timeline, recompute)
+        self.replicas = Replicas(self.lowered, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes)
+        if dist.get_backend(group) == "nccl":
+            warm_pairs(self.lowered, self.worker, self.ranks, group, self.device)
+        if self.materialized:
+            self._sync_ties()
+        self._sync_replicas()
+        # a parameter several owned stages share (tied embeddings) is one parameter of the optimizer
+        params = list(dict.fromkeys(p for s in self.owned for p in self.modules[s].parameters()))
+        self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self._step_state(compute_dtype)
+
+    def _place_stages(self, model: StagedModel, space: Any) -> None:
+        """The owned stages on the device (materialised if built on the meta device), a skeleton
+        for every other one, and the running statistics over both."""
+        self.layouts = [StageLayout.of(m) for m in model.stages]
+        self.skeletons = [skeleton(m, self.device) for m in model.stages]
+        self._metas: list[torch.nn.Module] | None = None  # meta copies, to learn shapes (never computed with)
+        self.ties = tied(model.stages)
+        self.owned = self.lowered.programs[self.worker].owned if self.worker is not None else []
+        # only owners keep weights: every other stage of the user's model becomes its skeleton
+        # The owned stages are the caller's own module objects (moved to the device in place), so
+        # an optimizer or a Lightning module holding their parameters steps what the engine
+        # computes with; the other stages are the engine's meta skeletons. The caller's list
+        # itself is never changed.
+        self.materialized = self._materialize()
+        self.modules = {s: model.stages[s].to(self.device) for s in self.owned}
+        self.stages: list[torch.nn.Module] = [self.modules.get(s, self.skeletons[s]) for s in range(space.S)]
+        # each submodule of a skeleton beside the user's (a deep copy: the same order), whose
+        # training flag it copies at every step
+        self._mirrored = [pair for m, sk in zip(model.stages, self.skeletons)
+                          for pair in zip(m.modules(), sk.modules())]
+        self.stats = RunningStats([[self.modules[s], self.skeletons[s]] if s in self.modules else [self.skeletons[s]]
+                                   for s in range(space.S)], space.B)
+
+    def _step_state(self, compute_dtype: torch.dtype | None) -> None:
+        """What the engine keeps from step to step, and what it derives once from the schedule."""
+        space = self.space
+        self.last_grads: dict[int, torch.Tensor] = {}  # owned stage -> reduced flat gradient of the last step
+        # (stage, owner) -> this worker's gradient sum, a buffer reused every step (replicated
+        # stages sum into their all-reduce bucket instead): the last step's totals are valid until
+        # the next step starts, as DistributedDataParallel's gradient buckets are
+        self.totals: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_views: dict[int, tuple] = {}  # owned stage -> (its total, its parameters, their views of it)
+        self.steps = 0
+        self.step_index = 0  # the global step of the current step (:meth:`compute_step`'s ``step``)
+        self._traced: dict[str, Any] | None = None  # the last training step's events (:meth:`trace`)
+        self.split = "I" in space.kinds  # a split backward: W takes a fetched copy's gradient per parameter
+        self._shapes: dict[Any, Shapes] = {}
+        self._saved: dict[Any, list[int]] = {}  # input shapes -> bytes each stage's graph saves
+        # what the forwards' graphs saved, measured: hooked only for new keys and on check steps
+        # (step 1, then every ``check_every`` steps, CHECK_EVERY when the batch check is off)
+        self.graph_counts = GraphCounts()
+        self._recount = True
+        comp, B, SB = self.timeline.compute, space.B, space.S * space.B
+        # F(s, b)'s output feeds how many forwards on the same worker
+        self._local_succ = [
+            sum(1 for c in space.stage_succs[j // B] if comp[c * B + j % B] == comp[j]) for j in range(SB)
+        ]
+        self._grad_kind = space.K - 1
+        self._eval_lowered: Lowered | None = None
+        # mixed precision (bf16-mixed, 16-mixed): owners keep their weights (fp32 masters) and
+        # compute under the caller's autocast; fetched weights, activations and their gradients
+        # cross in this dtype; weight-gradient sums and all-reduces stay in the weights' dtype.
+        # None: everything crosses in its own dtype.
+        self.compute_dtype = compute_dtype
+        self.loss_scale = 1.0  # 16-mixed: the GradScaler's scale, applied to every loss's backward
+        self.finite: Any = None  # nonfinite: a launcher.runtime.nonfinite.Finite marking each job's values
+
+    # ---- shapes ------------------------------------------------------------------------------
+    def shapes(self, microbatches: Sequence[Batch]) -> list[Shapes]:
+        """What every stage returns and every edge carries, per micro-batch: meta-device copies of
+        the stages run once per distinct input shape."""
+        keys = [shape_key(mb[0]) for mb in microbatches]
+        for k, mb in zip(keys, microbatches):
+            if k not in self._shapes:
+                if self._metas is None:
+                    self._metas = [meta_copy(m) for m in self.model.stages]
+                try:
+                    sigs = signatures(self.model, [as_meta(mb[0])], self._metas)[0]
+                except NoMeta:  # a stage reads values (or lacks a meta kernel): one real forward
+                    sigs = real_signatures(self.model, mb[0])
+                self._shapes[k] = Shapes(self.model, sigs, [sg.meta() for sg in sigs], self.compute_dtype)
+        return [self._shapes[k] for k in keys]
+
+    def sizes(self, microbatches: Sequence[Batch]) -> tuple[list[int], list[list[int]], list[int]]:
+        """Bytes of every planned message, of every stage input ``x_s^b`` (per micro-batch) and of
+        every stage's parameters, for these micro-batches' shapes: what crosses, as packed."""
+        shapes, space = self.shapes(microbatches), self.space
+        params = [L.numel * torch.empty((), dtype=L.dtype).element_size() for L in self.layouts]
+
+        def size(m: Msg) -> int:
+            if m.kind == ACT:
+                return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.nbytes()
+            if m.kind == GRAD:
+                return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.grad_nbytes()
+            if m.kind == WEIGHTS:
+                return self.layouts[m.stage].numel * torch.empty((), dtype=self.wire_dtype(m.stage)).element_size()
+            return params[m.stage]
+
+        act = [[shapes[b].input_bytes(s, space.stage_preds[s]) if space.stage_preds[s]
+                else value_bytes(microbatches[b][0]) for b in range(space.B)] for s in range(space.S)]
+        return [size(m) for m in self.lowered.messages], act, params
+
+    def wire_dtype(self, s: int) -> torch.dtype:
+        """The dtype stage ``s``'s weights are fetched in: the compute dtype under mixed
+        precision (half the bytes of fp32 masters), else the weights' own."""
+        dt = self.layouts[s].dtype
+        return self.compute_dtype if self.compute_dtype is not None and dt.is_floating_point else dt
+
+    def saved_sizes(self, microbatches: Sequence[Batch]) -> list[list[int]]:
+        """Bytes each stage's forward graph saves for its backward, per micro-batch (as the engine
+        counts them, :class:`~launcher.runtime.saved.SavedBytes`): found once per input shape,
+        by a run on fake tensors of this engine's device (or one real forward, see
+        :func:`~launcher.runtime.saved.stage_saved_bytes`)."""
+        self.shapes(microbatches)
+        if self._metas is None:
+            self._metas = [meta_copy(m) for m in self.model.stages]
+        per_key: dict[Any, list[int]] = {}
+        for mb in microbatches:
+            k = shape_key(mb[0])
+            if k not in self._saved:
+                self._saved[k] = stage_saved_bytes(self.model, mb[0], mb[1], self._metas, self.device)
+            per_key[k] = self._saved[k]
+        by_b = [per_key[shape_key(mb[0])] for mb in microbatches]
+        return [[by_b[b][s] for b in range(self.space.B)] for s in range(self.space.S)]
+
+    def recomputed(self) -> list[bool]:
+        """Per forward job ``s * B + b``: whether it keeps only its input (its stage recomputes,
+        or it frees its fetched copy under ``weight_cache="job"``), as the programs run it."""
+        out = [False] * (self.space.S * self.space.B)
+        for prog in self.lowered.programs:
+            for op in prog.jobs:
+                if op.kind == "F":
+                    out[op.stage * self.space.B + op.microbatch] = op.free_weights or op.stage in self.recompute
+        return out
+
+    def activation_peaks(self, microbatches: Sequence[Batch]) -> list[int]:
+        """Predicted peak activation bytes per worker for these micro-batches: inputs ``x_s^b``
+        plus the forwards' graphs, swept over the timeline (:mod:`launcher.schedule.activations`);
+        equal to what each worker's meter measures (``peak_activation_bytes``)."""
+        _, act, _ = self.sizes(microbatches)
+        saved = self.saved_sizes(microbatches)
+        return activation_peaks(self.timeline, lambda s, b: act[s][b], lambda s, b: saved[s][b], self.recomputed())
+
+    # ---- the step ----------------------------------------------------------------------------
+    def train_step(self, microbatches: Sequence[Batch], items: Sequence[Count] | None = None) -> dict[str, Any]:
+        """Run one step (every rank calls it with the same micro-batches) and step the owners'
+        optimizer; returns this worker's record. ``items``: see :meth:`compute_step`."""
+        record = self.compute_step(microbatches, items)
+        if self.optimizer is not None:
+            self.install_grads()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return record
+
+    def compute_step(self, microbatches: Sequence[Batch], items: Sequence[Count] | None = None,
+                     step: int | None = None) -> dict[str, Any]:
+        """Every job of one step and the gradient reduction, without the optimizer step: each
+        owned stage's total gradient is left in :attr:`last_grads` (see :meth:`install_grads`).
+        ``items``: how many items each micro-batch's loss averages over (numbers or 0-d tensors,
+        the same on every rank); micro-batch ``b``'s loss weighs ``items[b] / sum(items)``
+        (:mod:`.items`). None: the rows of each micro-batch's input (equal rows: ``1 / B``).
+        ``step``: the global step the random streams draw for (default: this engine's count of
+        steps from 0; a resumed run passes its own)."""
+        self.steps += 1
+        self.step_index = self.steps - 1 if step is None else int(step)
+        if self.finite is not None:
+            self.finite.begin()
+        B = self.space.B
+        if len(microbatches) != B:
+            raise ValueError(f"the schedule has B={B} micro-batches but train_step got {len(microbatches)}")
+        shares = item_shares(microbatches, items)
+        if self.check_every and (self.steps == 1 or self.steps % self.check_every == 0):  # every rank takes part
+            check_same_batches(microbatches, self.group, self.device, self.watchdog, self.steps)
+        self._recount = self.steps == 1 or self.steps % (self.check_every or CHECK_EVERY) == 0
+        if self.worker is None:
+            self.stats.begin()  # idle ranks add nothing to the statistics' all-reduce, but take part
+            self.stats.end(self.group, self.device, dist.get_world_size(self.group))
+            return {}
+        w, lowered = self.worker, self.lowered
+        meter = Meter(spans=[])  # every training step is traced; only the last one's events are kept
+        self.replicas.reset()
+        self.stats.begin()
+        for mine, copy in self._mirrored:  # the engine's copies train as the user's modules do, submodule
+            if copy.training != mine.training:  # by submodule (a frozen part in eval mode stays so)
+                copy.training = mine.training
+        with kept_generators(self.device) if self.streams is not None else contextlib.nullcontext():
+            st = run_program(self, lowered, microbatches, meter, train=True, shares=shares)
+        t, cpu = time.perf_counter(), time.process_time()
+        totals = st.reduce(lowered.programs[w])
+        st.comm.finish()
+        self._sum_tied(totals)
+        if self.finite is not None:  # each owned stage's gradient, summed, before any optimizer step
+            self.finite.reduced(totals)
+        self.stats.end(self.group, self.device, dist.get_world_size(self.group))
+        for mid in list(st.weights):
+            st.free(mid)
+        self.last_grads = totals
+        if self.watchdog is not None:
+            self.watchdog.set_job("")
+        end = time.perf_counter()
+        meter.end_s, meter.end_cpu_s = end - t, time.process_time() - cpu
+        meter.step_s, meter.cpu_s = end - meter.t0, time.process_time() - meter.cpu0
+        self._traced = {"step": self.steps, "start": meter.t0, "end": end, "sync": (t, end), "meter": meter,
+                        "waits": st.comm.waits, "sends": st.comm.handed}
+        return worker_record(w, lowered.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type)
+
+    def trace(self) -> dict[str, Any] | None:
+        """This worker's events of its last training step (None before one, or on a rank with
+        nothing to do), for :mod:`launcher.report.trace`; times are ``time.perf_counter``
+        seconds, this host's monotonic clock. Every training step records them (a clock reading
+        per job, a tuple per message: its cost is negligible) and each replaces the previous
+        step's, so nothing grows with the run.
+
+        ``{"worker", "host", "step", "start", "end"`` (the engine's step), ``"sync"`` (the
+        end of step: ``[start, end]``), ``"allreduce"`` (its all-reduce of replicated stages, or
+        None), ``"jobs"``: ``[stage, microbatch, kind, start, end, work seconds]``, ``"waits"``:
+        per message received ``[kind, from worker, bytes, stage, microbatch, began, ended, id]``,
+        ``"sends"``: per message sent ``[id, kind, bytes, handed over at]}``."""
+        t = self._traced
+        if t is None or self.worker is None:
+            return None
+        msgs, meter = self.lowered.messages, t["meter"]
+        waits = []
+        for mid, began, ended, nbytes in t["waits"] or ():
+            m = msgs[mid]
+            waits.append([m.kind, m.src, nbytes, m.stage, m.microbatch, began, ended, mid])
+        return {"worker": self.worker, "host": HOST, "step": t["step"], "start": t["start"], "end": t["end"],
+                "sync": list(t["sync"]), "allreduce": list(meter.allreduce_span) if meter.allreduce_span else None,
+                "jobs": [[j[0], j[1], j[2], a, b, j[3]] for j, (a, b) in zip(meter.jobs, meter.spans or ())],
+                "waits": waits, "sends": [[mid, msgs[mid].kind, nbytes, at] for mid, at, nbytes in t["sends"] or ()]}
+
+    def install_grads(self) -> None:
+        """Point every owned parameter's ``.grad`` at its slice of the step's reduced gradient."""
+        for s in self.owned:
+            total = self.last_grads[s]
+            cached = self._grad_views.get(s)
+            if cached is None or cached[0] is not total:  # the totals' buffers are kept: so are their views
+                cached = self._grad_views[s] = (total, list(self.modules[s].parameters()),
+                                                list(self.layouts[s].views(total).values()))
+            for p, g in zip(cached[1], cached[2]):
+                p.grad = g
+
+    def evaluate(self, microbatches: Sequence[Batch],
+                 items: Sequence[Count] | None = None) -> tuple[float, dict[int, torch.Tensor]]:
+        """A forward-only pass of the step's schedule (no gradients, no optimizer): every forward
+        job where the training step runs it, with the same activation and weight messages.
+
+        Returns this worker's share of the loss (the sum of its micro-batches' losses, each
+        weighted as :meth:`compute_step` weighs it by ``items``; summed over workers it is the
+        batch loss) and the loss stages' outputs it computed, by micro-batch."""
+        if self.worker is None:
+            return 0.0, {}
+        if len(microbatches) != self.space.B:
+            raise ValueError(f"the schedule has B={self.space.B} micro-batches but evaluate got {len(microbatches)}")
+        shares = item_shares(microbatches, items)
+        if self._eval_lowered is None:
+            self._eval_lowered = forward_only(self.lowered)
+        meter = Meter()
+        modes = [(m, m.training) for top in (*self.stages, *self.skeletons) for m in top.modules()]
+        for m in (*self.stages, *self.skeletons):
+            m.eval()
+        try:
+            with torch.no_grad():
+                st = run_program(self, self._eval_lowered, microbatches, meter, train=False, shares=shares)
+                st.comm.finish()
+                for mid in list(st.weights):
+                    st.free(mid)
+        finally:
+            for m, mode in modes:  # each submodule as it was (``train(mode)`` would set them all alike)
+                m.training = mode
+        if self.watchdog is not None:
+            self.watchdog.set_job("")
+        return meter.loss, st.predictions
+
+    # ---- state -------------------------------------------------------------------------------
+    def _materialize(self) -> bool:
+        """Owned stages built on the meta device get storage and their initial values here, by
+        the model's rule (:mod:`.init`: the same values single-device training starts from); no
+        other stage of the model ever gets storage on this worker. True if any did."""
+        meta = [s for s in self.owned if has_meta(self.model.stages[s])]
+        if not meta:
+            return False
+        if self.model.init is not None:
+            self.model.init(meta)
+        else:
+            init_units(self.model.stages, torch.initial_seed(), meta)
+        return True
+
+    def _sync_ties(self) -> None:
+        """A parameter several stages share takes the value its first stage's rule gives it: that
+        stage's first owner hands it to the tie's other owners (who initialised it by another
+        unit's rule, or not at all)."""
+        if self.worker is None:
+            return
+        w, owners, works, into = self.worker, self.lowered.owners, [], []
+        for g, uses in enumerate(self.ties):
+            s0, i0 = min(uses)
+            root = owners[s0][0]
+            union = sorted({o for s, _ in uses for o in owners[s]} - set(owners[s0]))
+            tag = TAG_LIMIT - 1 - g
+            if w == root:
+                value = list(self.modules[s0].parameters())[i0].detach().contiguous()
+                works += [isend(value, self.ranks[o], group=self.group, tag=tag) for o in union]
+            elif w in union:
+                s, i = next((s, i) for s, i in uses if w in owners[s])
+                param = list(self.modules[s].parameters())[i]
+                buf = torch.empty_like(param.detach())
+                works.append(irecv(buf, self.ranks[root], group=self.group, tag=tag))
+                into += [(list(self.modules[s].parameters())[i], buf) for s, i in uses if s in self.modules]
+        self._receive_into(works, into)
+
+    def _sync_replicas(self) -> None:
+        """Every owner of a replicated stage (DDP, LPP with G > 1) starts from the weights of the
+        stage's lowest-ranked owner: ranks that built their model apart (torchrun, a per-rank
+        seed) would otherwise train replicas that silently diverge.
+
+        Messages go out in one order shared by both ends of every pair, (stage, src, dst), so
+        the exchange is also correct where point-to-point operations match in issue order (NCCL).
+        """
+        if self.worker is None:
+            return
+        w, tag0 = self.worker, self.lowered.tag_base + self.space.S  # after the step's and gather_state's tags
+        works, into = [], []
+        for s, owners in enumerate(self.lowered.owners):
+            if len(owners) < 2 or w not in owners:
+                continue
+            root, L = owners[0], self.layouts[s]
+            if w == root:
+                flat = L.pack([p.detach() for p in self.modules[s].parameters()])
+                works += [isend(flat, self.ranks[o], group=self.group, tag=tag0 + s) for o in owners[1:]]
+            else:
+                flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
+                works.append(irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
+                into += list(zip(self.modules[s].parameters(), L.views(flat).values()))
+        self._receive_into(works, into)
+
+    def _receive_into(self, works: list[Any], into: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Wait for an exchange's sends and receives, then copy each received value into its
+        parameter: the one ending of every weight exchange at set-up (ties, replicas)."""
+        with blocked(self.watchdog):
+            for work in works:
+                work.wait()
+        with torch.no_grad():
+            for param, value in into:
+                param.copy_(value)
+
+    def _sum_tied(self, totals: dict[int, torch.Tensor]) -> None:
+        """Give every use of a shared parameter the sum of all its uses' gradients, as one process
+        would (the parameter is one tensor there). Each stage's first owner sends its use's
+        gradient to the other owners of the tie that do not own that stage; every one of them
+        adds the uses in the same order, so every copy gets the same sum and the same update."""
+        w, owners = self.worker, self.lowered.owners
+        for g, uses in enumerate(self.ties):
+            union = sorted({o for s, _ in uses for o in owners[s]})
+            if w not in union:
+                continue
+            works, parts = [], []
+            for k, (s, i) in enumerate(uses):
+                tag = TAG_LIMIT - 1 - (g * self.space.S + s)  # far above the step's own tags
+                root = owners[s][0]
+                if w in owners[s]:
+                    view = self._param_view(totals[s], s, i)
+                    parts.append(view)
+                    if w == root:
+                        works += [isend(view.contiguous(), self.ranks[o], group=self.group, tag=tag)
+                                  for o in union if o not in owners[s]]
+                else:
+                    L = self.layouts[s]
+                    buf = torch.empty(L.shapes[i], dtype=L.dtype, device=self.device)
+                    works.append(irecv(buf, self.ranks[root], group=self.group, tag=tag))
+                    parts.append(buf)
+            with blocked(self.watchdog):
+                for work in works:
+                    work.wait()
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            for (s, i) in uses:
+                if w in owners[s]:
+                    self._param_view(totals[s], s, i).copy_(total)
+
+    def _param_view(self, flat: torch.Tensor, s: int, i: int) -> torch.Tensor:
+        L = self.layouts[s]
+        at = sum(L.numels[:i])
+        return flat[at : at + L.numels[i]].view(L.shapes[i])
+
+    def gather_state(self, dst: int = 0) -> list[dict[str, torch.Tensor]] | None:
+        """Every stage's parameters at worker ``dst`` (each from its lowest-ranked owner); None elsewhere."""
+        out: list[dict[str, torch.Tensor]] = []
+        tag0 = self.lowered.tag_base  # after the step's message tags
+        for s in range(self.space.S):
+            root = self.lowered.owners[s][0]
+            L = self.layouts[s]
+            if self.worker == root:
+                flat = L.pack([p.detach() for p in self.modules[s].parameters()])
+                if dst != root:
+                    with blocked(self.watchdog):
+                        isend(flat, self.ranks[dst], group=self.group, tag=tag0 + s).wait()
+            elif self.worker == dst:
+                flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
+                with blocked(self.watchdog):
+                    irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s).wait()
+            if self.worker == dst:
+                out.append({k: v.detach().clone().cpu() for k, v in L.views(flat).items()})
+        return out if self.worker == dst else None
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write every stage's weights to ``path`` from worker 0; atomic, so never partial."""
+        state = self.gather_state(0)
+        if state is not None:
+            tmp = f"{path}.tmp-{os.getpid()}"
+            torch.save({"stages": state, "step": self.steps}, tmp)
+            os.replace(tmp, path)

@@ -1,0 +1,389 @@
+"""One step of one worker: what it holds while the step runs (:class:`StepState`), its forward jobs,
+the end of step's gradient reduction, and the loop that runs its program (:func:`run_program`) with
+prefetch and just-in-time weight hand-over. The backward jobs are :mod:`.backward`'s."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from launcher.schedule.program import ACT, GRAD, WEIGHTS, JobOp, Lowered, Msg, Program
+
+from .backward import Stash, backward, rng_state, weight_grad
+from .comm import Comm
+from .measure import Meter
+from .saved import tensors as saved_tensors
+from .shapes import Shapes, leaves_key
+from .staged import Batch, run_stage
+from .streams import job as stream_job
+from .torch_private import pytree
+from .values import detach_inputs, pick, to_device
+from .values import nbytes as value_bytes
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+#: steps whose messages are timed (what a message takes, :class:`~launcher.runtime.comm.Clock`):
+#: enough for a profile, and a long run's records do not grow with every message of every step
+TIMED_STEPS = 64
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with each tensor detached from its graph."""
+    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)
+
+
+class StepState:
+    """Everything a worker holds during one step."""
+
+    def __init__(self, engine: Engine, comm: Comm, meter: Meter, microbatches: Sequence[Batch], shapes: list[Shapes],
+                 train: bool = True, shares: list[float] | None = None) -> None:
+        self.e, self.comm, self.meter, self.mb, self.train = engine, comm, meter, microbatches, train
+        self.shares = shares  # micro-batch -> its weight in the step's loss (None: 1 / B each)
+        self.shapes = shapes
+        self.predictions: dict[int, Any] = {}  # evaluation: micro-batch -> loss stage output
+        self.msgs = engine.lowered.messages
+        self.outs: dict[tuple[int, int], list] = {}  # (s, b) -> [output, local forwards still to read it]
+        # (p, b) -> {c: dL/d(the differentiable leaves of what p sent c)}
+        self.grads: dict[tuple[int, int], dict[int, list[torch.Tensor]]] = defaultdict(dict)
+        self.stash: dict[tuple[int, int], Stash] = {}
+        self.ys: dict[int, Any] = {}  # micro-batch -> its target on the device (loss stages)
+        self.wstash: dict[tuple[int, int], tuple] = {}  # split backward: I's graph kept for W
+        self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (stage, owner) -> summed weight gradient
+        self.weights: dict[int, torch.Tensor] = {}  # weights message -> fetched flat copy (a leaf)
+        self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
+        self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # acc key -> per-parameter views of the total
+        self.incoming: list[int] = []  # partial sums asked for before this job (cache "job"), not yet added
+        self.absorbed: set[int] = set()  # partial sums already added into an owned stage's total
+
+    # ---- weights -----------------------------------------------------------------------------
+    def fetch(self, op: JobOp) -> tuple[torch.nn.Module, dict | None, list[torch.Tensor]]:
+        """Module, parameter override and gradient targets for ``op``'s stage."""
+        s = op.stage
+        if op.weights is None:
+            mod = self.e.modules[s]
+            params = self.params.get(s)
+            if params is None:
+                params = self.params[s] = list(mod.parameters())
+            return mod, None, params
+        mid = op.weights
+        if mid not in self.weights:
+            flat = self.comm.wait(mid)
+            self.comm.drop(mid)
+            self.weights[mid] = flat.requires_grad_(True)
+        flat = self.weights[mid]
+        self.meter.fetched_jobs += 1
+        self.meter.fetched_stages.add(s)
+        return self.e.skeletons[s], self.e.layouts[s].views(flat), [flat]
+
+    def free(self, mid: int) -> None:
+        if self.weights.pop(mid, None) is not None:
+            self.meter.free_weights()
+
+    # ---- jobs --------------------------------------------------------------------------------
+    def run(self, op: JobOp) -> None:
+        if op.kind == "F":
+            self.forward(op)
+        elif op.kind in ("B", "I"):
+            backward(self, op, split=op.kind == "I")
+        else:
+            weight_grad(self, op)
+
+    def _inputs(self, op: JobOp) -> tuple[list[Any], list[torch.Tensor], list[int]]:
+        """The values stage ``s`` is called with, their differentiable leaves (each a leaf of its
+        own, so the stage's backward stops at its inputs) and how many came from each predecessor."""
+        s, b = op.stage, op.microbatch
+        preds = self.e.space.stage_preds[s]
+        device = self.e.device
+        if not preds:
+            x = self.mb[b][0]
+            return [x.to(device) if isinstance(x, torch.Tensor) else to_device(x, device)], [], []
+        values, leaves, counts = [], [], []
+        edges = self.shapes[b].edges
+        for p in preds:
+            edge = edges[(p, s)]
+            if p in op.recv:
+                v = edge.sig.unpack(self.comm.wait(op.recv[p]))
+                self.comm.drop(op.recv[p])
+            else:
+                entry = self.outs[(p, b)]
+                v = pick(entry[0], self.e.model.edge(p, s))
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self.outs[(p, b)]
+                dt = edge.sig.compute
+                if dt is not None:  # mixed precision: cast as a sent value is, so placement changes no result
+                    v = pytree.tree_map(lambda x: x.detach().to(dt) if isinstance(x, torch.Tensor)
+                                        and x.is_floating_point() else x, v)
+            if isinstance(v, torch.Tensor):  # the common case, without the tree
+                v = v.detach()
+                if edge.sig.grads:
+                    v.requires_grad_(True)
+                    leaves.append(v)
+                counts.append(len(edge.sig.grads))
+            else:
+                v, mine = detach_inputs(v, edge.sig)
+                leaves.extend(mine)
+                counts.append(len(mine))
+            values.append(v)
+        return values, leaves, counts
+
+    def _send_output(self, op: JobOp, out: Any) -> None:
+        s, b = op.stage, op.microbatch
+        for mid in op.send:  # activations: what each consumer stage receives
+            c = self.msgs[mid].peer_stage
+            edge = self.shapes[b].edges[(s, c)]
+            self.comm.send(mid, edge.sig.pack(pick(out, self.e.model.edge(s, c)), self.e.device))
+
+    def loss(self, op: JobOp, out: Any) -> torch.Tensor | None:
+        """A loss stage's share of the step's loss: its loss over ``B``, or weighted by the
+        micro-batch's share of the step's items (:mod:`.items`); a micro-batch with no item adds
+        a constant zero (its mean over nothing is left out, and its backward gives no gradient)."""
+        if not self.e.space.is_sink[op.stage]:
+            return None
+        loss = self.e.model.loss(out, self._target(op.microbatch))
+        if self.shares is None:
+            return loss / self.e.space.B
+        share = self.shares[op.microbatch]
+        if share == 0:
+            return torch.zeros((), dtype=loss.dtype, device=loss.device)
+        return loss * share
+
+    def in_streams(self, b: int) -> Any:
+        """A training job's forward on micro-batch ``b``: its units draw from their streams."""
+        e = self.e
+        if e.streams is None or not self.train:
+            return contextlib.nullcontext()
+        return stream_job(e.streams, e.step_index, b, e.device)
+
+    def weightless(self, s: int, b: int) -> bool:
+        """Whether stage ``s`` is a loss stage and micro-batch ``b`` has no item to average over."""
+        return self.shares is not None and self.shares[b] == 0 and self.e.space.is_sink[s]
+
+    def _target(self, b: int) -> Any:
+        """Micro-batch ``b``'s target on the device, moved once (the forward and a recomputing
+        backward share it, and the graph's count can leave it out: it is data, not activation)."""
+        y = self.ys.get(b)
+        if y is None:
+            y = self.mb[b][1]
+            y = self.ys[b] = y.to(self.e.device) if isinstance(y, torch.Tensor) else to_device(y, self.e.device)
+        return y
+
+    def forward(self, op: JobOp) -> None:
+        if not self.train:
+            return self.forward_eval(op)
+        s, b = op.stage, op.microbatch
+        values, leaves, counts = self._inputs(op)
+        nbytes = value_bytes(values)
+        self.meter.take(nbytes)  # x_s^b is live from the start of F(s, b)
+        mod, params, targets = self.fetch(op)
+        # keep only the input when the copy goes away after this job, or when the stage recomputes
+        recompute = op.free_weights or s in self.e.recompute
+        stats = self.e.stats
+        stats.before(s, b, mod)
+        # without streams, a recomputing backward replays the state this forward started from
+        rng = rng_state(self.e.device) if recompute and self.e.streams is None else None
+        with torch.set_grad_enabled(not recompute), self.in_streams(b), \
+                self.counting(recompute, op, mod, targets, values, False) as graph:
+            out = run_stage(mod, params, values)
+            loss = self.loss(op, out)
+        stats.after(s, b, mod)
+        saved = graph.nbytes if graph is not None else 0
+        self.meter.hold_bytes(saved)  # the graph lives until the backward that frees it
+        if loss is not None:
+            self.meter.add_loss(loss)
+        if self.e.finite is not None:  # a weightless loss stage's output may be its (NaN) mean over nothing
+            self.e.finite.forward(s, b, None if self.weightless(s, b) else out, loss)
+        # a recomputing backward fetches the weights again: keeping ``targets`` (a fetched copy)
+        # here would hold every fetched stage's weights until its backward
+        views = list(params.values()) if params is not None and not recompute and self.e.split else None
+        self.stash[(s, b)] = Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
+                                    [] if recompute else targets, nbytes, saved, rng, views)
+        n = self.e._local_succ[s * self.e.space.B + b]
+        if n:
+            self.outs[(s, b)] = [out.detach() if isinstance(out, torch.Tensor) else _detached(out), n]
+        self._send_output(op, out)
+        if op.free_weights:
+            self.free(op.weights)
+
+    def counting(self, off: bool, op: JobOp, mod: torch.nn.Module, targets: list[torch.Tensor],
+                  values: list[Any], recomputing: bool) -> Any:
+        """Counts what a forward's graph saves (:class:`~launcher.runtime.saved.SavedBytes`),
+        except the stage's weights, buffers, inputs and (loss stage) target; nothing when ``off``.
+        A forward whose key was counted before (and agreed) reuses that count without hooks, except
+        on check steps (:class:`~launcher.runtime.saved.GraphCounts`): equal shapes save equal bytes."""
+        if off:
+            return contextlib.nullcontext()
+        sink = self.e.space.is_sink[op.stage]
+
+        def skip() -> list[torch.Tensor]:
+            y = saved_tensors(self._target(op.microbatch)) if sink else []
+            return [*targets, *mod.buffers(), *saved_tensors(values), *y]
+
+        return self.e.graph_counts.counter(self._graph_key(op, mod, targets, values, sink, recomputing),
+                                           self.e._recount, skip)
+
+    def _graph_key(self, op: JobOp, mod: torch.nn.Module, targets: list[torch.Tensor], values: list[Any],
+                   sink: bool, recomputing: bool) -> Any:
+        """What decides the storages a forward's graph saves: the stage, its inputs' and target's
+        shapes, dtypes and ``requires_grad``, its weights' (owned or fetched), training and grad
+        mode, autocast; None (always counted) when an input's constant cannot be hashed."""
+        dev = self.e.device.type
+        try:
+            key = (op.stage, recomputing, op.weights is None, mod.training, torch.is_grad_enabled(),
+                   torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
+                   tuple(t.requires_grad for t in targets), leaves_key(values),
+                   leaves_key([self._target(op.microbatch)]) if sink else None)
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def forward_eval(self, op: JobOp) -> None:
+        """A forward that keeps nothing for a backward: no stash, its copy of the weights freed
+        when the job ends whatever the cache (no backward will use it)."""
+        s, b = op.stage, op.microbatch
+        mod, params, _ = self.fetch(op)
+        out = run_stage(mod, params, self._inputs(op)[0])
+        loss = self.loss(op, out)
+        if loss is not None:
+            self.meter.add_loss(loss)
+            self.predictions[b] = out
+        n = self.e._local_succ[s * self.e.space.B + b]
+        if n:
+            self.outs[(s, b)] = [out, n]
+        self._send_output(op, out)
+        if op.free_weights:
+            self.free(op.weights)
+
+
+    def absorb(self) -> None:
+        """Add the partial sums asked for before this job into their owned stage's total (cache
+        ``job``): each sender's copy is freed once delivered, not at the end of the step."""
+        if not self.incoming:
+            return
+        e, w = self.e, self.e.worker
+        for mid in self.incoming:
+            part = self.comm.wait(mid)
+            self.comm.drop(mid)
+            s = self.msgs[mid].stage
+            total = self.acc.get((s, w))
+            if total is None:  # before this worker's own share: the sum starts from this part
+                layout = e.layouts[s]
+                total = e.totals.get((s, w))
+                if total is None:
+                    total = e.totals[(s, w)] = torch.empty(layout.numel, dtype=layout.dtype, device=e.device)
+                total.copy_(part)
+                self.acc[(s, w)] = total
+            else:
+                total += part
+            self.absorbed.add(mid)
+        self.incoming = []
+
+    # ---- end of step -------------------------------------------------------------------------
+    def reduce(self, prog: Program) -> dict[int, torch.Tensor]:
+        """Each owned stage's total gradient: this worker's own sum plus the sums other workers
+        sent (they went out during the backward), all-reduced across the stage's replicas."""
+        e, comm, w = self.e, self.comm, self.e.worker
+        totals: dict[int, torch.Tensor] = {}
+        for red in prog.reduces:
+            s = red.stage
+            if s not in e.owned:
+                continue
+            if e.watchdog is not None:
+                e.watchdog.check()
+                e.watchdog.set_job(f"gradient reduction of stage {s} in step {e.steps}")
+            total = self.acc.get((s, w))
+            if total is None:
+                total = e.replicas.buffer(s)
+                if total is None:
+                    total = torch.zeros(e.layouts[s].numel, dtype=e.layouts[s].dtype, device=e.device)
+                elif red.recv_from and e.replicas.fill(s):  # not launched yet: it waits for these sums
+                    total.zero_()
+            for mid in red.recv_from:
+                if mid in self.absorbed:
+                    continue
+                total += comm.wait(mid)
+                comm.drop(mid)
+            totals[s] = total
+            if red.replicas:
+                self.meter.allreduce += 1
+        if e.replicas.buckets:
+            if e.watchdog is not None:
+                e.watchdog.set_job(f"all-reduce of replicated stages in step {e.steps}")
+            began = time.perf_counter()
+            e.replicas.finish(e.watchdog, comm.clock)
+            self.meter.allreduce_span = (began, time.perf_counter())
+        return totals
+
+
+def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch], meter: Meter, train: bool,
+                shares: list[float] | None = None) -> StepState:
+    """Run ``engine``'s worker's jobs of ``lowered`` in order, with prefetch and just-in-time weight hand-over;
+    ``shares``: each micro-batch's weight in the loss (None: ``1 / B`` each)."""
+    w = engine.worker
+    prog, msgs = lowered.programs[w], lowered.messages
+    shapes = engine.shapes(microbatches)
+
+    def spec(m: Msg) -> tuple:
+        if m.kind == ACT:
+            return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.spec()
+        if m.kind == GRAD:
+            return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.grad_spec()
+        L = engine.layouts[m.stage]
+        return (L.numel,), engine.wire_dtype(m.stage) if m.kind == WEIGHTS else L.dtype
+
+    comm = Comm(lowered, w, spec, engine.device, engine.watchdog, engine.group, engine.ranks,
+                on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
+                timed=train and engine.steps <= TIMED_STEPS, traced=meter.spans is not None)
+    # owners hand weights over just in time (the program's release points, ``prefetch`` jobs early)
+    packed: dict[int, torch.Tensor] = {}
+
+    def hand_over(mid: int) -> None:
+        s = msgs[mid].stage
+        if s not in packed:
+            flat = engine.layouts[s].pack([p.detach() for p in engine.modules[s].parameters()])
+            packed[s] = flat.to(engine.wire_dtype(s))  # mixed precision: cast once, sent to all
+        comm.send(mid, packed[s])
+
+    st = StepState(engine, comm, meter, microbatches, shapes, train, shares)
+    jobs = prog.jobs
+    what = "step" if train else "evaluation step"
+    clock, cpu_clock, thread_clock = time.perf_counter, time.process_time, time.thread_time
+    for i, op in enumerate(jobs):
+        # a job's time runs from here (the engine's own work for it included) to its end
+        t, cpu, mine, waited = clock(), cpu_clock(), thread_clock(), comm.waited
+        # the order of calls the lowering's memory prediction replays (Program.handovers, .wants)
+        for mid in prog.handovers(i, engine.prefetch):
+            hand_over(mid)
+        for mid in prog.wants(i, engine.prefetch):  # the next jobs' inputs and weights, partial sums to take in
+            comm.want(mid)
+        st.incoming += prog.wgrad_post.get(i, ())
+        for mid in prog.wgrad_deliver.get(i, ()):  # sums sent earlier, received by now: free them
+            comm.deliver(mid)
+        if engine.watchdog is not None:
+            engine.watchdog.check()
+            engine.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of {what} {engine.steps}")
+        st.run(op)
+        for mid in op.wgrad_send:  # this worker's sum for that owner is complete: send it now
+            key = (op.stage, msgs[mid].dst)
+            comm.send(mid, st.acc.pop(key) if lowered.weight_cache == "job" else st.acc[key])
+            st.views.pop(key, None)  # cache "job": the send holds the sum, and frees it once delivered
+        st.absorb()
+        if train:  # buckets of replicated stages whose share is complete start their all-reduce
+            engine.replicas.launch_ready(i)
+        # work: what it spent blocked on a peer's data is idle time, not work; cpu: the
+        # process's CPU meanwhile (its communication threads' too), what it asks of a core;
+        # and the compute thread's own share of it
+        end = clock()
+        meter.jobs.append([op.stage, op.microbatch, op.kind, end - t - (comm.waited - waited), cpu_clock() - cpu,
+                           thread_clock() - mine])
+        if meter.spans is not None:
+            meter.spans.append((t, end))
+    for mid in prog.handovers(len(jobs), engine.prefetch):
+        hand_over(mid)
+    return st
