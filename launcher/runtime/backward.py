@@ -80,7 +80,9 @@ def stage_grads(roots: Sequence[torch.Tensor | GradientEdge], wrt: Sequence[torc
         return (None,) * len(wrt)
     grads = _seeds(roots, grads)
     if _run_backward is None:
-        return torch.autograd.grad(tuple(roots), wrt, tuple(grads), retain_graph=retain_graph, allow_unused=True)
+        # torch types roots and wrt as all tensors or all edges; a mix is what autograd's engine takes
+        return torch.autograd.grad(tuple(roots), wrt, tuple(grads), retain_graph=retain_graph,  # type: ignore[arg-type]
+                                   allow_unused=True)
     return _run_backward(tuple(roots), tuple(grads), retain_graph, False, tuple(wrt), True, False)
 
 
@@ -106,8 +108,8 @@ def stage_grads_into(roots: Sequence[torch.Tensor], leaves: Sequence[torch.Tenso
         else:
             _run_backward(tuple(roots), tuple(grads), False, False, (*leaves, *targets), True, True)
     finally:
-        for t, g in zip(targets, before):
-            t.grad = g
+        for t, old in zip(targets, before):
+            t.grad = old
     out = tuple(leaf.grad for leaf in leaves)
     for leaf in leaves:
         leaf.grad = None
@@ -194,7 +196,7 @@ def _junctions(roots: list[torch.Tensor], leaves: Sequence[torch.Tensor],
     edge in the graph; None where ``W`` must go from the outputs."""
     if any(r.grad_fn is None for r in roots):
         return None
-    tops = {r.grad_fn for r in roots}
+    tops = {r.grad_fn for r in roots if r.grad_fn is not None}  # every one, checked above
     above: dict[Node, list[Node]] = defaultdict(list)  # node -> the nodes whose gradient flows into it
     seen: set[Node] = set(tops)
     accumulators: dict[int, Node] = {}  # id(leaf tensor) -> its node (get_gradient_edge makes a view per call)

@@ -218,7 +218,7 @@ def embedding_miss(model: Any, x: Any, vocab_size: Any = None) -> EmbeddingMiss 
         return None
     try:
         for m, fn in patched:
-            m.forward = fn
+            vars(m)["forward"] = fn  # the instance's own forward, popped below
         with torch.no_grad():
             first(**x) if isinstance(x, dict) else first(x)
     except Exception:  # noqa: BLE001 - what follows the embeddings may not run on meta: checked as far as it got

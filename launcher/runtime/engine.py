@@ -304,7 +304,7 @@ class Engine:
                     out[op.stage * self.space.B + op.microbatch] = op.free_weights or op.stage in self.recompute
         return out
 
-    def activation_peaks(self, microbatches: Sequence[Batch]) -> list[int]:
+    def activation_peaks(self, microbatches: Sequence[Batch]) -> list[float]:
         """Predicted peak activation bytes per worker for these micro-batches: inputs ``x_s^b``
         plus the forwards' graphs, swept over the timeline (:mod:`launcher.schedule.activations`);
         equal to what each worker's meter measures (``peak_activation_bytes``)."""
@@ -505,7 +505,7 @@ class Engine:
                 into += list(zip(self.modules[s].parameters(), L.views(flat).values()))
         self._receive_into(works, into)
 
-    def _receive_into(self, works: list[Any], into: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _receive_into(self, works: list[Any], into: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Wait for an exchange's sends and receives, then copy each received value into its
         parameter: the one ending of every weight exchange at set-up (ties, replicas)."""
         with blocked(self.watchdog):

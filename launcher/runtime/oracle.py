@@ -10,6 +10,8 @@ because starting one is expensive.
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -78,7 +80,7 @@ def reference_loss(model: StagedModel, batch: Batch, microbatches: int) -> torch
     """One micro-batch's contribution to the step loss: the sum of its sinks' losses over ``B``."""
     x, y = batch
     outs = forward_all(model, x)
-    return sum(model.loss(outs[s], y) for s in model.graph.sinks) / microbatches
+    return functools.reduce(operator.add, [model.loss(outs[s], y) for s in model.graph.sinks]) / microbatches
 
 
 def reference_step(

@@ -45,7 +45,7 @@ class StagedModel:
 
     stages: list[nn.Module]
     loss: Callable[[Any, Any], torch.Tensor]
-    graph: StageGraph | None = None
+    graph: StageGraph = None  # type: ignore[assignment]  # None: the chain, set by __post_init__
     picks: Picks | None = None
     #: stages built on the meta device: ``init(indices)`` materialises and initialises those
     #: stages by the model's rule (:mod:`.init`); None: each stage is a unit of

@@ -80,8 +80,8 @@ class StepState:
         self.meter.fetched_stages.add(s)
         return self.e.skeletons[s], self.e.layouts[s].views(flat), [flat]
 
-    def free(self, mid: int) -> None:
-        if self.weights.pop(mid, None) is not None:
+    def free(self, mid: int | None) -> None:
+        if mid is not None and self.weights.pop(mid, None) is not None:
             self.meter.free_weights()
 
     # ---- jobs --------------------------------------------------------------------------------
@@ -267,6 +267,7 @@ class StepState:
         if not self.incoming:
             return
         e, w = self.e, self.e.worker
+        assert w is not None  # only a worker runs a step
         for mid in self.incoming:
             part = self.comm.wait(mid)
             self.comm.drop(mid)
@@ -289,6 +290,7 @@ class StepState:
         """Each owned stage's total gradient: this worker's own sum plus the sums other workers
         sent (they went out during the backward), all-reduced across the stage's replicas."""
         e, comm, w = self.e, self.comm, self.e.worker
+        assert w is not None  # only a worker runs a step
         totals: dict[int, torch.Tensor] = {}
         for red in prog.reduces:
             s = red.stage
@@ -326,6 +328,7 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
     """Run ``engine``'s worker's jobs of ``lowered`` in order, with prefetch and just-in-time weight hand-over;
     ``shares``: each micro-batch's weight in the loss (None: ``1 / B`` each)."""
     w = engine.worker
+    assert w is not None  # ranks past the schedule's workers run no program
     prog, msgs = lowered.programs[w], lowered.messages
     shapes = engine.shapes(microbatches)
 
