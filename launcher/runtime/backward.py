@@ -190,16 +190,12 @@ def input_grads(roots: list[torch.Tensor], grads: list[torch.Tensor] | None, lea
     return res, Deferred(roots, grads, weights, (groups, edges, captured))
 
 
-def _junctions(roots: list[torch.Tensor], leaves: Sequence[torch.Tensor],
-               weights: Sequence[torch.Tensor]) -> tuple[list[tuple[list[int], list[Node]]], list[GradientEdge]] | None:
-    """The weights in groups that share junctions, each with its junctions, and each weight's
-    edge in the graph; None where ``W`` must go from the outputs."""
-    if any(r.grad_fn is None for r in roots):
-        return None
-    tops = {r.grad_fn for r in roots if r.grad_fn is not None}  # every one, checked above
-    above: dict[Node, list[Node]] = defaultdict(list)  # node -> the nodes whose gradient flows into it
+def _graph_above(tops: set[Node]) -> tuple[dict[Node, list[Node]], set[Node], dict[int, Node]]:
+    """The graph below ``tops``: for each node, the nodes whose gradient flows into it; every node
+    reached; and each leaf tensor's accumulator node, by ``id`` of the tensor."""
+    above: dict[Node, list[Node]] = defaultdict(list)
     seen: set[Node] = set(tops)
-    accumulators: dict[int, Node] = {}  # id(leaf tensor) -> its node (get_gradient_edge makes a view per call)
+    accumulators: dict[int, Node] = {}  # get_gradient_edge makes a view per call: keyed by the tensor
     todo: list[Any] = list(tops)
     while todo:
         node = todo.pop()
@@ -213,6 +209,35 @@ def _junctions(roots: list[torch.Tensor], leaves: Sequence[torch.Tensor],
                 leaf = getattr(child, "variable", None)
                 if leaf is not None:
                     accumulators[id(leaf)] = child
+    return above, seen, accumulators
+
+
+def _branch_junctions(start: Node, above: dict[Node, list[Node]], side: set[Node]) -> set[Node] | None:
+    """The input-side nodes the branch from ``start`` (a weight's node) up hangs from; None where
+    the branch reaches an output without passing the input side."""
+    found: set[Node] = set()
+    branch, todo = {start}, [start]
+    while todo:
+        node = todo.pop()
+        ups = above[node]
+        if not ups:
+            return None
+        for parent in ups:
+            if parent in side:
+                found.add(parent)
+            elif parent not in branch:
+                branch.add(parent)
+                todo.append(parent)
+    return found
+
+
+def _junctions(roots: list[torch.Tensor], leaves: Sequence[torch.Tensor],
+               weights: Sequence[torch.Tensor]) -> tuple[list[tuple[list[int], list[Node]]], list[GradientEdge]] | None:
+    """The weights in groups that share junctions, each with its junctions, and each weight's
+    edge in the graph; None where ``W`` must go from the outputs."""
+    if any(r.grad_fn is None for r in roots):
+        return None
+    above, seen, accumulators = _graph_above({r.grad_fn for r in roots if r.grad_fn is not None})
 
     def edge(t: torch.Tensor) -> GradientEdge | None:
         if t.grad_fn is not None:
@@ -240,20 +265,9 @@ def _junctions(roots: list[torch.Tensor], leaves: Sequence[torch.Tensor],
         if e is None or e.node not in seen:
             return None  # the outputs do not depend on it (rare): the plain call says so
         edges.append(e)
-        start = e.node
-        found: set[Node] = set()
-        branch, todo = {start}, [start]
-        while todo:
-            node = todo.pop()
-            ups = above[node]
-            if not ups:
-                return None  # an output reached without passing the input side
-            for parent in ups:
-                if parent in side:
-                    found.add(parent)
-                elif parent not in branch:
-                    branch.add(parent)
-                    todo.append(parent)
+        found = _branch_junctions(e.node, above, side)
+        if found is None:
+            return None  # an output reached without passing the input side
         # merge every group that shares a junction with this weight
         hit = sorted({group_of[n] for n in found if n in group_of})
         if hit:

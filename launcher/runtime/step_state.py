@@ -5,6 +5,7 @@ prefetch and just-in-time weight hand-over. The backward jobs are :mod:`.backwar
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Sequence
@@ -331,17 +332,8 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
     assert w is not None  # ranks past the schedule's workers run no program
     prog, msgs = lowered.programs[w], lowered.messages
     shapes = engine.shapes(microbatches)
-
-    def spec(m: Msg) -> tuple:
-        if m.kind == ACT:
-            return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.spec()
-        if m.kind == GRAD:
-            return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.grad_spec()
-        L = engine.layouts[m.stage]
-        return (L.numel,), engine.wire_dtype(m.stage) if m.kind == WEIGHTS else L.dtype
-
-    comm = Comm(lowered, w, spec, engine.device, engine.watchdog, engine.group, engine.ranks,
-                on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
+    comm = Comm(lowered, w, functools.partial(_spec, engine, shapes), engine.device, engine.watchdog, engine.group,
+                engine.ranks, on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
                 timed=train and engine.steps <= TIMED_STEPS, traced=meter.spans is not None)
     # owners hand weights over just in time (the program's release points, ``prefetch`` jobs early)
     packed: dict[int, torch.Tensor] = {}
@@ -390,3 +382,13 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
     for mid in prog.handovers(len(jobs), engine.prefetch):
         hand_over(mid)
     return st
+
+
+def _spec(engine: Engine, shapes: list[Shapes], m: Msg) -> tuple:
+    """The shape and dtype of message ``m``'s buffer, for these micro-batches' shapes."""
+    if m.kind == ACT:
+        return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.spec()
+    if m.kind == GRAD:
+        return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.grad_spec()
+    L = engine.layouts[m.stage]
+    return (L.numel,), engine.wire_dtype(m.stage) if m.kind == WEIGHTS else L.dtype
