@@ -5,27 +5,33 @@ worker starts, one sentence per problem.
   ``ValueError`` whose text starts with ``name=value is invalid:``; the launcher turns it into the
   sentence about the config key (``model.n_head=5 is invalid: ...``, see
   :func:`launcher.modes.train.keyed`), and a Python caller reads the same sentence;
-- a staged model's (:func:`staged_errors`, :func:`model_errors`: its stages, loss and graph, and
+- a staged model's (:func:`~.stage_errors.staged_errors`, :func:`model_errors`: its stages, loss and graph, and
   one micro-batch through its stages on the meta device), raised as :class:`ModelError`;
 - the data against the model: an embedding of the first stage with no row for an index the data
   gives it (:func:`embedding_miss`).
 
-The staged model (:mod:`.staged`) and the signatures (:mod:`.signatures`) raise this module's
-errors, so they sit below it: the checks that run the stages import them where they run.
+The staged model (:mod:`.staged`) and the signatures (:mod:`.signatures`) raise
+:class:`~.stage_errors.ModelError` and check themselves there (:mod:`.stage_errors`), below this
+module, which runs them.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from .values import describe, unsupported
+from .signatures import NoMeta, real_signatures, signatures
+from .stage_errors import ModelError, staged_errors
+from .staged import StagedModel, as_meta
+from .values import describe
 
-if TYPE_CHECKING:
-    from .staged import StagedModel
+__all__ = ["ModelError", "embedding_miss", "fraction", "model_errors", "non_negative_ints", "positive_ints",
+           "positive_number"]
+
+_what = describe
 
 
 # ---- the built-in models' arguments -----------------------------------------------------------
@@ -63,54 +69,6 @@ def fraction(name: str, v: Any) -> None:
 # ---- staged models -------------------------------------------------------------------------------
 
 
-class ModelError(ValueError):
-    """A model the runtime cannot train; ``sentences`` holds one sentence per problem."""
-
-    def __init__(self, sentences: Sequence[str]):
-        self.sentences = list(sentences)
-        super().__init__("\n".join(self.sentences))
-
-
-
-_what = describe
-
-
-def staged_errors(model: StagedModel) -> list[str]:
-    """What :class:`StagedModel` checks at construction (and the engine again, since the stages
-    may have changed since), one sentence per problem, naming the stage."""
-    stages = model.stages
-    if not isinstance(stages, (list, tuple, nn.ModuleList)):
-        return [f"the model's stages are {_what(stages)}; give a list of torch.nn.Module, one per stage."]
-    out: list[str] = []
-    if not callable(model.loss):
-        out.append(f"the model's loss is {_what(model.loss)}, not a callable loss(output, target).")
-    if model.graph is not None and model.graph.stages != len(stages):
-        out.append(f"the stage graph has {model.graph.stages} stages but the model has {len(stages)}.")
-    preds = model.graph.preds if model.graph is not None else ()
-    for (p, c) in model.picks or {}:
-        if not (0 <= c < len(preds) and p in preds[c]):
-            out.append(f"picks names the edge {p}->{c}, which is not an edge of the stage graph.")
-    for s, m in enumerate(stages):
-        if not isinstance(m, nn.Module):
-            out.append(f"stage {s} is {_what(m)}, not a torch.nn.Module.")
-            continue
-        dtypes = {p.dtype for p in m.parameters()}
-        if len(dtypes) > 1:
-            out.append(f"stage {s} ({type(m).__name__}) mixes parameter dtypes {sorted(map(str, dtypes))}; use one "
-                       f"dtype per stage.")
-    return out
-
-
-def returns_error(s: int, out: object, where: str, module: nn.Module | None = None) -> str | None:
-    """The sentence for a stage whose output cannot be passed on; ``None`` when it can."""
-    bad = unsupported(out)
-    if bad is None:
-        return None
-    name = f" ({type(module).__name__})" if module is not None else ""
-    return (f"stage {s}{name} returned {_what(out)} holding a {bad} {where}; a stage returns tensors, or tuples, "
-            f"lists and dicts of tensors and constants.")
-
-
 def model_errors(model: object, stages: int, example: Any = None) -> list[str]:
     """Everything that would stop the runtime from training ``model`` as a step of ``stages``
     stages, one sentence per problem, found before any worker starts.
@@ -120,8 +78,6 @@ def model_errors(model: object, stages: int, example: Any = None) -> list[str]:
     on. A stage that cannot run on meta only for want of a meta kernel is not reported here: it
     fails on real data with its own error.
     """
-    from .staged import StagedModel  # below: it raises this module's errors
-
     if not isinstance(model, StagedModel):
         return [f"the model is {_what(model)}, not a StagedModel; build one with StagedModel(stages, loss), "
                 f"stages being a list of torch.nn.Module."]
@@ -142,8 +98,6 @@ def model_errors(model: object, stages: int, example: Any = None) -> list[str]:
 def meta_errors(model: StagedModel, example: Any) -> str | None:
     """Run ``model``'s stages on meta-device copies of themselves and of ``example``; the sentence
     for the first stage that raises or returns something it cannot pass on."""
-    from .signatures import NoMeta, real_signatures, signatures  # below: they raise this module's errors
-    from .staged import as_meta
     try:
         signatures(model, [as_meta(example)])
     except NoMeta:  # an op without a meta kernel, or one that reads values: run the stages for real

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .checks import ModelError, returns_error
+from .stage_errors import ModelError, returns_error
 from .staged import StagedModel, meta_copy, run_stage
 from .torch_private import import_dynamo, pytree
 from .values import Signature, to_device

@@ -26,7 +26,7 @@ from torch.func import functional_call
 
 from launcher.schedule.graph import StageGraph
 
-from .checks import ModelError, staged_errors
+from .stage_errors import ModelError, staged_errors
 from .torch_private import pytree
 from .values import arguments, pick
 
