@@ -14,17 +14,18 @@ is the model: the strategy runs the whole schedule in ``training_step`` and take
   own ``configure_optimizers`` builds an optimizer over owned parameters only;
 - ``training_step``: cuts the batch into ``microbatches`` micro-batches and runs the step
   through the engine, each micro-batch's loss weighted by its share of the batch's items
-  (:mod:`.items`: rows, labelled tokens, or the module's ``loss_items``); the loss (summed from
+  (:mod:`.item_counts`: rows, labelled tokens, or the module's ``loss_items``); the loss (summed from
   whichever workers computed it) is returned and logged as ``train_loss``. Lightning's automatic
   optimization then runs as usual: ``backward`` installs the engine's reduced gradients,
-  ``gradient_clip_val`` clips by the global norm across owners (:func:`clip_by_global_norm`), the
+  ``gradient_clip_val`` clips by the global norm across owners (:func:`.precision.clip_by_global_norm`), the
   optimizer and learning-rate schedulers step as Lightning steps them;
 - ``validation_step``/``test_step``/``predict_step``: a forward-only pass of the same schedule
   (:meth:`Engine.evaluate`); ``val_loss``/``test_loss`` logged, predictions gathered;
-- checkpoints: every stage gathered from its owner, in the single-device layout (:mod:`.state`);
+- checkpoints: ``checkpoint.format``: sharded (each stage's owner writes it, :mod:`.sharded`) or one
+  file in the single-device layout (:mod:`.state`); either loads under any scheme;
 - precision: the trainer's plugin. ``bf16-mixed``/``16-mixed`` (autocast): owners keep fp32 master
   weights and optimizer state, fetched weights, activations and their gradients cross in the
-  compute dtype (:func:`compute_dtype`), weight-gradient sums and all-reduces stay fp32; 16-mixed's
+  compute dtype (:func:`.precision.compute_dtype`), weight-gradient sums and all-reduces stay fp32; 16-mixed's
   GradScaler scales the engine's backward and skips a step on every worker alike. ``bf16-true``
   converts the module: everything is bf16.
 """
@@ -55,7 +56,7 @@ from ..runtime.link_probe import measure as measure_link
 from ..runtime.nonfinite import MODES as NONFINITE_MODES
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
 from ..runtime.processes import auto_backend
-from ..runtime.torch_private import FoundInfHookScaler, default_store, retype_grad_scaler
+from ..runtime.torch_private import default_store
 from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.schemes import SCHEMES
@@ -63,7 +64,15 @@ from ..schedule.settings import CUSTOM, DEFAULT, OrderLike, SchemeLike, Settings
 from . import sharded
 from .item_counts import loss_items
 from .launcher import ForkLauncher
-from .lightning_private import init_dist_connection, retype_precision_plugin, sync_ddp_if_available, train_dataloaders
+from .lightning_private import init_dist_connection, sync_ddp_if_available, train_dataloaders
+from .precision import (
+    all_reduce,
+    compute_dtype,
+    loss_dtype,
+    process_group_up,
+    with_global_clipping,
+    with_synced_scaler,
+)
 from .staging import example_microbatch, first_batch, split_batch, stage_module, uses_trace
 from .state import (
     Layout,
@@ -327,7 +336,7 @@ class UnifiedStrategy(ParallelStrategy):
 
     def setup_distributed(self) -> None:
         self.set_world_ranks()
-        if not _process_group_up():  # torchrun or Slurm started us; the fork launcher did it already
+        if not process_group_up():  # torchrun or Slurm started us; the fork launcher did it already
             init_dist_connection(self.cluster_environment, self.backend, timeout=default_pg_timeout)
             store = default_store()
             self._watchdog = Watchdog(dist.PrefixStore("launcher/watchdog", store), self.global_rank,
@@ -342,12 +351,12 @@ class UnifiedStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _process_group_up():
+        if process_group_up():
             dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _process_group_up():
+        if not process_group_up():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -393,7 +402,7 @@ class UnifiedStrategy(ParallelStrategy):
         self.traced, self.graph = staging.traced, staging.model.graph
         nominal = module.dtype
         assert isinstance(nominal, torch.dtype)  # Lightning types it str | dtype; a module's is a dtype
-        self.loss_dtype = _loss_dtype(staging.model.stages, nominal)
+        self.loss_dtype = loss_dtype(staging.model.stages, nominal)
         self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
         self.engine = Engine(staging.model, self.make_step(), None, prefetch=self.settings.prefetch,
                              weight_cache=self.settings.weight_cache, device=self.root_device,
@@ -421,8 +430,8 @@ class UnifiedStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            _with_global_clipping(self)
-            _with_synced_scaler(self.precision_plugin)
+            with_global_clipping(self)
+            with_synced_scaler(self.precision_plugin)
 
     def check_before_fork(self, module: Any, datamodule: Any = None, train_dataloaders: Any = None) -> None:
         """Stage ``module`` on this process as every worker will (in the trainer's precision), and
@@ -526,7 +535,7 @@ class UnifiedStrategy(ParallelStrategy):
 
     def _sum_over_workers(self, value: float) -> torch.Tensor:
         t = torch.tensor([value], dtype=torch.float64, device=self.root_device)
-        _all_reduce(t)
+        all_reduce(t)
         return t[0]
 
     @override
@@ -762,17 +771,6 @@ class UnifiedStrategy(ParallelStrategy):
         super().teardown()
 
 
-def compute_dtype(plugin: Any) -> torch.dtype | None:
-    """The engine's compute dtype for a precision plugin: bf16 or fp16 under Lightning's
-    ``MixedPrecision`` (autocast over fp32 master weights), else None (the weights' own dtype,
-    as under ``bf16-true``, whose module is converted)."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    if isinstance(plugin, MixedPrecision):
-        return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
-    return None
-
-
 def resident_bytes(device: torch.device) -> int:
     """What the process holds now: GPU memory allocated, or its resident set on CPU."""
     if device.type == "cuda":
@@ -784,122 +782,14 @@ def resident_bytes(device: torch.device) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def clipped_gradients(engine: Engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """This worker's share of the global gradient norm, and the gradients it scales.
-
-    ``counted``: every parameter's gradient once over all workers, as one device's module lists it:
-    by its stage's first owner (replicas hold equal copies), and a parameter several stages share
-    (tied embeddings, :attr:`Engine.ties`) only at its first use, ``min(uses)`` (every use holds the
-    same summed gradient, :meth:`Engine._sum_tied`). ``scaled``: every owned parameter's gradient
-    once, on every worker that holds a copy: a parameter held by two stages of this worker (DDP's
-    tied embedding) is one tensor, scaled once."""
-    owners, me = engine.lowered.owners, engine.worker
-    later = {use for uses in engine.ties for use in sorted(uses)[1:]}
-    counted: list[torch.Tensor] = []
-    scaled: dict[int, torch.Tensor] = {}
-    for s in engine.owned:
-        first = owners[s][0] == me
-        for i, p in enumerate(engine.modules[s].parameters()):
-            if p.grad is None:
-                continue
-            if first and (s, i) not in later:
-                counted.append(p.grad)
-            scaled.setdefault(id(p), p.grad)
-    return counted, list(scaled.values())
-
-
-def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Tensor:
-    """Scale every owned gradient by ``max_norm / (norm + 1e-6)`` (at most 1), where ``norm`` is
-    the 2-norm over every parameter's gradient counted once (:func:`clipped_gradients`), summed
-    across workers: exactly what ``clip_grad_norm_`` does on one device. Returns ``norm``."""
-    engine = strategy.engine
-    assert engine is not None
-    counted, scaled = clipped_gradients(engine)
-    sq = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
-    for g in counted:
-        sq += torch.linalg.vector_norm(g.double()) ** 2
-    _all_reduce(sq)
-    norm = sq.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in scaled:
-        g.mul_(coef.to(g.dtype))
-    return norm
-
-
-def _process_group_up() -> bool:
-    """Whether the default process group is started (``torch.distributed`` may be built without
-    it: ``is_initialized`` exists only where ``is_available``)."""
-    return dist.is_available() and dist.is_initialized()
-
-
 def _agreed_seed(device: torch.device) -> int:
     """Rank 0's ``torch.initial_seed()`` on every rank (63 bits)."""
     t = torch.tensor([torch.initial_seed() & (2**63 - 1)], dtype=torch.int64, device=device)
-    if _process_group_up():
+    if process_group_up():
         with blocked(current_watchdog()):
             dist.broadcast(t, 0)
     return int(t.item())
 
-
-def _all_reduce(t: torch.Tensor) -> None:
-    """Sum ``t`` over the workers, marked as waiting on them: a rank that hangs meanwhile is named
-    by the hang check (its peers are waiting here, not making progress)."""
-    with blocked(current_watchdog()):
-        dist.all_reduce(t)
-
-
-class _SyncedScaler(FoundInfHookScaler):
-    """A ``GradScaler`` whose inf/NaN check spans every worker (as FSDP's ``ShardedGradScaler``):
-    each owner sees only its stages' gradients, so all must skip a step, or none, and update the
-    scale alike; a worker that owns no gradient still takes part."""
-
-    def combine_found_inf(self, per_device: dict[torch.device, torch.Tensor],
-                          found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
-        total = torch.zeros_like(found_inf)
-        for v in per_device.values():
-            total += v.to(total.device)
-        if _process_group_up():
-            _all_reduce(total)
-        return {total.device: total}
-
-
-def _with_synced_scaler(plugin: Any) -> None:
-    """16-mixed: make the precision plugin's GradScaler agree across workers (:class:`_SyncedScaler`)."""
-    scaler = getattr(plugin, "scaler", None)
-    if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, _SyncedScaler):
-        retype_grad_scaler(scaler, _SyncedScaler)
-
-
-_CLIPPING: dict[type, type] = {}
-
-
-def _clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float) -> None:
-    clip_by_global_norm(plugin.unified_strategy, float(clip_val))
-
-
-def _loss_dtype(stages: Any, nominal: torch.dtype) -> torch.dtype:
-    """The floating dtype of the last stage's weights (the stage that computes the loss), else of
-    any stage's, else ``nominal``: the loss is reported in the precision one device computes it in."""
-    for group in (list(stages)[-1:], list(stages)):
-        for m in group:
-            for p in m.parameters():
-                if p.is_floating_point():
-                    return p.dtype
-    return nominal
-
-
-def _with_global_clipping(strategy: UnifiedStrategy) -> None:
-    """Make the precision plugin clip by the global norm across owners (``gradient_clip_val``
-    with ``gradient_clip_algorithm="norm"``). Lightning clips in the precision plugin, whatever
-    the precision, so its class gets a subclass that overrides that one method; clipping by value
-    is elementwise and stays as it is."""
-    plugin = strategy.precision_plugin
-    cls = type(plugin)
-    if cls not in _CLIPPING.values():
-        if cls not in _CLIPPING:
-            _CLIPPING[cls] = type(f"GlobalNorm{cls.__name__}", (cls,), {"clip_grad_by_norm": _clip_grad_by_norm})
-        retype_precision_plugin(plugin, _CLIPPING[cls])
-    setattr(plugin, "unified_strategy", strategy)  # read by _clip_grad_by_norm (the subclass is made at run time)
 
 StrategyRegistry.register("unified", UnifiedStrategy,
                           description=f"the schedule engine: {', '.join(SCHEMES)} or a custom placement",

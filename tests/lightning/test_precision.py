@@ -196,7 +196,7 @@ def test_refused_before_any_worker():
 def test_engine_compute_dtype_from_the_plugin():
     from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 
-    from launcher.lightning.strategy import compute_dtype
+    from launcher.lightning.precision import compute_dtype
 
     assert compute_dtype(MixedPrecision("bf16-mixed", "cpu")) is torch.bfloat16
     assert compute_dtype(HalfPrecision("bf16-true")) is None  # the module itself is bf16
@@ -205,7 +205,7 @@ def test_engine_compute_dtype_from_the_plugin():
 
 def _loss_scale_and_scaler() -> dict:
     """One rank of :func:`test_loss_scale_and_synced_scaler` (16-mixed's machinery, on CPU)."""
-    from launcher.lightning.strategy import _SyncedScaler
+    from launcher.lightning.precision import _SyncedScaler
     from launcher.runtime import Engine
     from launcher.runtime.oracle import mlp_batches, staged_mlp
     from launcher.schedule import make_step

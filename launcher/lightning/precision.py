@@ -1,0 +1,140 @@
+"""Precision and clipping under the engine: the compute dtype a precision plugin gives, the
+gradient norm across owners (each parameter counted once, as one device's ``clip_grad_norm_``
+counts it), 16-mixed's GradScaler agreeing across workers, and the dtype the loss is reported in.
+Lightning clips and scales in its precision plugin, so the strategy retypes that plugin once
+(:func:`with_global_clipping`, :func:`with_synced_scaler`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.engine import Engine
+from ..runtime.failure import blocked, current_watchdog
+from ..runtime.torch_private import FoundInfHookScaler, retype_grad_scaler
+from .lightning_private import retype_precision_plugin
+
+if TYPE_CHECKING:
+    from .strategy import UnifiedStrategy
+
+
+def compute_dtype(plugin: Any) -> torch.dtype | None:
+    """The engine's compute dtype for a precision plugin: bf16 or fp16 under Lightning's
+    ``MixedPrecision`` (autocast over fp32 master weights), else None (the weights' own dtype,
+    as under ``bf16-true``, whose module is converted)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    if isinstance(plugin, MixedPrecision):
+        return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+    return None
+
+
+def clipped_gradients(engine: Engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This worker's share of the global gradient norm, and the gradients it scales.
+
+    ``counted``: every parameter's gradient once over all workers, as one device's module lists it:
+    by its stage's first owner (replicas hold equal copies), and a parameter several stages share
+    (tied embeddings, :attr:`Engine.ties`) only at its first use, ``min(uses)`` (every use holds the
+    same summed gradient, :meth:`Engine._sum_tied`). ``scaled``: every owned parameter's gradient
+    once, on every worker that holds a copy: a parameter held by two stages of this worker (DDP's
+    tied embedding) is one tensor, scaled once."""
+    owners, me = engine.lowered.owners, engine.worker
+    later = {use for uses in engine.ties for use in sorted(uses)[1:]}
+    counted: list[torch.Tensor] = []
+    scaled: dict[int, torch.Tensor] = {}
+    for s in engine.owned:
+        first = owners[s][0] == me
+        for i, p in enumerate(engine.modules[s].parameters()):
+            if p.grad is None:
+                continue
+            if first and (s, i) not in later:
+                counted.append(p.grad)
+            scaled.setdefault(id(p), p.grad)
+    return counted, list(scaled.values())
+
+
+def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Tensor:
+    """Scale every owned gradient by ``max_norm / (norm + 1e-6)`` (at most 1), where ``norm`` is
+    the 2-norm over every parameter's gradient counted once (:func:`clipped_gradients`), summed
+    across workers: exactly what ``clip_grad_norm_`` does on one device. Returns ``norm``."""
+    engine = strategy.engine
+    assert engine is not None
+    counted, scaled = clipped_gradients(engine)
+    sq = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
+    for g in counted:
+        sq += torch.linalg.vector_norm(g.double()) ** 2
+    all_reduce(sq)
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in scaled:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def process_group_up() -> bool:
+    """Whether the default process group is started (``torch.distributed`` may be built without
+    it: ``is_initialized`` exists only where ``is_available``)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce(t: torch.Tensor) -> None:
+    """Sum ``t`` over the workers, marked as waiting on them: a rank that hangs meanwhile is named
+    by the hang check (its peers are waiting here, not making progress)."""
+    with blocked(current_watchdog()):
+        dist.all_reduce(t)
+
+
+class _SyncedScaler(FoundInfHookScaler):
+    """A ``GradScaler`` whose inf/NaN check spans every worker (as FSDP's ``ShardedGradScaler``):
+    each owner sees only its stages' gradients, so all must skip a step, or none, and update the
+    scale alike; a worker that owns no gradient still takes part."""
+
+    def combine_found_inf(self, per_device: dict[torch.device, torch.Tensor],
+                          found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        total = torch.zeros_like(found_inf)
+        for v in per_device.values():
+            total += v.to(total.device)
+        if process_group_up():
+            all_reduce(total)
+        return {total.device: total}
+
+
+def with_synced_scaler(plugin: Any) -> None:
+    """16-mixed: make the precision plugin's GradScaler agree across workers (:class:`_SyncedScaler`)."""
+    scaler = getattr(plugin, "scaler", None)
+    if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, _SyncedScaler):
+        retype_grad_scaler(scaler, _SyncedScaler)
+
+
+_CLIPPING: dict[type, type] = {}
+
+
+def _clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float) -> None:
+    clip_by_global_norm(plugin.unified_strategy, float(clip_val))
+
+
+def loss_dtype(stages: Any, nominal: torch.dtype) -> torch.dtype:
+    """The floating dtype of the last stage's weights (the stage that computes the loss), else of
+    any stage's, else ``nominal``: the loss is reported in the precision one device computes it in."""
+    for group in (list(stages)[-1:], list(stages)):
+        for m in group:
+            for p in m.parameters():
+                if p.is_floating_point():
+                    return p.dtype
+    return nominal
+
+
+def with_global_clipping(strategy: UnifiedStrategy) -> None:
+    """Make the precision plugin clip by the global norm across owners (``gradient_clip_val``
+    with ``gradient_clip_algorithm="norm"``). Lightning clips in the precision plugin, whatever
+    the precision, so its class gets a subclass that overrides that one method; clipping by value
+    is elementwise and stays as it is."""
+    plugin = strategy.precision_plugin
+    cls = type(plugin)
+    if cls not in _CLIPPING.values():
+        if cls not in _CLIPPING:
+            _CLIPPING[cls] = type(f"GlobalNorm{cls.__name__}", (cls,), {"clip_grad_by_norm": _clip_grad_by_norm})
+        retype_precision_plugin(plugin, _CLIPPING[cls])
+    setattr(plugin, "unified_strategy", strategy)  # read by _clip_grad_by_norm (the subclass is made at run time)
