@@ -1,9 +1,6 @@
-"""The sentences a config's failing ``_target_`` gets (:func:`target_error`) and an error's first
-line (:func:`one_line`). Config -> :class:`launcher.schedule.Step` is
-:func:`launcher.config.spec.to_step` (through :class:`~launcher.schedule.settings.Settings`): the
-simulator (``mode=simulate``), the runtime entry (``python -m launcher.runtime``) and training all
-start from :func:`~launcher.config.spec.settings_of`, so they plan the same step from the same config.
-"""
+"""Sentences about a config: why a ``_target_`` names nothing (:func:`target_error`) and an
+error's first line (:func:`one_line`). (Config -> :class:`launcher.schedule.Step` is
+:func:`launcher.config.spec.to_step`, through :class:`~launcher.schedule.settings.Settings`.)"""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..schedule import Step
 from ..schedule.settings import CUSTOM, Settings
-from .step import one_line, target_error
+from .sentences import one_line, target_error
 from .validate import ConfigError, raw_settings, validate
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from ..config import ConfigError
-from ..config.step import one_line
+from ..config.sentences import one_line
 from .lightning_private import save_last_checkpoint, skips_saving
 
 #: the hyperparameter holding the length of the built-in models' learning-rate schedule

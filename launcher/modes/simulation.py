@@ -9,7 +9,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 
 from ..config import ConfigError, to_step
-from ..config.step import one_line
+from ..config.sentences import one_line
 from ..config.validate import errors as config_errors
 from ..report.png import AUTO_MAX_JOBS as PNG_AUTO_MAX_JOBS
 from ..schedule import ScheduleError, Timeline, simulate

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .. import signals
 from ..config import ConfigError
-from ..config.step import one_line
+from ..config.sentences import one_line
 from ..config.training import is_single, train_errors
 from .common import (
     HELD,
@@ -57,7 +57,7 @@ class Prepared:
 def _build(node: Any, key: str, want: type, what: str) -> Any:
     from hydra.utils import instantiate
 
-    from ..config.step import target_error
+    from ..config.sentences import target_error
     from ..config.training import argument_errors
 
     target = node.get("_target_")
