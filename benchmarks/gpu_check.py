@@ -97,7 +97,7 @@ class Scheme:
 SCHEMES = [
     Scheme("ddp", "ddp", 4, 1), Scheme("fsdp", "fsdp", 4, 1), Scheme("gpipe", "gpipe", 1, 4, "breadth_first"),
     Scheme("lpp", "lpp", 2, 2), Scheme("fslpp", "fslpp", 2, 2),
-    Scheme("interleaved-1f1b", "lpp", 1, 2, "1f1b"),  # looped: stages {0, 2} and {1, 3}
+    Scheme("interleaved-1f1b", "lpp", 1, 2, "interleaved_1f1b"),  # looped: stages {0, 2} and {1, 3}
     Scheme("zb_h1", "gpipe", 1, 4, "zb_h1", split=True),
     Scheme("recompute-full", "gpipe", 1, 4, "1f1b", recompute=True),
 ]
