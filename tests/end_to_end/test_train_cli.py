@@ -126,9 +126,11 @@ def test_resume_equals_uninterrupted_and_across_schemes(tmp_path):
         other = last_state(d)
         assert max((want[k] - other[k]).abs().max().item() for k in want) < 1e-10, strategy
 
-    # and loads into the same LightningModule on one process (whose parameters are float32)
+    # and loads into the same LightningModule on one process (whose parameters are float32); fslpp's
+    # checkpoint is sharded (a directory), read through the documented one-line call
+    from launcher.checkpoint import as_file
     from launcher.models import GPT
 
-    model = GPT.load_from_checkpoint(a / "checkpoints" / "last.ckpt")
+    model = GPT.load_from_checkpoint(as_file(a / "checkpoints" / "last.ckpt"))
     assert model.state_dict().keys() == want.keys()
     assert all(torch.allclose(model.state_dict()[k].double(), want[k], rtol=1e-6, atol=1e-7) for k in want)
