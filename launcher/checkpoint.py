@@ -52,10 +52,15 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
 
 def export_pretrained(path: str | os.PathLike, out: str | os.PathLike) -> None:
     """Write a ``model=hf`` checkpoint as ``save_pretrained`` output in the directory ``out``."""
+    import torch
+
     from .models.hf import HFCausalLM
 
     ckpt = load(path)
     model = HFCausalLM(**ckpt["hyper_parameters"])
+    dtypes = {v.dtype for v in ckpt["state_dict"].values() if torch.is_tensor(v) and v.is_floating_point()}
+    if len(dtypes) == 1:  # the weights' own precision (a float64 run exports float64, not the default float32)
+        model.to(dtypes.pop())
     model.load_state_dict(ckpt["state_dict"])
     hf: Any = model.hf  # the transformers model the stages are made of
     hf.save_pretrained(str(out))
