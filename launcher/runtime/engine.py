@@ -49,6 +49,7 @@ from launcher.schedule.activations import activation_peaks
 from launcher.schedule.lowering import TAG_LIMIT, lower
 from launcher.schedule.program import ACT, GRAD, WEIGHTS, Lowered, Msg, forward_only
 from launcher.schedule.rules import StepError, value_error
+from launcher.schedule.settings import DEFAULT
 from launcher.schedule.simulate import Step, Timeline, simulate
 
 from .batches import check_same_batches
@@ -135,8 +136,8 @@ class Engine:
         schedule: Step | Timeline | Lowered,
         optimizer: OptimizerFactory | None = None,
         *,
-        prefetch: int = 1,
-        weight_cache: str = "step",
+        prefetch: int = DEFAULT.prefetch,
+        weight_cache: str = DEFAULT.weight_cache,
         group: dist.ProcessGroup | None = None,
         rank: int | None = None,
         device: torch.device | str | None = None,

@@ -49,6 +49,7 @@ from .actions import (
 from .activations import sum_handovers
 from .metrics import WEIGHT_CACHES, per_worker
 from .program import ACT, GRAD, WEIGHTS, WGRAD, JobOp, Lowered, Msg, Program, StageReduce, reduce_rounds, resident_peaks
+from .settings import DEFAULT
 from .simulate import Timeline
 
 #: point-to-point tags are C ints: a message's tag is its id, the engine's own exchanges follow
@@ -261,7 +262,7 @@ def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
 PASSES = (add_act_grad, add_weights, add_wgrad, add_reduces)
 
 
-def lower_actions(tl: Timeline, weight_cache: str = "step") -> Programs:
+def lower_actions(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> Programs:
     """Every worker's actions for ``tl``: its jobs, then what each pass of :data:`PASSES` adds."""
     _check_options(weight_cache)
     progs = job_actions(tl)
@@ -270,7 +271,7 @@ def lower_actions(tl: Timeline, weight_cache: str = "step") -> Programs:
     return progs
 
 
-def lower(tl: Timeline, weight_cache: str = "step", prefetch: int = 1) -> Lowered:
+def lower(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int = DEFAULT.prefetch) -> Lowered:
     """Lower ``tl`` into per-worker programs; identical on every worker.
 
     ``lowered.predicted`` is the simulator's :func:`~launcher.schedule.metrics.per_worker`, except
@@ -458,7 +459,7 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]]) \
     return msgs, mids, ends
 
 
-def assemble(tl: Timeline, progs: Programs, weight_cache: str = "step", prefetch: int = 1,
+def assemble(tl: Timeline, progs: Programs, weight_cache: str = DEFAULT.weight_cache, prefetch: int = DEFAULT.prefetch,
              check: bool = True) -> Lowered:
     """The :class:`~launcher.schedule.program.Lowered` step that the per-worker actions ``progs``
     describe (:func:`lower_actions`, or what :func:`~launcher.schedule.actions.parse_programs`
