@@ -118,14 +118,16 @@ def weave(programs: Sequence[Sequence[Action]], before: Sequence[Mapping[int, Se
         jobs = job_positions(prog)
         new: list[Action]
         if len(jobs) == len(prog):  # jobs only (before the first pass): each job between its own
-            new = [*_sorted(aft.get(-1, ()))]
-            for i, job in enumerate(prog):
-                if (part := bef.get(i)) is not None:
+            new = []
+            done = 0  # the jobs up to job ``done`` are in ``new``
+            for g in sorted({*aft, *(i - 1 for i in bef)}):  # the gap after job g
+                new += prog[done : g + 1]
+                done = max(done, g + 1)
+                if (part := aft.get(g)) is not None:
                     new += _sorted(part)
-                new.append(job)
-                if (part := aft.get(i)) is not None:
+                if (part := bef.get(g + 1)) is not None:
                     new += _sorted(part)
-            new += _sorted(bef.get(len(prog), ()))
+            new += prog[done:]
             out.append(new)
             continue
         # gap g (between job g and job g + 1) is prog[bounds[g+1]+1 : bounds[g+2]]

@@ -7,14 +7,15 @@ coordinator.
 What the placement implies (docs/design.md, "Placement and data movement") is lowered by passes
 over one list of :class:`~launcher.schedule.actions.Action` per worker, each pass documenting the
 traffic it adds: the jobs in timeline order (:func:`job_actions`), then :data:`PASSES`: ``act``
-and ``grad`` messages (:func:`add_act_grad`), ``weights`` under the weight cache policy
-(:func:`add_weights`), ``wgrad`` (:func:`add_wgrad`), the replicas' all-reduces
-(:func:`add_reduces`). :func:`assemble` then pairs every send with its receive, keys and
-numbers the messages in the order NCCL needs (:func:`messages`) and fills each worker's
+and ``grad`` messages (:func:`add_act_grad`, one per edge of :func:`edges`), ``weights`` under the
+weight cache policy (:func:`add_weights`), ``wgrad`` (:func:`add_wgrad`), the replicas'
+all-reduces (:func:`add_reduces`). :func:`assemble` then pairs every send with its receive, keys
+and numbers the messages in the order NCCL needs (:func:`messages`) and fills each worker's
 :class:`~launcher.schedule.program.Program`. :func:`lower_actions` gives the lists themselves:
 :func:`~launcher.schedule.actions.format_programs` prints them, one line per worker, and
 :func:`assemble` of what :func:`~launcher.schedule.actions.parse_programs` reads back is the
-same lowered step.
+same lowered step. :func:`lower` takes the ``act``/``grad`` messages (most of a step's) straight
+from :func:`edges` rather than writing them out as actions and pairing them again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import gc
 from bisect import bisect_left
 from collections import defaultdict, deque
 from contextlib import contextmanager
+from functools import partial
 from itertools import accumulate, compress
 from operator import attrgetter, itemgetter, not_, sub
 from textwrap import indent
@@ -135,27 +137,50 @@ def job_actions(tl: Timeline) -> Programs:
     return progs
 
 
-def add_act_grad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
-    """One message per edge of the job graph that crosses workers, sent after the job that
-    produces it and received before the job that consumes it:
+#: one ``act`` or ``grad`` message along an edge of the job graph, as :func:`edges` gives it:
+#: (numbering order, key, kind, src, dst, stage, microbatch, peer_stage, the producer's index among
+#: ``src``'s jobs, the consumer's among ``dst``'s), the first eight as in :class:`Msg` (a plain tuple:
+#: a step has one per edge that crosses workers, tens of thousands)
+Edge = tuple[int, tuple, str, int, int, int, int, int, int, int]
+
+
+def edges(tl: Timeline) -> list[Edge]:
+    """One message per edge of the job graph that crosses workers, in numbering order (by
+    consuming job, then the producer's place among its predecessors, :meth:`JobSpace.pred`):
 
     - ``act``: ``F(p,b) -> F(c,b)`` across workers carries ``x_c^b`` (the output of stage ``p``);
     - ``grad``: backward ``(c,b) -> (p,b)`` across workers carries ``dL/d(output of p)``.
-    """
-    space, comp = tl.step.space, tl.compute
+
+    A message's key is its producer's simulated finish (:func:`messages`)."""
+    space, comp, finish = tl.step.space, tl.compute, tl.finish
     S, B = space.S, space.B
     at = _positions(tl)
-    before, after = _slots(tl)
+    out: list[Edge] = []
     # the edges of the job graph within a direction (JobSpace.pred), a stage's micro-batches at once
-    for k, (edges, send, recv) in enumerate(((space.stage_preds, SEND_ACT, RECV_ACT),
-                                             (space.stage_succs, SEND_GRAD, RECV_GRAD))):
+    for k, (graph, kind) in enumerate(((space.stage_preds, ACT), (space.stage_succs, GRAD))):
         for s in range(S):
-            for ps in edges[s]:
+            for place, ps in enumerate(graph[s]):
                 j0, p0 = (k * S + s) * B, (k * S + ps) * B  # the consumer's and producer's job ids at b = 0
+                x, y = (ps, s) if kind == ACT else (s, ps)  # the stage that produces the edge, and the other
                 for b, cw, pw in zip(range(B), comp[j0 : j0 + B], comp[p0 : p0 + B]):
                     if cw != pw:
-                        after[pw][at[p0 + b]].append(Action(send, ps, b, cw, s))
-                        before[cw][at[j0 + b]].append(Action(recv, s, b, pw, ps))
+                        p, j = p0 + b, j0 + b
+                        out.append((j * S + place, (finish[p], 0, p, j), kind, pw, cw, x, b, y, at[p], at[j]))
+    out.sort(key=_OP)
+    return out
+
+
+def add_act_grad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
+    """The ``act`` and ``grad`` messages of :func:`edges`, each sent after the job that produces it
+    and received before the job that consumes it."""
+    before, after = _slots(tl)
+    for _, _, kind, pw, cw, x, b, y, ip, ic in edges(tl):
+        if kind == ACT:
+            after[pw][ip].append(Action(SEND_ACT, x, b, cw, y))
+            before[cw][ic].append(Action(RECV_ACT, y, b, pw, x))
+        else:  # ``x`` receives the gradient of its output from ``y``
+            after[pw][ip].append(Action(SEND_GRAD, y, b, cw, x))
+            before[cw][ic].append(Action(RECV_GRAD, x, b, pw, y))
     return weave(progs, before, after)
 
 
@@ -208,15 +233,9 @@ def add_wgrad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     ``weight_cache="job"`` a stage's only owner takes each in at one of its jobs, and the sender
     frees it once delivered (:func:`~launcher.schedule.activations.sum_handovers`), so no worker holds
     every fetched stage's sum to the end of the step."""
-    space = tl.step.space
     if _all_on_own_weights(tl):
         return progs
-    S, B, SB = space.S, space.B, space.S * space.B
-    last: dict[tuple[int, int, int], int] = {}  # (stage, worker, owner) -> its last gradient job
-    for w, prog in enumerate(tl.program):
-        for j in prog:
-            if j // SB == space.K - 1 and tl.weights[j] != w:  # B, or W when split: it yields the gradient
-                last[((j // B) % S, w, tl.weights[j])] = j
+    last = _partial_sums(tl)
     hand = {(h.stage, h.sender, h.owner): h for h in sum_handovers(tl)} if weight_cache == "job" else {}
     at = _positions(tl)
     before, after = _slots(tl)
@@ -233,6 +252,21 @@ def add_wgrad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     return weave(progs, before, after)
 
 
+def _partial_sums(tl: Timeline) -> dict[tuple[int, int, int], int]:
+    """Per weight-gradient sum a worker computes for another owner, ``(stage, worker, owner)``, the
+    last job of that worker that adds to it."""
+    space = tl.step.space
+    S, B, SB = space.S, space.B, space.S * space.B
+    last: dict[tuple[int, int, int], int] = {}
+    if _all_on_own_weights(tl):
+        return last
+    for w, prog in enumerate(tl.program):
+        for j in prog:
+            if j // SB == space.K - 1 and tl.weights[j] != w:  # B, or W when split: it yields the gradient
+                last[((j // B) % S, w, tl.weights[j])] = j
+    return last
+
+
 def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     """Replicas: the owners of a replicated stage (DDP, LPP with G > 1) all-reduce its gradient on
     their own subgroup (a collective, not a message: :mod:`launcher.runtime.groups`) once their
@@ -244,8 +278,7 @@ def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     space = tl.step.space
     S, B, SB = space.S, space.B, space.S * space.B
     owners = _owners(tl)
-    sums = {(w, prog[n].stage) for w, prog in enumerate(progs)
-            for n in compress(range(len(prog)), map(RECV_WGRAD.__eq__, map(_OP, prog)))}
+    sums = {(o, s) for s, _, o in _partial_sums(tl)}  # owners that partial sums come in to, by stage
     before, after = _slots(tl)
     for w, prog in enumerate(tl.program):
         ready = {(j // B) % S: i for i, j in enumerate(prog) if j // SB == space.K - 1 and tl.weights[j] == w}
@@ -274,6 +307,10 @@ def lower_actions(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> Pro
 def lower(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int = DEFAULT.prefetch) -> Lowered:
     """Lower ``tl`` into per-worker programs; identical on every worker.
 
+    The same as :func:`assemble` of :func:`lower_actions`, without writing out the ``act`` and
+    ``grad`` actions only to pair them again: the programs take those messages from :func:`edges`
+    (a step has one per edge that crosses workers; the other passes add a few per stage).
+
     ``lowered.predicted`` is the simulator's :func:`~launcher.schedule.metrics.per_worker`, except
     ``weights_peak_resident`` under ``weight_cache="job"``: the exact peak of the engine running
     with lookahead ``prefetch`` (:func:`~launcher.schedule.program.resident_peaks`), which the
@@ -281,7 +318,11 @@ def lower(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int 
     """
     _check_options(weight_cache, prefetch)
     with _collector_paused():
-        return assemble(tl, lower_actions(tl, weight_cache), weight_cache, prefetch, check=False)
+        progs = job_actions(tl)
+        for add in PASSES:
+            if add is not add_act_grad:
+                progs = add(tl, progs, weight_cache)
+        return _assemble(tl, progs, edges(tl), weight_cache, prefetch)
 
 
 @contextmanager
@@ -306,6 +347,8 @@ _RECEIVES: dict[str, tuple[str, str] | None] = {
     RECV_ACT: (SEND_ACT, ACT), RECV_GRAD: (SEND_GRAD, GRAD), RECV_WEIGHTS: (SEND_WEIGHTS, WEIGHTS),
     RECV_WGRAD: (SEND_WGRAD, WGRAD), FREE_WGRAD: None}
 _SENDS = frozenset((SEND_ACT, SEND_GRAD, SEND_WEIGHTS, SEND_WGRAD))
+_WEIGHT_SENDS = frozenset((SEND_WEIGHTS, SEND_WGRAD))  # the sends and receives left once the edges are known
+_WEIGHT_RECEIVES = frozenset((RECV_WEIGHTS, RECV_WGRAD, FREE_WGRAD))
 _AFTER = frozenset(AFTER)
 # kinds about the job beside them -> the job kinds that may be (a gradient sum goes after B or W)
 _OF_JOB = {SEND_ACT: "F", RECV_ACT: "F", SEND_GRAD: "BI", RECV_GRAD: "BI", RECV_WEIGHTS: "FBIW",
@@ -356,10 +399,12 @@ def _check_actions(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> N
                 raise _marked(progs, (w, n), f"worker {w}'s {a!r} names worker {a.peer}, not another of the {W}")
 
 
-def messages(tl: Timeline, progs: Programs, belongs: list[list[int]]) \
-        -> tuple[list[Msg], list[list[int]], list[tuple[int, int, int, int]]]:
-    """Every message of the step, per worker each action's message id (-1: none), and per message
-    where its send and its receive are (``(sender, index, receiver, index)``).
+def messages(tl: Timeline, progs: Programs, belongs: list[list[int]], edge_msgs: list[Edge] | None = None) \
+        -> tuple[list[Msg], list[list[int]], list[Edge]]:
+    """Every message of the step, per worker each weight kind's action's message id (-1: none or
+    ``act``/``grad``), and the ``act``/``grad`` messages as :func:`edges` gives them (whose ids are
+    their places in that list). ``edge_msgs``: those, already known (:func:`lower`); else they are
+    read from ``progs`` too.
 
     A send and a receive match when kind, workers, stages and micro-batch agree (the k-th send with
     the k-th receive). Message ids: ``act``/``grad`` by consuming job, then ``weights`` by worker
@@ -383,21 +428,23 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]]) \
     grad_place = [{c: k for k, c in enumerate(cs)} for cs in space.stage_succs]
     base_weights = 2 * N * S  # numbering order as one int: act/grad by consumer job and place, then ...
     base_wgrad = base_weights + W * (N + 1)  # ... weights by worker and job, then wgrad by stage, sender, owner
+    sends, receives = (_SENDS, _RECEIVES) if edge_msgs is None else (_WEIGHT_SENDS, _WEIGHT_RECEIVES)
     # each worker's sends by action (the k-th send of an action matches the k-th receive of its mirror)
     sent: list[dict[tuple, list[int]]] = []
     for prog in progs:
-        is_send = list(map(_SENDS.__contains__, map(_OP, prog)))
+        is_send = list(map(sends.__contains__, map(_OP, prog)))
         at: dict = dict(zip(compress(prog, is_send), compress(range(len(prog)), is_send)))
         if len(at) < sum(is_send):  # the same send twice (a stage fetched for two jobs): in order
             at = {}
             for n in compress(range(len(prog)), is_send):
                 at.setdefault(prog[n], []).append(n)
         sent.append(at)
-    # (numbering order, key, (kind, src, dst, stage, microbatch, peer_stage), sender, its action, receiver, its action)
-    found = []
+    # (numbering order, key, kind, src, dst, stage, microbatch, peer_stage, sender's action, receiver's)
+    found: list[Edge] = []
+    edge_found: list[Edge] = []
     frees: list[tuple[int, int]] = []
     for wr, prog in enumerate(progs):
-        for nr in compress(range(len(prog)), map(_RECEIVES.__contains__, map(_OP, prog))):  # receives and frees
+        for nr in compress(range(len(prog)), map(receives.__contains__, map(_OP, prog))):  # receives and frees
             op, stage, mb, ws, peer_stage = prog[nr]
             if (how := _RECEIVES[op]) is None:
                 frees.append((wr, nr))
@@ -417,8 +464,7 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]]) \
                 ns = ns.pop(0) if ns else None
             if ns is None:
                 raise _marked(progs, (wr, nr), f"worker {wr}'s {progs[wr][nr]!r} has no matching send on worker {ws}")
-            ident = (kind, ws, wr, x, mb if kind in (ACT, GRAD) else -1, y)
-            if kind == ACT or kind == GRAD:  # the jobs at both ends are the ident's (they sit beside them)
+            if kind == ACT or kind == GRAD:  # the jobs at both ends are the edge's (they sit beside them)
                 if kind == ACT:
                     producer, consumer, k = x * B + mb, y * B + mb, act_place[y].get(x)
                 else:
@@ -426,37 +472,52 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]]) \
                 if k is None:
                     raise _marked(progs, (wr, nr), f"worker {wr}'s {progs[wr][nr]!r} carries no edge of the stage "
                                   "graph")
-                found.append((consumer * S + k, (finish[producer], 0, producer, consumer), ident, ws, ns, wr, nr))
+                edge_found.append((consumer * S + k, (finish[producer], 0, producer, consumer), kind, ws, wr, x, mb, y,
+                                   belongs[ws][ns], belongs[wr][nr]))
             elif kind == WEIGHTS:  # ready when its consumer starts: owners hold weights all step
                 i = belongs[wr][nr]
                 consumer = program[wr][i]
-                found.append((base_weights + wr * (N + 1) + i, (start[consumer], -1, consumer, consumer), ident,
-                              ws, ns, wr, nr))
+                found.append((base_weights + wr * (N + 1) + i, (start[consumer], -1, consumer, consumer), kind, ws, wr,
+                              x, -1, y, ns, nr))
             else:  # ready when the last job it sums ends
                 producer = program[ws][belongs[ws][ns]]
-                found.append((base_wgrad + (stage * W + ws) * W + wr, (finish[producer], 1, producer, wr), ident,
-                              ws, ns, wr, nr))
+                found.append((base_wgrad + (stage * W + ws) * W + wr, (finish[producer], 1, producer, wr), kind, ws, wr,
+                              x, -1, y, ns, nr))
     for w, at in enumerate(sent):
         left = [n for v in at.values() for n in (v if isinstance(v, list) else (v,))]
         if left:
             n = min(left)
             raise _marked(progs, (w, n), f"worker {w}'s {progs[w][n]!r} has no matching receive on worker "
                           f"{progs[w][n].peer}")
-    found.sort(key=itemgetter(0))
-    msgs: list[Msg] = []
+    if edge_msgs is None:
+        edge_found.sort(key=_OP)
+        edge_msgs = edge_found
+    found.sort(key=_OP)
+    msgs = _as_msgs(edge_msgs, 0)
     mids = [[-1] * len(prog) for prog in progs]
-    ends = []
-    for mid, (_, key, (kind, src, dst, stage, mb, peer), ws, ns, wr, nr) in enumerate(found):
+    for mid, (_, _, _, ws, wr, _, _, _, ns, nr) in enumerate(found, len(msgs)):
         mids[ws][ns] = mids[wr][nr] = mid
-        msgs.append(Msg(mid, kind, src, dst, stage, mb, peer, key))
-        ends.append((ws, ns, wr, nr))
+    msgs += _as_msgs(found, len(msgs))
     wgrad = {(m.src, m.dst, m.stage): m.mid for m in msgs if m.kind == WGRAD}
     for w, n in frees:
         a = progs[w][n]
         if (w, a.peer, a.stage) not in wgrad:
             raise _marked(progs, (w, n), f"worker {w} frees a sum {a!r} it never sends")
         mids[w][n] = wgrad[(w, a.peer, a.stage)]
-    return msgs, mids, ends
+    return msgs, mids, edge_msgs
+
+
+def _as_msgs(found: list[Edge], first: int) -> list[Msg]:
+    """The messages ``found`` as :class:`Msg`, numbered from ``first`` (column by column: tens of
+    thousands of tuples made without a Python call each)."""
+    if not found:
+        return []
+    _, key, kind, src, dst, stage, mb, peer, _, _ = zip(*found)
+    return list(map(_NEW_MSG, zip(range(first, first + len(found)), kind, src, dst, stage, mb, peer, key)))
+
+
+_NEW_MSG = partial(tuple.__new__, Msg)  # a Msg from its fields' tuple
+
 
 
 def assemble(tl: Timeline, progs: Programs, weight_cache: str = DEFAULT.weight_cache, prefetch: int = DEFAULT.prefetch,
@@ -466,34 +527,38 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = DEFAULT.weight_c
     reads back): messages paired, keyed and numbered (:func:`messages`), each worker's
     :class:`~launcher.schedule.program.Program` filled in. With ``check``, an action that does not
     fit ``tl`` raises :class:`LoweringError` with the grid, that action marked (the passes' own
-    programs fit by construction: :func:`lower` skips it)."""
+    programs fit by construction)."""
     _check_options(weight_cache, prefetch)
+    if check:
+        _check_actions(tl, progs, [_belongs(prog) for prog in progs])
+    return _assemble(tl, progs, None, weight_cache, prefetch)
+
+
+def _assemble(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, weight_cache: str,
+              prefetch: int) -> Lowered:
+    """:func:`assemble`, the ``act``/``grad`` messages given (:func:`edges`) or read from ``progs``."""
     S, W = tl.step.space.S, tl.step.workers
     belongs = [_belongs(prog) for prog in progs]
-    if check:
-        _check_actions(tl, progs, belongs)
-    msgs, mids, ends = messages(tl, progs, belongs)
+    msgs, mids, edge_msgs = messages(tl, progs, belongs, edge_msgs)
     if len(msgs) + 2 * S + S * reduce_rounds(W) > TAG_LIMIT:  # the step's tags, then the engine's ranges
         raise LoweringError(
             f"the step has {len(msgs):,} messages and {S} stages, more than the {TAG_LIMIT:,} point-to-point "
             f"message tags torch.distributed can tell apart; use fewer stages or micro-batches"
         )
     owners = _owners(tl)
-    pair: list[dict[int, list[int]]] = [{} for _ in range(W)]
+    between: defaultdict[tuple[int, int], list[int]] = defaultdict(list)  # a pair's messages, both ways
     for m in sorted(msgs, key=_KEY):
-        pair[m.src].setdefault(m.dst, []).append(m.mid)
-        pair[m.dst].setdefault(m.src, []).append(m.mid)
+        between[(m.src, m.dst) if m.src < m.dst else (m.dst, m.src)].append(m.mid)
+    pair: list[dict[int, list[int]]] = [{} for _ in range(W)]
+    for (a, b), mids_ab in between.items():  # each worker's peers in the order of their first message
+        pair[a][b], pair[b][a] = mids_ab, list(mids_ab)
     weights, start = tl.weights, tl.start
     jobs = [[JobOp(j, stage, mb, op, weights[j], {}, [], [], None, False, start[j])
              for j, (op, stage, mb, _, _) in zip(tl.program[w], compress(prog, map(JOBS.__contains__, map(_OP, prog))))]
             for w, prog in enumerate(progs)]
-    for m, (ws, ns, wr, nr) in zip(msgs, ends):  # by id: each job's messages in id order
-        if m.kind == ACT:
-            jobs[wr][belongs[wr][nr]].recv[m.stage] = m.mid
-            jobs[ws][belongs[ws][ns]].send.append(m.mid)
-        elif m.kind == GRAD:
-            jobs[wr][belongs[wr][nr]].recv[m.peer_stage] = m.mid
-            jobs[ws][belongs[ws][ns]].send.append(m.mid)
+    for mid, (_, _, kind, ws, wr, stage, _, peer, ns, nr) in enumerate(edge_msgs):  # each job's messages in id order
+        jobs[wr][nr].recv[stage if kind == ACT else peer] = mid
+        jobs[ws][ns].send.append(mid)
     programs = [_program(w, progs[w], jobs[w], belongs[w], mids[w], msgs, owners, pair[w]) for w in range(W)]
     lowered = Lowered(tl, weight_cache, msgs, programs, owners, per_worker(tl, weight_cache), prefetch,
                       _reduce_order(tl, programs, owners))
@@ -501,7 +566,6 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = DEFAULT.weight_c
         owned = lowered.predicted["weights_owned"]
         lowered.predicted["weights_peak_resident"] = [o + r for o, r in zip(owned, resident_peaks(lowered, prefetch))]
     return lowered
-
 
 
 def _program(w: int, prog: list[Action], jobs: list[JobOp], belongs: list[int], mids: list[int], msgs: list[Msg],
