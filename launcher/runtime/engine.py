@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from launcher.schedule.activations import activation_peaks
-from launcher.schedule.lowering import TAG_LIMIT, lower
+from launcher.schedule.assembly import TAG_LIMIT
+from launcher.schedule.lowering import lower
 from launcher.schedule.program import ACT, GRAD, WEIGHTS, Lowered, Msg, forward_only
 from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.settings import DEFAULT

@@ -23,7 +23,7 @@ from helpers.cli import launcher_env, run_launcher
 from launcher.config import check_overrides, errors
 from launcher.config.paths import dir_error, file_error
 from launcher.modes.simulation import simulate_config
-from launcher.schedule import ScheduleError, StepError, lowering, make_step, simulate
+from launcher.schedule import ScheduleError, StepError, assembly, make_step, simulate
 from launcher.schedule.diagram import ascii_diagram
 from launcher.schedule.lowering import LoweringError, lower
 from launcher.schedule.simulate import Step
@@ -151,7 +151,7 @@ def test_message_tags_are_checked_against_their_range(monkeypatch):
     tl = simulate(make_step("gpipe", 4, 4, G=1, R=4))
     plan = lower(tl)
     assert plan.tag_base == len(plan.messages)
-    monkeypatch.setattr(lowering, "TAG_LIMIT", len(plan.messages))
+    monkeypatch.setattr(assembly, "TAG_LIMIT", len(plan.messages))
     with pytest.raises(LoweringError,
                        match=r"^the step has \d+ messages and 4 stages, more than the \d+ point-to-point"):
         lower(tl)

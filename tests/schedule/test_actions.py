@@ -26,7 +26,8 @@ from launcher.schedule.actions import (
     format_programs,
     parse_programs,
 )
-from launcher.schedule.lowering import LoweringError, assemble, lower, lower_actions
+from launcher.schedule.assembly import assemble
+from launcher.schedule.lowering import LoweringError, lower, lower_actions
 from launcher.schedule.program import ACT, GRAD, WEIGHTS, WGRAD, Lowered
 
 # (scheme, S, B, G, R, order, split backward): every scheme, both backward forms, W <= 4
