@@ -3,7 +3,7 @@ and W&B summary). A thin adapter: the numbers come from :mod:`launcher.report.me
 records from :mod:`launcher.report.wandb_log`.
 
 Every worker times its training steps and keeps the loss Lightning hands back; at the end of
-``fit``, rank 0 gathers every worker's records (:meth:`UnifiedStrategy.gather_run`), writes
+``fit``, rank 0 gathers every worker's records (:func:`gather_run`), writes
 ``metrics.json``, ``pipeline.png`` and ``trace.json`` (the last training step as a Chrome trace,
 :mod:`launcher.report.trace`; not under the single-device strategy) into the run directory and
 logs them to every W&B logger of the trainer, then finishes the W&B run (a forked worker never
@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from typing_extensions import override
 
 from ..report import metrics_json as report
+from ..runtime.link_probe import measure as measure_link
 from .lightning_private import started_experiment
 from .strategy import UnifiedStrategy
 
@@ -82,7 +84,7 @@ class RunMetrics(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
         if isinstance(strategy, UnifiedStrategy):
-            gathered = strategy.gather_run(self.walls, self.cpus, self._span)  # collective
+            gathered = gather_run(strategy, self.walls, self.cpus, self._span)  # collective
             if gathered is None:
                 return
             sizes = strategy.sizes()
@@ -203,3 +205,37 @@ def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gather_run(strategy: UnifiedStrategy, walls: list[float], cpus: list[float] | None = None,
+               span: tuple[float, float] | None = None) -> list[dict[str, Any]] | None:
+    """Every worker's step records, step wall and CPU times (``walls``, ``cpus``), peak memory and optimizer-state
+    bytes per stage at rank 0 (collective: every rank calls it); and ``trace``, the events of its
+    last training step (:meth:`~launcher.runtime.Engine.trace`) with ``span``, that step's Lightning start and end
+    on the same clock."""
+    assert strategy.engine is not None and strategy.layout is not None
+    peak = (torch.cuda.max_memory_allocated(strategy.root_device) if strategy.root_device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    state = strategy.optimizers[0].state if strategy.optimizers else {}
+
+    def opt_of(p: torch.Tensor) -> int:
+        return sum(v.numel() * v.element_size() for v in state.get(p, {}).values() if torch.is_tensor(v))
+
+    opt_bytes = {s: sum(opt_of(p) for p in strategy.engine.modules[s].parameters()) for s in strategy.layout.writers}
+    # a parameter several stages share, at each of its uses: totals count it once (metrics)
+    tied_opt = [(s, i, opt_of(list(strategy.engine.modules[s].parameters())[i]))
+                for uses in strategy.engine.ties for s, i in uses if s in strategy.layout.writers]
+    # the message cost the prediction and the planner use: workers 0 and 1 ping-pong (no step runs now)
+    link = measure_link(strategy.engine.group, strategy.engine.device) if strategy.engine.lowered.workers > 1 else None
+    mine = {"rank": strategy.global_rank, "records": strategy.records, "walls": list(walls), "cpus": list(cpus or []),
+            "peak_memory_bytes": peak, "base_memory_bytes": strategy.base_memory,
+            "memory_kind": "cuda_max_allocated" if strategy.root_device.type == "cuda" else "rss",
+            "optimizer_bytes": opt_bytes, "tied_optimizer_bytes": tied_opt,
+            "link": link.to_json() if link else None}
+    trace = strategy.engine.trace()
+    if trace is not None:
+        trace["span"] = list(span) if span else None
+        mine["trace"] = trace
+    out: list[Any] | None = [None] * dist.get_world_size() if strategy.global_rank == 0 else None
+    dist.gather_object(mine, out, dst=0)
+    return out

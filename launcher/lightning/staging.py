@@ -273,3 +273,38 @@ def check_staging(module: nn.Module, S: int, split: Sequence[str] | str | None, 
         if found:
             raise ModelError(found)
     return staging
+
+
+#: the parameter a worker that owns no stage registers, so ``configure_optimizers`` still builds an optimizer
+PLACEHOLDER = "_launcher_nothing_owned"
+
+
+def keep_owned(module: nn.Module, groups: Sequence[Sequence[int]], owned: Sequence[int], owners: Sequence[list[int]],
+               device: torch.device) -> None:
+    """Leave on ``module`` only the stages this worker owns (``groups``: each stage's indices in
+    ``module.stages``): the others' modules become stand-ins that name their owners, and a worker
+    that owns none registers an empty parameter, so the module's own ``configure_optimizers``
+    builds an optimizer over owned parameters only."""
+    stages = getattr(module, "stages", None)
+    for s, g in enumerate(groups):
+        if s not in owned:
+            assert stages is not None  # groups cut module.stages
+            for i in g:
+                stages[i] = _Elsewhere(i, owners[s])
+    if not owned:
+        module.register_parameter(PLACEHOLDER, nn.Parameter(torch.zeros(0, device=device)))
+
+
+class _Elsewhere(nn.Module):
+    """Stands in, on this worker, for a stage module whose weights live on other workers."""
+
+    def __init__(self, index: int, owners: list[int]) -> None:
+        super().__init__()
+        self.index, self.owners = index, owners
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError(f"module stages[{self.index}] lives on worker(s) {self.owners}; under UnifiedStrategy "
+                           f"run it through the trainer (fit, validate, test, predict)")
+
+    def extra_repr(self) -> str:
+        return f"on workers {self.owners}"

@@ -34,46 +34,42 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import resource
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import nn
 from typing_extensions import override
 
-from ..config import ConfigError, LauncherConf, settings_of, step_errors
+from ..config import ConfigError
 from ..runtime import DEFAULT_TIMEOUT, Engine
-from ..runtime.failure import Watchdog, blocked, current_watchdog, set_current_watchdog
+from ..runtime.failure import blocked, current_watchdog
 from ..runtime.init import empty_init, has_meta
-from ..runtime.link_probe import measure as measure_link
+from ..runtime.measure import resident_bytes
 from ..runtime.nonfinite import MODES as NONFINITE_MODES
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
-from ..runtime.processes import auto_backend
-from ..runtime.torch_private import default_store
+from ..runtime.streams import agreed_seed
 from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.schemes import SCHEMES
-from ..schedule.settings import CUSTOM, DEFAULT, OrderLike, SchemeLike, Settings
+from ..schedule.settings import DEFAULT, OrderLike, SchemeLike, Settings
 from . import sharded
 from .item_counts import loss_items
+from .keywords import keyword_settings
 from .launcher import ForkLauncher
-from .lightning_private import init_dist_connection, sync_ddp_if_available, train_dataloaders
+from .lightning_private import train_dataloaders
 from .precision import (
     all_reduce,
     compute_dtype,
     loss_dtype,
-    process_group_up,
     with_global_clipping,
     with_synced_scaler,
 )
-from .staging import example_microbatch, first_batch, split_batch, stage_module, uses_trace
+from .process_group import ProcessGroupStrategy
+from .staging import example_microbatch, first_batch, keep_owned, split_batch, stage_module, uses_trace
 from .state import (
     Layout,
     gather_module_state,
@@ -85,63 +81,8 @@ from .state import (
 
 log = logging.getLogger(__name__)
 
-PLACEHOLDER = "_launcher_nothing_owned"
 
-
-class _Elsewhere(nn.Module):
-    """Stands in, on this worker, for a stage module whose weights live on other workers."""
-
-    def __init__(self, index: int, owners: list[int]) -> None:
-        super().__init__()
-        self.index, self.owners = index, owners
-
-    def forward(self, *args: Any) -> Any:
-        raise RuntimeError(f"module stages[{self.index}] lives on worker(s) {self.owners}; under UnifiedStrategy "
-                           f"run it through the trainer (fit, validate, test, predict)")
-
-    def extra_repr(self) -> str:
-        return f"on workers {self.owners}"
-
-
-def keyword_settings(scheme: SchemeLike, G: int | None, R: int | None, stages: int, microbatches: int,
-                     order: OrderLike, extra: Mapping[str, Any]) -> Settings:
-    """The :class:`Settings` ``UnifiedStrategy``'s keywords describe, checked by the config's rules
-    (:func:`launcher.config.step_errors`) as the command line's are; raises :class:`ConfigError`
-    with one sentence per broken rule. A callable placement or order is checked as a custom one.
-    ``G`` and ``R`` left out are the sizes a named scheme fixes, else 1 (:meth:`Settings.of`)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    cfg = OmegaConf.structured(LauncherConf)
-    unknown = sorted(set(extra) - set(cfg.keys()) - {"mode", "ownership"})
-    if unknown:
-        raise ConfigError([f"UnifiedStrategy got {unknown[0]}={extra[unknown[0]]!r}, which is not a launcher config "
-                           f"key; use one of {', '.join(k for k in cfg.keys() if k not in ('mode', 'W'))}."])
-    extra = dict(extra)
-    sized = Settings.of(scheme, stages, microbatches, G, R)
-    cfg.strategy.name = CUSTOM if callable(scheme) else scheme
-    if "ownership" in extra:  # FSLPP's owner formula: a key of the strategy node
-        cfg.strategy.ownership = extra.pop("ownership")
-    cfg.stages, cfg.microbatches, cfg.G, cfg.R = stages, microbatches, sized.G, sized.R
-    cfg.order.name = CUSTOM if callable(order) else order
-    try:
-        cfg = OmegaConf.merge(cfg, dict(extra))
-    except Exception as e:  # noqa: BLE001 - omegaconf's type check of a keyword: one sentence
-        raise ConfigError([f"UnifiedStrategy got an invalid value: {' '.join(str(e).split())}."]) from e
-    assert isinstance(cfg, DictConfig)  # merged into a structured config
-    checked = cfg.copy()
-    # a callable is checked as a custom node of the config is (no rule of a named scheme or order applies)
-    if callable(scheme):
-        checked.strategy.placement = {"_target_": getattr(scheme, "__name__", CUSTOM)}
-    if callable(order):
-        checked.order.n = {"_target_": getattr(order, "__name__", CUSTOM)}
-    found = step_errors(checked)
-    if found:
-        raise ConfigError(found)
-    callables = {k: v for k, v in (("scheme", scheme), ("order", order)) if callable(v)}
-    return settings_of(cfg, check=False, **callables)
-
-
-class UnifiedStrategy(ParallelStrategy):
+class UnifiedStrategy(ProcessGroupStrategy):
     """Train any LightningModule with stages under any scheme of the schedule engine.
 
     ``scheme``: ddp, fsdp, gpipe, lpp, fslpp, or a placement callable ``(s, b, d) -> (w_weights,
@@ -180,7 +121,7 @@ class UnifiedStrategy(ParallelStrategy):
         precision_plugin: Any = None,
         **config: Any,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+        super().__init__(timeout, process_group_backend, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         #: ``checkpoint``'s keys (``format``: sharded | single | None = the scheme's; ``async_mode``: disabled | async)
@@ -201,15 +142,12 @@ class UnifiedStrategy(ParallelStrategy):
         self.stage_durations_s: list[dict[str, float]] | None = None
         self.module_costs: list[Any] | None = None  # each module's profile, when profiled
         self.graph: Any = None  # the stage graph, when not a chain
-        self.timeout = timeout
         if nonfinite not in NONFINITE_MODES:
             raise ConfigError([f"nonfinite={nonfinite} is invalid: use stop (a NaN or infinite loss or gradient stops "
                                f"the run) or skip (that step is dropped)."])
         #: a step with a NaN or infinite loss, activation or gradient: "stop" the run, or "skip" the step
         self.nonfinite = nonfinite
         self.step_skipped = False  # the last training step was dropped (nonfinite=skip)
-        self._backend = process_group_backend
-        self._num_nodes = 1
         #: the step's settings: given (trusted: the command line checked them), or the keywords'
         #: once the stage count is known (here, or from the module: :meth:`_settings_for`)
         self._settings = settings if settings is not None or stages is None else self._from_keywords(stages)
@@ -219,7 +157,6 @@ class UnifiedStrategy(ParallelStrategy):
         self.meta = False  # the module was built on the meta device: no process holds all of it
         self.base_memory = 0  # bytes this worker held before its stages were materialised
         self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes
-        self._watchdog: Watchdog | None = None
         self._pending: Callable[[], None] | None = None  # a background checkpoint save to finish
 
     @property
@@ -289,89 +226,12 @@ class UnifiedStrategy(ParallelStrategy):
         memory = self.settings.plan_memory
         return float(parse_bytes(memory)) if memory is not None else None
 
-    # ---- processes -----------------------------------------------------------------------
-    @property
-    def backend(self) -> str:
-        return self._backend or ("nccl" if self.root_device.type == "cuda" else auto_backend("gloo"))
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank % len(self.parallel_devices)]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        # every worker reads the whole batch (the engine cuts it into micro-batches), so Lightning
-        # must not shard the data with a DistributedSampler
-        return False
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}
-
+    # ---- processes ----------------------------------------------------------------------
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = ForkLauncher(self, self.timeout)
-
-    @override
-    def setup_environment(self) -> None:
-        self.setup_distributed()
-        super().setup_environment()
-
-    def setup_distributed(self) -> None:
-        self.set_world_ranks()
-        if not process_group_up():  # torchrun or Slurm started us; the fork launcher did it already
-            init_dist_connection(self.cluster_environment, self.backend, timeout=default_pg_timeout)
-            store = default_store()
-            self._watchdog = Watchdog(dist.PrefixStore("launcher/watchdog", store), self.global_rank,
-                                      self.world_size, self.timeout).start()
-            set_current_watchdog(self._watchdog)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's own attribute of the function
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if process_group_up():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not process_group_up():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     # ---- set-up: partition the module, build the engine ----------------------------------
     @override
@@ -383,7 +243,6 @@ class UnifiedStrategy(ParallelStrategy):
         if getattr(trainer, "accumulate_grad_batches", 1) != 1:
             raise ValueError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
                              f"UnifiedStrategy: it accumulates over microbatches={self.B} itself; leave it at 1.")
-        stages = getattr(module, "stages", None)
         traced = uses_trace(module, self.split)
         if self._settings_for(module) is None:
             raise ValueError(f"{type(module).__name__} is traced and cut into stages: "
@@ -413,19 +272,12 @@ class UnifiedStrategy(ParallelStrategy):
         self.engine.finite = Finite(S, self.B, grads=getattr(self.precision_plugin, "scaler", None) is None)
         # random streams (launcher.runtime.streams): every job's draws from (seed, step, micro-batch,
         # unit), the seed rank 0's (seed_everything's), so processes started apart agree
-        self.engine.streams = _agreed_seed(self.root_device)
+        self.engine.streams = agreed_seed(self.root_device)
         owners = self.engine.lowered.owners
         me = self.engine.worker
         self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me],
                                 self.engine.ties)
-        index = staging.groups or []
-        for s, g in enumerate(index):  # keep only owned stages on the module
-            if s not in self.engine.owned:
-                assert stages is not None  # groups cut self.stages
-                for i in g:
-                    stages[i] = _Elsewhere(i, owners[s])
-        if not self.engine.owned:  # configure_optimizers must still build an optimizer
-            module.register_parameter(PLACEHOLDER, nn.Parameter(torch.zeros(0, device=self.root_device)))
+        keep_owned(module, staging.groups or [], self.engine.owned, owners, self.root_device)
         self.model_to_device()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -708,39 +560,6 @@ class UnifiedStrategy(ParallelStrategy):
             optimizer.load_state_dict(scatter_optimizer_state(optimizer, self._attached, self.layout, full))
 
     # ---- metrics ---------------------------------------------------------------------------
-    def gather_run(self, walls: list[float], cpus: list[float] | None = None,
-                   span: tuple[float, float] | None = None) -> list[dict[str, Any]] | None:
-        """Every worker's step records, step wall and CPU times (``walls``, ``cpus``), peak memory and optimizer-state
-        bytes per stage at rank 0 (collective: every rank calls it); and ``trace``, the events of its
-        last training step (:meth:`Engine.trace`) with ``span``, that step's Lightning start and end
-        on the same clock."""
-        assert self.engine is not None and self.layout is not None
-        peak = (torch.cuda.max_memory_allocated(self.root_device) if self.root_device.type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        state = self.optimizers[0].state if self.optimizers else {}
-
-        def opt_of(p: torch.Tensor) -> int:
-            return sum(v.numel() * v.element_size() for v in state.get(p, {}).values() if torch.is_tensor(v))
-
-        opt_bytes = {s: sum(opt_of(p) for p in self.engine.modules[s].parameters()) for s in self.layout.writers}
-        # a parameter several stages share, at each of its uses: totals count it once (metrics)
-        tied_opt = [(s, i, opt_of(list(self.engine.modules[s].parameters())[i]))
-                    for uses in self.engine.ties for s, i in uses if s in self.layout.writers]
-        # the message cost the prediction and the planner use: workers 0 and 1 ping-pong (no step runs now)
-        link = measure_link(self.engine.group, self.engine.device) if self.engine.lowered.workers > 1 else None
-        mine = {"rank": self.global_rank, "records": self.records, "walls": list(walls), "cpus": list(cpus or []),
-                "peak_memory_bytes": peak, "base_memory_bytes": self.base_memory,
-                "memory_kind": "cuda_max_allocated" if self.root_device.type == "cuda" else "rss",
-                "optimizer_bytes": opt_bytes, "tied_optimizer_bytes": tied_opt,
-                "link": link.to_json() if link else None}
-        trace = self.engine.trace()
-        if trace is not None:
-            trace["span"] = list(span) if span else None
-            mine["trace"] = trace
-        out: list[Any] | None = [None] * dist.get_world_size() if self.global_rank == 0 else None
-        dist.gather_object(mine, out, dst=0)
-        return out
-
     def sizes(self) -> tuple[list[int], list[list[int]], list[int]]:
         """Bytes of every planned message, of every stage input ``x_s^b`` (per micro-batch) and of
         every stage's parameters, for the last training batch's shapes."""
@@ -757,9 +576,7 @@ class UnifiedStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self.finish_checkpoint()
-        if self._watchdog is not None:
-            self._watchdog.stop(done=True)
-            self._watchdog = None
+        self.stop_watchdog()
         module = self._attached
         if module is not None and has_meta(module):  # the launching process's meta module: nothing to move
             module.cpu = lambda: module  # type: ignore[method-assign]
@@ -769,26 +586,6 @@ class UnifiedStrategy(ParallelStrategy):
                 del module.cpu
             return
         super().teardown()
-
-
-def resident_bytes(device: torch.device) -> int:
-    """What the process holds now: GPU memory allocated, or its resident set on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:  # not Linux: the peak so far
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _agreed_seed(device: torch.device) -> int:
-    """Rank 0's ``torch.initial_seed()`` on every rank (63 bits)."""
-    t = torch.tensor([torch.initial_seed() & (2**63 - 1)], dtype=torch.int64, device=device)
-    if process_group_up():
-        with blocked(current_watchdog()):
-            dist.broadcast(t, 0)
-    return int(t.item())
 
 
 StrategyRegistry.register("unified", UnifiedStrategy,

@@ -4,7 +4,7 @@ worker starts, one sentence per problem.
 - the built-in models' and data's checks of their own arguments (:func:`positive_ints`, ...): a
   ``ValueError`` whose text starts with ``name=value is invalid:``; the launcher turns it into the
   sentence about the config key (``model.n_head=5 is invalid: ...``, see
-  :func:`launcher.modes.train.keyed`), and a Python caller reads the same sentence;
+  :func:`launcher.modes.model_checks.keyed`), and a Python caller reads the same sentence;
 - a staged model's (:func:`~.stage_errors.staged_errors`, :func:`model_errors`: its stages, loss and graph, and
   one micro-batch through its stages on the meta device), raised as :class:`ModelError`;
 - the data against the model: an embedding of the first stage with no row for an index the data

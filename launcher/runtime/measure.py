@@ -11,6 +11,7 @@ activation bytes, weight messages received, wall time of each job and of the ste
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import time
 from collections import defaultdict
@@ -171,3 +172,14 @@ def mismatches(record: dict[str, Any], keys: tuple[str, ...] = EXACT_KEYS) -> di
     """Keys whose measured value differs from the prediction (empty when they all agree)."""
     pw = record["per_worker"]
     return {k: pw[k] for k in keys if pw[k]["predicted"] != pw[k]["measured"]}
+
+
+def resident_bytes(device: torch.device) -> int:
+    """What the process holds now: GPU memory allocated, or its resident set on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux: the peak so far
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

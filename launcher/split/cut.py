@@ -23,12 +23,10 @@ unit's first random op (:func:`launcher.runtime.streams.seed_unit`, nothing outs
 from __future__ import annotations
 
 import bisect
-import builtins
-import contextlib
 import difflib
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import fx, nn
@@ -37,24 +35,14 @@ from launcher.runtime.streams import seed_unit
 from launcher.runtime.torch_private import (
     is_op_overload,
     non_persistent_buffers,
-    op_schema,
     pytree,
     pytree_codegen_info,
     set_pytree_codegen,
 )
 from launcher.schedule.graph import StageGraph
 from launcher.split.capture import SplitError, alias_base, export_graph, node_path, written_args
-
-aten = torch.ops.aten
-# Ops whose train flag (third argument) export fixed at trace time: a stage passes its own
-# ``training`` instead, so ``stage.eval()`` turns them off as ``module.eval()`` does.
-_DROPOUTS = {aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default,
-             aten.feature_dropout_.default, aten.alpha_dropout.default, aten.alpha_dropout_.default,
-             aten.feature_alpha_dropout.default, aten.feature_alpha_dropout_.default}
-# nn.MultiheadAttention passes dropout_p=0 to it in eval mode: a stage passes p * training.
-_SDPA = aten.scaled_dot_product_attention.default
-_SEED = 20240517  # both runs of a check draw the same dropout masks
-_ULPS = 16
+from launcher.split.same_output import check_same, kept, seeded
+from launcher.split.stage_rewrites import InputCheck, follow_device, follow_mode
 
 
 @dataclass
@@ -108,9 +96,9 @@ def trace_module(module: nn.Module, example_args: tuple, example_kwargs: dict[st
     kwargs = dict(example_kwargs or {})
     if not isinstance(module, nn.Module):
         raise SplitError(f"split_module needs a torch.nn.Module, not {type(module).__name__}.")
-    with _kept(module):
+    with kept(module):
         module.train()  # traced in train mode, so dropout is in the graph; stages switch it with their mode
-        _seeded(lambda: module(*args, **kwargs), args, module, grad=False)
+        seeded(lambda: module(*args, **kwargs), args, module, grad=False)
         gm = export_graph(module, args, kwargs)
     return Traced(module, args, kwargs, _Program(gm, module))
 
@@ -141,32 +129,17 @@ class Traced:
         module, args, kwargs = self.module, self.args, self.kwargs
         cuts, starts = self.program.cuts(points, stages)
         split = self.program.build(cuts, starts)
-        with _kept(module):
+        with kept(module):
             module.train()
-            want = _seeded(lambda: module(*args, **kwargs), args, module)
-            _same(want, _seeded(lambda: split.train().run(*args, **kwargs), args, module), "train", module, split)
+            want = seeded(lambda: module(*args, **kwargs), args, module)
+            check_same(want, seeded(lambda: split.train().run(*args, **kwargs), args, module), "train", module,
+                       len(split.stages))
             module.eval()
             with torch.enable_grad():  # as in training: under no_grad, eval-mode nn.Transformer takes a fused path
                 want = module(*args, **kwargs)
                 got = split.eval().run(*args, **kwargs)
-            _same(want, got, "eval", module, split)
+            check_same(want, got, "eval", module, len(split.stages))
         return split.train(module.training)
-
-
-@contextlib.contextmanager
-def _kept(module: nn.Module) -> Iterator[None]:
-    """Put back the train/eval mode of every submodule, and every buffer's value (a forward in
-    train mode updates BatchNorm's statistics), as they were."""
-    modes = [(m, m.training) for m in module.modules()]
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
 
 
 class _Program:
@@ -489,8 +462,8 @@ class _Program:
         else:
             flat = fx.map_arg(self.out.args[0], lookup)
             g.output(pytree.tree_unflatten(list(flat), info.out_spec) if info is not None and flat_out else flat)
-        _follow_mode(g, attrs)
-        _follow_device(g, attrs)
+        follow_mode(g, attrs)
+        follow_device(g, attrs)
         # Nested inputs (a dict argument), or an output of another class (a dataclass), need pytree
         # code: flattening on the way in, rebuilding on the way out.
         if info is not None and ((s == 0 and not flat_in) or (s == S - 1 and not flat_out)):
@@ -508,115 +481,11 @@ class _Program:
         return stage
 
 
-class InputCheck(nn.Module):
-    """Stage 0's check that a micro-batch has the example's shapes and dtypes (and its constants),
-    which the traced graph is specialised to."""
-
-    def __init__(self, example: Sequence[tuple[str, Any]]) -> None:
-        super().__init__()
-        self.example = [(name, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v) for name, v in example]
-
-    def forward(self, *inputs: Any) -> None:
-        for (name, want), x in zip(self.example, inputs):
-            got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
-            if got != want and _only_rows_differ(want, got):
-                raise ValueError(f"stage 0 was traced on micro-batches of {want[0][0]} samples and got one of "
-                                 f"{got[0][0]} (input {name!r}): a traced model takes batches of the size it was "
-                                 f"traced on, so give its DataLoaders drop_last=True (a last, smaller batch is of "
-                                 f"another size).")
-            if got != want:
-                raise ValueError(f"stage 0 was traced on an input {name!r} of {_describe(want)}, and got one of "
-                                 f"{_describe(got)}; every micro-batch must match the example the model was split on.")
-
-
-def _only_rows_differ(want: Any, got: Any) -> bool:
-    """Whether two ``(shape, dtype)`` differ in the first (batch) dimension alone."""
-    shapes = [v[0] if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype) else None
-              for v in (want, got)]
-    a, b = shapes
-    return (a is not None and b is not None and len(a) == len(b) >= 1 and a[1:] == b[1:] and want[1] == got[1]
-            and a[0] != b[0])
-
-
-def _describe(v: Any) -> str:
-    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype):
-        return f"shape {v[0]} and dtype {v[1]}"
-    return f"value {v!r}"
-
-
-def _follow_mode(g: fx.Graph, attrs: dict[str, Any]) -> None:
-    """Make dropout read the stage's ``training`` flag instead of the mode it was traced in."""
-    mode: list[fx.Node] = []
-
-    def training() -> fx.Node:
-        if not mode:
-            with g.inserting_before(_first_body_node(g)):
-                mode.append(g.get_attr("training"))
-            attrs["training"] = True
-        return mode[0]
-
-    for n in list(g.nodes):
-        if n.op != "call_function":
-            continue
-        if n.target in _DROPOUTS and len(n.args) >= 3 and n.args[2] is True:
-            n.update_arg(2, training())
-        elif n.target is _SDPA:
-            named = "dropout_p" in n.kwargs
-            p = n.kwargs["dropout_p"] if named else (n.args[4] if len(n.args) > 4 else 0.0)
-            if isinstance(p, float) and p > 0:
-                with g.inserting_before(n):
-                    q = g.call_function(operator.mul, (p, training()))  # p in train mode, 0.0 in eval mode
-                n.update_kwarg("dropout_p", q) if named else n.update_arg(4, q)
-
-
-def _follow_device(g: fx.Graph, attrs: dict[str, Any]) -> None:
-    """Make ops that create tensors on the traced device (``torch.ones(..)``, ``.to(x.device)``)
-    create them on the device of the stage's own tensors at run time, so that ``stage.to(device)``
-    or the engine's fetched weights carry them along."""
-    anchor, device = None, None
-    for n in g.nodes:  # a parameter says where the stage computes; failing that an input
-        value = attrs.get(n.target) if n.op == "get_attr" else None
-        if isinstance(value, nn.Parameter):
-            anchor, device = n, value.device
-            break
-    if anchor is None:
-        for n in g.nodes:
-            val = n.meta.get("val")
-            if n.op == "placeholder" and isinstance(val, torch.Tensor):
-                anchor, device = n, val.device
-                break
-    if anchor is None:
-        return
-    here: list[fx.Node] = []
-
-    def runtime_device() -> fx.Node:
-        if not here:
-            with g.inserting_before(_first_body_node(g)):
-                src = g.get_attr(anchor.target) if anchor.op == "get_attr" else anchor
-                here.append(g.call_function(builtins.getattr, (src, "device")))
-        return here[0]
-
-    for n in list(g.nodes):
-        if n.op != "call_function" or not is_op_overload(n.target):
-            continue
-        for i, arg in enumerate(op_schema(n.target).arguments):
-            if str(arg.type) not in ("Device", "Device?", "Optional[Device]"):
-                continue
-            positional = not arg.kwarg_only and i < len(n.args)
-            value = n.args[i] if positional else n.kwargs.get(arg.name)
-            if isinstance(value, torch.device) and value == device:
-                n.update_arg(i, runtime_device()) if positional else n.update_kwarg(arg.name, runtime_device())
-
-
 def _plain(spec: pytree.TreeSpec) -> bool:
     """Whether an output structure is tensors and constants in tuples, lists and dicts, which a
     graph can return as they are."""
     return spec.is_leaf() or (spec.type in (tuple, list, dict)
                               and all(_plain(spec.child(i)) for i in range(spec.num_children)))
-
-
-def _first_body_node(g: fx.Graph) -> fx.Node:
-    return next(n for n in g.nodes if n.op != "placeholder")
 
 
 def _attr(root: nn.Module, target: fx.node.Target) -> Any:
@@ -636,56 +505,3 @@ def _nbytes(val: object) -> int:
     if isinstance(val, torch.Tensor):
         return val.numel() * val.element_size()
     return 8
-
-
-def _seeded(fn: Callable[[], Any], args: tuple, module: nn.Module, grad: bool = True) -> Any:
-    """``fn()`` with the RNG seeded, and the RNG state as it was afterwards."""
-    tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)] + list(module.parameters())
-    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda), torch.set_grad_enabled(grad):
-        torch.manual_seed(_SEED)
-        return fn()
-
-
-def _same(want: Any, got: Any, mode: str, module: nn.Module, split: Split) -> None:
-    """Refuse a split whose output differs from the module's."""
-    w, wspec = pytree.tree_flatten(want)
-    g, gspec = pytree.tree_flatten(got)
-    if wspec != gspec:
-        differs = f"return {_what(got)} where it returns {_what(want)}"
-    else:
-        bad = [(a, b) for a, b in zip(w, g) if not _equal(a, b)]
-        if not bad:
-            return
-        gap = _gap(*bad[0])
-        differs = "differ from its output" + (f" by up to {gap:.3g}" if gap is not None else "")
-    raise SplitError(f"the {len(split.stages)} stages of {type(module).__name__} {differs} in {mode} mode, so its "
-                     f"forward does something the traced graph does not capture; give the model as a list of stage "
-                     f"modules (self.stages) instead.")
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """Bit for bit, or within ``_ULPS`` ulps of the tensor's scale (a kernel that is not
-    deterministic, as some GPU kernels are, cannot do better)."""
-    if not isinstance(a, torch.Tensor):
-        return not isinstance(b, torch.Tensor) and bool(a == b)
-    if not (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype):
-        return False
-    if torch.equal(a, b):
-        return True
-    if not a.is_floating_point() or not a.numel():
-        return False
-    eps = _ULPS * torch.finfo(a.dtype).eps
-    scale = max(1.0, a.detach().abs().max().item())
-    return torch.allclose(b, a, rtol=eps, atol=eps * scale, equal_nan=True)
-
-
-def _gap(a: Any, b: Any) -> float | None:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.numel():
-        return (a.detach().double() - b.detach().double()).abs().max().item()
-    return None
-
-
-def _what(x: object) -> str:
-    n = f" of {len(x)}" if isinstance(x, (tuple, list, dict)) else ""
-    return f"a {type(x).__name__}{n}"

@@ -210,11 +210,11 @@ def test_failed_never_raises_when_nothing_can_be_written(tmp_path, capsys):
     one error line, which says the file could not be written."""
     from omegaconf import OmegaConf
 
-    from launcher.modes.train import _failed
+    from launcher.modes.outcomes import record_failure
 
     (tmp_path / "a-file").write_text("")
     out = tmp_path / "a-file" / "run"  # under a file: nothing can be created there
-    got = _failed(OmegaConf.create({"a": 1}), out, "(config)", "rank 1 failed: boom")
+    got = record_failure(OmegaConf.create({"a": 1}), out, "(config)", "rank 1 failed: boom")
     assert got == {"point": "(config)", "ok": False, "failed": True, "errors": ["rank 1 failed: boom"]}
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: rank 1 failed: boom (could not write {out / 'failed.json'}: Not a directory)"]
