@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                    "predicted_over_measured": pred / statistics.median(ours), "loss": [lo, ln], "g0": [go, gn],
                    "loss_rel_diff": _rel(lo, ln), "g0_rel_diff": _rel(go, gn), "agree": agree, "link": result["link"]}
             row["cpu_ratio"] = row["ours_cpu_s"] / row["native_cpu_s"]
+            row["ours_s"], row["native_s"] = ours, native  # every timed step, for medians pooled over runs
             rows.append(row)
             table.add_row(row["model"], str(size.d), p.name, NATIVE[p.native], str(p.W),
                           f"{row['ours_median_s'] * 1e3:.1f} / {row['ours_min_s'] * 1e3:.1f}",
