@@ -46,7 +46,7 @@ from typing_extensions import override
 
 from ..config import ConfigError
 from ..runtime import DEFAULT_TIMEOUT, Engine
-from ..runtime.failure import blocked, current_watchdog
+from ..runtime.failure import busy, current_watchdog
 from ..runtime.init import empty_init, has_meta
 from ..runtime.measure import resident_bytes
 from ..runtime.nonfinite import MODES as NONFINITE_MODES
@@ -507,12 +507,13 @@ class UnifiedStrategy(ProcessGroupStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if not self._sharded:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        assert self.layout is not None
-        self.finish_checkpoint()  # the previous background save, if any, is complete first
-        background = self.checkpoint_settings.get("async_mode", "disabled") != "disabled"
-        with blocked(current_watchdog()):
+        # a large model's write may take longer than the watchdog's timeout: it is work, not a hang
+        with busy(current_watchdog()):
+            if not self._sharded:
+                return super().save_checkpoint(checkpoint, filepath, storage_options)
+            assert self.layout is not None
+            self.finish_checkpoint()  # the previous background save, if any, is complete first
+            background = self.checkpoint_settings.get("async_mode", "disabled") != "disabled"
             self._pending = sharded.save(checkpoint, filepath, self.layout.staged_names, self.layout.names,
                                          self.layout.aliases, self.global_rank, async_save=background)
         return None
@@ -521,7 +522,7 @@ class UnifiedStrategy(ProcessGroupStrategy):
         """Wait for a background save (``checkpoint.async_mode=async``) and put it in place."""
         pending, self._pending = getattr(self, "_pending", None), None
         if pending is not None:
-            with blocked(current_watchdog()):
+            with busy(current_watchdog()):
                 pending()
 
     @override

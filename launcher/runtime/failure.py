@@ -153,6 +153,7 @@ class Watchdog:
         self.job = ""
         self.progress = 0  # moved by the compute thread at every job and every finished wait
         self.waiting = False  # the compute thread is blocked waiting for a peer
+        self.busy_now = False  # the compute thread is on long work that runs no job (a checkpoint's write)
         self.aborted: str | None = None
         self._stop = threading.Event()
         self._done = False
@@ -173,6 +174,19 @@ class Watchdog:
             yield
         finally:
             self.waiting = False
+            self.progress += 1
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Mark the compute thread as busy meanwhile on long work that runs no job and is no wait
+        for a peer (writing a checkpoint): each heartbeat then counts as progress, so a save that
+        takes longer than ``timeout`` is not taken for a hang of this rank, nor for a deadlock of
+        ranks that all write at once, while the ranks that wait for it still wait."""
+        self.busy_now = True
+        try:
+            yield
+        finally:
+            self.busy_now = False
             self.progress += 1
 
     def check(self) -> None:
@@ -235,6 +249,8 @@ class Watchdog:
 
     def _beat(self) -> None:
         self._count = getattr(self, "_count", 0) + 1
+        if self.busy_now:
+            self.progress += 1
         self.store.set(f"hb/{self.rank}", f"{self._count}|{self.progress}|{int(self.waiting)}|{self.job}")
 
     def _check_hang(self, state: dict[int, tuple[int, bool, str]]) -> None:
@@ -392,6 +408,11 @@ def blocked(watchdog: Watchdog | None):
 
 
 _CURRENT: Watchdog | None = None
+
+
+def busy(watchdog: Watchdog | None):
+    """``watchdog.busy()``, or nothing without a watchdog: wrap long work that runs no job in it."""
+    return nullcontext() if watchdog is None else watchdog.busy()
 
 
 def current_watchdog() -> Watchdog | None:

@@ -104,3 +104,28 @@ def test_finished_peer_is_not_a_failure():
         assert a.aborted is None
     finally:
         a.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("others", ["busy", "waiting"])
+def test_a_write_longer_than_the_timeout_is_not_a_hang(others):
+    """Every rank writing its checkpoint shard at once for longer than the timeout, or one writing
+    while the other waits for it, is work: neither a deadlock nor a hung rank. The same wait
+    without the write is still named (the rule the other tests hold)."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    a = Watchdog(dist.PrefixStore("t", store), 0, 2, timeout=0.5, interval=0.05, grace=30.0)
+    b = Watchdog(dist.PrefixStore("t", store), 1, 2, timeout=0.5, interval=0.05, grace=30.0)
+    try:
+        a.start()
+        b.start()
+        with a.busy(), (b.busy() if others == "busy" else b.blocked()):
+            time.sleep(1.5)  # three timeouts
+        assert a.aborted is None and b.aborted is None
+        with b.blocked():  # rank 0 neither busy nor progressing: hung
+            t0 = time.monotonic()
+            while a.aborted is None and b.aborted is None and time.monotonic() - t0 < 5:
+                time.sleep(0.05)
+        assert "rank 0 failed" in (a.aborted or b.aborted or "") and "it hung" in (a.aborted or b.aborted or "")
+    finally:
+        a.stop()
+        b.stop()
