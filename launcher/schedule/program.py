@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, NamedTuple, Sequence
 
+from .settings import DEFAULT
 from .simulate import Timeline
 
 ACT, GRAD, WEIGHTS, WGRAD = "act", "grad", "weights", "wgrad"
@@ -124,7 +125,7 @@ class Lowered:
     programs: list[Program]
     owners: list[list[int]]  # stage -> sorted owner workers
     predicted: dict[str, list]
-    prefetch: int = 1  # the engine's lookahead (jobs) that ``predicted["weights_peak_resident"]`` is for
+    prefetch: int = DEFAULT.prefetch  # the engine's lookahead (jobs) that ``predicted["weights_peak_resident"]`` is for
     # replicated stages in the one order every owner launches their all-reduces in: by when the
     # last owner's share is complete on the simulated timeline (then owner set, stage)
     reduce_order: list[int] = field(default_factory=list)
