@@ -45,7 +45,9 @@ def model_args(layers: int, width: int, vocab: int) -> list[str]:
             f"model.config.num_hidden_layers={layers}", "model.config.num_attention_heads=16",
             "model.config.num_key_value_heads=16", f"model.config.intermediate_size={4 * width}",
             f"model.config.vocab_size={vocab}", "data.batch_size=4", "data.seq_len=64", "microbatches=4",
-            "trainer.max_steps=2", "trainer.limit_val_batches=0", "logger=none", "png=false"]
+            "trainer.max_steps=2", "trainer.limit_val_batches=0", "logger=none", "png=false",
+            # a worker of a large model on a shared, busy machine may go 30 s without a heartbeat
+            "timeout=600"]
 
 OFF = ["trainer.enable_checkpointing=false"]
 

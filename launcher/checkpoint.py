@@ -21,7 +21,16 @@ import os
 import sys
 from typing import Any
 
-from .lightning.sharded import is_sharded, load, problems
+from .lightning.sharded import (
+    assemble,
+    is_sharded,
+    load,
+    param_of,
+    problems,
+    read_into,
+    read_meta,
+    requests,
+)
 
 __all__ = ["as_file", "consolidate", "export_pretrained", "load"]
 
@@ -40,14 +49,96 @@ def as_file(path: str | os.PathLike) -> Any:
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
-    """Write the checkpoint at ``path`` as one single-device file ``out`` (written whole or not at all)."""
+    """Write the checkpoint at ``path`` as one single-device file ``out`` (written whole or not at all).
+
+    A sharded checkpoint is streamed stage by stage: the file's layout (``torch.save``'s zip, every
+    tensor's record, no tensor bytes) is written first from tensors that are allocated but never
+    touched, then each stage's parameters, buffers and optimizer state are read from the shards and
+    written at their records' offsets, one stage at a time. So the process holds at most one stage
+    and its optimizer state, and the file is the one ``torch.save`` of the whole dict writes."""
     import torch
 
     from .atomic import replacing
 
-    ckpt = load(path)
+    if not is_sharded(path):
+        ckpt = load(path)
+        with replacing(out, "wb") as f:
+            torch.save(ckpt, f)
+        return
+    meta = read_meta(path)
+    request = requests(path, meta)
+    ckpt = assemble(meta, request)
     with replacing(out, "wb") as f:
-        torch.save(ckpt, f)
+        with torch.serialization.skip_data():
+            torch.save(ckpt, f)
+        f.flush()
+        offsets = _record_offsets(f.name, ckpt)
+        small = {id(t) for t in request.values()}
+        for t in _tensors(ckpt):  # the entries of lightning.pt: small, held already
+            if id(t) not in small:
+                _write(f, offsets[id(t)], t)
+        for keys in _by_stage(request).values():
+            part = {k: torch.empty_like(request[k]) for k in keys if torch.is_tensor(request[k])}
+            read_into(path, part)
+            for k, v in part.items():
+                _write(f, offsets[id(request[k])], v)
+            del part
+        f.seek(0, os.SEEK_END)
+
+
+def _write(f: Any, offset: int, t: Any) -> None:
+    """``t``'s whole storage at ``offset`` of ``f``."""
+    import torch
+
+    if t.untyped_storage().nbytes():
+        f.seek(offset)
+        f.write(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy().data)
+
+
+def _tensors(obj: Any) -> list[Any]:
+    """Every tensor in a nested dict, list or tuple, in order."""
+    import torch
+
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _by_stage(request: dict[str, Any]) -> dict[str, list[str]]:
+    """DCP's keys grouped by the stage (``stages.<i>``, else the first name component) they belong to."""
+    groups: dict[str, list[str]] = {}
+    for key in request:
+        parts = param_of(key).split(".")
+        groups.setdefault(".".join(parts[:2]) if parts[0] == "stages" else parts[0], []).append(key)
+    return groups
+
+
+def _record_offsets(file: str, ckpt: dict[str, Any]) -> dict[int, int]:
+    """Where in ``torch.save``'s file of ``ckpt`` each tensor's storage goes (by the tensor's id):
+    the file memory-mapped (no page read), every storage's address less the map's start."""
+    import torch
+
+    mapped = _tensors(torch.load(file, mmap=True, weights_only=True, map_location="cpu"))
+    ours = _tensors(ckpt)
+    if len(mapped) != len(ours):
+        raise RuntimeError(f"{file} does not hold the checkpoint's {len(ours)} tensors")
+    reader = torch._C.PyTorchFileReader(file)
+    starts = sorted(reader.get_record_offset(r) for r in reader.get_all_records()
+                    if r.startswith("data/") and r[5:].isdigit())
+    ptrs = {id(t): m.untyped_storage().data_ptr() for t, m in zip(ours, mapped) if m.untyped_storage().nbytes()}
+    if not ptrs:
+        return {}
+    first = min(ptrs.values())
+    record = set(starts)
+    for start in starts:  # the map's start: the one that puts every storage at a record's start
+        base = first - start
+        if all(p - base in record for p in ptrs.values()):
+            return {k: p - base for k, p in ptrs.items()}
+    raise RuntimeError(f"cannot place the tensors in {file}'s records")
 
 
 def export_pretrained(path: str | os.PathLike, out: str | os.PathLike) -> None:

@@ -262,15 +262,12 @@ def problems(path: str | os.PathLike) -> str | None:
     return None
 
 
-def read(path: str | os.PathLike, names: Iterable[str] | None = None, optimizer: bool = True,
-         meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A sharded checkpoint as Lightning's single-device checkpoint dict; with ``names``, only
-    those parameters and stage buffers (and the module's entries outside the stages) are read, with
-    their optimizer state: what one worker needs. Reads nothing else from the shards."""
-    import torch.distributed.checkpoint as dcp
+def requests(path: str | os.PathLike, meta: dict[str, Any], names: Iterable[str] | None = None,
+             optimizer: bool = True) -> dict[str, Any]:
+    """DCP's keys to read for ``names`` (every parameter and stage buffer if None), each with an
+    empty tensor of its size and dtype to read into (allocated, not yet touched)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = dict(meta if meta is not None else read_meta(path))
     index = read_index(path).state_dict_metadata
     mark = meta[MARK]
     wanted = None if names is None else {mark["aliases"].get(n, n) for n in names}
@@ -279,19 +276,40 @@ def read(path: str | os.PathLike, names: Iterable[str] | None = None, optimizer:
         if key.startswith(SD):
             name = key[len(SD):]
         elif key.startswith(OPT) and optimizer:
-            name = key[len(OPT):].split(".", 1)[1].rsplit(".", 1)[0]
+            name = param_of(key)
         else:
             continue
         if wanted is not None and name not in wanted:
             continue
         request[key] = (torch.empty(list(md.size), dtype=md.properties.dtype)
                         if isinstance(md, TensorStorageMetadata) else None)
-    if request:
-        import warnings
+    return request
 
-        with warnings.catch_warnings():  # each process reads its own keys, on purpose without collectives
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(request, checkpoint_id=str(path), no_dist=True)
+
+def param_of(key: str) -> str:
+    """The parameter (or buffer) name a DCP key belongs to."""
+    if key.startswith(SD):
+        return key[len(SD):]
+    return key[len(OPT):].split(".", 1)[1].rsplit(".", 1)[0]
+
+
+def read_into(path: str | os.PathLike, request: dict[str, Any]) -> None:
+    """Fill ``request`` (DCP key -> tensor) from the shards, without collectives."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    if not request:
+        return
+    with warnings.catch_warnings():  # each process reads its own keys, on purpose without collectives
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+
+
+def assemble(meta: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's single-device checkpoint dict from ``lightning.pt`` and the read keys."""
+    meta = dict(meta)
+    mark = meta[MARK]
     state = dict(meta["state_dict"])
     opt_state: list[dict[int, dict[str, Any]]] = [{} for _ in meta["optimizer_states"]]
     position = {n: i for i, n in enumerate(mark["names"])}
@@ -310,6 +328,17 @@ def read(path: str | os.PathLike, names: Iterable[str] | None = None, optimizer:
                                 for st, o in zip(opt_state, meta["optimizer_states"])]
     meta.pop(MARK)
     return meta
+
+
+def read(path: str | os.PathLike, names: Iterable[str] | None = None, optimizer: bool = True,
+         meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A sharded checkpoint as Lightning's single-device checkpoint dict; with ``names``, only
+    those parameters and stage buffers (and the module's entries outside the stages) are read, with
+    their optimizer state: what one worker needs. Reads nothing else from the shards."""
+    meta = meta if meta is not None else read_meta(path)
+    request = requests(path, meta, names, optimizer)
+    read_into(path, request)
+    return assemble(meta, request)
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
