@@ -126,7 +126,7 @@ def _record_offsets(file: str, ckpt: dict[str, Any]) -> dict[int, int]:
     ours = _tensors(ckpt)
     if len(mapped) != len(ours):
         raise RuntimeError(f"{file} does not hold the checkpoint's {len(ours)} tensors")
-    reader = torch._C.PyTorchFileReader(file)
+    reader: Any = torch._C.PyTorchFileReader(file)  # its stubs lack get_record_offset
     starts = sorted(reader.get_record_offset(r) for r in reader.get_all_records()
                     if r.startswith("data/") and r[5:].isdigit())
     ptrs = {id(t): m.untyped_storage().data_ptr() for t, m in zip(ours, mapped) if m.untyped_storage().nbytes()}
