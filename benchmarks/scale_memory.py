@@ -63,6 +63,14 @@ def peak_of(pid: int) -> int:
     return 0
 
 
+def start_of(pid: int) -> int:
+    """When the process started (``/proc/<pid>/stat``'s starttime, clock ticks since boot); 0 once gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def descendants(pid: int) -> list[int]:
     """The processes started under ``pid`` (the workers), from ``/proc``."""
     children: dict[int, list[int]] = {}
@@ -91,12 +99,15 @@ class Run:
         t0 = time.monotonic()
         child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         peaks: dict[int, int] = {child.pid: 0}
+        started: dict[int, int] = {}
         tmp = out / "checkpoints" / ".last.ckpt.tmp"
         seen: float | None = None
         self.save_s = 0.0
         while child.poll() is None:
             for p in [child.pid, *descendants(child.pid)]:
                 peaks[p] = max(peaks.get(p, 0), peak_of(p))
+                if p not in started:
+                    started[p] = start_of(p)
             if tmp.exists() and seen is None:
                 seen = time.monotonic()
             elif seen is not None and not tmp.exists():
@@ -107,7 +118,9 @@ class Run:
         if child.returncode != 0:
             raise SystemExit(f"{' '.join(args)} failed:\n{child.stderr.read()[-3000:]}")
         self.metrics = json.loads((out / "metrics.json").read_text())
-        self.peaks = [peaks[p] for p in sorted(peaks) if peaks[p] > 0]
+        # the launching process first, then the workers by start time (pids wrap around)
+        order = [child.pid, *sorted((p for p in peaks if p != child.pid), key=lambda p: (started.get(p, 0), p))]
+        self.peaks = [peaks[p] for p in order if peaks[p] > 0]
         steps = self.metrics.get("steps") or []
         self.step_s = sum(s.get("step_s", 0.0) for s in steps) / max(len(steps), 1)
         #: rank 0's timing of the last save (blocking_s: training held; write_s: until whole on disk)
