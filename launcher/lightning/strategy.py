@@ -21,8 +21,9 @@ is the model: the strategy runs the whole schedule in ``training_step`` and take
   optimizer and learning-rate schedulers step as Lightning steps them;
 - ``validation_step``/``test_step``/``predict_step``: a forward-only pass of the same schedule
   (:meth:`Engine.evaluate`); ``val_loss``/``test_loss`` logged, predictions gathered;
-- checkpoints: ``checkpoint.format``: sharded (each stage's owner writes it, :mod:`.sharded`) or one
-  file in the single-device layout (:mod:`.state`); either loads under any scheme;
+- checkpoints (:mod:`.checkpoint_hooks`): ``checkpoint.format``: sharded (each stage's owner writes
+  it, :mod:`.sharded`) or one file in the single-device layout (:mod:`.state`); either loads under
+  any scheme;
 - precision: the trainer's plugin. ``bf16-mixed``/``16-mixed`` (autocast): owners keep fp32 master
   weights and optimizer state, fetched weights, activations and their gradients cross in the
   compute dtype (:func:`.precision.compute_dtype`), weight-gradient sums and all-reduces stay fp32; 16-mixed's
@@ -34,11 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -46,7 +46,6 @@ from typing_extensions import override
 
 from ..config import ConfigError
 from ..runtime import DEFAULT_TIMEOUT, Engine
-from ..runtime.failure import busy, current_watchdog
 from ..runtime.init import empty_init, has_meta
 from ..runtime.measure import resident_bytes
 from ..runtime.nonfinite import MODES as NONFINITE_MODES
@@ -56,7 +55,7 @@ from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT, OrderLike, SchemeLike, Settings
-from . import sharded
+from .checkpoint_hooks import CheckpointingStrategy
 from .item_counts import loss_items
 from .keywords import keyword_settings
 from .launcher import ForkLauncher
@@ -68,21 +67,13 @@ from .precision import (
     with_global_clipping,
     with_synced_scaler,
 )
-from .process_group import ProcessGroupStrategy
 from .staging import example_microbatch, first_batch, keep_owned, split_batch, stage_module, uses_trace
-from .state import (
-    Layout,
-    gather_module_state,
-    gather_optimizer_state,
-    load_stage_state,
-    local_module_state,
-    scatter_optimizer_state,
-)
+from .state import Layout
 
 log = logging.getLogger(__name__)
 
 
-class UnifiedStrategy(ProcessGroupStrategy):
+class UnifiedStrategy(CheckpointingStrategy):
     """Train any LightningModule with stages under any scheme of the schedule engine.
 
     ``scheme``: ddp, fsdp, gpipe, lpp, fslpp, or a placement callable ``(s, b, d) -> (w_weights,
@@ -124,8 +115,7 @@ class UnifiedStrategy(ProcessGroupStrategy):
         super().__init__(timeout, process_group_backend, accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        #: ``checkpoint``'s keys (``format``: sharded | single | None = the scheme's; ``async_mode``: disabled | async)
-        self.checkpoint_settings: dict[str, Any] = dict(config.pop("checkpoint", None) or {})
+        self.checkpoint_settings = dict(config.pop("checkpoint", None) or {})
         if settings is not None and (config or stages is not None or G is not None or R is not None):
             raise TypeError("UnifiedStrategy takes the step's settings either as settings=Settings(...) or as "
                             "keywords, not both")
@@ -151,20 +141,13 @@ class UnifiedStrategy(ProcessGroupStrategy):
         #: the step's settings: given (trusted: the command line checked them), or the keywords'
         #: once the stage count is known (here, or from the module: :meth:`_settings_for`)
         self._settings = settings if settings is not None or stages is None else self._from_keywords(stages)
-        self.engine: Engine | None = None
-        self.layout: Layout | None = None
+        self.engine = None
+        self.layout = None
         self.records: list[dict[str, Any]] = []  # this worker's record of every training step
         self.meta = False  # the module was built on the meta device: no process holds all of it
         self.base_memory = 0  # bytes this worker held before its stages were materialised
         self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes
-        self._pending: Callable[[], None] | None = None  # a background checkpoint save to finish
-
-    @property
-    def _attached(self) -> LightningModule:
-        """The LightningModule, which Lightning connects before any hook that reads it runs."""
-        module = self.lightning_module
-        assert module is not None
-        return module
+        self._pending = None
 
     # ---- configuration -------------------------------------------------------------------
     def _from_keywords(self, stages: int) -> Settings:
@@ -188,6 +171,7 @@ class UnifiedStrategy(ProcessGroupStrategy):
         return self._settings
 
     @property
+    @override
     def scheme(self) -> str:
         """The scheme's name (a placement callable's ``__name__``)."""
         s = self._settings
@@ -466,99 +450,6 @@ class UnifiedStrategy(ProcessGroupStrategy):
         dist.all_gather_object(every, {b: to_device(t, torch.device("cpu")) for b, t in preds.items()})
         merged = {b: t for part in every for b, t in part.items()}
         return joined([merged[b] for b in range(self.B)], self.root_device)
-
-    # ---- checkpoints -----------------------------------------------------------------------
-    @property
-    def checkpoint_format(self) -> str:
-        """``sharded`` (each stage's first owner writes it, :mod:`.sharded`) or ``single`` (one file
-        in the single-device layout, gathered at rank 0): ``checkpoint.format``, else the scheme's
-        default (:attr:`launcher.schedule.schemes.Scheme.checkpoint`)."""
-        if self.checkpoint_settings.get("format") is not None:
-            return str(self.checkpoint_settings["format"])
-        registered = SCHEMES.get(self.scheme) if isinstance(self.scheme, str) else None
-        return registered.checkpoint if registered is not None else "single"
-
-    @property
-    def _sharded(self) -> bool:
-        return self.checkpoint_format == "sharded"
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.engine is not None and self.layout is not None
-        if self._sharded:  # this worker's share only: nobody gathers the model
-            return local_module_state(self._attached, self.layout, self.engine.modules, self.engine.stages,
-                                      self.global_rank == 0)
-        return gather_module_state(self._attached, self.layout, self.engine.modules, self.engine.stages)
-
-    def gathered_module_state(self) -> dict[str, Any]:
-        """The whole module's state dict at rank 0, whatever the checkpoint format (collective): the
-        trained weights handed back to a launching process that holds the whole module anyway."""
-        assert self.engine is not None and self.layout is not None
-        return gather_module_state(self._attached, self.layout, self.engine.modules, self.engine.stages)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        assert self.layout is not None
-        opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the real one
-        if self._sharded:
-            names = {id(p): self.layout.canonical(n) for n, p in self._attached.named_parameters()}
-            return sharded.optimizer_entries(opt, names, self.layout.written)
-        return gather_optimizer_state(opt, self._attached, self.layout)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        # a large model's write may take longer than the watchdog's timeout: it is work, not a hang
-        with busy(current_watchdog()):
-            if not self._sharded:
-                return super().save_checkpoint(checkpoint, filepath, storage_options)
-            assert self.layout is not None
-            self.finish_checkpoint()  # the previous background save, if any, is complete first
-            background = self.checkpoint_settings.get("async_mode", "disabled") != "disabled"
-            self._pending = sharded.save(checkpoint, filepath, self.layout.staged_names, self.layout.names,
-                                         self.layout.aliases, self.global_rank, async_save=background)
-        return None
-
-    def finish_checkpoint(self) -> None:
-        """Wait for a background save (``checkpoint.async_mode=async``) and put it in place."""
-        pending, self._pending = getattr(self, "_pending", None), None
-        if pending is not None:
-            with busy(current_watchdog()):
-                pending()
-
-    @override
-    def on_train_end(self) -> None:
-        self.finish_checkpoint()
-        super().on_train_end()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """A sharded checkpoint: only the stages this worker owns (and every stage's buffers)."""
-        if not sharded.is_sharded(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        assert self.engine is not None and self.layout is not None
-        names = {n for s in self.engine.owned for n in self.layout.stage_names[s]}
-        names |= {n for buffers in self.layout.stage_buffers for n in buffers if n is not None}
-        return sharded.read(checkpoint_path, names)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.engine is not None and self.layout is not None
-        state = checkpoint["state_dict"]
-        mine = {n for s in self.engine.owned for n in self.layout.stage_names[s]}
-        missing = sorted(mine - set(state))
-        if strict and missing:
-            raise KeyError(f"the checkpoint has no {missing[0]} (and {len(missing) - 1} more of this worker's stages)")
-        load_stage_state(state, self.layout, self.engine.modules, self.engine.stages + self.engine.skeletons)
-        staged = self.layout.staged_names
-        rest = {k: v for k, v in state.items() if k not in staged}  # the module's own entries outside the stages
-        if rest:
-            self._attached.load_state_dict(rest, strict=False)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.layout is not None
-        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(scatter_optimizer_state(optimizer, self._attached, self.layout, full))
 
     # ---- metrics ---------------------------------------------------------------------------
     def sizes(self) -> tuple[list[int], list[list[int]], list[int]]:
