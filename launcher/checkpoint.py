@@ -73,26 +73,71 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> None:
             torch.save(ckpt, f)
         f.flush()
         offsets = _record_offsets(f.name, ckpt)
+        crcs: dict[int, int] = {}  # record's data offset -> CRC-32 of the bytes written there
         small = {id(t) for t in request.values()}
         for t in _tensors(ckpt):  # the entries of lightning.pt: small, held already
             if id(t) not in small:
-                _write(f, offsets[id(t)], t)
+                crcs[offsets[id(t)]] = _write(f, offsets[id(t)], t)
         for keys in _by_stage(request).values():
             part = {k: torch.empty_like(request[k]) for k in keys if torch.is_tensor(request[k])}
             read_into(path, part)
             for k, v in part.items():
-                _write(f, offsets[id(request[k])], v)
+                crcs[offsets[id(request[k])]] = _write(f, offsets[id(request[k])], v)
             del part
+        _write_crcs(f, crcs)
         f.seek(0, os.SEEK_END)
 
 
-def _write(f: Any, offset: int, t: Any) -> None:
-    """``t``'s whole storage at ``offset`` of ``f``."""
+def _write(f: Any, offset: int, t: Any) -> int:
+    """``t``'s whole storage at ``offset`` of ``f``; the CRC-32 of its bytes."""
+    import zlib
+
     import torch
 
-    if t.untyped_storage().nbytes():
+    data = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy().data
+    if len(data):
         f.seek(offset)
-        f.write(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy().data)
+        f.write(data)
+    return zlib.crc32(data)
+
+
+def _write_crcs(f: Any, crcs: dict[int, int]) -> None:
+    """Each record's CRC-32 (by its data's offset) where ``torch.save`` keeps it, the record's data
+    descriptor and its central directory entry: ``skip_data`` wrote 0, before the bytes were there."""
+    import struct
+    import zipfile
+
+    f.flush()
+    with open(f.name, "rb") as r:
+        z = zipfile.ZipFile(r)
+        by_name = {}
+        for info in z.infolist():
+            r.seek(info.header_offset)
+            n, m = struct.unpack("<HH", r.read(30)[26:30])
+            start = info.header_offset + 30 + n + m
+            if start in crcs:
+                by_name[info.filename] = (start + info.file_size, crcs[start])
+        pos = z.start_dir
+        central = []
+        while True:
+            r.seek(pos)
+            head = r.read(46)
+            if len(head) < 46 or head[:4] != b"PK\x01\x02":
+                break
+            n, m, k = struct.unpack("<HHH", head[28:34])
+            central.append((pos, r.read(n).decode()))
+            pos += 46 + n + m + k
+        signed = {}  # whether each data descriptor starts with its optional signature
+        for end, _ in by_name.values():
+            r.seek(end)
+            signed[end] = r.read(4) == b"PK\x07\x08"
+    for name, (end, crc) in by_name.items():
+        f.seek(end + 4 * signed[end])  # the data descriptor's CRC-32, after its optional signature
+        f.write(struct.pack("<I", crc))
+    for pos, name in central:
+        if name in by_name:
+            f.seek(pos + 16)
+            f.write(struct.pack("<I", by_name[name][1]))
 
 
 def _tensors(obj: Any) -> list[Any]:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import torch
@@ -56,6 +57,7 @@ def test_the_streamed_file_is_the_single_device_checkpoint(tmp_path):
         _sharded(ckpt, stages=3, width=5, dtype=dtype)
         out = tmp_path / f"{dtype}.ckpt"
         consolidate(ckpt, out)
+        assert zipfile.ZipFile(out).testzip() is None  # each record's CRC-32 matches the bytes written after it
         got, want = torch.load(out, weights_only=True), load(ckpt)
         assert _equal(got, want)
         assert got["optimizer_states"][0]["state"][0]["exp_avg"].abs().sum() > 0
