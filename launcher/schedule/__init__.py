@@ -1,7 +1,7 @@
 """The schedule core: jobs, placements, orders and the greedy simulator. Pure Python, no torch."""
 
 from .graph import Job, JobSpace, StageGraph
-from .order import Order, make_order
+from .order import Order, Sequenced, check_sequences, make_order
 from .placement import Placement, h
 from .rules import StepError
 from .schemes import SCHEMES, named
@@ -9,7 +9,8 @@ from .settings import DEFAULT, Settings, make_step, unchecked_step
 from .simulate import ScheduleError, Step, Timeline, simulate
 
 __all__ = [
-    "Job", "JobSpace", "StageGraph", "Order", "make_order", "Placement", "h", "named", "SCHEMES",
+    "Job", "JobSpace", "StageGraph", "Order", "Sequenced", "check_sequences", "make_order", "Placement", "h",
+    "named", "SCHEMES",
     "ScheduleError", "StepError", "Step", "Timeline", "simulate", "DEFAULT", "Settings", "make_step",
     "unchecked_step",
 ]

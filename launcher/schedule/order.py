@@ -136,13 +136,13 @@ class ZBH1(Order):
 
 
 @dataclass(frozen=True)
-class Interleaved(Order):
-    """Megatron's interleaved 1F1B (:func:`interleaved_sequence`); with ``warmup="classic"`` (the
-    default) each worker follows it strictly, as Megatron and PyTorch do."""
+class Sequenced(Order):
+    """An order given as each worker's job sequence (:meth:`sequences`). With ``warmup="classic"``
+    (the default) each worker runs exactly its sequence, waiting for the next job in it; with
+    ``warmup="none"`` the sequence's positions are a pure tie-break. Handcrafted schedules, those
+    read from a file and those found by search are all this one kind of order."""
 
-    name: ClassVar[str] = "interleaved_1f1b"
     default_warmup: ClassVar[str] = "classic"
-    looped_only: ClassVar[bool] = True
 
     @property
     def in_flight_limit(self) -> bool:
@@ -153,14 +153,51 @@ class Interleaved(Order):
         return self.warmup == "classic"
 
     def keys(self, space: JobSpace) -> list:
-        raise TypeError("order=interleaved_1f1b ranks jobs by where they run: use placed_keys(space, compute)")
+        raise TypeError(f"order={self.name} ranks jobs by where they run: use placed_keys(space, compute)")
+
+    def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
+        """Each worker's jobs (ids of ``space``) in the order it runs them; ``compute[j]`` is the
+        worker that runs job ``j``."""
+        raise NotImplementedError
 
     def placed_keys(self, space: JobSpace, compute: Sequence[int]) -> list:
+        seqs = self.sequences(space, compute)
+        check_sequences(space, compute, seqs, self.name)
         keys = [0] * space.N
-        for seq in interleaved_sequence(space, compute):
+        for seq in seqs:
             for i, j in enumerate(seq):
                 keys[j] = i
         return keys
+
+
+def check_sequences(space: JobSpace, compute: Sequence[int], seqs: Sequence[Sequence[int]], name: str) -> None:
+    """Raise ``ValueError`` unless ``seqs`` lists every job exactly once, on the worker that computes it."""
+    seen = [False] * space.N
+    for w, seq in enumerate(seqs):
+        for j in seq:
+            if not 0 <= j < space.N:
+                raise ValueError(f"order={name}: worker {w}'s sequence names job {j}, which is not in the step")
+            if seen[j]:
+                raise ValueError(f"order={name}: job {space.job(j)} appears twice in the sequences")
+            if compute[j] != w:
+                raise ValueError(f"order={name}: job {space.job(j)} is in worker {w}'s sequence but worker "
+                                 f"{compute[j]} computes it")
+            seen[j] = True
+    missing = [space.job(j) for j in range(space.N) if not seen[j]]
+    if missing:
+        raise ValueError(f"order={name}: {len(missing)} jobs are in no worker's sequence, first {missing[0]}")
+
+
+@dataclass(frozen=True)
+class Interleaved(Sequenced):
+    """Megatron's interleaved 1F1B (:func:`interleaved_sequence`); with ``warmup="classic"`` (the
+    default) each worker follows it strictly, as Megatron and PyTorch do."""
+
+    name: ClassVar[str] = "interleaved_1f1b"
+    looped_only: ClassVar[bool] = True
+
+    def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
+        return interleaved_sequence(space, compute)
 
 
 @dataclass(frozen=True)
