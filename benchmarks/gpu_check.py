@@ -50,8 +50,10 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -71,6 +73,7 @@ from launcher.runtime.oracle import flat_params, reference_step  # noqa: E402
 from launcher.schedule import make_step, simulate  # noqa: E402
 
 FP32_TOL = 1e-5  # float32: largest difference over the largest value (gradients; parameters)
+HARD_GRACE = 30.0  # seconds past a part's budget before the check calls it hung and stops
 BF16_FACTOR = 3.0  # bf16-mixed: times single-device bf16's own distance from float32
 #: dense bf16 FLOP/s by a part of the card's name, first match: the SXM cards (H200 has H100's compute), PCIe
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
@@ -405,27 +408,80 @@ def overhead_worker(size: vt.Size, S: int, Bm: int, steps: int, warmup: int, on_
     return out
 
 
+def _kill_descendants() -> None:
+    """SIGKILL every process descended from this one (Linux: read from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, found = [os.getpid()], []
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 # ---- in this process ----------------------------------------------------------------------------
 class Run:
-    """The parts' results and the clock of the whole check."""
+    """The parts' results and the clock of the whole check. Every part's result is written to
+    ``gpu_check.json`` as soon as it ends, and each step to ``gpu_check.log``, so that a check cut
+    short (by a hung part or the machine's limit) still leaves what it found."""
 
-    def __init__(self, budget: float, dry: bool, out: Path) -> None:
+    def __init__(self, budget: float, dry: bool, out: Path, info: dict[str, Any] | None = None) -> None:
         self.budget, self.dry, self.out = budget, dry, out
         self.t0 = time.perf_counter()
+        self.info = info or {}  # what the JSON says beside the parts (sizes, tolerances, GPUs)
+        self.card: dict[str, Any] = {}
         self.parts: dict[str, dict[str, Any]] = {}
         self.rows: list[tuple[str, str, str, str, str]] = []  # part, check, measured, bound, result
 
     def left(self) -> float:
         return self.budget - (time.perf_counter() - self.t0)
 
+    def log(self, message: str) -> None:
+        """One line, with the seconds since the start, to standard error and ``gpu_check.log``."""
+        line = f"[{time.perf_counter() - self.t0:6.1f} s] {message}"
+        print(line, file=sys.stderr, flush=True)
+        with open(self.out / "gpu_check.log", "a") as f:
+            f.write(line + "\n")
+
+    def result(self) -> dict[str, Any]:
+        return {"dry_run": self.dry, "card": self.card, "budget_s": self.budget,
+                "wall_s": time.perf_counter() - self.t0, **self.info,
+                "summary": {k: v["status"] for k, v in self.parts.items()}, "parts": self.parts}
+
+    def save(self) -> dict[str, Any]:
+        """Write ``gpu_check.json`` with what is known now (written whole, then renamed)."""
+        result = self.result()
+        tmp = self.out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(result, indent=1, default=str))
+        tmp.replace(self.out / "gpu_check.json")
+        return result
+
     def part(self, name: str, budget: float, fn: Callable[[float], dict[str, Any]]) -> None:
-        """Run one part if its budget fits in what is left; record passed, failed or skipped."""
+        """Run one part if its budget fits in what is left; record passed, failed or skipped. A part
+        still running ``HARD_GRACE`` seconds after its budget (a hang that its own bounds did not
+        catch) fails, and the check stops there: :meth:`_hung`."""
         if self.left() < budget:
             self.parts[name] = {"status": "skipped", "budget_s": budget,
                                 "reason": f"its budget of {budget:g} s does not fit in the {self.left():.0f} s left"}
             self.rows.append((name, "-", "-", "-", "skipped"))
+            self.log(f"{name}: skipped ({self.parts[name]['reason']})")
+            self.save()
             return
+        self.log(f"{name}: started (budget {budget:g} s)")
         t = time.perf_counter()
+        guard = threading.Timer(budget + HARD_GRACE, self._hung, args=(name, budget, t))
+        guard.daemon = True
+        guard.start()
         try:
             res = fn(budget)
             res.setdefault("status", "passed")
@@ -433,9 +489,28 @@ class Run:
             res = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
             self.rows.append((name, "error", str(e).splitlines()[0][:80] if str(e) else type(e).__name__, "-",
                               "FAILED"))
+        finally:
+            guard.cancel()
         res.update(seconds=time.perf_counter() - t, budget_s=budget)
         self.parts[name] = res
-        print(f"{name}: {res['status']} ({res['seconds']:.0f} s)", file=sys.stderr, flush=True)
+        self.log(f"{name}: {res['status']} ({res['seconds']:.0f} s)" +
+                 (f": {res['reason']}" if res["status"] == "failed" else ""))
+        self.save()
+
+    def _hung(self, name: str, budget: float, t: float) -> None:
+        """The part ``name`` overran its budget by ``HARD_GRACE`` s: record it as failed, write the
+        JSON and the table, stop every process this one started, and exit with status 1."""
+        reason = (f"still running {HARD_GRACE:g} s after its budget of {budget:g} s (a hang); the check was "
+                  "stopped here, and the parts after it did not run")
+        self.parts[name] = {"status": "failed", "reason": reason, "seconds": time.perf_counter() - t,
+                            "budget_s": budget}
+        self.rows.append((name, "hang", reason[:80], "-", "FAILED"))
+        self.log(f"{name}: FAILED: {reason}")
+        try:
+            _table(self, self.save(), self.out)
+        finally:
+            _kill_descendants()
+            os._exit(1)
 
     def row(self, part: str, check: str, measured: str, bound: str, ok: bool | None) -> bool:
         self.rows.append((part, check, measured, bound, "-" if ok is None else "pass" if ok else "FAILED"))
@@ -597,8 +672,11 @@ def main(argv: list[str] | None = None) -> int:
     backend = "nccl" if on_gpu else "gloo"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    run = Run(args.budget if args.budget is not None else 1000.0 if args.dry_run else 480.0, args.dry_run, out)
-    run.card = {}
+    info = {"gpus": gpus, "tolerances": {"fp32_rel": FP32_TOL, "bf16_factor_of_gap": BF16_FACTOR},
+            "sizes": {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in asdict(sizes).items()}}
+    run = Run(args.budget if args.budget is not None else 1000.0 if args.dry_run else 480.0, args.dry_run, out, info)
+    (out / "gpu_check.log").write_text("")
+    run.log(f"gpu_check: torch {torch.__version__}, {gpus} GPU(s) visible, backend {backend}, budget {run.budget:g} s")
     wanted = args.parts.split(",")
     parts = {"nccl": part_nccl(run, on_gpu, backend, sizes), "oracle": part_oracle(run, on_gpu, sizes),
              "overhead": part_overhead(run, on_gpu, backend, sizes),
@@ -606,12 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in parts.items():
         if name in wanted:
             run.part(name, sizes.budgets[name], fn)
-    wall = time.perf_counter() - run.t0
-    result = {"dry_run": args.dry_run, "gpus": gpus, "card": run.card, "budget_s": run.budget, "wall_s": wall,
-              "tolerances": {"fp32_rel": FP32_TOL, "bf16_factor_of_gap": BF16_FACTOR},
-              "sizes": {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in asdict(sizes).items()},
-              "summary": {k: v["status"] for k, v in run.parts.items()}, "parts": run.parts}
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
+    result = run.save()
     _table(run, result, out)
     return 1 if any(v["status"] == "failed" for v in run.parts.values()) else 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,35 @@ def test_point_to_point_through_host_memory():
     before, err, staged = launch(_staged_exchange, 2, backend="gloo", timeout=20, deadline=50)[0]
     assert before == 0.0 and err == 0.0  # written into the tensor at the wait, exactly
     assert staged == 0.0  # a CPU tensor on gloo goes directly
+
+
+def test_a_hung_part_fails_and_stops_the_check(tmp_path):
+    """A part that hangs past its own bounds (its workers' supervisor stuck too) must not hold the
+    machine: 30 s (here 1 s) past its budget it fails, the JSON and the log say so, every process
+    the check started is killed, and the check exits with status 1."""
+    code = f"""
+import pathlib, subprocess, sys, time
+sys.path.insert(0, {str(SCRIPT.parent)!r})
+import gpu_check
+gpu_check.HARD_GRACE = 1.0
+run = gpu_check.Run(100.0, True, pathlib.Path({str(tmp_path)!r}))
+def hang(budget):
+    child = subprocess.Popen(["sleep", "300"])
+    pathlib.Path({str(tmp_path / "child")!r}).write_text(str(child.pid))
+    time.sleep(300)
+run.part("nccl", 1.0, hang)
+print("not reached")
+"""
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "not reached" not in p.stdout, p.stdout + p.stderr
+    assert time.perf_counter() - t < 60
+    part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["nccl"]
+    assert part["status"] == "failed" and "a hang" in part["reason"], part
+    assert "nccl: FAILED" in (tmp_path / "gpu_check.log").read_text()
+    assert "hang" in (tmp_path / "gpu_check.txt").read_text()
+    stat = Path(f"/proc/{(tmp_path / 'child').read_text()}/stat")
+    deadline = time.time() + 10
+    while stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z" and time.time() < deadline:
+        time.sleep(0.1)
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", "the part's child still runs"
