@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch
@@ -212,6 +213,27 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+@dataclass(frozen=True)
+class _BodyKwargs:
+    """``input_ids`` and, where the body's forward takes them (``accepted``), the batch's
+    ``attention_mask`` and ``position_ids`` and ``use_cache=False``; a value given for a keyword the
+    forward does not take is refused in one sentence."""
+
+    accepted: frozenset[str]
+    body: str  # the body's class name, for the sentence
+    arch: str
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any) -> dict[str, Any]:
+        kw: dict[str, Any] = {"input_ids": input_ids}
+        for key, value in (("attention_mask", attention_mask), ("position_ids", position_ids), ("use_cache", False)):
+            if key in self.accepted:
+                kw[key] = value
+            elif value is not None and value is not False:
+                raise CutError(f"model.arch={self.arch} cannot be cut into stages at its decoder layers: "
+                               f"{self.body}.forward takes no {key}; {ROUTE}.")
+        return kw
+
+
 class _Plan:
     """What the probe found: the body, its path in the causal LM and its layer list, and which of
     its other children the forward calls before the first layer (``before``) and after the last
@@ -221,6 +243,7 @@ class _Plan:
         self.model = model
         self.arch = getattr(model.config, "model_type", type(model).__name__)
         self.path, self.body, self.list_name = self._find_body()
+        self.kwargs = self._body_kwargs()
         self.layers: nn.ModuleList = getattr(self.body, self.list_name)
         self.embedding = model.get_input_embeddings()
         self.head = model.get_output_embeddings()
@@ -250,15 +273,13 @@ class _Plan:
         found.sort(key=lambda f: f[0].count(".") + bool(f[0]))
         return found[0]
 
-    def body_kwargs(self, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any) -> dict[str, Any]:
-        kw: dict[str, Any] = {"input_ids": input_ids}
+    def _body_kwargs(self) -> _BodyKwargs:
+        """The keyword arguments of the body's forward for a batch, as a small callable of its own:
+        a stage keeps it as a plain attribute, and a bound method of this plan would make every
+        deep copy of the stage (the engine's skeletons) copy the whole model along with it."""
         forward = self.body.forward
-        for key, value in (("attention_mask", attention_mask), ("position_ids", position_ids), ("use_cache", False)):
-            if _accepts(forward, key):
-                kw[key] = value
-            elif value is not None and value is not False:
-                self.refuse(f"{type(self.body).__name__}.forward takes no {key}")
-        return kw
+        accepted = frozenset(k for k in ("attention_mask", "position_ids", "use_cache") if _accepts(forward, k))
+        return _BodyKwargs(accepted, type(self.body).__name__, self.arch)
 
     def _probe(self) -> tuple[list[str], list[str]]:
         """One forward of a twin of the body with every child that has weights (or draws random
@@ -286,7 +307,7 @@ class _Plan:
         ids = 1 + torch.arange(3).unsqueeze(0) % max(1, getattr(self.model.config, "vocab_size", 2) - 1)
         try:
             with torch.random.fork_rng(devices=[]), torch.enable_grad():
-                twin(**self.body_kwargs(ids, None, None))
+                twin(**self.kwargs(ids, None, None))
         except CutError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the library's forward is the model's
@@ -402,7 +423,7 @@ class Embeddings(_Stage):
                    or _draws(plan.others[n])}
         object.__setattr__(self, "shape_twin", _twin(self.twin, shadows))
         object.__setattr__(self, "shadows", list(shadows.values()))
-        object.__setattr__(self, "plan_kwargs", plan.body_kwargs)
+        object.__setattr__(self, "plan_kwargs", plan.kwargs)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> tuple[Any, ...]:
@@ -461,7 +482,7 @@ class DecoderLayer(_Stage):
         object.__setattr__(self, "twin", _twin(plan.body, children))
         object.__setattr__(self, "run", run)
         object.__setattr__(self, "shadows", [c for c in children.values() if isinstance(c, _Shadow)])
-        object.__setattr__(self, "plan_kwargs", plan.body_kwargs)
+        object.__setattr__(self, "plan_kwargs", plan.kwargs)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> Any:
