@@ -1,0 +1,127 @@
+"""order=file: schedules as data. Every built-in order's step, written in our text form or
+torch's CSV and read back, simulates to the identical timeline; a CSV written by torch's own
+``_dump_csv`` from its own schedules runs here; ours loads in torch's ``_load_csv``; a file whose
+placement disagrees with the scheme is refused in one sentence."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+from launcher.plan.space import ORDERS, order_fits
+from launcher.schedule import make_step, simulate
+from launcher.schedule.actions import format_programs
+from launcher.schedule.order_file import FileOrder, programs_of, read_jobs, write_schedule
+
+pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+# (scheme, stages, micro-batches, G, R)
+SHAPES = [("gpipe", 4, 6, 1, 4), ("lpp", 4, 4, 1, 2), ("lpp", 6, 6, 2, 3), ("fslpp", 4, 8, 2, 2), ("fsdp", 3, 3, 3, 1)]
+
+
+LOOPED = ("lpp", "fslpp")
+
+
+def same(a, b) -> None:
+    assert a.compute == b.compute and a.program == b.program
+    assert a.start == b.start and a.finish == b.finish
+
+
+@pytest.mark.parametrize("suffix", ["txt", "csv"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_round_trip_every_order(tmp_path: Path, shape: tuple, suffix: str) -> None:
+    scheme, S, B, G, R = shape
+    tried = 0
+    for order, warmup in ORDERS:
+        for split in (False, True):
+            if not order_fits(order, R, S, split) or (order == "interleaved_1f1b" and scheme not in LOOPED):
+                continue
+            tl = simulate(make_step(scheme, S, B, G, R, order=order, warmup=warmup, split_backward=split))
+            path = write_schedule(tl.step.space, tl.program, tmp_path / f"{order}-{warmup}-{split}.{suffix}")
+            back = simulate(make_step(scheme, S, B, G, R, order=FileOrder(path=str(path)), split_backward=split))
+            same(tl, back)
+            tried += 1
+    assert tried >= 6
+
+
+def torch_order(kind: str, ranks: int, per_rank: int, B: int) -> dict[int, list]:
+    """``pipeline_order`` of torch's own schedule class, computed without a process group."""
+    order = {}
+    for rank in range(ranks):
+        if kind == "interleaved":
+            rounds = max(1, B // ranks)
+            sched = types.SimpleNamespace(n_local_stages=per_rank, microbatches_per_round=B // rounds,
+                                          pp_group_size=ranks, _n_microbatches=B)
+            order[rank] = pipelining.ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, rank)
+        else:  # looped breadth-first (GPipe when one stage per rank)
+            sched = types.SimpleNamespace(_stages=[None] * per_rank, pp_group_size=ranks, _n_microbatches=B,
+                                          stage_index_to_group_rank={s: s % ranks for s in range(ranks * per_rank)})
+            order[rank] = pipelining.ScheduleLoopedBFS._calculate_single_rank_operations(sched, rank)
+    return order
+
+
+@pytest.mark.parametrize("kind,ranks,per,B", [("interleaved", 2, 2, 4), ("interleaved", 4, 2, 8),
+                                              ("bfs", 2, 2, 4), ("bfs", 4, 1, 6)])
+def test_torch_dump_csv_runs_here(tmp_path: Path, kind: str, ranks: int, per: int, B: int) -> None:
+    path = tmp_path / "torch.csv"
+    fake = types.SimpleNamespace(pipeline_order=torch_order(kind, ranks, per, B))
+    pipelining.PipelineScheduleMulti._dump_csv(fake, str(path))  # torch's own writer
+    S = ranks * per
+    step = make_step("lpp" if per > 1 else "gpipe", S, B, 1, ranks, order=FileOrder(path=str(path)))
+    tl = simulate(step)
+    want = [[f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}" for a in row if a is not None]
+            for row in fake.pipeline_order.values()]
+    got = [[f"{s}{d}{b}" for s, b, d in map(step.space.job, seq)] for seq in tl.program]
+    assert got == want  # each rank ran exactly torch's sequence
+    if kind == "interleaved":  # and it is our own interleaved_1f1b, job for job
+        ours = simulate(make_step("lpp", S, B, 1, ranks, order="interleaved_1f1b"))
+        same(ours, tl)
+
+
+def test_torch_load_csv_reads_ours(tmp_path: Path) -> None:
+    tl = simulate(make_step("lpp", 4, 4, 1, 2, order="interleaved_1f1b", split_backward=True))
+    path = write_schedule(tl.step.space, tl.program, tmp_path / "ours.csv")
+    fake = types.SimpleNamespace(pipeline_order={}, _validate_and_set_stage_mapping=lambda order: None)
+    pipelining.PipelineScheduleMulti._load_csv(fake, str(path))  # torch's own reader
+    assert [[str(a) for a in row] for row in fake.pipeline_order.values()] == \
+        [[f"{s}{d}{b}" for s, b, d in map(tl.step.space.job, seq)] for seq in tl.program]
+
+
+def test_comm_actions_in_our_form_are_ignored(tmp_path: Path) -> None:
+    from launcher.schedule.lowering import lower_actions
+
+    tl = simulate(make_step("gpipe", 3, 4, 1, 3, order="1f1b"))
+    lowered = format_programs(lower_actions(tl, "step"))
+    assert "SEND_ACT" in lowered
+    (tmp_path / "lowered.txt").write_text(lowered)
+    assert read_jobs(tmp_path / "lowered.txt") == [[(a.op, a.stage, a.microbatch) for a in p]
+                                                    for p in programs_of(tl.step.space, tl.program)]
+    back = simulate(make_step("gpipe", 3, 4, 1, 3, order=FileOrder(path=str(tmp_path / "lowered.txt"))))
+    same(tl, back)
+
+
+def test_wrong_files_are_refused_in_one_sentence(tmp_path: Path) -> None:
+    good = simulate(make_step("gpipe", 2, 2, 1, 2, order="1f1b"))
+    path = write_schedule(good.step.space, good.program, tmp_path / "s.txt")
+    text = path.read_text()
+
+    def refused(content: str, *words: str, split: bool = False) -> None:
+        path.write_text(content)
+        with pytest.raises(ValueError) as e:
+            simulate(make_step("gpipe", 2, 2, 1, 2, order=FileOrder(path=str(path)), split_backward=split))
+        msg = str(e.value)
+        assert f"order.path={path}" in msg and msg.count(". ") == 0, msg
+        for w in words:
+            assert w in msg, msg
+
+    lines = text.splitlines()
+    refused("\n".join([lines[1].replace("w1", "w0"), lines[0].replace("w0", "w1")]), "F1.b0", "worker 1",
+            "worker 0")
+    refused(lines[0] + "\nw1:", "lacks")
+    refused(text.replace("F1.b1", "F1.b0"), "twice")
+    refused(text, "B0.b0", split=True)
+    refused("w0: nonsense", "not a schedule")
+    with pytest.raises(ValueError, match="cannot be read"):
+        simulate(make_step("gpipe", 2, 2, 1, 2, order=FileOrder(path=str(tmp_path / "absent.txt"))))
