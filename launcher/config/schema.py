@@ -44,10 +44,13 @@ class StrategyConf:
 
 @dataclass
 class OrderConf:
-    """A named tie-break order, or ``n``: a node instantiated into a callable ``n(s, b, d)``."""
+    """A named tie-break order, or ``n``: a node instantiated into a callable ``n(s, b, d)``, or
+    ``path``: a schedule file (``order=file``); ``export``: where to write the step's schedule."""
 
     name: str = DEFAULT.order_name
     n: Any = None
+    path: Optional[str] = None  # order=file: each worker's job sequence (our action text; torch's CSV for a .csv)
+    export: Optional[str] = None  # mode=simulate writes the step's job sequences here (same two forms)
 
 
 @dataclass

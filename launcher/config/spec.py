@@ -45,6 +45,11 @@ def settings_of(cfg: DictConfig | Mapping[str, Any], check: bool = True, **given
     if n is not None:
         order = _instantiate(n, "order.n", "n(s, b, d)")
         built["order"] = _guarded(order, "order.n", n.get("_target_"), c.order.name)
+    if c.order.get("name") == "file" and "order" not in built:
+        from ..schedule.order_file import FileOrder
+
+        warmup = c.get("warmup")
+        built["order"] = FileOrder(path=str(c.order.path), **({"warmup": warmup} if warmup is not None else {}))
     settings = raw_settings(c, **built)
     for sentence in settings.ignored():
         log.warning("warning: %s", sentence)
@@ -88,4 +93,14 @@ def _guarded(fn: Callable, key: str, target: str, name: str, pair: bool = False)
 def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any = None) -> Step:
     """The step a (composed) config describes; validated first unless ``check`` is false.
     ``graph``: the model's stage graph, when it is not a chain (a traced model's)."""
-    return settings_of(cfg, check).step(graph)
+    step = settings_of(cfg, check).step(graph)
+    if step.order.name == "file":  # the file's placement must be the scheme's: refuse before any worker starts
+        from ..schedule.order_file import FileOrder
+        from ..schedule.simulate import place_all
+
+        assert isinstance(step.order, FileOrder)
+        try:
+            step.order.sequences(step.space, place_all(step)[0])
+        except ValueError as e:
+            raise ConfigError([str(e).rstrip(".") + "."]) from e
+    return step

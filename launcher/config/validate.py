@@ -36,6 +36,7 @@ from ..schedule.rules import DURATION_KINDS, StepError
 from ..schedule.settings import DEFAULT, Settings
 from .paths import dir_error
 from .schema import MODES, SETTING_KEYS, LauncherConf
+from .sentences import one_line
 
 GROUPS = ("strategy", "order", "model", "data", "trainer", "logger", "hparams_search")
 #: strategies only the launcher has (no schedule of their own), and how the sentences name them
@@ -154,6 +155,7 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
                 f"callable n(s, b, d) -> comparable, e.g. mymodule.my_order."
             )
         given["order"] = _custom
+    out += _order_file_errors(cfg, given)
     settings = raw_settings(cfg, **given)
     if settings.order in SPLIT_ONLY and settings.split_backward is False:
         out.append(f"split_backward=false is invalid with order={settings.order}: it defers the weight-gradient "
@@ -190,6 +192,32 @@ def partition_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     if by != "params" and split is not None:
         return [f"partition={by} is invalid with split={split}: a traced model is cut at its split points, and "
                 f"partition applies to a model's self.stages only; leave partition at params or split at null."]
+    return []
+
+
+def _order_file_errors(cfg: DictConfig | Mapping[str, Any], given: dict[str, Any]) -> list[str]:
+    """``order=file`` needs a readable schedule file in ``order.path`` (the file's order goes in
+    ``given``), and ``order.path`` and ``order.export`` only mean something where they apply."""
+    from ..schedule.order_file import FileOrder, read_jobs
+
+    name, path = _get(cfg, "order.name"), _get(cfg, "order.path")
+    path = None if path in ("", "???") else path
+    if name != "file":
+        if path is not None:
+            return [f"order.path={path} is invalid with order={name}: only order=file reads a schedule file; "
+                    f"drop order.path or set order=file."]
+        return []
+    warmup = _get(cfg, "warmup")
+    given["order"] = FileOrder(path=str(path or ""), **({"warmup": warmup} if warmup is not None else {}))
+    if path is None:
+        return ["order.path is missing: order=file reads each worker's job sequence from a file, so give "
+                "order.path=PATH (our action text, or torch's compute_only CSV for a .csv)."]
+    try:
+        read_jobs(str(path))
+    except OSError as e:
+        return [f"order.path={path} cannot be read: {e.strerror or one_line(e)}."]
+    except ValueError as e:
+        return [f"order.path={path} is not a schedule file: {str(e).rstrip('.')}."]
     return []
 
 

@@ -98,6 +98,12 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     con.print(closed_form_table(rec))
     con.print(f"pipeline ({legend('both')}):", highlight=False)
     print(ascii_diagram(tl, cells="both"), flush=True)
+    export = cfg.order.get("export")
+    if export:  # the step's job sequences, for order=file here or torch's _load_csv (a .csv)
+        from ..schedule.order_file import write_schedule
+
+        con.print(f"wrote the schedule to {write_schedule(tl.step.space, tl.program, export)}", highlight=False,
+                  soft_wrap=True)
     if draw:
         con.print(f"wrote {json_path} and {png_path}", highlight=False, soft_wrap=True)
     else:
