@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from launcher.schedule.order import Order
 from launcher.schedule.settings import DEFAULT, make_step
 
 from .engine import Engine
@@ -120,7 +121,7 @@ class Case:
     R: int
     S: int
     B: int
-    order: str = DEFAULT.order_name
+    order: str | Order = DEFAULT.order_name  # a name, or an order object (a schedule file's)
     optimizer: str = "sgd"
     split: bool = False
     weight_cache: str = DEFAULT.weight_cache
@@ -137,7 +138,8 @@ class Case:
             f"-prefetch{self.prefetch}" if self.prefetch != 1 else "",
             f"-bucket{self.bucket_bytes}" if self.bucket_bytes is not None else "",
         ])
-        return f"{self.strategy}-G{self.G}R{self.R}-S{self.S}B{self.B}-{self.order}-{self.optimizer}{extra}"
+        order = self.order if isinstance(self.order, str) else self.order.name
+        return f"{self.strategy}-G{self.G}R{self.R}-S{self.S}B{self.B}-{order}-{self.optimizer}{extra}"
 
     def make_optimizer(self, params: list) -> torch.optim.Optimizer:
         if self.optimizer == "sgd":
