@@ -10,13 +10,12 @@ import types
 from pathlib import Path
 
 import pytest
+from test_runtime_oracle import _check  # its rootdir is on sys.path, as for every test module
 
 from launcher.runtime import launch
 from launcher.runtime.oracle import Case, run_cases
 from launcher.schedule import make_step, simulate
 from launcher.schedule.order_file import FileOrder, write_schedule
-
-from test_runtime_oracle import _check  # its rootdir is on sys.path, as for every test module
 
 pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
 
