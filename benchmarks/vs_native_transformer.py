@@ -6,6 +6,7 @@ The built-in GPT and Hugging Face's Llama, on the same stage modules on both sid
     python benchmarks/vs_native_transformer.py --quick       # a smoke run (tiny, W = 4, the test suite runs it)
     python benchmarks/vs_native_transformer.py --models llama --sizes 256 --pairs ddp-w4,1f1b-w4 --json out.json
     python benchmarks/vs_native_transformer.py --backend nccl  # one GPU per rank
+    python benchmarks/vs_native_transformer.py --schedules sched --pairs torch-csv-w4,ours-csv-w4  # schedules as files
 
 Workload, per model and size: the model's own modules ``[embedding, block x L, head]``
 (:class:`launcher.models.GPT`'s ``stages``; :class:`launcher.models.HFCausalLM`'s cut of
@@ -80,6 +81,35 @@ PAIRS = [
     Pair("1f1b-w8", "gpipe", 1, 8, 8, 8, "1f1b", False, "1f1b"),
 ]
 QUICK_PAIRS = "fsdp-w4,interleaved-zb-w4"
+#: schedules as data (``--schedules``): both sides run one CSV file, torch's own interleaved 1F1B
+#: (ours reads it with ``order=file``) and our 1F1B tie-break on the looped pipeline (torch reads
+#: it with ``_PipelineScheduleRuntime._load_csv``)
+FILE_PAIRS = "torch-csv-w4,ours-csv-w4"
+NATIVE_NAMES = {**NATIVE, "csv": "_load_csv"}
+
+
+def file_pairs(folder: str) -> list[Pair]:
+    """The two schedule-file pairs, their CSV files written under ``folder``."""
+    import types
+    from pathlib import Path
+
+    from torch.distributed.pipelining import schedules as pps
+
+    from launcher.schedule.order_file import FileOrder, write_schedule
+
+    R, per, B = 4, 2, 8
+    theirs = {}
+    for r in range(R):  # torch's own interleaved 1F1B, computed without a process group
+        sched = types.SimpleNamespace(n_local_stages=per, microbatches_per_round=R, pp_group_size=R, _n_microbatches=B)
+        theirs[r] = pps.ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, r)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    torch_csv = str(Path(folder) / "torch_interleaved_1f1b.csv")
+    pps.PipelineScheduleMulti._dump_csv(types.SimpleNamespace(pipeline_order=theirs), torch_csv)
+    tl = simulate(make_step("lpp", R * per, B, G=1, R=R, order="1f1b"))
+    ours_csv = str(write_schedule(tl.step.space, tl.program, Path(folder) / "ours_lpp_1f1b.csv"))
+    return [Pair("torch-csv-w4", "lpp", 1, R, R * per, B, FileOrder(path=torch_csv), False,  # type: ignore[arg-type]
+                 "interleaved_1f1b"),
+            Pair("ours-csv-w4", "lpp", 1, R, R * per, B, FileOrder(path=ours_csv), False, "csv")]  # type: ignore[arg-type]
 MODELS = {"gpt": "GPT", "llama": "Llama"}
 
 
@@ -213,6 +243,9 @@ class NativeT(Native):
         if p.native in ("ddp", "fsdp"):  # FSDP: fully_shard per transformer block, then the root
             self._data_parallel(stages, x, t, device,
                                 units=[m for s in stages for m in s.modules() if isinstance(m, blocks)])
+        elif p.native == "csv":  # a runtime schedule whose actions are replaced by the file's
+            self._pipeline(replace(p, native="interleaved_1f1b"), stages, x, t, device)
+            self.sched._load_csv(p.order.path)  # type: ignore[attr-defined]
         else:  # stage s on rank s mod W, torch.distributed.pipelining's schedule
             self._pipeline(p, stages, x, t, device)
         self.optimizer = adamw(self.params)
@@ -255,13 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help=f"a smoke run: d_model 64, T=16, W=4, pairs {QUICK_PAIRS}, 1 repetition")
     ap.add_argument("--json", default="", help="write every measurement here")
+    ap.add_argument("--schedules", default="", help=f"write schedule CSVs here and add the pairs {FILE_PAIRS}")
     args = ap.parse_args(argv)
     # the root's output (the logits) is a view; nothing writes into it (inherited by the workers)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     if args.quick:
         args.sizes, args.seq, args.mb, args.reps, args.steps, args.warmup = "64", 16, 1, 1, 1, 1
         args.pairs = args.pairs or QUICK_PAIRS
-    pairs = [p for p in PAIRS if not args.pairs or p.name in args.pairs.split(",")]
+    every = PAIRS + (file_pairs(args.schedules) if args.schedules else [])
+    pairs = [p for p in every if not args.pairs or p.name in args.pairs.split(",")]
     if args.quick:
         pairs = [p for p in pairs if p.W <= 4]
     sizes = [Size(m, int(d), args.layers, args.seq, args.mb)
@@ -286,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             failed |= not agree
             pred = predicted(p, size, grads[p.S], result)
             row = {"model": MODELS[size.model], "d": size.d, "layers": size.layers, "T": size.T, "mb": size.mb,
-                   "pair": p.name, "native": NATIVE[p.native], "W": p.W, "S": p.S, "B": p.B,
+                   "pair": p.name, "native": NATIVE_NAMES[p.native], "W": p.W, "S": p.S, "B": p.B,
                    "ours_median_s": statistics.median(ours), "ours_min_s": min(ours),
                    "native_median_s": statistics.median(native), "native_min_s": min(native),
                    "ratio": statistics.median(ours) / statistics.median(native), "predicted_s": pred,
@@ -297,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             row["cpu_ratio"] = row["ours_cpu_s"] / row["native_cpu_s"]
             row["ours_s"], row["native_s"] = ours, native  # every timed step, for medians pooled over runs
             rows.append(row)
-            table.add_row(row["model"], str(size.d), p.name, NATIVE[p.native], str(p.W),
+            table.add_row(row["model"], str(size.d), p.name, NATIVE_NAMES[p.native], str(p.W),
                           f"{row['ours_median_s'] * 1e3:.1f} / {row['ours_min_s'] * 1e3:.1f}",
                           f"{row['native_median_s'] * 1e3:.1f} / {row['native_min_s'] * 1e3:.1f}",
                           f"{row['ratio']:.2f}", f"{row['ours_cpu_s'] * 1e3:.0f} / {row['native_cpu_s'] * 1e3:.0f}",
