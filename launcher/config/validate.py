@@ -158,8 +158,8 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     out += _order_file_errors(cfg, given)
     settings = raw_settings(cfg, **given)
     if settings.order in SPLIT_ONLY and settings.split_backward is False:
-        out.append(f"split_backward=false is invalid with order={settings.order}: it defers the weight-gradient "
-                   f"jobs W, which exist only when the backward is split; leave split_backward at true.")
+        out.append(f"split_backward=false is invalid with order={settings.order}: it runs the weight-gradient "
+                   f"jobs W apart, which exist only when the backward is split; leave split_backward at true.")
     W = _get(cfg, "W", _ABSENT)
     return out + settings.errors(**({} if W is _ABSENT else {"W": W}))
 

@@ -51,7 +51,7 @@ def order_fits(order: str, R: int, S: int, split: bool) -> bool:
     """Whether a built-in order exists at this point: ZB-H1 defers the split backward's weight
     gradients; the interleaved 1F1B needs a looped pipeline (``1 < R < S``, ``S`` a multiple of ``R``)."""
     o = ORDER_CLASSES[order]
-    return (split or not o.defer_w) and (not o.looped_only or (1 < R < S and S % R == 0))
+    return (split or not o.split_only) and (not o.looped_only or (1 < R < S and S % R == 0))
 
 
 def placements(workers: int, S: int, B: int) -> Iterator[tuple[int, int]]:

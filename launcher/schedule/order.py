@@ -18,6 +18,11 @@ same time.
   worker has no ``F`` or ``I`` left, the rest are flushed. Every worker then has the same number
   of micro-batches in flight counting deferred ``W`` (the paper's memory argument), and the ``W``
   jobs fill the tail of the step. :mod:`launcher.schedule.simulate` applies the deferral.
+- ``zb_h2``: ZB-H2 of the same paper (split backward only): a fixed sequence per worker
+  (:func:`zb_h2_sequence`) that the simulator follows strictly. The worker at place ``r`` of a
+  pipeline of ``P`` first runs up to ``2 (P - 1 - r) + 1`` forwards (the paper's parallelogram: the
+  first worker holds ``2P - 1`` micro-batches), then repeats ``I``, ``W``, ``F``, and finally the
+  remaining ``I`` jobs followed by their ``W`` jobs (the ``W`` passes moved to the tail).
 - ``interleaved_1f1b``: the interleaved 1F1B of Narayanan et al., "Efficient Large-Scale Language
   Model Training on GPU Clusters Using Megatron-LM" (SC 2021), as Megatron and
   ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` order it, for looped pipelines
@@ -55,6 +60,7 @@ class Order:
     defer_w: ClassVar[bool] = False  # ZB-H1's deferral of weight-gradient jobs (needs the split backward)
     integer_keys: ClassVar[bool] = True  # keys are small non-negative ints the simulator may pack
     looped_only: ClassVar[bool] = False  # valid only on a looped pipeline (1 < R < stages)
+    split_only: ClassVar[bool] = False  # valid only on the split backward (F, I, W)
 
     @property
     def in_flight_limit(self) -> bool:
@@ -130,6 +136,7 @@ class ZBH1(Order):
     name: ClassVar[str] = "zb_h1"
     default_warmup: ClassVar[str] = "classic"
     defer_w: ClassVar[bool] = True
+    split_only: ClassVar[bool] = True
 
     def keys(self, space: JobSpace) -> list:
         return _zb_h1_keys(space)
@@ -198,6 +205,17 @@ class Interleaved(Sequenced):
 
     def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
         return interleaved_sequence(space, compute)
+
+
+@dataclass(frozen=True)
+class ZBH2(Sequenced):
+    """ZB-H2 on the split backward (:func:`zb_h2_sequence`); each worker follows it strictly."""
+
+    name: ClassVar[str] = "zb_h2"
+    split_only: ClassVar[bool] = True
+
+    def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
+        return zb_h2_sequence(space, compute)
 
 
 @dataclass(frozen=True)
@@ -285,17 +303,96 @@ def interleaved_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[i
     return out
 
 
+def zb_h2_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
+    """Each worker's jobs in ZB-H2's order (the paper's Figure 3, bottom; split backward only).
+
+    The order is the one the figure draws with ``T_F = T_B = T_W`` and no communication, built
+    here slot by slot in those unit times. A micro-batch visits its ``P`` workers in turn (a
+    worker holding several consecutive stages of it runs them as one unit); in each slot the
+    worker at place ``r`` runs the first of these that is ready: an ``I`` (the backward chain
+    never waits); an ``F`` while fewer than ``2 (P - 1 - r) + 1`` micro-batches have run ``F`` and
+    not ``I`` (the figure's longer warm-up); a ``W`` once more than ``2 r`` wait, or when nothing
+    else can run (the figure's ``W`` jobs moved to the tail: the last worker ends with ``2P - 1``
+    of them, the first with one). Every worker is then busy from its first job to its last."""
+    if space.K != 3:
+        raise ValueError("order=zb_h2 runs the weight-gradient jobs W apart, so it needs split_backward=True")
+    S, B = space.S, space.B
+    SB = S * B
+    nw = max(compute[:SB], default=-1) + 1
+    # per micro-batch, the runs of consecutive stages on one worker, in forward order
+    visits: list[list[tuple[int, list[int]]]] = []
+    for b in range(B):
+        runs: list[tuple[int, list[int]]] = []
+        for s in range(S):
+            w = compute[s * B + b]
+            if runs and runs[-1][0] == w:
+                runs[-1][1].append(s)
+            else:
+                runs.append((w, [s]))
+        visits.append(runs)
+    # each worker's forward units (b, place, stages) in micro-batch order, then place upward; its
+    # backward units in micro-batch order, then place downward (on a looped pipeline a worker
+    # holds several places of one micro-batch)
+    units: list[list[tuple[int, int, list[int]]]] = [[] for _ in range(nw)]
+    for b, runs in enumerate(visits):
+        for r, (w, stages) in enumerate(runs):
+            units[w].append((b, r, stages))
+    back = [sorted(u, key=lambda x: (x[0], -x[1])) for u in units]
+    end_f: dict[tuple[int, int], int] = {}  # (micro-batch, place) -> the slot after its F
+    end_i: dict[tuple[int, int], int] = {}
+    nf, ni, nwj = [0] * nw, [0] * nw, [0] * nw
+    out: list[list[int]] = [[] for _ in range(nw)]
+    left = 3 * sum(len(u) for u in units)
+    t = idle = 0
+    while left:
+        ran = False
+        for w, u in enumerate(units):
+            if nwj[w] == len(u):
+                continue
+            P, r0 = len(visits[u[0][0]]), u[0][1]
+            f_ready = nf[w] < len(u) and (u[nf[w]][1] == 0 or end_f.get((u[nf[w]][0], u[nf[w]][1] - 1), t + 1) <= t)
+            f_ok = f_ready and nf[w] - ni[w] < 2 * (P - 1 - r0) + 1  # the longer warm-up
+            i_ready = False
+            if ni[w] < len(u):
+                b, r, _ = back[w][ni[w]]
+                after = end_f.get((b, r), t + 1) if r == len(visits[b]) - 1 else end_i.get((b, r + 1), t + 1)
+                i_ready = after <= t
+            if i_ready:
+                b, r, stages = back[w][ni[w]]
+                out[w] += [SB + s * B + b for s in reversed(stages)]
+                end_i[b, r] = t + 1
+                ni[w] += 1
+            elif f_ok:
+                b, r, stages = u[nf[w]]
+                out[w] += [s * B + b for s in stages]
+                end_f[b, r] = t + 1
+                nf[w] += 1
+            elif nwj[w] < ni[w] and (ni[w] - nwj[w] > 2 * r0 or not f_ok):
+                b, r, stages = back[w][nwj[w]]
+                out[w] += [2 * SB + s * B + b for s in reversed(stages)]
+                nwj[w] += 1
+            else:
+                continue
+            left -= 1
+            ran = True
+        t += 1
+        idle = 0 if ran else idle + 1
+        if idle > 2 * S + 2:  # nothing ran for longer than any dependency chain: a cycle
+            raise ValueError("order=zb_h2: the workers' jobs wait on each other on this placement")
+    return out
+
+
 #: the built-in orders by name
-ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1, Interleaved)}
+ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1, ZBH2, Interleaved)}
 BUILTIN = tuple(ORDERS)
 #: built-in orders that only exist on the split backward
-SPLIT_ONLY = tuple(name for name, o in ORDERS.items() if o.defer_w)
+SPLIT_ONLY = tuple(name for name, o in ORDERS.items() if o.split_only)
 
 
 def make_order(spec: str | Callable[[int, int, str], Any], warmup: str | None = None) -> Order:
     """Build an order from a built-in name or a callable ``key(s, b, d)``.
 
-    ``warmup`` defaults to ``classic`` for ``1f1b``, ``zb_h1`` and ``interleaved_1f1b``, ``none`` for
+    ``warmup`` defaults to ``classic`` for ``1f1b``, ``zb_h1``, ``zb_h2`` and ``interleaved_1f1b``, ``none`` for
     every other order.
     """
     if warmup is not None and warmup not in WARMUPS:

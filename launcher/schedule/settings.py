@@ -164,8 +164,8 @@ class Settings:
         placement: Placement = named(self.scheme, self.G, self.R, self.ownership) if isinstance(self.scheme, str) \
             else self.scheme  # type: ignore[assignment]  # a user's callable, as Placement describes it
         o = self.order if isinstance(self.order, Order) else make_order(self.order, self.warmup)
-        if o.defer_w and not self.split_backward:
-            raise ValueError(f"order={o.name} defers the weight-gradient jobs W, so it needs split_backward=True")
+        if o.split_only and not self.split_backward:
+            raise ValueError(f"order={o.name} runs the weight-gradient jobs W apart, so it needs split_backward=True")
         return Step(JobSpace(graph, self.microbatches, self.split_backward), placement, self.W, o,
                     dict(self.durations), self.comm, self.memory_limit, self.name,
                     list(self.stage_durations) if self.stage_durations is not None else None,
