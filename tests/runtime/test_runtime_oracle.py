@@ -48,6 +48,8 @@ CASES_W4 = (
        Case("fslpp", 2, 2, 8, 4, order="interleaved_1f1b", split=True)]
     # ZB-H1: split backward, weight-gradient jobs deferred by up to the stage index
     + [Case("gpipe", 1, 4, 4, 8, order="zb_h1", split=True)]
+    # ZB-H2: a longer warm-up (2p - 1 micro-batches on the first worker), W jobs at the tail
+    + [Case("gpipe", 1, 4, 4, 8, order="zb_h2", split=True), Case("gpipe", 1, 4, 4, 3, order="zb_h2", split=True)]
     # replicas' all-reduce: a bucket per stage, launched mid-step (gloo's collective) rather than
     # at the end (halving-doubling); three replicas (not a power of two) on a subgroup of the four
     + [Case("ddp", 4, 1, 3, 4, bucket_bytes=1), Case("lpp", 2, 2, 8, 8, order="breadth_first", bucket_bytes=1),
