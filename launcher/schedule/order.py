@@ -20,9 +20,9 @@ same time.
   jobs fill the tail of the step. :mod:`launcher.schedule.simulate` applies the deferral.
 - ``zb_h2``: ZB-H2 of the same paper (split backward only): a fixed sequence per worker
   (:func:`zb_h2_sequence`) that the simulator follows strictly. The worker at place ``r`` of a
-  pipeline of ``P`` first runs up to ``2 (P - 1 - r) + 1`` forwards (the paper's parallelogram: the
-  first worker holds ``2P - 1`` micro-batches), then repeats ``I``, ``W``, ``F``, and finally the
-  remaining ``I`` jobs followed by their ``W`` jobs (the ``W`` passes moved to the tail).
+  pipeline of ``P`` keeps up to ``2 (P - 1 - r) + 1`` micro-batches between ``F`` and ``I`` (the
+  first worker ``2P - 1``), runs an ``I`` as soon as it is ready and holds back ``2 r`` ``W`` jobs
+  for the tail: at ``T_F = T_B = T_W`` the paper's parallelogram (its Figure 3, bottom).
 - ``interleaved_1f1b``: the interleaved 1F1B of Narayanan et al., "Efficient Large-Scale Language
   Model Training on GPU Clusters Using Megatron-LM" (SC 2021), as Megatron and
   ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` order it, for looped pipelines

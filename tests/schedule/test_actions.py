@@ -40,6 +40,8 @@ CONFIGS = [
     ("fslpp", 4, 4, 2, 2, "1f1b", False),
     ("gpipe", 4, 8, 1, 4, "zb_h1", True),
     ("lpp", 4, 4, 2, 2, "zb_h1", True),
+    ("gpipe", 4, 8, 1, 4, "zb_h2", True),
+    ("lpp", 4, 4, 2, 2, "zb_h2", True),
 ]
 KINDS = set(COMPUTE) | {SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD, SEND_WEIGHTS, RECV_WEIGHTS, FREE_WEIGHTS, SEND_WGRAD,
                         RECV_WGRAD, FREE_WGRAD, REDUCE}
