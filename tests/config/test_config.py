@@ -107,7 +107,8 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
             "(the planner chooses) and strategy=single (Lightning's default strategy on one device)."]),
         (["-m", "strategy=ddp,foo"], None),  # "-m" is not an override: parsed away by the CLI
         (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, depth_first, "
-                          "interleaved_1f1b, zb_h1, zb_h2, or an order callable (order=custom with order.n._target_)."]),
+                          "file, interleaved_1f1b, zb_h1, zb_h2, or an order callable "
+                          "(order=custom with order.n._target_)."]),
         (["G=2.5"], ["G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["R=1,x"], ["R=x is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["comm=abc"], ["comm=abc is invalid: the communication delay must be a finite number >= 0."]),
