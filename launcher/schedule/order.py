@@ -30,6 +30,8 @@ same time.
   them from the placement. With its default ``warmup="classic"`` each worker runs exactly that
   sequence, waiting for the next job in it (its warm-up count is what bounds its memory);
   ``warmup="none"`` uses the sequence's ranks as a pure tie-break.
+- ``auto``: the sequences a search finds for the step's own durations, ``comm`` and
+  ``memory_limit`` (:mod:`launcher.schedule.auto_order`), on the split backward.
 - any callable ``key(s, b, d) -> comparable`` (:class:`Custom`; ``order.n`` in the config).
 """
 
@@ -382,8 +384,11 @@ def zb_h2_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
     return out
 
 
+from .auto_order import AutoOrder  # noqa: E402  (it subclasses Sequenced, above)
+
 #: the built-in orders by name
-ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1, ZBH2, Interleaved)}
+ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1, ZBH2, Interleaved,
+                                                      AutoOrder)}
 BUILTIN = tuple(ORDERS)
 #: built-in orders that only exist on the split backward
 SPLIT_ONLY = tuple(name for name, o in ORDERS.items() if o.split_only)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence, Union
 
+from .auto_order import AutoOrder, auto_sequences
 from .graph import JobSpace, StageGraph
 from .order import Order, make_order
 from .placement import Placement
@@ -166,10 +167,15 @@ class Settings:
         o = self.order if isinstance(self.order, Order) else make_order(self.order, self.warmup)
         if o.split_only and not self.split_backward:
             raise ValueError(f"order={o.name} runs the weight-gradient jobs W apart, so it needs split_backward=True")
-        return Step(JobSpace(graph, self.microbatches, self.split_backward), placement, self.W, o,
+        step = Step(JobSpace(graph, self.microbatches, self.split_backward), placement, self.W, o,
                     dict(self.durations), self.comm, self.memory_limit, self.name,
                     list(self.stage_durations) if self.stage_durations is not None else None,
                     self.recompute_stages)
+        if isinstance(o, AutoOrder) and o.seqs is None:  # search the sequences for this step's own profile
+            step.order = replace(o, seqs=auto_sequences(step))
+            if step.order.in_sequence:
+                step.memory_limit = None  # the sequences keep to it themselves, counted from F to W
+        return step
 
 
 #: every default, once: the config's schema and every entry point read them from here
