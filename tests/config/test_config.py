@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -13,6 +14,10 @@ from launcher.config import ConfigError, check_overrides, errors, to_step
 from launcher.config.validate import check_sweep_overrides
 from launcher.modes.simulation import simulate_config
 from launcher.schedule import make_step, simulate
+
+#: the order group's options as the command line lists them (every file of conf/order but the callable's)
+ORDER_GROUP = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "order").glob("*.yaml")
+                     if p.stem != "custom")
 
 
 def test_defaults_compose_and_are_valid(cfg_of):
@@ -106,9 +111,8 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
             "callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
             "(the planner chooses) and strategy=single (Lightning's default strategy on one device)."]),
         (["-m", "strategy=ddp,foo"], None),  # "-m" is not an override: parsed away by the CLI
-        (["order=lifo"], ["order=lifo is not a known order; choose one of 1f1b, breadth_first, depth_first, "
-                          "file, interleaved_1f1b, zb_h1, zb_h2, or an order callable "
-                          "(order=custom with order.n._target_)."]),
+        (["order=lifo"], [f"order=lifo is not a known order; choose one of {', '.join(ORDER_GROUP)}, or an order "
+                          "callable (order=custom with order.n._target_)."]),
         (["G=2.5"], ["G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["R=1,x"], ["R=x is invalid: the sizes G, R, stages and microbatches must be positive integers."]),
         (["comm=abc"], ["comm=abc is invalid: the communication delay must be a finite number >= 0."]),
@@ -248,3 +252,16 @@ def test_the_strategy_keywords_build_the_settings_the_command_line_does(cfg_of):
     assert UnifiedStrategy(settings=cli).settings is cli
     with pytest.raises(TypeError, match="either as settings"):
         UnifiedStrategy(settings=cli, stages=4)
+
+
+def test_order_auto_composes_validates_and_searches_under_the_limit(cfg_of):
+    from launcher.schedule.auto_order import paper_peaks
+
+    c = cfg_of("order=auto", "memory_limit=8", "strategy=gpipe", "stages=4", "microbatches=8")
+    assert (c.order.name, c.split_backward, c.memory_limit) == ("auto", True, 8)
+    assert errors(c) == []
+    step = to_step(c)
+    assert step.order.seqs is not None
+    tl = simulate(step)
+    assert max(paper_peaks(tl)) <= 8
+    assert errors(cfg_of("order=auto", "split_backward=false", "strategy=gpipe")) != []
