@@ -50,6 +50,8 @@ CASES_W4 = (
     + [Case("gpipe", 1, 4, 4, 8, order="zb_h1", split=True)]
     # ZB-H2: a longer warm-up (2p - 1 micro-batches on the first worker), W jobs at the tail
     + [Case("gpipe", 1, 4, 4, 8, order="zb_h2", split=True), Case("gpipe", 1, 4, 4, 3, order="zb_h2", split=True)]
+    # the automatic schedule: each worker's searched sequence, run strictly
+    + [Case("gpipe", 1, 4, 4, 8, order="auto", split=True)]
     # replicas' all-reduce: a bucket per stage, launched mid-step (gloo's collective) rather than
     # at the end (halving-doubling); three replicas (not a power of two) on a subgroup of the four
     + [Case("ddp", 4, 1, 3, 4, bucket_bytes=1), Case("lpp", 2, 2, 8, 8, order="breadth_first", bucket_bytes=1),
