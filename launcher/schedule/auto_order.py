@@ -27,29 +27,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Sequence
 
-from .graph import JobSpace
-from .order import Sequenced
+from .order import AutoOrder, make_order
 
 if TYPE_CHECKING:
     from .simulate import Step, Timeline
-
-
-@dataclass(frozen=True)
-class AutoOrder(Sequenced):
-    """Each worker's job sequence as :func:`auto_sequences` found it (``seqs``), run strictly.
-    :meth:`launcher.schedule.settings.Settings.step` fills ``seqs`` from the step's profile."""
-
-    seqs: tuple[tuple[int, ...], ...] | None = None
-    name: ClassVar[str] = "auto"
-    split_only: ClassVar[bool] = True
-
-    def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
-        if self.seqs is None:
-            raise ValueError("order=auto has no sequences yet: build the step with Settings.step, which searches them")
-        return [list(s) for s in self.seqs]
 
 
 def worker_cap(step: Step) -> list[float]:
@@ -161,7 +145,6 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
 
 def _candidates(step: Step, compute: Sequence[int]) -> list[list[list[int]]]:
     """Every candidate's sequences: the greedy variants, then the named orders' schedules."""
-    from .order import make_order
     from .simulate import ScheduleError, simulate
 
     caps = worker_cap(step)

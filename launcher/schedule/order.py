@@ -384,7 +384,20 @@ def zb_h2_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
     return out
 
 
-from .auto_order import AutoOrder  # noqa: E402  (it subclasses Sequenced, above)
+@dataclass(frozen=True)
+class AutoOrder(Sequenced):
+    """Each worker's job sequence as the search found it (``seqs``; :mod:`launcher.schedule.auto_order`),
+    run strictly. :meth:`launcher.schedule.settings.Settings.step` fills ``seqs`` from the step's profile."""
+
+    seqs: tuple[tuple[int, ...], ...] | None = None
+    name: ClassVar[str] = "auto"
+    split_only: ClassVar[bool] = True
+
+    def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
+        if self.seqs is None:
+            raise ValueError("order=auto has no sequences yet: build the step with Settings.step, which searches them")
+        return [list(s) for s in self.seqs]
+
 
 #: the built-in orders by name
 ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1, ZBH2, Interleaved,

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, TypeGuard
 from .order import BUILTIN as ORDERS
 from .order import ORDERS as ORDER_CLASSES
 from .order import WARMUPS
+from .order_file import FileOrder
 from .schemes import SCHEMES
 
 #: the sizes of a step; each must be a positive integer
@@ -75,7 +76,8 @@ _CUSTOM = {
 def unknown_option(key: str, value: object, extra: Iterable[str] = ()) -> str:
     """The sentence for an unknown ``strategy`` or ``order`` name; ``extra``: options a user's own
     config directory adds to the built-in ones."""
-    names = sorted(set(STRATEGIES if key == "strategy" else ORDERS) | set(extra))
+    # order=file is a name of the config's (it needs order.path), not a built-in order object
+    names = sorted(set(STRATEGIES if key == "strategy" else (*ORDERS, FileOrder.name)) | set(extra))
     return f"{key}={shown(value)} is not a known {key}; choose one of {', '.join(names)}, or {_CUSTOM[key]}."
 
 

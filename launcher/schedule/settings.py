@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from .auto_order import AutoOrder, auto_sequences
+from .auto_order import auto_sequences
 from .graph import JobSpace, StageGraph
-from .order import Order, make_order
+from .order import AutoOrder, Order, make_order
 from .placement import Placement
 from .rules import StepError, step_errors
 from .schemes import SCHEMES, named
