@@ -32,6 +32,9 @@ same time.
   ``warmup="none"`` uses the sequence's ranks as a pure tie-break.
 - ``auto``: the sequences a search finds for the step's own durations, ``comm`` and
   ``memory_limit`` (:mod:`launcher.schedule.auto_order`), on the split backward.
+- ``zbv``: ZB-V of Qi et al. (section 6), as ``torch.distributed.pipelining.ScheduleZBVZeroBubble``
+  orders it (:func:`zbv_sequence`), on the split backward and the V-shaped placement
+  (``strategy=vshape``) only; each worker runs exactly that sequence.
 - any callable ``key(s, b, d) -> comparable`` (:class:`Custom`; ``order.n`` in the config).
 """
 
@@ -63,6 +66,7 @@ class Order:
     integer_keys: ClassVar[bool] = True  # keys are small non-negative ints the simulator may pack
     looped_only: ClassVar[bool] = False  # valid only on a looped pipeline (1 < R < stages)
     split_only: ClassVar[bool] = False  # valid only on the split backward (F, I, W)
+    scheme_only: ClassVar[str | None] = None  # the one named scheme it is made for, if any
 
     @property
     def in_flight_limit(self) -> bool:
@@ -218,6 +222,18 @@ class ZBH2(Sequenced):
 
     def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
         return zb_h2_sequence(space, compute)
+
+
+class ZBV(Sequenced):
+    """ZB-V (:func:`zbv_sequence`) on ``strategy=vshape`` with the split backward; each worker
+    follows it strictly, as PyTorch does."""
+
+    name: ClassVar[str] = "zbv"
+    split_only: ClassVar[bool] = True
+    scheme_only: ClassVar[str | None] = "vshape"
+
+    def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
+        return zbv_sequence(space, compute)
 
 
 @dataclass(frozen=True)
@@ -399,9 +415,59 @@ class AutoOrder(Sequenced):
         return [list(s) for s in self.seqs]
 
 
+def zbv_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
+    """Each worker's jobs in ZB-V's order (``ScheduleZBVZeroBubble``'s), on the split backward.
+
+    Worker ``w`` of ``P = S / 2`` holds its down stage ``a = w`` and its up stage ``c = S - 1 - w``.
+    It counts as if there were ``M = max(B, 2P - 1)`` micro-batches (then drops the jobs of those
+    past ``B``): ``2(P - w) - 1`` forwards of ``a``; ``w`` pairs ``F(c), F(a)``; ``P - w`` triples
+    ``F(c), I(c), W(c)`` (the V's turn: ``c``'s gradient starts on the way up); then, while
+    forwards remain, ``F(a)`` (when any is left), ``I(a), W(a), F(c), I(c), W(c)``; the drain is
+    ``w`` pairs ``I(a), I(c)`` and ``P - w`` pairs ``I(a), W(a)``, and last the ``W`` jobs still
+    owed, ``c``'s then ``a``'s, oldest first. With unit ``F``, ``I`` and ``W`` it has no bubble
+    once ``B >= 2P - 1``, and every worker keeps at most ``2P`` micro-batches' activations."""
+    S, B = space.S, space.B
+    if space.K != 3 or S % 2:
+        raise ValueError(f"order=zbv needs the split backward and an even number of stages, not stages={S} "
+                         f"split_backward={space.K == 3}")
+    P = S // 2
+    return [[space.id(s, b, k) for s, b, k in _zbv_worker(w, P, max(B, 2 * P - 1)) if b < B] for w in range(P)]
+
+
+def _zbv_worker(w: int, P: int, M: int) -> list[tuple[int, int, str]]:
+    """Worker ``w``'s ``(stage, micro-batch, kind)`` in ZB-V's order for ``M`` micro-batches."""
+    a, c = w, 2 * P - 1 - w
+    raw: list[tuple[int, int, str]] = []
+    n = {(s, k): 0 for s in (a, c) for k in "FIW"}  # next micro-batch of each (stage, kind)
+
+    def put(*jobs: tuple[int, str]) -> None:
+        for s, k in jobs:
+            raw.append((s, n[s, k], k))
+            n[s, k] += 1
+
+    for _ in range(2 * (P - w) - 1):
+        put((a, "F"))
+    for _ in range(w):
+        put((c, "F"), (a, "F"))
+    for _ in range(P - w):
+        put((c, "F"), (c, "I"), (c, "W"))
+    while n[c, "F"] < n[a, "F"] or n[a, "F"] < M:
+        if n[a, "F"] < M:
+            put((a, "F"))
+        put((a, "I"), (a, "W"), (c, "F"), (c, "I"), (c, "W"))
+    for _ in range(w):
+        put((a, "I"), (c, "I"))
+    for _ in range(P - w):
+        put((a, "I"), (a, "W"))
+    for s in (c, a):
+        while n[s, "W"] < n[s, "I"]:
+            put((s, "W"))
+    return raw
+
+
 #: the built-in orders by name
 ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1, ZBH2, Interleaved,
-                                                      AutoOrder)}
+                                                      ZBV, AutoOrder)}
 BUILTIN = tuple(ORDERS)
 #: built-in orders that only exist on the split backward
 SPLIT_ONLY = tuple(name for name, o in ORDERS.items() if o.split_only)

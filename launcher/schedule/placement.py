@@ -11,6 +11,7 @@ The named schemes, with ``W = G * R`` workers and the looped hash ``h``:
     GPipe  w(s, b, d) = (s, s)                 W = S
     LPP    w(s, b, d) = (h(s, b), h(s, b))
     FSLPP  w(s, b, d) = (h(s, s), h(s, b))     weights: the batch id replaced by the stage id
+    VShape w(s, b, d) = (v(s), v(s))           S = 2W, v(s) = min(s, 2W - 1 - s)
 
 The order of the tuple is weights first, then compute (docs/design.md, "Placements").
 
@@ -73,6 +74,20 @@ class LPP:
 
     def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
         w = h(s, b, self.G, self.R)
+        return (w, w)
+
+
+@dataclass(frozen=True)
+class VShape:
+    """The V-shaped placement of ZBV and DualPipeV: ``S = 2W`` stages, worker ``w`` holds stages
+    ``w`` and ``2W - 1 - w``, so the first and the last stage share worker 0 and stages ``W - 1``
+    and ``W`` share worker ``W - 1`` (that activation never leaves its worker)."""
+
+    same_for_every_direction: ClassVar[bool] = True
+    W: int
+
+    def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:
+        w = min(s, 2 * self.W - 1 - s)
         return (w, w)
 
 

@@ -177,6 +177,8 @@ def _size_errors(values: Mapping[str, Any], G: int, R: int, S: int, B: int) -> l
         out.append(f"G={G} is invalid: G must not exceed microbatches={B}, or some groups get no micro-batch.")
     if e := _scheme_workers_error(values.get("strategy"), G, R, S, B):
         out.append(e)
+    if e := _scheme_order_error(values.get("strategy"), values.get("order")):
+        out.append(e)
     if e := _looped_order_error(values.get("strategy"), values.get("order"), R, S):
         out.append(e)
     kinds = 3 if values.get("split_backward") is True else 2
@@ -193,6 +195,10 @@ def _scheme_workers_error(strategy: Any, G: int, R: int, S: int, B: int) -> str 
     """The sentence for a named scheme whose layout fixes ``W`` (``W = stages``, say) that
     ``G * R`` does not meet."""
     named = SCHEMES.get(strategy) if isinstance(strategy, str) else None
+    if named is not None and named.W_equals == "half_stages" and (S != 2 * G * R or G != 1):
+        return (f"strategy={strategy} with G={G} R={R} stages={S} is invalid: it is one pipeline of W = R workers "
+                f"that each hold two stages, so it needs G=1 and stages = 2W = 2R "
+                + (f"(set G=1 R={S // 2})." if S % 2 == 0 else "(give it an even number of stages)."))
     fixed = named.sizes(S, B) if named is not None else None
     if named is None or named.W_equals is None or fixed is None or G * R == fixed[0] * fixed[1]:
         return None
@@ -201,6 +207,16 @@ def _scheme_workers_error(strategy: Any, G: int, R: int, S: int, B: int) -> str 
         f"strategy={strategy} needs W = {key}, but W=G*R={G * R} and {key}={want}; "
         f"set G={fixed[0]} R={fixed[1]} (the {strategy} layout) or {key}={G * R}."
     )
+
+
+def _scheme_order_error(strategy: Any, order: Any) -> str | None:
+    """The sentence for an order made for one named scheme (``zbv`` for ``vshape``) under another."""
+    cls = ORDER_CLASSES.get(order) if isinstance(order, str) else None
+    if cls is None or cls.scheme_only is None or strategy == cls.scheme_only:
+        return None
+    shown_strategy = strategy if isinstance(strategy, str) else "custom"
+    return (f"order={order} is invalid with strategy={shown_strategy}: its sequences are made for the placement "
+            f"of strategy={cls.scheme_only}, and only that scheme may use it.")
 
 
 def _looped_order_error(strategy: Any, order: Any, R: int, S: int) -> str | None:

@@ -12,17 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from .placement import DDP, FSDP, FSLPP, LPP, GPipe, Placement
+from .placement import DDP, FSDP, FSLPP, LPP, GPipe, Placement, VShape
 
 #: which size fixes a scheme's worker count, when one does
-Fixed = Literal["microbatches", "stages"]
+Fixed = Literal["microbatches", "stages", "half_stages"]
 
 
 @dataclass(frozen=True)
 class Scheme:
     """A named scheme; ``description`` is its line of ``python -m launcher --help`` (a test holds
     them equal). ``W_equals``: the size its worker count must equal (DDP and FSDP put one worker per
-    micro-batch, GPipe one per stage), or ``None`` when any ``G * R`` works."""
+    micro-batch, GPipe one per stage, the V shape one per two stages), or ``None`` when any ``G * R``
+    works."""
 
     name: str
     description: str
@@ -37,6 +38,9 @@ class Scheme:
     #: the default ``checkpoint.format``: ``sharded`` where each stage's weights have one owner (no
     #: worker holds the whole model, so none should gather it), ``single`` where they are replicated
     checkpoint: str = "single"
+    #: whether its compute placement is the looped hash ``h(s, b)`` at its ``(G, R)`` (the planner
+    #: searches those only); the V shape's ``min(s, S - 1 - s)`` is not
+    hashed: bool = True
 
     @property
     def has_order(self) -> bool:
@@ -49,6 +53,8 @@ class Scheme:
             return microbatches, 1
         if self.W_equals == "stages":
             return 1, stages
+        if self.W_equals == "half_stages":  # one pipeline of S / 2 workers (odd S: the rules refuse it)
+            return 1, max(1, stages // 2)
         return None
 
     def sizes_or(self, G: int, R: int, stages: int, microbatches: int) -> tuple[int, int]:
@@ -57,7 +63,7 @@ class Scheme:
 
     def computes_at(self, G: int, R: int, stages: int, microbatches: int) -> bool:
         """Whether the scheme's compute placement is the looped hash ``h(s, b)`` with this ``(G, R)``."""
-        return self.sizes_or(G, R, stages, microbatches) == (G, R)
+        return self.hashed and self.sizes_or(G, R, stages, microbatches) == (G, R)
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -75,6 +81,8 @@ SCHEMES: dict[str, Scheme] = {
                lambda G, R, own: LPP(G, R)),
         Scheme("fslpp", "fully sharded looped pipeline: lpp with each stage's weights owned by one worker",
                lambda G, R, own: FSLPP(G, R, own), fetches=True, checkpoint="sharded"),
+        Scheme("vshape", "V-shaped pipeline: worker w holds stages w and S-1-w (G = 1, R = S/2), as ZBV and DualPipeV",
+               lambda G, R, own: VShape(G * R), "half_stages", checkpoint="sharded", hashed=False),
     )
 }
 

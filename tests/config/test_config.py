@@ -14,6 +14,12 @@ from launcher.config import ConfigError, check_overrides, errors, to_step
 from launcher.config.validate import check_sweep_overrides
 from launcher.modes.simulation import simulate_config
 from launcher.schedule import make_step, simulate
+from launcher.schedule.order import ORDERS
+from launcher.schedule.schemes import SCHEMES
+
+#: the registries' names as the sentences list them (every scheme and order, from one place)
+NAMED_SCHEMES = ", ".join(sorted(SCHEMES))
+NAMED_ORDERS = ", ".join(sorted(ORDERS))
 
 #: the order group's options as the command line lists them (every file of conf/order but the callable's)
 ORDER_GROUP = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "order").glob("*.yaml")
@@ -107,7 +113,7 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
     "overrides, expected",
     [
         (["strategy=foo"], [
-            "strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement "
+            f"strategy=foo is not a known strategy; choose one of {NAMED_SCHEMES}, or a placement "
             "callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
             "(the planner chooses) and strategy=single (Lightning's default strategy on one device)."]),
         (["-m", "strategy=ddp,foo"], None),  # "-m" is not an override: parsed away by the CLI
@@ -123,7 +129,7 @@ def test_memory_limit_that_cannot_finish_is_one_sentence(cfg_of):
 def test_command_line_precheck(overrides, expected):
     if expected is None:
         assert check_overrides(["strategy=ddp,foo"]) == [
-            "strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement "
+            f"strategy=foo is not a known strategy; choose one of {NAMED_SCHEMES}, or a placement "
             "callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
             "(the planner chooses) and strategy=single (Lightning's default strategy on one device)."]
     else:
