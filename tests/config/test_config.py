@@ -19,7 +19,6 @@ from launcher.schedule.schemes import SCHEMES
 
 #: the registries' names as the sentences list them (every scheme and order, from one place)
 NAMED_SCHEMES = ", ".join(sorted(SCHEMES))
-NAMED_ORDERS = ", ".join(sorted(ORDERS))
 
 #: the order group's options as the command line lists them (every file of conf/order but the callable's)
 ORDER_GROUP = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "order").glob("*.yaml")
