@@ -67,6 +67,13 @@ CASES_W8 = [
     Case("fsdp", 8, 1, 4, 8, weight_cache="job"),
 ]
 
+# the V shape: worker w holds stages w and 2W-1-w, so stage W-1 hands its activation (and stage W
+# its gradient) to its own worker; ZB-V follows PyTorch's sequence strictly
+CASES_VSHAPE = [Case("vshape", 1, 4, 8, 8, order="1f1b", optimizer="adam"),
+                Case("vshape", 1, 4, 8, 8, order="1f1b", split=True),
+                Case("vshape", 1, 4, 8, 8, order="zbv", split=True, optimizer="adam"),
+                Case("vshape", 1, 2, 4, 3, order="zbv", split=True)]
+
 
 def _run(cases: list[Case], W: int) -> dict[str, tuple[Case, list[dict]]]:
     per_rank = launch(run_cases, W, cases, timeout=20, deadline=240)
@@ -76,6 +83,11 @@ def _run(cases: list[Case], W: int) -> dict[str, tuple[Case, list[dict]]]:
 @pytest.fixture(scope="module")
 def results_w4():
     return _run(CASES_W4, 4)
+
+
+@pytest.fixture(scope="module")
+def results_vshape():
+    return _run(CASES_VSHAPE, 4)
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +126,9 @@ def test_oracle_w4(results_w4, case):
 @pytest.mark.parametrize("case", CASES_W8, ids=lambda c: c.name)
 def test_oracle_w8(results_w8, case):
     _check(*results_w8[case.name])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES_VSHAPE, ids=lambda c: c.name)
+def test_oracle_vshape(results_vshape, case):
+    _check(*results_vshape[case.name])
