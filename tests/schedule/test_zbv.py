@@ -104,3 +104,24 @@ def test_not_in_the_planners_hashed_space():
     from launcher.plan.space import schemes_at
 
     assert "vshape" not in [v.name for v in schemes_at(1, 2, 4, 4)]
+
+
+def test_config_group():
+    """``conf/strategy/vshape.yaml`` takes G and R from the registry; ``conf/order/zbv.yaml`` names
+    the order (composed from this checkout's ``conf/``)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    import launcher.config  # noqa: F401  (registers the schema and the resolver)
+    from launcher.config import errors, to_step
+
+    with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["strategy=vshape", "stages=8", "microbatches=8", "order=zbv",
+                                           "split_backward=true"])
+        assert errors(cfg) == []
+        step = to_step(cfg)
+        assert (cfg.G, cfg.R, step.workers, step.order.name) == (1, 4, 4, "zbv")
+        unsplit = compose("config", overrides=["strategy=vshape", "stages=8", "order=zbv"])
+        assert errors(unsplit) == ["split_backward=false is invalid with order=zbv: it schedules the weight-gradient "
+                                   "jobs W, which exist only when the backward is split; leave split_backward at true."]
