@@ -14,7 +14,6 @@ from launcher.config import ConfigError, check_overrides, errors, to_step
 from launcher.config.validate import check_sweep_overrides
 from launcher.modes.simulation import simulate_config
 from launcher.schedule import make_step, simulate
-from launcher.schedule.order import ORDERS
 from launcher.schedule.schemes import SCHEMES
 
 #: the registries' names as the sentences list them (every scheme and order, from one place)
