@@ -57,8 +57,8 @@ def test_invalid_config_is_one_sentence_and_exit_2(tmp_path):
     p = launcher("strategy=foo", cwd=tmp_path)  # rejected before Hydra starts
     assert p.returncode == 2
     assert p.stderr.splitlines() == [
-        "error: strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement "
-        "callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
+        "error: strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, vshape, or a "
+        "placement callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
         "(the planner chooses) and strategy=single (Lightning's default strategy on one device)."]
     # in a sweep, a typo in a plain override, or in every value of a sweep, stops it before any point runs
     for bad in (["strategy=ddp,lpp", "G=2.5"], ["strategy=foo,bar"]):
@@ -67,8 +67,8 @@ def test_invalid_config_is_one_sentence_and_exit_2(tmp_path):
         assert p.stderr.splitlines() == {
             "G=2.5": ["error: G=2.5 is invalid: the sizes G, R, stages and microbatches must be positive integers."],
             "strategy=foo,bar": [
-                f"error: strategy={s} is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a "
-                f"placement callable (strategy=custom with strategy.placement._target_); the launcher also takes "
+                f"error: strategy={s} is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, vshape, "
+                f"or a placement callable (strategy=custom with strategy.placement._target_); the launcher also takes "
                 f"strategy=auto "
                 f"(the planner chooses) and strategy=single (Lightning's default strategy on one device)."
                 for s in ("foo", "bar")],
@@ -81,8 +81,8 @@ def test_multirun_skips_an_invalid_sweep_value_and_runs_the_others(tmp_path):
                  cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     assert p.stderr.splitlines() == [
-        "error: strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, or a placement "
-        "callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
+        "error: strategy=foo is not a known strategy; choose one of ddp, fsdp, fslpp, gpipe, lpp, vshape, or a "
+        "placement callable (strategy=custom with strategy.placement._target_); the launcher also takes strategy=auto "
         "(the planner chooses) and strategy=single (Lightning's default strategy on one device).",
         "skipped: strategy=foo (invalid config; the other points still run)",
         "error: 1 invalid sweep value was skipped before the sweep started: strategy=foo",
