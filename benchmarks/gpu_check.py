@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vs_native_transformer as vt  # noqa: E402 - the benchmarks' own directory, put on the path above
 import vs_torch_native as vn  # noqa: E402
+from scale_memory import descendants  # noqa: E402
 
 from launcher.report.measured_costs import stage_job_seconds  # noqa: E402
 from launcher.runtime import Engine, StagedModel, launch  # noqa: E402
@@ -409,20 +410,8 @@ def overhead_worker(size: vt.Size, S: int, Bm: int, steps: int, warmup: int, on_
 
 
 def _kill_descendants() -> None:
-    """SIGKILL every process descended from this one (Linux: read from ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    todo, found = [os.getpid()], []
-    while todo:
-        for c in children.get(todo.pop(), []):
-            found.append(c)
-            todo.append(c)
-    for pid in found:
+    """SIGKILL every process descended from this one (``scale_memory.descendants``: from ``/proc``)."""
+    for pid in descendants(os.getpid()):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
