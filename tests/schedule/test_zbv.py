@@ -123,5 +123,6 @@ def test_config_group():
         step = to_step(cfg)
         assert (cfg.G, cfg.R, step.workers, step.order.name) == (1, 4, 4, "zbv")
         unsplit = compose("config", overrides=["strategy=vshape", "stages=8", "order=zbv"])
-        assert errors(unsplit) == ["split_backward=false is invalid with order=zbv: it runs the weight-gradient "
-                                   "jobs W apart, which exist only when the backward is split; leave split_backward at true."]
+        assert errors(unsplit) == [
+            "split_backward=false is invalid with order=zbv: it runs the weight-gradient "
+            "jobs W apart, which exist only when the backward is split; leave split_backward at true."]
