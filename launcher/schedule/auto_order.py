@@ -16,7 +16,7 @@ The search (:func:`auto_sequences`) is a portfolio, each candidate run by the re
   variants differ in the cap (the limit, one less: the paper's choice about one more warm-up ``F``,
   and 1F1B's per-stage warm-up scaled) and in whether a ``W`` may start when an ``I`` or ``F``
   becomes ready before it would end;
-- the named orders' own schedules (1F1B on the split backward, ZB-H1) under the same limit.
+- the named orders' own schedules (1F1B on the split backward, ZB-H1, ZB-H2) under the same limit.
 
 Each candidate runs as its sequences, without the simulator's admission control: the sequences
 keep to the limit themselves, under the stricter count. The shortest one that meets the limit
@@ -166,10 +166,10 @@ def _candidates(step: Step, compute: Sequence[int]) -> list[list[list[int]]]:
                 out.append(greedy(step, compute, c, fit))
             except ValueError:
                 pass
-    for name in ("zb_h1", "1f1b"):
+    for name in ("zb_h1", "zb_h2", "1f1b"):
         try:
             out.append(simulate(replace(step, order=make_order(name))).program)
-        except ScheduleError:
+        except (ScheduleError, ValueError):  # ValueError: an order that does not fit the placement
             pass
     return out
 
