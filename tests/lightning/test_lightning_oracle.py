@@ -50,6 +50,10 @@ CASES = [
     ("lpp", 1, 2, 2, 4, "1f1b", {}),  # 6 modules grouped into 2 stages by parameter count
     ("lpp", 1, 2, 4, 8, "interleaved_1f1b", {}),  # Megatron's interleaved order, two stages per worker
     ("fslpp", 2, 2, 4, 4, "1f1b", {"split_backward": True, "weight_cache": "job", "prefetch": 2}),
+    # the zero-bubble family: each worker's job sequence given (seed 004), W jobs deferred
+    ("gpipe", None, None, 4, 4, "zb_h2", {"split_backward": True}),
+    ("vshape", None, None, 4, 4, "zbv", {"split_backward": True}),  # 2 workers, stages 0+3 and 1+2
+    ("lpp", 1, 2, 4, 4, "auto", {"split_backward": True, "memory_limit": 4}),  # the searched schedule
 ]
 
 
