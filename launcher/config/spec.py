@@ -100,7 +100,7 @@ def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any 
 
         assert isinstance(step.order, FileOrder)
         try:
-            step.order.sequences(step.space, place_all(step)[0])
+            step.order.placed_keys(step.space, place_all(step)[0])  # reads the file and checks its sequences
         except ValueError as e:
             raise ConfigError([str(e).rstrip(".") + "."]) from e
     return step

@@ -173,9 +173,14 @@ class Sequenced(Order):
         worker that runs job ``j``."""
         raise NotImplementedError
 
+    @property
+    def where(self) -> str:
+        """What names this order's sequences in an error sentence."""
+        return f"order={self.name}"
+
     def placed_keys(self, space: JobSpace, compute: Sequence[int]) -> list:
         seqs = self.sequences(space, compute)
-        check_sequences(space, compute, seqs, self.name)
+        check_sequences(space, compute, seqs, self.where)
         keys = [0] * space.N
         for seq in seqs:
             for i, j in enumerate(seq):
@@ -183,22 +188,30 @@ class Sequenced(Order):
         return keys
 
 
-def check_sequences(space: JobSpace, compute: Sequence[int], seqs: Sequence[Sequence[int]], name: str) -> None:
-    """Raise ``ValueError`` unless ``seqs`` lists every job exactly once, on the worker that computes it."""
-    seen = [False] * space.N
+def job_name(space: JobSpace, j: int) -> str:
+    """Job ``j`` as schedules write it: ``F2.b0`` (kind, stage, micro-batch)."""
+    s, b, d = space.job(j)
+    return f"{d}{s}.b{b}"
+
+
+def check_sequences(space: JobSpace, compute: Sequence[int], seqs: Sequence[Sequence[int]], where: str) -> None:
+    """Raise ``ValueError`` unless ``seqs`` lists every job exactly once, on the worker that computes
+    it; ``where`` names the source in the sentence (``order=zb_h2``, ``order.path=...``)."""
+    on = [-1] * space.N  # the worker whose sequence lists each job
     for w, seq in enumerate(seqs):
         for j in seq:
             if not 0 <= j < space.N:
-                raise ValueError(f"order={name}: worker {w}'s sequence names job {j}, which is not in the step")
-            if seen[j]:
-                raise ValueError(f"order={name}: job {space.job(j)} appears twice in the sequences")
+                raise ValueError(f"{where}: worker {w}'s sequence names job {j}, which is not in the step")
+            if on[j] >= 0:
+                raise ValueError(f"{where} lists job {job_name(space, j)} twice (workers {on[j]} and {w})")
             if compute[j] != w:
-                raise ValueError(f"order={name}: job {space.job(j)} is in worker {w}'s sequence but worker "
-                                 f"{compute[j]} computes it")
-            seen[j] = True
-    missing = [space.job(j) for j in range(space.N) if not seen[j]]
+                raise ValueError(f"{where} puts job {job_name(space, j)} on worker {w}, but the scheme computes it "
+                                 f"on worker {compute[j]}")
+            on[j] = w
+    missing = [j for j in range(space.N) if on[j] < 0]
     if missing:
-        raise ValueError(f"order={name}: {len(missing)} jobs are in no worker's sequence, first {missing[0]}")
+        raise ValueError(f"{where} lacks {len(missing)} of the step's jobs, first {job_name(space, missing[0])} "
+                         f"(worker {compute[missing[0]]})")
 
 
 @dataclass(frozen=True)

@@ -73,13 +73,13 @@ def read_jobs(path: str | Path) -> Jobs:
 
 
 def to_sequences(jobs: Jobs, space: JobSpace, compute: Sequence[int], where: str) -> list[list[int]]:
-    """The file's ``jobs`` as job ids of ``space``, checked: each job of the step exactly once, on
-    the worker that computes it. ``where`` names the file in the errors (``order.path=...``)."""
+    """The file's ``jobs`` as job ids of ``space``: each a kind, stage and micro-batch the step has.
+    ``where`` names the file in the errors (``order.path=...``); that every job is listed once, on
+    the worker that computes it, :func:`launcher.schedule.order.check_sequences` checks after."""
     W = max(compute, default=-1) + 1
     if len(jobs) > W and any(jobs[W:]):
         raise ValueError(f"{where} lists jobs for worker {len(jobs) - 1}, but the step has {W} workers")
     seqs: list[list[int]] = [[] for _ in range(W)]
-    seen: dict[int, int] = {}
     for w, row in enumerate(jobs[:W]):
         for d, s, b in row:
             if d not in space.kinds:
@@ -88,18 +88,7 @@ def to_sequences(jobs: Jobs, space: JobSpace, compute: Sequence[int], where: str
             if not (0 <= s < space.S and 0 <= b < space.B):
                 raise ValueError(f"{where} names job {d}{s}.b{b}, outside the step's {space.S} stages and "
                                  f"{space.B} micro-batches")
-            j = space.id(s, b, d)
-            if j in seen:
-                raise ValueError(f"{where} lists job {d}{s}.b{b} twice (workers {seen[j]} and {w})")
-            if compute[j] != w:
-                raise ValueError(f"{where} puts job {d}{s}.b{b} on worker {w}, but the scheme computes it on worker "
-                                 f"{compute[j]}")
-            seen[j] = w
-            seqs[w].append(j)
-    if len(seen) < space.N:
-        s, b, d = next(space.job(j) for j in range(space.N) if j not in seen)
-        raise ValueError(f"{where} lacks {space.N - len(seen)} of the step's jobs, first {d}{s}.b{b} "
-                         f"(worker {compute[space.id(s, b, d)]})")
+            seqs[w].append(space.id(s, b, d))
     return seqs
 
 
@@ -112,8 +101,12 @@ class FileOrder(Sequenced):
     path: str = ""
     name: ClassVar[str] = "file"
 
+    @property
+    def where(self) -> str:
+        return f"order.path={self.path}"
+
     def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
-        where = f"order.path={self.path}"
+        where = self.where
         try:
             jobs = read_jobs(self.path)
         except OSError as e:
