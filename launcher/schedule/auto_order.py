@@ -110,13 +110,27 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
                 return None
             t = later
 
-    pending: dict[int, tuple[float, int] | None] = {w: decide(w) for w in range(W)}
+    # each worker's next decision, in a heap of (start, worker, job, version): a worker's decision is
+    # redone when its released jobs change, and the older entries are skipped by their version
+    version = [0] * W
+    pending: list[tuple[float, int, int, int]] = []
+
+    def redecide(w: int) -> None:
+        version[w] += 1
+        d = decide(w)
+        if d is not None:
+            heapq.heappush(pending, (d[0], w, d[1], version[w]))
+
+    for w in range(W):
+        redecide(w)
     done = 0
     while done < N:
-        best = min(((d[0], w, d[1]) for w, d in pending.items() if d is not None), default=None)
-        if best is None:
+        while pending and pending[0][3] != version[pending[0][1]]:
+            heapq.heappop(pending)
+        if not pending:
             raise ValueError("order=auto: the greedy construction stalled (memory limit too small for the placement)")
-        t, w, j = best
+        t, w, j, _ = heapq.heappop(pending)
+        version[w] += 1  # taken: the worker decides again below
         kind = j // SB
         heap = rel[w][kind]
         heap.remove(next(x for x in heap if x[2] == j))
@@ -139,7 +153,7 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
                 heapq.heappush(rel[v][k // SB], (ready[k], k % B, k))
                 touched.add(v)
         for v in touched:
-            pending[v] = decide(v)
+            redecide(v)
     return seqs
 
 
