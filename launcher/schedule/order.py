@@ -35,6 +35,10 @@ same time.
 - ``zbv``: ZB-V of Qi et al. (section 6), as ``torch.distributed.pipelining.ScheduleZBVZeroBubble``
   orders it (:func:`zbv_sequence`), on the split backward and the V-shaped placement
   (``strategy=vshape``) only; each worker runs exactly that sequence.
+- ``dualpipev``: DualPipeV (DeepSeek-V3's DualPipe folded onto the V shape), as
+  ``torch.distributed.pipelining.ScheduleDualPipeV`` orders it (:func:`dualpipev_sequence`), on
+  the split backward and the V-shaped placement only, with at least as many micro-batches as
+  stages; each worker runs exactly that sequence.
 - any callable ``key(s, b, d) -> comparable`` (:class:`Custom`; ``order.n`` in the config).
 """
 
@@ -67,6 +71,7 @@ class Order:
     looped_only: ClassVar[bool] = False  # valid only on a looped pipeline (1 < R < stages)
     split_only: ClassVar[bool] = False  # valid only on the split backward (F, I, W)
     scheme_only: ClassVar[str | None] = None  # the one named scheme it is made for, if any
+    at_least_stages: ClassVar[bool] = False  # needs microbatches >= stages (PyTorch's DualPipeV rule)
 
     @property
     def in_flight_limit(self) -> bool:
@@ -247,6 +252,19 @@ class ZBV(Sequenced):
 
     def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
         return zbv_sequence(space, compute)
+
+
+class DualPipeV(Sequenced):
+    """DualPipeV (:func:`dualpipev_sequence`) on ``strategy=vshape`` with the split backward and
+    ``microbatches >= stages``; each worker follows it strictly, as PyTorch does."""
+
+    name: ClassVar[str] = "dualpipev"
+    split_only: ClassVar[bool] = True
+    scheme_only: ClassVar[str | None] = "vshape"
+    at_least_stages: ClassVar[bool] = True
+
+    def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
+        return dualpipev_sequence(space, compute)
 
 
 @dataclass(frozen=True)
@@ -478,9 +496,92 @@ def _zbv_worker(w: int, P: int, M: int) -> list[tuple[int, int, str]]:
     return raw
 
 
+def dualpipev_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
+    """Each worker's jobs in DualPipeV's order (``ScheduleDualPipeV``'s), on the split backward.
+
+    Worker ``w`` of ``P = S / 2`` holds its down stage ``a = w`` and its up stage ``c = S - 1 - w``;
+    it needs ``B >= S``. PyTorch's full backward of a stage is our ``I`` then ``W`` of it, adjacent;
+    its overlapped forward + backward pair is the forward, then that backward (PyTorch runs the two
+    one after the other on one stream too). In PyTorch's phases: ``2(P - w - 1)`` forwards of
+    ``a``; ``w + 1`` pairs ``F(a), F(c)``; ``P - w - 1`` triples ``I(c), W(c), F(c)``; then
+    ``B - 2P + w + 1`` rounds of ``F(a), B(c), F(c), B(a)`` (the two overlapped pairs); ``P - w - 1``
+    rounds ``B(c), F(c), B(a)``; ``w + 1`` pairs ``B(c), B(a)``, whose second half runs ``I`` alone
+    (the zero-bubble half); ``P - w - 1`` pairs of an owed ``W`` and ``B(a)`` (also ``I`` alone
+    once the half is reached); last the ``w + 1`` owed ``W`` jobs. Owed ``W`` jobs run oldest first."""
+    S, B = space.S, space.B
+    if space.K != 3 or S % 2:
+        raise ValueError(f"order=dualpipev needs the split backward and an even number of stages, not stages={S} "
+                         f"split_backward={space.K == 3}")
+    if B < S:
+        raise ValueError(f"microbatches={B} is invalid with order=dualpipev: it needs at least as many micro-batches "
+                         f"as stages={S}, as PyTorch's ScheduleDualPipeV does; set microbatches >= {S}.")
+    P = S // 2
+    return [[space.id(s, b, k) for s, b, k in _dualpipev_worker(w, P, B)] for w in range(P)]
+
+
+def _dualpipev_worker(w: int, P: int, M: int) -> list[tuple[int, int, str]]:
+    """Worker ``w``'s ``(stage, micro-batch, kind)`` in DualPipeV's order for ``M`` micro-batches,
+    phase for phase ``ScheduleDualPipeV._calculate_single_rank_operations``."""
+    a, c = w, 2 * P - 1 - w
+    raw: list[tuple[int, int, str]] = []
+    nf = {a: 0, c: 0}  # next micro-batch of each stage's F, and of its I
+    ni = {a: 0, c: 0}
+    owed: list[tuple[int, int]] = []  # (stage, micro-batch) of each I run alone, whose W is still to run
+
+    def fwd(s: int) -> None:
+        raw.append((s, nf[s], "F"))
+        nf[s] += 1
+
+    def bwd(s: int, alone: bool = False) -> None:
+        """The backward of ``s``: ``I`` then ``W`` (PyTorch's full backward), or ``I`` alone with
+        its ``W`` owed."""
+        raw.append((s, ni[s], "I"))
+        if alone:
+            owed.append((s, ni[s]))
+        else:
+            raw.append((s, ni[s], "W"))
+        ni[s] += 1
+
+    def pay() -> None:
+        if owed:
+            s, b = owed.pop(0)
+            raw.append((s, b, "W"))
+
+    for _ in range(2 * (P - w - 1)):
+        fwd(a)
+    for _ in range(w + 1):
+        fwd(a)
+        fwd(c)
+    for _ in range(P - w - 1):
+        bwd(c, alone=True)
+        pay()
+        fwd(c)
+    for _ in range(M - 2 * P + w + 1):
+        fwd(a)
+        bwd(c)
+        fwd(c)
+        bwd(a)
+    for _ in range(P - w - 1):
+        bwd(c)
+        fwd(c)
+        bwd(a)
+    alone = False  # the zero-bubble half: from here on I runs alone and its W is owed
+    for i in range(w + 1):
+        alone = alone or (i == (w + 1) // 2 and w % 2 == 1)
+        bwd(c, alone)
+        alone = alone or (i == (w + 1) // 2 and w % 2 == 0)
+        bwd(a, alone)
+    for _ in range(P - w - 1):
+        pay()
+        bwd(a, alone)
+    for _ in range(w + 1):
+        pay()
+    return raw
+
+
 #: the built-in orders by name
 ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1, ZBH2, Interleaved,
-                                                      ZBV, AutoOrder)}
+                                                      ZBV, DualPipeV, AutoOrder)}
 BUILTIN = tuple(ORDERS)
 #: built-in orders that only exist on the split backward
 SPLIT_ONLY = tuple(name for name, o in ORDERS.items() if o.split_only)

@@ -181,6 +181,8 @@ def _size_errors(values: Mapping[str, Any], G: int, R: int, S: int, B: int) -> l
         out.append(e)
     if e := _looped_order_error(values.get("strategy"), values.get("order"), R, S):
         out.append(e)
+    if e := _order_microbatches_error(values.get("order"), S, B):
+        out.append(e)
     kinds = 3 if values.get("split_backward") is True else 2
     jobs = S * B * kinds
     if jobs > MAX_JOBS:
@@ -217,6 +219,16 @@ def _scheme_order_error(strategy: Any, order: Any) -> str | None:
     shown_strategy = strategy if isinstance(strategy, str) else "custom"
     return (f"order={order} is invalid with strategy={shown_strategy}: its sequences are made for the placement "
             f"of strategy={cls.scheme_only}, and only that scheme may use it.")
+
+
+def _order_microbatches_error(order: Any, S: int, B: int) -> str | None:
+    """The sentence for an order that needs at least as many micro-batches as stages
+    (``dualpipev``, as PyTorch's ``ScheduleDualPipeV`` refuses fewer) given fewer."""
+    cls = ORDER_CLASSES.get(order) if isinstance(order, str) else None
+    if cls is None or not cls.at_least_stages or B >= S:
+        return None
+    return (f"microbatches={B} is invalid with order={order}: it needs at least as many micro-batches as "
+            f"stages={S} (as PyTorch's schedule does); set microbatches >= {S}.")
 
 
 def _looped_order_error(strategy: Any, order: Any, R: int, S: int) -> str | None:
