@@ -68,11 +68,13 @@ CASES_W8 = [
 ]
 
 # the V shape: worker w holds stages w and 2W-1-w, so stage W-1 hands its activation (and stage W
-# its gradient) to its own worker; ZB-V follows PyTorch's sequence strictly
+# its gradient) to its own worker; ZB-V and DualPipeV follow PyTorch's sequences strictly
 CASES_VSHAPE = [Case("vshape", 1, 4, 8, 8, order="1f1b", optimizer="adam"),
                 Case("vshape", 1, 4, 8, 8, order="1f1b", split=True),
                 Case("vshape", 1, 4, 8, 8, order="zbv", split=True, optimizer="adam"),
-                Case("vshape", 1, 2, 4, 3, order="zbv", split=True)]
+                Case("vshape", 1, 2, 4, 3, order="zbv", split=True),
+                Case("vshape", 1, 4, 8, 8, order="dualpipev", split=True, optimizer="adam"),
+                Case("vshape", 1, 2, 4, 5, order="dualpipev", split=True)]
 
 
 def _run(cases: list[Case], W: int) -> dict[str, tuple[Case, list[dict]]]:
