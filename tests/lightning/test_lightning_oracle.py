@@ -53,6 +53,7 @@ CASES = [
     # the zero-bubble family: each worker's job sequence given (seed 004), W jobs deferred
     ("gpipe", None, None, 4, 4, "zb_h2", {"split_backward": True}),
     ("vshape", None, None, 4, 4, "zbv", {"split_backward": True}),  # 2 workers, stages 0+3 and 1+2
+    ("vshape", None, None, 4, 4, "dualpipev", {"split_backward": True}),
     ("lpp", 1, 2, 4, 4, "auto", {"split_backward": True, "memory_limit": 4}),  # the searched schedule
 ]
 
