@@ -69,7 +69,8 @@ class Pair:
     B: int
     order: str
     split: bool
-    native: str  # ddp, fsdp, gpipe, 1f1b, looped_bfs, interleaved_1f1b, interleaved_zb, fsdp_looped_bfs
+    #: ddp, fsdp, gpipe, 1f1b, looped_bfs, interleaved_1f1b, interleaved_zb, fsdp_looped_bfs, zbv, dualpipev
+    native: str
 
     @property
     def W(self) -> int:
@@ -90,7 +91,10 @@ PAIRS = [
 ]
 NATIVE = {"ddp": "DDP", "fsdp": "FSDP2", "gpipe": "GPipe", "1f1b": "1F1B", "looped_bfs": "LoopedBFS",
           "interleaved_1f1b": "Interleaved1F1B", "interleaved_zb": "InterleavedZeroBubble",
-          "fsdp_looped_bfs": "FSDP2 + LoopedBFS"}  # DistributedDataParallel, fully_shard, Schedule*
+          "fsdp_looped_bfs": "FSDP2 + LoopedBFS", "zbv": "ZBVZeroBubble",
+          "dualpipev": "DualPipeV"}  # DistributedDataParallel, fully_shard, Schedule*
+#: native schedules that place stages in a V (``style="v"``): two stages per rank, ours ``strategy=vshape``
+V_SHAPED = ("zbv", "dualpipev")
 
 
 # ---- the reference workload -----------------------------------------------------------------
@@ -211,7 +215,12 @@ class Native:
             n_mb = p.B // p.G
             for s in range(pp_rank, p.S, pp_size):
                 fully_shard(stages[s], mesh=mesh["dp"], reshard_after_forward=False)
-        mine = list(range(pp_rank, p.S, pp_size))  # looped: stage s on pipeline rank s mod size
+        if p.native in V_SHAPED:  # stage s on the rank torch's V style gives it: r holds r and 2W - 1 - r
+            from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+            to_rank = generate_stage_to_rank_mapping(pp_size, p.S, style="v")
+            mine = sorted(s for s, r in to_rank.items() if r == pp_rank)
+        else:
+            mine = list(range(pp_rank, p.S, pp_size))  # looped: stage s on pipeline rank s mod size
         self.stages = [pp.PipelineStage(stages[s], s, p.S, device, group=group) for s in mine]
         self.first, self.last = 0 in mine, p.S - 1 in mine
         self.x, self.t = x, t
@@ -219,7 +228,8 @@ class Native:
         self.stage0 = list(stages[0].parameters()) if self.first else []
         kind = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "looped_bfs": pp.ScheduleLoopedBFS,
                 "interleaved_1f1b": pp.ScheduleInterleaved1F1B, "interleaved_zb": pp.ScheduleInterleavedZeroBubble,
-                "fsdp_looped_bfs": pp.ScheduleLoopedBFS}[p.native]
+                "fsdp_looped_bfs": pp.ScheduleLoopedBFS, "zbv": pp.ScheduleZBVZeroBubble,
+                "dualpipev": pp.ScheduleDualPipeV}[p.native]
         single = kind in (pp.ScheduleGPipe, pp.Schedule1F1B)
         self.sched = kind(self.stages[0] if single else self.stages, n_microbatches=n_mb, loss_fn=self.loss_fn)
         self.n_mb = n_mb
