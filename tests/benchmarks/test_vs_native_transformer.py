@@ -35,3 +35,51 @@ def test_quick_transformer_benchmark_agrees_with_native(tmp_path):
         for key in ("ratio", "cpu_ratio", "predicted_s", "predicted_over_measured", "ours_median_s", "native_median_s",
                     "ours_cpu_s", "native_cpu_s"):
             assert r[key] > 0, (key, r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_zbv_pair_agrees_with_native(tmp_path):
+    """``zbv-w2`` (strategy=vshape, order=zbv on S = 4 stages) against ``ScheduleZBVZeroBubble`` on
+    the same V-placed GPT stages: the same first step (GPT alone, to stay a short smoke run)."""
+    out = tmp_path / "vs_native_transformer.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_native_transformer.py"), "--quick", "--models",
+                        "gpt", "--pairs", "zbv-w2", "--json", str(out)], check=False, capture_output=True, text=True,
+                       timeout=110, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    [r] = json.loads(out.read_text())["rows"]
+    assert (r["pair"], r["native"], r["W"], r["S"], r["B"]) == ("zbv-w2", "ZBVZeroBubble", 2, 4, 8)
+    assert r["agree"] and r["loss_rel_diff"] <= 1e-6 and r["g0_rel_diff"] <= 1e-6, r
+    assert r["loss"][0] > 0 and r["g0"][0] > 0 and r["predicted_s"] > 0
+
+
+def _benchmark():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import vs_native_transformer
+
+    return vs_native_transformer
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_v_placement_is_torchs(W):
+    """Our vshape worker of each stage is the rank torch's ``style="v"`` mapping gives it (the native
+    side builds its two ``PipelineStage`` per rank from that mapping)."""
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    from launcher.schedule import make_step
+
+    step = make_step("vshape", 2 * W, 8, order="zbv", split_backward=True)
+    assert {s: step.placement(s, 0, "F")[1] for s in range(2 * W)} == generate_stage_to_rank_mapping(W, 2 * W, "v")
+
+
+def test_pairs_our_registry_lacks_are_skipped():
+    """A pair whose order our registry lacks (order=dualpipev until it lands) is skipped, not run;
+    the V-shaped and auto pairs run."""
+    from launcher.schedule.order import ORDERS
+
+    bench = _benchmark()
+    pairs = {p.name: p for p in bench.PAIRS}
+    for name in ("zbv-w2", "zbv-w4", "auto-zb-w4"):
+        assert bench.runnable(pairs[name]) is None
+    for name in ("dualpipev-w2", "dualpipev-w4"):
+        assert (bench.runnable(pairs[name]) is None) == ("dualpipev" in ORDERS)
