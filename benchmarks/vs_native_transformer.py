@@ -22,8 +22,12 @@ batch every step; loss the model's own cross-entropy, the mean over micro-batche
 Native sides: ``DistributedDataParallel`` over the stages in sequence; FSDP2, ``fully_shard`` on
 every transformer block and then the root; ``PipelineStage`` over the same stage modules (stage s
 on rank s mod W) with ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleLoopedBFS``,
-``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``. Ours: the engine at its defaults,
-as ``vs_torch_native.py`` runs it.
+``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``; and on the V (S = 2W, rank r holds
+stages r and 2W - 1 - r, torch's ``style="v"`` mapping) ``ScheduleZBVZeroBubble`` against our
+``strategy=vshape order=zbv`` and ``ScheduleDualPipeV`` against ``order=dualpipev`` (those pairs
+are skipped, with a line, while our order registry lacks it). ``auto-zb-w4`` runs our
+``order=auto`` (the searched schedule) against ``ScheduleInterleavedZeroBubble``. Ours: the engine
+at its defaults, as ``vs_torch_native.py`` runs it.
 
 Measured as in ``vs_torch_native.py`` (its harness is imported): one set of W forked workers per
 pair builds both sides and alternates them (ours, native, ours, ...); a step is timed from a barrier
