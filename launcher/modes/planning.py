@@ -73,7 +73,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         highlight=False)
     con.print(f"simulated {result.simulated} steps; pruned {result.pruned_time} by the time bound and "
               f"{result.pruned_memory} by the memory bound; {result.did_not_fit} evaluated candidates did not fit; "
-              f"{result.equivalent} were a listed schedule under other settings",
+              f"{result.equivalent} were a listed schedule under other settings; order=auto searched at "
+              f"{result.auto_searched} of the best placements",
               highlight=False)
     con.print(candidates_table(result, prof.seconds, rows=min(10, len(result.candidates)), title="top candidates"))
     if result.best:

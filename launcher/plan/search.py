@@ -61,7 +61,11 @@ from ..schedule.simulate import Timeline, place_all
 from . import memory
 from .partition import PARTITIONS, PartitionError, cut, group_sums, stage_durations
 from .profile import Profile
-from .space import CACHES, ORDERS, Point, order_fits, placements, schemes_at
+from .space import AUTO, CACHES, ORDERS, VSHAPE_ORDERS, Point, Variant, order_fits, placements, schemes_at, vshape_fits
+
+#: ``order=auto`` is searched at the placements of this many of the best candidates (distinct
+#: ``(B, G, R)``, the V shape apart): each of its steps costs a search of its own
+AUTO_TOP = 3
 
 
 @dataclass(frozen=True)
@@ -98,11 +102,13 @@ class Candidate:
 
     def key(self) -> tuple:
         """Rank: time per micro-batch (the step time when one micro-batch count is tried), then
-        less traffic, less memory, and the plainer setting (no split, no limit, cache step)."""
+        less traffic, less memory, and the plainer setting (no split, a named order rather than a
+        searched one, no limit, cache step)."""
         p = self.point
         return (self.step_time / p.microbatches, self.traffic_bytes or 0.0, self.traffic_messages,
                 max(self.peak_bytes) if self.peak_bytes else 0.0, max(self.peak_activations),
-                p.split, p.memory_limit is not None, p.weight_cache != "step", p.recompute != "none")
+                p.split, p.order == "auto", p.memory_limit is not None, p.weight_cache != "step",
+                p.recompute != "none")
 
     def to_json(self) -> dict[str, Any]:
         p = self.point
@@ -129,6 +135,7 @@ class Ranking:
     pruned_memory: int = 0
     did_not_fit: int = 0
     equivalent: int = 0  # candidates that were the same schedule as one listed
+    auto_searched: int = 0  # steps whose order=auto sequences were searched
     stats: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -150,10 +157,13 @@ def _durations(prof: Profile, split: bool) -> dict[str, float]:
 
 
 def time_bound(S: int, B: int, G: int, R: int, split: bool, d: dict[str, float], comm: float,
-               stages: Sequence[Mapping[str, float]] | None = None) -> float:
+               stages: Sequence[Mapping[str, float]] | None = None, vshape: bool = False) -> float:
     """``max(work, chain)`` of the module docstring: no schedule of this step is shorter.
     ``stages``: per stage its own durations (then ``work`` is the busiest worker's, whose stages
-    are ``s = r (mod R)``, and ``chain`` sums the stages' own times)."""
+    are ``s = r (mod R)``, and ``chain`` sums the stages' own times). ``vshape``: the V shape's
+    placement instead (worker ``min(s, S - 1 - s)`` runs stage ``s`` of every micro-batch)."""
+    if vshape:
+        return _vshape_bound(S, B, split, d, comm, stages)
     if stages is not None:
         t = [{k: float(st.get(k, d[k])) for k in ("F", "B", "I", "W")} for st in stages]
         job = [x["F"] + (x["I"] + x["W"] if split else x["B"]) for x in t]
@@ -165,6 +175,18 @@ def time_bound(S: int, B: int, G: int, R: int, split: bool, d: dict[str, float],
     chain = S * d["F"] + S * (d["I"] if split else d["B"]) + (d["W"] if split else 0.0)
     chain += 2 * (S - 1) * comm if R > 1 else 0.0
     return max(work, chain)
+
+
+def _vshape_bound(S: int, B: int, split: bool, d: dict[str, float], comm: float,
+                  stages: Sequence[Mapping[str, float]] | None) -> float:
+    """:func:`time_bound` on the V shape: worker ``w`` runs stages ``w`` and ``S - 1 - w`` of all
+    ``B`` micro-batches; the chain crosses workers at every stage boundary but the V's turn
+    (stages ``S/2 - 1`` and ``S/2`` share a worker), in both directions."""
+    t = [{k: float((stages[s] if stages else {}).get(k, d[k])) for k in ("F", "B", "I", "W")} for s in range(S)]
+    job = [x["F"] + (x["I"] + x["W"] if split else x["B"]) for x in t]
+    work = B * max(job[w] + job[S - 1 - w] for w in range(S // 2))
+    chain = sum(x["F"] + (x["I"] if split else x["B"]) for x in t) + (min(x["W"] for x in t) if split else 0.0)
+    return max(work, chain + 2 * max(0, S - 2) * comm)
 
 
 def _traffic_bytes(t: dict[str, list[int]], fetch: list[int], prof: Profile, S: int) -> float | None:
@@ -194,25 +216,26 @@ def _limits(budget: Budget, prof: Profile, owned: list[set[int]], fetched: list[
 
 
 def search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, budget: Budget,
-           top: int = 20) -> Ranking:
+           top: int = 20, auto_top: int = AUTO_TOP) -> Ranking:
     """The fastest fitting points of the space, best first (see the module docstring). With a
     profile of the model's modules (``prof.modules``) the cut of the modules into ``S`` stages is
     searched too: each partition (:mod:`launcher.plan.partition`) gives its stages their own
-    durations and bytes, and its candidates carry ``partition=...``."""
+    durations and bytes, and its candidates carry ``partition=...``. ``auto_top``: at how many of
+    the best candidates' placements ``order=auto`` is searched (0: never)."""
     if not prof.modules:
-        return _search(S, microbatches, workers, prof, budget, top)
+        return _search(S, microbatches, workers, prof, budget, top, auto_top)
     merged = Ranking([])
     seen: list[list[list[int]]] = []
     for by, staged in partitioned(prof, S, max(microbatches), budget.bytes):
         if staged[0] in seen:
             continue  # the same cut as a partition searched already
         seen.append(staged[0])
-        found = _search(S, microbatches, workers, staged[1], budget, top)
+        found = _search(S, microbatches, workers, staged[1], budget, top, auto_top)
         for c in found.candidates:
             c.point = replace(c.point, partition=by)
             c.same_as = (by,) + tuple(c.same_as)
         merged.candidates += found.candidates
-        for k in ("simulated", "pruned_time", "pruned_memory", "did_not_fit", "equivalent"):
+        for k in ("simulated", "pruned_time", "pruned_memory", "did_not_fit", "equivalent", "auto_searched"):
             setattr(merged, k, getattr(merged, k) + getattr(found, k))
     merged.candidates = sorted(merged.candidates, key=Candidate.key)[:top]
     return merged
@@ -243,63 +266,62 @@ def partitioned(prof: Profile, S: int, inflight: int,
 
 
 def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, budget: Budget,
-            top: int = 20) -> Ranking:
+            top: int = 20, auto_top: int = AUTO_TOP) -> Ranking:
     """:func:`search` for one cut of the model into stages (the profile's)."""
     plan = Ranking([])
     kept: list[list] = []  # a max-heap of [negated key, serial, candidate]: the top ``top`` candidates
     listed: dict[tuple, list] = {}  # schedule -> its entry in ``kept``
     serial = itertools.count()
-    # (bound, tiebreak, B, G, R, split, order, warmup, recompute)
-    jobs: list[tuple[float, int, int, int, int, bool, str, str, str]] = []
+    # (bound, tiebreak, B, G, R, vshape, split, order, warmup, recompute)
+    jobs: list[tuple[float, int, int, int, int, bool, bool, str, str, str]] = []
     # recomputation trades an extra forward per backward for the forwards' graphs: searched only
     # under a byte budget, and only when the profile knows what those graphs hold
     recomputes = ("none", "full") if budget.bytes is not None and prof.bytes and prof.bytes.get("saved") else ("none",)
     for B in microbatches:
-        for G, R in placements(workers, S, B):
+        spots = [(G, R, False) for G, R in placements(workers, S, B)]
+        if vshape_fits(workers, S, B):
+            spots.append((1, S // 2, True))
+        for G, R, v in spots:
             for split in (False, True):
                 if split and not prof.can_split:
                     continue
-                d = _durations(prof, split)
                 for rc in recomputes:
-                    table = prof.stage_table(S) if rc == "none" else _recomputed_table(S, split, d, prof.stage_table(S))
-                    lb = time_bound(S, B, G, R, split, d, prof.comm, table) + prof.outside
-                    for order, warmup in ORDERS:
-                        if not order_fits(order, R, S, split):
-                            continue  # ZB-H1 exists only on the split backward, interleaving only when looped
-                        jobs.append((lb / B, len(jobs), B, G, R, split, order, warmup, rc))
+                    lb = _bound(S, B, G, R, v, split, rc, prof)
+                    for order, warmup in VSHAPE_ORDERS if v else ORDERS:
+                        if not order_fits(order, R, S, split, v):
+                            continue  # split-only orders, interleaving only when looped, ZB-V on the V shape
+                        jobs.append((lb / B, len(jobs), B, G, R, v, split, order, warmup, rc))
     jobs.sort()
-    static: dict[tuple[int, int, int], Any] = {}
+    static: dict[tuple[int, int, int, bool], Any] = {}
     traffic_of: dict[tuple, dict] = {}
-    for lb, _, B, G, R, split, order, warmup, rc in jobs:
-        if len(kept) >= top and lb > -kept[0][0][0]:
-            plan.pruned_time += 1
-            continue
-        key = (B, G, R)
-        if key not in static:
-            static[key] = _static(S, B, G, R, prof, budget)
-        per_scheme, limits, least = static[key]
-        if not per_scheme:
-            plan.pruned_memory += 1
-            continue
+
+    def worst() -> float:
+        """The time per micro-batch a candidate must beat to enter the top (inf while it is not full)."""
+        return -kept[0][0][0] if len(kept) >= top else math.inf
+
+    def run(lb: float, B: int, G: int, R: int, v: bool, split: bool, order: str, warmup: str, rc: str,
+            limits: Sequence[Any], scan: bool) -> None:
+        """Simulate one step under each memory limit of ``limits`` (and, with ``scan``, the upward
+        scan of the module docstring when the unlimited step does not fit); keep what enters the top."""
+        per_scheme, _, least = static[B, G, R, v]
         d = _durations(prof, split)
         queue = list(limits)
         scanning, i = False, 0
         while i < len(queue):
             ml = queue[i]
             i += 1
-            if len(kept) >= top and lb > -kept[0][0][0]:
+            if lb > worst():
                 break  # the top filled up meanwhile: no limit of this step can enter it
             try:
-                tl = simulate(make_step("lpp", S, B, G, R, order=order, warmup=warmup, durations=d,
-                                        comm=prof.comm, memory_limit=ml, split_backward=split,
+                tl = simulate(make_step("vshape" if v else "lpp", S, B, G, R, order=order, warmup=warmup,
+                                        durations=d, comm=prof.comm, memory_limit=ml, split_backward=split,
                                         stage_durations=prof.stage_table(S), recompute=rc))
             except ScheduleError:
-                continue  # this limit cannot finish the step
+                continue  # this limit cannot finish the step (order=auto: it found no schedule within it)
             plan.simulated += 1
-            worst = -kept[0][0][0] if len(kept) >= top else math.inf  # per micro-batch, to enter the top
             found = _evaluate(tl, per_scheme, B, G, R, order, warmup, split, ml, d, prof, budget, plan,
-                              traffic_of.setdefault((B, G, R, split, rc), {}), worst * B)
-            if ml is None and not found and (budget.activations is not None or budget.bytes is not None):
+                              traffic_of.setdefault((B, G, R, v, split, rc), {}), worst() * B)
+            if scan and ml is None and not found and (budget.activations is not None or budget.bytes is not None):
                 # The unlimited step does not fit: scan uniform limits upward from the least that
                 # can finish. The greedy scheduler is not monotone in the limit (a limit above the
                 # budget can leave the peak inside it), so the scan goes on past the budget until
@@ -313,8 +335,49 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
                 _keep(kept, listed, cand, top, next(serial), plan)
             if found and found[0].step_time / B <= lb * (1 + 1e-12):
                 break  # reached the time bound: no other limit of this step is faster
+
+    for lb, _, B, G, R, v, split, order, warmup, rc in jobs:
+        if lb > worst():
+            plan.pruned_time += 1
+            continue
+        if (B, G, R, v) not in static:
+            static[B, G, R, v] = _static(S, B, G, R, prof, budget, v)
+        if not static[B, G, R, v][0]:
+            plan.pruned_memory += 1
+            continue
+        run(lb, B, G, R, v, split, order, warmup, rc, static[B, G, R, v][1], scan=True)
+
+    # order=auto costs a search per step: only at the placements of the best candidates so far,
+    # under the limits tried first there and those the listed candidates there use (its sequences
+    # keep to a limit themselves, counted from F to W, so no upward scan)
+    if auto_top > 0 and prof.can_split:
+        best_first = sorted((c for _, _, c in kept), key=Candidate.key)
+        at: dict[tuple[int, int, int, bool, str], list[Any]] = {}  # placement -> its limits
+        for c in best_first:
+            p = c.point
+            spot = (p.microbatches, p.G, p.R, p.scheme.name == "vshape", p.recompute)
+            if spot not in at and len(at) >= auto_top:
+                continue
+            lims = at.setdefault(spot, list(static[spot[:4]][1]))
+            if p.memory_limit not in lims:
+                lims.append(p.memory_limit)
+        for (B, G, R, v, rc), lims in at.items():
+            lb = _bound(S, B, G, R, v, True, rc, prof) / B
+            if lb > worst():
+                plan.pruned_time += 1
+                continue
+            plan.auto_searched += 1
+            run(lb, B, G, R, v, True, *AUTO, rc, lims, scan=False)
     plan.candidates = sorted((c for _, _, c in kept), key=Candidate.key)
     return plan
+
+
+def _bound(S: int, B: int, G: int, R: int, v: bool, split: bool, rc: str, prof: Profile) -> float:
+    """:func:`time_bound` of one step of the search (its recomputation charged), plus the time
+    outside the engine."""
+    d = _durations(prof, split)
+    table = prof.stage_table(S) if rc == "none" else _recomputed_table(S, split, d, prof.stage_table(S))
+    return time_bound(S, B, G, R, split, d, prof.comm, table, vshape=v) + prof.outside
 
 
 def _keep(kept: list[list], listed: dict[tuple, list], cand: Candidate, top: int, serial: int, plan: Ranking) -> None:
@@ -337,21 +400,24 @@ def _keep(kept: list[list], listed: dict[tuple, list], cand: Candidate, top: int
     listed[cand.same_as] = entry
 
 
-def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget) -> tuple[list, list, int]:
-    """Per scheme at ``(G, R)``: its weights per job, if the memory bound lets it fit; the memory
-    limits to simulate first (none, the activation budget, each scheme's byte-derived limit); and
-    the least limit that can finish the step."""
-    probe = make_step("lpp", S, B, G, R)
+def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget,
+            vshape: bool = False) -> tuple[list, list, int]:
+    """Per scheme at ``(G, R)`` (``vshape``: the V shape, on ``G R = S/2`` workers): its weights per
+    job, if the memory bound lets it fit; the memory limits to simulate first (none, the activation
+    budget, each scheme's byte-derived limit); and the least limit that can finish the step."""
+    probe = make_step("vshape" if vshape else "lpp", S, B, G, R)
     compute, _ = place_all(probe)
-    # worker w = R g + r holds the stages s = r (mod R) of its micro-batches, all live at once
-    need = [sum(1 for s in range(S) if s % R == w % R) for w in range(G * R)]
+    # worker w = R g + r holds the stages s = r (mod R) of its micro-batches, all live at once (on
+    # the V shape, stages w and S - 1 - w)
+    need = ([sum(1 for s in range(S) if min(s, S - 1 - s) == w) for w in range(G * R)] if vshape
+            else [sum(1 for s in range(S) if s % R == w % R) for w in range(G * R)])
     per_scheme = []
     limits: list[Any] = [None]
     if budget.activations is not None:
         if max(need) > budget.activations:
             return [], [], 0
         limits.append(budget.activations)
-    for sch in schemes_at(G, R, S, B):
+    for sch in [Variant("vshape")] if vshape else schemes_at(G, R, S, B):
         probe.placement = named(sch.name, G, R, sch.ownership)
         _, weights = place_all(probe)
         tl = Timeline(probe, compute, weights, [], [], [], [])

@@ -1,10 +1,12 @@
 """The schedule space the planner searches, and the Hydra overrides that name one point of it.
 
-Every compute placement of the named schemes is the looped hash ``h(s, b)`` for some ``(G, R)``:
-DDP and FSDP compute at ``b`` (= ``h`` with ``G = B, R = 1``), GPipe at ``s`` (``G = 1, R = S``),
-LPP and FSLPP at ``h(s, b)``. Timing in the simulator depends only on where jobs run (a weight
-fetch costs no time there), so one simulation per ``(G, R)``, order, split and memory limit serves
-every scheme that computes there, both FSLPP ownerships and both weight caches.
+Every compute placement of the named schemes but one is the looped hash ``h(s, b)`` for some
+``(G, R)``: DDP and FSDP compute at ``b`` (= ``h`` with ``G = B, R = 1``), GPipe at ``s``
+(``G = 1, R = S``), LPP and FSLPP at ``h(s, b)``. Timing in the simulator depends only on where
+jobs run (a weight fetch costs no time there), so one simulation per ``(G, R)``, order, split and
+memory limit serves every scheme that computes there, both FSLPP ownerships and both weight caches.
+The V shape (``strategy=vshape``: worker ``w`` computes stages ``w`` and ``S - 1 - w``, ``W = S/2``)
+is a placement of its own, simulated apart (:func:`vshape_fits`, :data:`VSHAPE_ORDERS`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from ..schedule.placement import OWNERSHIPS
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT
 
-#: (order, warmup) pairs: 1f1b with and without its warm-up, breadth_first, depth_first, zb_h1 (split
-#: backward only) and interleaved_1f1b (looped pipelines only: :func:`order_fits`)
+#: (order, warmup) pairs on ``h(s, b)``: 1f1b with and without its warm-up, breadth_first, depth_first,
+#: zb_h1 and zb_h2 (split backward only) and interleaved_1f1b (looped pipelines only: :func:`order_fits`)
 ORDERS: tuple[tuple[str, str], ...] = (
     ("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"), ("zb_h1", "classic"),
-    ("interleaved_1f1b", "classic"),
+    ("zb_h2", "classic"), ("interleaved_1f1b", "classic"),
 )
+#: (order, warmup) pairs on the V shape: 1f1b with and without its warm-up, and zbv (split backward only)
+VSHAPE_ORDERS: tuple[tuple[str, str], ...] = (("1f1b", "classic"), ("1f1b", "none"), ("zbv", "classic"))
+#: ``order=auto``: searched per step (:mod:`launcher.schedule.auto_order`), so only at the placements
+#: of the best candidates the named orders find (:func:`launcher.plan.search.search`'s ``auto_top``)
+AUTO: tuple[str, str] = ("auto", "classic")
 CACHES = ("step", "job")
 
 
@@ -47,11 +54,14 @@ def schemes_at(G: int, R: int, S: int, B: int) -> list[Variant]:
     return [Variant(s.name, own) for s in found for own in (OWNERSHIPS if s.name == "fslpp" else ("seed",))]
 
 
-def order_fits(order: str, R: int, S: int, split: bool) -> bool:
-    """Whether a built-in order exists at this point: ZB-H1 defers the split backward's weight
-    gradients; the interleaved 1F1B needs a looped pipeline (``1 < R < S``, ``S`` a multiple of ``R``)."""
+def order_fits(order: str, R: int, S: int, split: bool, vshape: bool = False) -> bool:
+    """Whether a built-in order exists at this point: ZB-H1, ZB-H2, ZB-V and auto schedule the split
+    backward's weight gradients apart; the interleaved 1F1B needs a looped pipeline (``1 < R < S``,
+    ``S`` a multiple of ``R``); ZB-V is made for the V shape (``vshape``) and exists only there."""
     o = ORDER_CLASSES[order]
-    return (split or not o.split_only) and (not o.looped_only or (1 < R < S and S % R == 0))
+    looped = 1 < R < S and S % R == 0 and not vshape
+    return ((split or not o.split_only) and (not o.looped_only or looped)
+            and o.scheme_only in (None, "vshape" if vshape else None))
 
 
 def placements(workers: int, S: int, B: int) -> Iterator[tuple[int, int]]:
@@ -59,6 +69,11 @@ def placements(workers: int, S: int, B: int) -> Iterator[tuple[int, int]]:
     for G in range(1, min(B, workers) + 1):
         for R in range(1, min(S, workers // G) + 1):
             yield G, R
+
+
+def vshape_fits(workers: int, S: int, B: int) -> bool:
+    """Whether the V shape exists here: an even number of stages on ``S / 2 <= workers`` workers."""
+    return S % 2 == 0 and 0 < S // 2 <= workers and B >= 1
 
 
 @dataclass(frozen=True)

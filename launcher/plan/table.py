@@ -49,7 +49,7 @@ def plan_record(plan: Ranking, config: dict[str, Any], seconds: bool) -> dict[st
         "candidates": [c.to_json() for c in plan.candidates],
         "search": {"simulated": plan.simulated, "pruned_by_time_bound": plan.pruned_time,
                    "pruned_by_memory_bound": plan.pruned_memory, "did_not_fit": plan.did_not_fit,
-                   "same_schedule_as_listed": plan.equivalent},
+                   "same_schedule_as_listed": plan.equivalent, "auto_searched": plan.auto_searched},
     }
 
 

@@ -16,8 +16,9 @@ from helpers.cli import run_launcher
 from launcher.config import errors
 from launcher.modes.simulation import simulate_config
 from launcher.plan import Budget, ProfileError, load, memory, parse_bytes, search, unit
+from launcher.plan.from_config import plan as plan_of
 from launcher.plan.profile import from_dict
-from launcher.plan.search import job_cache_time, shared_cores_time
+from launcher.plan.search import job_cache_time, shared_cores_time, time_bound
 from launcher.schedule import ScheduleError, make_step, simulate
 from launcher.schedule.link import step_time as link_step_time
 from launcher.schedule.metrics import per_worker
@@ -26,7 +27,8 @@ PROFILE = {"durations_s": {"F": 1.0, "B": 2.2, "I": 1.3, "W": 0.9}, "comm_s": 0.
            "bytes": {"params": [10, 20, 20, 10], "grads": [10, 20, 20, 10], "optimizer": [20, 40, 40, 20],
                      "activation": [5, 8, 8, 3]}}
 ORDERS = [("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"),
-          ("zb_h1", "classic"), ("interleaved_1f1b", "classic")]
+          ("zb_h1", "classic"), ("zb_h2", "classic"), ("interleaved_1f1b", "classic")]
+VSHAPE_ORDERS = [("1f1b", "classic"), ("1f1b", "none"), ("zbv", "classic")]
 
 
 def fits(tl, prof, budget: Budget, caches=("step", "job")) -> bool:
@@ -46,15 +48,16 @@ def fitting(tl, prof, budget: Budget, caches=("step", "job")) -> list[str]:
 
 
 def brute_force(S: int, B: int, workers: int, prof, budget: Budget) -> float:
-    """The fastest fitting step over every named scheme, G, R, order, split, ownership and
-    memory limit (none, or any uniform limit), simulated one by one."""
+    """The fastest fitting step over every named scheme, G, R, named order (the V shape: 1F1B and
+    ZB-V), split, ownership and memory limit (none, or any uniform limit), simulated one by one."""
     best = float("inf")
-    for scheme in ("ddp", "fsdp", "gpipe", "lpp", "fslpp"):
-        grs = {"ddp": [(B, 1)], "fsdp": [(B, 1)], "gpipe": [(1, S)]}.get(
+    for scheme in ("ddp", "fsdp", "gpipe", "lpp", "fslpp", "vshape"):
+        grs = {"ddp": [(B, 1)], "fsdp": [(B, 1)], "gpipe": [(1, S)], "vshape": [(1, S // 2)] if S % 2 == 0 else []}.get(
             scheme, [(G, R) for G in range(1, B + 1) for R in range(1, S + 1)])
         owns = ("seed", "balanced") if scheme == "fslpp" else ("seed",)
-        for (G, R), own, (order, warmup), split in itertools.product(grs, owns, ORDERS, (False, True)):
-            if G * R > workers or (order == "zb_h1" and not split) or (
+        orders = VSHAPE_ORDERS if scheme == "vshape" else ORDERS
+        for (G, R), own, (order, warmup), split in itertools.product(grs, owns, orders, (False, True)):
+            if G * R > workers or (order in ("zb_h1", "zb_h2", "zbv") and not split) or (
                     order == "interleaved_1f1b" and (scheme not in ("lpp", "fslpp") or not 1 < R < S or S % R)):
                 continue
             for ml in [None, *range(1, S * B + 1)]:
@@ -98,6 +101,9 @@ CASES = [  # S, B, workers, profile (None: unit costs), budget
     (4, 4, 4, LINKED, Budget()),
     (4, 4, 4, SHARED, Budget()),
     (4, 4, 4, SHARED, Budget(activations=2)),
+    # on S / 2 workers: the V shape is the fastest at 2 activations, ZB-H2 at 3 with a profile
+    (4, 4, 2, None, Budget(activations=2)),
+    (4, 4, 2, PROFILE, Budget(activations=3)),
 ]
 
 
@@ -212,3 +218,80 @@ def test_plan_and_auto_on_the_command_line(tmp_path):
     sim = json.loads((tmp_path / "auto" / "simulation.json").read_text())
     assert sim["latency"] == rec["best"]["step_time"]
 
+
+
+UNIT = {"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}  # the config's default durations
+
+
+def test_time_bound_is_a_lower_bound_for_every_searched_order():
+    """The bound that prunes the search holds for every order it tries, ZB-H2, auto and the V shape
+    included: no simulated step is shorter (per-stage durations and a comm delay, limits or not)."""
+    stages = [{"F": 1.0, "B": 2.0, "I": 1.2, "W": 0.8}, {"F": 0.7, "B": 1.6, "I": 0.9, "W": 0.7},
+              {"F": 1.1, "B": 2.1, "I": 1.0, "W": 1.1}, {"F": 0.9, "B": 1.9, "I": 1.1, "W": 0.8}]
+    d = {"F": 1.0, "B": 2.0, "I": 1.1, "W": 0.9}
+    checked = set()
+    for (G, R, v), B, per_stage, ml in itertools.product([(1, 4, False), (2, 2, False), (4, 1, False), (1, 3, False),
+                                                           (1, 2, True)], (1, 4, 5), (None, stages), (None, 3)):
+        if G > B:
+            continue
+        scheme = "vshape" if v else "lpp"
+        for (order, warmup), split in itertools.product([*(VSHAPE_ORDERS if v else ORDERS), ("auto", "classic")],
+                                                        (False, True)):
+            if not split and order in ("zb_h1", "zb_h2", "zbv", "auto") or order == "interleaved_1f1b" and R != 2:
+                continue
+            try:
+                tl = simulate(make_step(scheme, 4, B, G, R, order=order, warmup=warmup, durations=d, comm=0.25,
+                                        memory_limit=ml, split_backward=split, stage_durations=per_stage))
+            except ScheduleError:
+                continue
+            assert tl.latency >= time_bound(4, B, G, R, split, d, 0.25, per_stage, vshape=v) * (1 - 1e-12), (
+                scheme, G, R, B, order, split, ml)
+            checked.add((scheme, order))
+    assert {("lpp", "zb_h2"), ("lpp", "auto"), ("vshape", "zbv"), ("vshape", "1f1b")} <= checked
+
+
+def test_auto_is_the_best_where_it_is_fastest_and_zb_h2_among_the_named_orders(cfg_of):
+    """The default durations on 4 workers, 4 stages, 8 micro-batches, 3 activations: order=auto's
+    search finds a step of 18 units, ZB-H2 the best of the named orders at 19.5. The plan lists
+    auto first, and its overrides reproduce it under mode=simulate within the budget."""
+    cfg = cfg_of(["mode=plan", "stages=4", "microbatches=8", "plan.workers=4", "plan.max_activations=3"])
+    found = plan_of(cfg)
+    best = found.best
+    assert best is not None and best.point.order == "auto" and best.step_time == 18.0
+    assert found.auto_searched > 0
+    named = search(4, [8], 4, unit(UNIT, 0.0), Budget(activations=3), auto_top=0).best
+    assert named is not None and named.point.order == "zb_h2" and named.step_time == 19.5
+    again = cfg_of(["mode=simulate", *best.overrides])
+    assert errors(again) == []
+    tl, summary = simulate_config(again)
+    assert tl.latency == best.step_time and max(summary["per_worker"]["peak_activations"]) <= 3
+
+
+@pytest.mark.parametrize("S, B, workers, profile, budget", [
+    (4, 8, 4, None, Budget(activations=3)), (4, 4, 2, None, Budget(activations=3)),
+    (4, 4, 4, PROFILE, Budget(bytes=150)), (4, 4, 4, LINKED, Budget()), (6, 6, 3, PROFILE, Budget(activations=4))])
+def test_the_plan_is_never_slower_than_the_named_orders(S, B, workers, profile, budget):
+    """order=auto is searched on top of the named orders (a superset), so the best never loses."""
+    prof = from_dict(profile) if profile else unit(UNIT, 0.0)
+    best = search(S, [B], workers, prof, budget, top=5).best
+    named = search(S, [B], workers, prof, budget, top=5, auto_top=0).best
+    assert best is not None and named is not None and named.point.order != "auto"
+    assert best.step_time <= named.step_time
+
+
+def test_the_v_shape_is_planned_and_reproduces(cfg_of):
+    """On S / 2 workers with 2 activations each the V shape (worker w holds stages w and S - 1 - w)
+    is the fastest; its overrides (strategy=vshape G=1 R=S/2) reproduce it within the budget, and
+    ZB-V is among the candidates where the budget allows its warm-up."""
+    prof = unit(UNIT, 0.0)
+    best = search(4, [4], 2, prof, Budget(activations=2)).best
+    assert best is not None and (best.point.scheme.name, best.point.G, best.point.R) == ("vshape", 1, 2)
+    cfg = cfg_of(["mode=simulate", *best.overrides])
+    assert errors(cfg) == []
+    tl, summary = simulate_config(cfg)
+    assert tl.latency == best.step_time and max(summary["per_worker"]["peak_activations"]) <= 2
+    lpp = search(4, [4], 2, prof, Budget(activations=2), top=50).candidates
+    assert best.step_time < min(c.step_time for c in lpp if c.point.scheme.name != "vshape")
+    orders = {c.point.order for c in search(4, [8], 2, prof, Budget(), top=100).candidates
+              if c.point.scheme.name == "vshape"}
+    assert "zbv" in orders

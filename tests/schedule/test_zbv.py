@@ -100,10 +100,15 @@ def test_refused_elsewhere():
 
 
 def test_not_in_the_planners_hashed_space():
-    """The planner's points share the looped hash's compute placement; the V shape's is another."""
-    from launcher.plan.space import schemes_at
+    """The planner's hashed points share the looped hash's compute placement; the V shape's is
+    another, planned as a placement of its own (even S on S/2 workers)."""
+    from launcher.plan.space import order_fits, schemes_at, vshape_fits
 
     assert "vshape" not in [v.name for v in schemes_at(1, 2, 4, 4)]
+    assert vshape_fits(2, 4, 4) and not vshape_fits(1, 4, 4) and not vshape_fits(4, 5, 4)
+    assert order_fits("zbv", 2, 4, True, vshape=True) and not order_fits("zbv", 2, 4, True)
+    assert not order_fits("zbv", 2, 4, False, vshape=True)
+    assert not order_fits("interleaved_1f1b", 2, 4, True, vshape=True)
 
 
 def test_config_group():
