@@ -1,9 +1,10 @@
 """Search the schedule space for the fastest step that fits a per-worker budget.
 
-The search simulates one step per ``(G, R)``, order, split and memory limit, best lower bound first,
-and evaluates every scheme, FSLPP ownership and weight cache that computes there (see
-:mod:`launcher.plan.space`). Candidates are ranked by predicted step time (per micro-batch, when
-several micro-batch counts are tried: the same profile per micro-batch, more of them per step),
+The search simulates one step per ``(G, R)`` (and the V shape, a placement of its own), order,
+split and memory limit, best lower bound first, and evaluates every scheme, FSLPP ownership and
+weight cache that computes there (see :mod:`launcher.plan.space`). Candidates are ranked by
+predicted step time (per micro-batch, when several micro-batch counts are tried: the same profile
+per micro-batch, more of them per step),
 then traffic, then peak memory. Settings that lead to the same schedule (orders or memory limits
 that give every worker the same jobs in the same order, which is all the runtime follows; a
 weight cache on a scheme that fetches no weights) are one candidate, listed once under its
@@ -13,7 +14,10 @@ the top ``top``:
 - **time bound**: a step lasts at least ``max(work, chain)``, where ``work`` is the busiest
   worker's total job time (``h(s, b)`` puts ``ceil(S/R) ceil(B/G)`` jobs of each kind on worker 0,
   the most of any) and ``chain`` is one micro-batch's dependency path
-  (``S F + S B``, or ``S F + S I + W`` split, plus ``2 (S - 1) comm`` when ``R > 1``). A
+  (``S F + S B``, or ``S F + S I + W`` split, plus ``2 (S - 1) comm`` when ``R > 1``; on the V
+  shape worker ``w`` runs stages ``w`` and ``S - 1 - w`` of every micro-batch and the chain crosses
+  workers ``2 (S - 2)`` times, the V's turn staying on one worker). It holds for any order on
+  that placement, sequenced ones (ZB-H2, ZB-V, auto) included. A
   simulation whose bound (per micro-batch) exceeds the ``top``-th best found so far is skipped:
   its every scheme, ownership and cache lasts at least that long (the gradient exchange a
   profile's link adds comes after the compute), so none can rank above it. Steps are
@@ -41,6 +45,16 @@ micro-batch's activations ahead, so a limit above the budget can keep the peak i
 upward scan stops at the first limit above those tried first whose step fits nowhere: a heuristic
 (the peak rarely falls again as the limit grows), the one part of the search that is not exhaustive
 over uniform limits. The brute force of ``tests/plan/test_planner.py`` tries every uniform limit.
+
+``order=auto`` (:mod:`launcher.schedule.auto_order`) searches each worker's sequence for a step, so
+each of its steps costs that search (about a second at 16 stages and 32 micro-batches) where a
+named order costs one simulation. It is therefore tried after the named orders, and only at the
+placements (``B``, ``G``, ``R``, the V shape apart) of the ``auto_top`` best candidates they found,
+under the limits tried first there and those the listed candidates there use (its sequences keep
+to a limit themselves, counted from ``F`` to ``W``, the stricter count, so no upward scan). That
+restriction is a heuristic: auto may beat the named orders at a placement none of whose named
+candidates ranked high. It only adds candidates, so the best is never slower than the named
+orders' best.
 """
 
 from __future__ import annotations
@@ -135,7 +149,7 @@ class Ranking:
     pruned_memory: int = 0
     did_not_fit: int = 0
     equivalent: int = 0  # candidates that were the same schedule as one listed
-    auto_searched: int = 0  # steps whose order=auto sequences were searched
+    auto_searched: int = 0  # placements (B, G, R, the V shape apart) where order=auto was searched
     stats: dict[str, Any] = field(default_factory=dict)
 
     @property
