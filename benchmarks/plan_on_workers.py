@@ -3,6 +3,7 @@ each budget's top candidates and compare predicted with measured step time and p
 
     python benchmarks/plan_on_workers.py                      # budgets: 4 and 8 live activations
     python benchmarks/plan_on_workers.py --budget plan.max_activations=6 --top 3 --steps 12
+    python benchmarks/plan_on_workers.py --top 3 --profile-override split_backward=true  # I and W measured
 
 Each run is ``python -m launcher`` (a subprocess, exactly as a user types it) in a temporary
 directory; a candidate's measured step time is the median over ``--rounds`` runs (candidates
@@ -41,14 +42,17 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=5, help="runs of each candidate, alternated")
+    ap.add_argument("--profile-override", action="append", default=[],
+                    help="an override of the profiling run (repeatable): split_backward=true measures I and W, so "
+                         "the planner searches the split backward's orders (zb_h1, zb_h2, auto)")
     args = ap.parse_args()
     budgets = args.budget or ["plan.max_activations=4", "plan.max_activations=8"]
     con = Console(width=200)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         profile = root / "profile"
-        launcher(["strategy=lpp", "G=2", "R=4", f"trainer.max_steps={args.steps}", *RUN, f"hydra.run.dir={profile}"],
-                 root)
+        launcher(["strategy=lpp", "G=2", "R=4", *args.profile_override, f"trainer.max_steps={args.steps}", *RUN,
+                  f"hydra.run.dir={profile}"], root)
         for budget in budgets:
             out = root / budget.replace("=", "_")
             launcher(["mode=plan", f"plan.workers={args.workers}", budget, f"plan.top={args.top}",

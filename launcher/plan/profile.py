@@ -3,7 +3,7 @@
 A profile is a JSON object (the lead's training mode writes it into each run's ``metrics.json``
 under ``"profile"``; a bare profile file works too)::
 
-    {"durations_s": {"F": float, "B": float, "I": float | null, "W": float | null},
+    {"durations_s": {"F": float, "B": float, "I": float | null, "W": float | null},  # B null: I + W
      "comm_s": float,                       # seconds added when a dependency crosses workers
      "message_cpu_s": float | null,         # optional: CPU a message costs its two workers (CPU workers)
      "link": {"latency_s": float, "bytes_per_s": float} | null,   # optional: message costs
@@ -94,11 +94,19 @@ def parse_bytes(text: Any) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def _whole_backward(dur: Any) -> Any:
+    """``dur`` with ``B = I + W`` where a run on the split backward measured ``I`` and ``W`` but
+    no whole ``B`` (the same gradients, computed in two jobs), so its profile plans both ways."""
+    if isinstance(dur, Mapping) and dur.get("B") is None and _pos(dur.get("I")) and _pos(dur.get("W")):
+        return {**dur, "B": float(dur["I"]) + float(dur["W"])}
+    return dur
+
+
 def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
     """A :class:`Profile` from the JSON contract above (checked, one sentence per problem)."""
     if "profile" in d and isinstance(d["profile"], Mapping):
         d = d["profile"]  # a run's metrics.json
-    dur = d.get("durations_s")
+    dur = _whole_backward(d.get("durations_s"))
     if not isinstance(dur, Mapping) or not all(_pos(dur.get(k)) for k in ("F", "B")):
         raise ProfileError(f"{where} needs durations_s with positive F and B in seconds")
     for k in ("I", "W"):
@@ -133,6 +141,8 @@ def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
     if msg is not None and not _nonneg(msg):
         raise ProfileError(f"{where} has message_cpu_s={msg!r}; it must be null or a number >= 0")
     per = d.get("stage_durations_s")
+    if isinstance(per, Sequence):
+        per = [_whole_backward(x) for x in per]
     if per is not None and not (isinstance(per, Sequence) and per and all(
             isinstance(x, Mapping) and _pos(x.get("F")) and _pos(x.get("B"))
             and all(x.get(k) is None or _pos(x.get(k)) for k in ("I", "W")) for x in per)):

@@ -180,6 +180,13 @@ def test_profiles_from_metrics_json_or_bare(tmp_path):
         from_dict({"comm_s": 0.0})
     with pytest.raises(ProfileError, match="cannot be read"):
         load(tmp_path / "missing.json")
+    # a run on the split backward measures I and W, not B: B is their sum, and the profile splits
+    split_only = dict(PROFILE, durations_s={"F": 1.0, "B": None, "I": 1.25, "W": 0.5},
+                      stage_durations_s=[{"F": 1.0, "B": None, "I": 1.0, "W": 0.75}] * 4)
+    prof = from_dict(split_only)
+    assert prof.can_split and prof.durations["B"] == 1.75 and prof.stage_table(4)[0]["B"] == 1.75
+    with pytest.raises(ProfileError, match="positive F and B"):
+        from_dict(dict(PROFILE, durations_s={"F": 1.0, "B": None, "I": 1.25, "W": None}))
 
 
 def test_sizes_parse():
