@@ -302,7 +302,7 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
                 for rc in recomputes:
                     lb = _bound(S, B, G, R, v, split, rc, prof)
                     for order, warmup in VSHAPE_ORDERS if v else ORDERS:
-                        if not order_fits(order, R, S, split, v):
+                        if not order_fits(order, R, S, split, v, B):
                             continue  # split-only orders, interleaving only when looped, ZB-V on the V shape
                         jobs.append((lb / B, len(jobs), B, G, R, v, split, order, warmup, rc))
     jobs.sort()

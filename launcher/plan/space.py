@@ -25,8 +25,10 @@ ORDERS: tuple[tuple[str, str], ...] = (
     ("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"), ("zb_h1", "classic"),
     ("zb_h2", "classic"), ("interleaved_1f1b", "classic"),
 )
-#: (order, warmup) pairs on the V shape: 1f1b with and without its warm-up, and zbv (split backward only)
-VSHAPE_ORDERS: tuple[tuple[str, str], ...] = (("1f1b", "classic"), ("1f1b", "none"), ("zbv", "classic"))
+#: (order, warmup) pairs on the V shape: 1f1b with and without its warm-up, zbv and dualpipev (split
+#: backward only; dualpipev with at least as many micro-batches as stages)
+VSHAPE_ORDERS: tuple[tuple[str, str], ...] = (("1f1b", "classic"), ("1f1b", "none"), ("zbv", "classic"),
+                                              ("dualpipev", "classic"))
 #: ``order=auto``: searched per step (:mod:`launcher.schedule.auto_order`), so only at the placements
 #: of the best candidates the named orders find (:func:`launcher.plan.search.search`'s ``auto_top``)
 AUTO: tuple[str, str] = ("auto", "classic")
@@ -54,14 +56,16 @@ def schemes_at(G: int, R: int, S: int, B: int) -> list[Variant]:
     return [Variant(s.name, own) for s in found for own in (OWNERSHIPS if s.name == "fslpp" else ("seed",))]
 
 
-def order_fits(order: str, R: int, S: int, split: bool, vshape: bool = False) -> bool:
-    """Whether a built-in order exists at this point: ZB-H1, ZB-H2, ZB-V and auto schedule the split
-    backward's weight gradients apart; the interleaved 1F1B needs a looped pipeline (``1 < R < S``,
-    ``S`` a multiple of ``R``); ZB-V is made for the V shape (``vshape``) and exists only there."""
+def order_fits(order: str, R: int, S: int, split: bool, vshape: bool = False, B: int | None = None) -> bool:
+    """Whether a built-in order exists at this point: ZB-H1, ZB-H2, ZB-V, DualPipeV and auto schedule
+    the split backward's weight gradients apart; the interleaved 1F1B needs a looped pipeline
+    (``1 < R < S``, ``S`` a multiple of ``R``); ZB-V and DualPipeV are made for the V shape
+    (``vshape``) and exist only there, DualPipeV with ``B >= S`` micro-batches (when ``B`` is given)."""
     o = ORDER_CLASSES[order]
     looped = 1 < R < S and S % R == 0 and not vshape
     return ((split or not o.split_only) and (not o.looped_only or looped)
-            and o.scheme_only in (None, "vshape" if vshape else None))
+            and o.scheme_only in (None, "vshape" if vshape else None)
+            and (B is None or not o.at_least_stages or B >= S))
 
 
 def placements(workers: int, S: int, B: int) -> Iterator[tuple[int, int]]:

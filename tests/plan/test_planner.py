@@ -28,7 +28,7 @@ PROFILE = {"durations_s": {"F": 1.0, "B": 2.2, "I": 1.3, "W": 0.9}, "comm_s": 0.
                      "activation": [5, 8, 8, 3]}}
 ORDERS = [("1f1b", "classic"), ("1f1b", "none"), ("breadth_first", "none"), ("depth_first", "none"),
           ("zb_h1", "classic"), ("zb_h2", "classic"), ("interleaved_1f1b", "classic")]
-VSHAPE_ORDERS = [("1f1b", "classic"), ("1f1b", "none"), ("zbv", "classic")]
+VSHAPE_ORDERS = [("1f1b", "classic"), ("1f1b", "none"), ("zbv", "classic"), ("dualpipev", "classic")]
 
 
 def fits(tl, prof, budget: Budget, caches=("step", "job")) -> bool:
@@ -48,8 +48,8 @@ def fitting(tl, prof, budget: Budget, caches=("step", "job")) -> list[str]:
 
 
 def brute_force(S: int, B: int, workers: int, prof, budget: Budget) -> float:
-    """The fastest fitting step over every named scheme, G, R, named order (the V shape: 1F1B and
-    ZB-V), split, ownership and memory limit (none, or any uniform limit), simulated one by one."""
+    """The fastest fitting step over every named scheme, G, R, named order (the V shape: 1F1B, ZB-V
+    and DualPipeV), split, ownership and memory limit (none, or any uniform limit), simulated one by one."""
     best = float("inf")
     for scheme in ("ddp", "fsdp", "gpipe", "lpp", "fslpp", "vshape"):
         grs = {"ddp": [(B, 1)], "fsdp": [(B, 1)], "gpipe": [(1, S)], "vshape": [(1, S // 2)] if S % 2 == 0 else []}.get(
@@ -57,7 +57,8 @@ def brute_force(S: int, B: int, workers: int, prof, budget: Budget) -> float:
         owns = ("seed", "balanced") if scheme == "fslpp" else ("seed",)
         orders = VSHAPE_ORDERS if scheme == "vshape" else ORDERS
         for (G, R), own, (order, warmup), split in itertools.product(grs, owns, orders, (False, True)):
-            if G * R > workers or (order in ("zb_h1", "zb_h2", "zbv") and not split) or (
+            if G * R > workers or (order in ("zb_h1", "zb_h2", "zbv", "dualpipev") and not split) or (
+                    order == "dualpipev" and B < S) or (
                     order == "interleaved_1f1b" and (scheme not in ("lpp", "fslpp") or not 1 < R < S or S % R)):
                 continue
             for ml in [None, *range(1, S * B + 1)]:
@@ -244,7 +245,8 @@ def test_time_bound_is_a_lower_bound_for_every_searched_order():
         scheme = "vshape" if v else "lpp"
         for (order, warmup), split in itertools.product([*(VSHAPE_ORDERS if v else ORDERS), ("auto", "classic")],
                                                         (False, True)):
-            if not split and order in ("zb_h1", "zb_h2", "zbv", "auto") or order == "interleaved_1f1b" and R != 2:
+            if not split and order in ("zb_h1", "zb_h2", "zbv", "dualpipev", "auto") or (
+                    order == "interleaved_1f1b" and R != 2 or order == "dualpipev" and B < 4):
                 continue
             try:
                 tl = simulate(make_step(scheme, 4, B, G, R, order=order, warmup=warmup, durations=d, comm=0.25,
@@ -254,7 +256,8 @@ def test_time_bound_is_a_lower_bound_for_every_searched_order():
             assert tl.latency >= time_bound(4, B, G, R, split, d, 0.25, per_stage, vshape=v) * (1 - 1e-12), (
                 scheme, G, R, B, order, split, ml)
             checked.add((scheme, order))
-    assert {("lpp", "zb_h2"), ("lpp", "auto"), ("vshape", "zbv"), ("vshape", "1f1b")} <= checked
+    want = {("lpp", "zb_h2"), ("lpp", "auto"), ("vshape", "zbv"), ("vshape", "dualpipev"), ("vshape", "1f1b")}
+    assert want <= checked
 
 
 def test_auto_is_the_best_where_it_is_fastest_and_zb_h2_among_the_named_orders(cfg_of):
