@@ -421,10 +421,12 @@ def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget,
     budget, each scheme's byte-derived limit); and the least limit that can finish the step."""
     probe = make_step("vshape" if vshape else "lpp", S, B, G, R)
     compute, _ = place_all(probe)
-    # worker w = R g + r holds the stages s = r (mod R) of its micro-batches, all live at once (on
-    # the V shape, stages w and S - 1 - w)
-    need = ([sum(1 for s in range(S) if min(s, S - 1 - s) == w) for w in range(G * R)] if vshape
-            else [sum(1 for s in range(S) if s % R == w % R) for w in range(G * R)])
+    # each worker needs one activation per stage it computes, all live at once (worker R g + r
+    # holds the stages s = r (mod R); on the V shape, stages w and S - 1 - w)
+    held: list[set[int]] = [set() for _ in range(G * R)]
+    for j in range(S * B):  # the forwards: job j is stage j // B
+        held[compute[j]].add(j // B)
+    need = [len(h) for h in held]
     per_scheme = []
     limits: list[Any] = [None]
     if budget.activations is not None:

@@ -457,11 +457,7 @@ def zbv_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
     ``w`` pairs ``I(a), I(c)`` and ``P - w`` pairs ``I(a), W(a)``, and last the ``W`` jobs still
     owed, ``c``'s then ``a``'s, oldest first. With unit ``F``, ``I`` and ``W`` it has no bubble
     once ``B >= 2P - 1``, and every worker keeps at most ``2P`` micro-batches' activations."""
-    S, B = space.S, space.B
-    if space.K != 3 or S % 2:
-        raise ValueError(f"order=zbv needs the split backward and an even number of stages, not stages={S} "
-                         f"split_backward={space.K == 3}")
-    P = S // 2
+    P, B = _v_workers(space, ZBV.name), space.B
     return [[space.id(s, b, k) for s, b, k in _zbv_worker(w, P, max(B, 2 * P - 1)) if b < B] for w in range(P)]
 
 
@@ -496,6 +492,23 @@ def _zbv_worker(w: int, P: int, M: int) -> list[tuple[int, int, str]]:
     return raw
 
 
+def too_few_microbatches(order: type[Order], S: int, B: int) -> str | None:
+    """The sentence for an order that needs at least as many micro-batches as stages
+    (``dualpipev``, as PyTorch's ``ScheduleDualPipeV`` refuses fewer) given fewer; None otherwise."""
+    if not order.at_least_stages or B >= S:
+        return None
+    return (f"microbatches={B} is invalid with order={order.name}: it needs at least as many micro-batches as "
+            f"stages={S} (as PyTorch's schedule does); set microbatches >= {S}.")
+
+
+def _v_workers(space: JobSpace, name: str) -> int:
+    """``P = S / 2``, the V shape's workers, for an order made for it (split backward, even ``S``)."""
+    if space.K != 3 or space.S % 2:
+        raise ValueError(f"order={name} needs the split backward and an even number of stages, not stages={space.S} "
+                         f"split_backward={space.K == 3}")
+    return space.S // 2
+
+
 def dualpipev_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
     """Each worker's jobs in DualPipeV's order (``ScheduleDualPipeV``'s), on the split backward.
 
@@ -508,15 +521,10 @@ def dualpipev_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int
     rounds ``B(c), F(c), B(a)``; ``w + 1`` pairs ``B(c), B(a)``, whose second half runs ``I`` alone
     (the zero-bubble half); ``P - w - 1`` pairs of an owed ``W`` and ``B(a)`` (also ``I`` alone
     once the half is reached); last the ``w + 1`` owed ``W`` jobs. Owed ``W`` jobs run oldest first."""
-    S, B = space.S, space.B
-    if space.K != 3 or S % 2:
-        raise ValueError(f"order=dualpipev needs the split backward and an even number of stages, not stages={S} "
-                         f"split_backward={space.K == 3}")
-    if B < S:
-        raise ValueError(f"microbatches={B} is invalid with order=dualpipev: it needs at least as many micro-batches "
-                         f"as stages={S}, as PyTorch's ScheduleDualPipeV does; set microbatches >= {S}.")
-    P = S // 2
-    return [[space.id(s, b, k) for s, b, k in _dualpipev_worker(w, P, B)] for w in range(P)]
+    P = _v_workers(space, DualPipeV.name)
+    if e := too_few_microbatches(DualPipeV, space.S, space.B):
+        raise ValueError(e)
+    return [[space.id(s, b, k) for s, b, k in _dualpipev_worker(w, P, space.B)] for w in range(P)]
 
 
 def _dualpipev_worker(w: int, P: int, M: int) -> list[tuple[int, int, str]]:

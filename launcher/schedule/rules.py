@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, TypeGuard
 
 from .order import BUILTIN as ORDERS
 from .order import ORDERS as ORDER_CLASSES
-from .order import WARMUPS
+from .order import WARMUPS, too_few_microbatches
 from .order_file import FileOrder
 from .schemes import SCHEMES
 
@@ -222,13 +222,9 @@ def _scheme_order_error(strategy: Any, order: Any) -> str | None:
 
 
 def _order_microbatches_error(order: Any, S: int, B: int) -> str | None:
-    """The sentence for an order that needs at least as many micro-batches as stages
-    (``dualpipev``, as PyTorch's ``ScheduleDualPipeV`` refuses fewer) given fewer."""
+    """:func:`~launcher.schedule.order.too_few_microbatches` for a built-in order's name."""
     cls = ORDER_CLASSES.get(order) if isinstance(order, str) else None
-    if cls is None or not cls.at_least_stages or B >= S:
-        return None
-    return (f"microbatches={B} is invalid with order={order}: it needs at least as many micro-batches as "
-            f"stages={S} (as PyTorch's schedule does); set microbatches >= {S}.")
+    return None if cls is None else too_few_microbatches(cls, S, B)
 
 
 def _looped_order_error(strategy: Any, order: Any, R: int, S: int) -> str | None:
