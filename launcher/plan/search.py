@@ -69,8 +69,10 @@ from ..schedule import ScheduleError, make_step, simulate
 from ..schedule.cores import job_work, replay
 from ..schedule.link import end_of_step, exchanges
 from ..schedule.link import step_time as link_step_time
+from ..schedule.lowering import weight_arrivals, weight_messages
 from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
 from ..schedule.schemes import named
+from ..schedule.settings import DEFAULT
 from ..schedule.simulate import Timeline, place_all
 from . import memory
 from .partition import PARTITIONS, PartitionError, cut, group_sums, stage_durations
@@ -480,7 +482,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     grads = [prof.stage_bytes("grads", s) for s in range(S)] if link and prof.bytes else None
     programs = tuple(map(tuple, tl.program))
     monotone = prof.cores is None or prof.cores >= tl.step.workers  # see job_cache_time
-    # per job work on CPU workers: it depends on where jobs run only, the same for every scheme here
+    # per job work on CPU workers: the jobs and their activations and gradients depend on where jobs
+    # run only, the same for every scheme here; the weight messages on who owns what (below)
     work = job_work(tl, d, prof.message_cpu) if prof.cores is not None else None
     mlt = tuple(ml) if isinstance(ml, (list, tuple)) else ml
     for sch, weights, owned, fetched in per_scheme:
@@ -493,7 +496,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             cached = moves[sch] = (traffic(view), tails)
         t, tails = cached
         if prof.cores is not None:  # CPU workers: they share the cores
-            step_time[sch] = shared_cores_time(view, prof, grads, work)
+            step_time[sch] = shared_cores_time(view, prof, grads, _weight_work(work, view, "step", prof))
         else:
             step_time[sch] = ((link_step_time(view, grads, link, tails) if grads and link is not None else latency)
                               + prof.outside)
@@ -501,7 +504,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
         # cache "job" (backwards on fetched weights recompute their forward) lasts at least as long
         # where every worker has a core; on shared cores more work can reorder who waits for whom
         if any(fetched) and (not monotone or step_time[sch] <= worst):
-            recompute = job_cache_time(view, prof, grads, d, step_time[sch], tails, work)
+            recompute = job_cache_time(view, prof, grads, d, step_time[sch], tails,
+                                       _weight_work(work, view, "job", prof))
         step_fits = False
         for cache in CACHES:
             seconds = recompute if cache == "job" else step_time[sch]
@@ -534,6 +538,14 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     return out
 
 
+def _weight_work(work: list[float] | None, tl: Timeline, cache: str, prof: Profile) -> list[float] | None:
+    """``work`` (per job, on CPU workers) plus the CPU of the weight copies and partial sums the
+    workers move under ``cache`` (:func:`~launcher.schedule.lowering.weight_messages`)."""
+    if work is None or not prof.message_cpu or tl.weights == tl.compute:
+        return work
+    return [x + prof.message_cpu * n for x, n in zip(work, weight_messages(tl, cache))]
+
+
 def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = None,
                    work: Sequence[float] | None = None) -> list[float]:
     """Per job, its work (:func:`~launcher.schedule.cores.job_work`, or ``work`` when already
@@ -541,7 +553,7 @@ def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = 
     fetches them again and recomputes its forward first (:func:`launcher.schedule.lowering.add_weights`), so it also
     lasts an ``F``."""
     S, B = tl.step.space.S, tl.step.space.B
-    base = job_work(tl, d, message_s) if work is None else work
+    base = job_work(tl, d, message_s, "job") if work is None else work
     forward = tl.step.duration_table(d)[:S]  # kind F first: each stage's own forward
     rc = tl.step.recompute  # those backwards recompute already (charged in the base work)
     return [w + (forward[(j // B) % S] if j // (S * B) == 1 and tl.weights[j] != tl.compute[j]
@@ -573,7 +585,7 @@ def job_cache_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None, d
     worker's critical job needs it. ``work``: the jobs' work under cache ``step``, when known."""
     work = with_recompute(tl, d, prof.message_cpu if prof.cores is not None else None, work)
     if prof.cores is not None:
-        return shared_cores_time(tl, prof, grads, work)
+        return shared_cores_time(tl, prof, grads, work, "job")
     if tails is None and grads and prof.link:
         tails = end_of_step(tl, grads, prof.link)
     W = tl.step.workers
@@ -581,18 +593,20 @@ def job_cache_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None, d
 
 
 def shared_cores_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None,
-                      work: Sequence[float] | None = None) -> float:
-    """The step when its workers share ``prof.cores`` cores (``work``: per job, instead of the
-    step's durations): the programs replayed, then
+                      work: Sequence[float] | None = None, cache: str = "step") -> float:
+    """The step under weight cache ``cache`` when its workers share ``prof.cores`` cores (``work``:
+    per job, instead of the step's durations): the programs replayed, then
     on every worker the gradient exchange (its bytes over the link as work, its message rounds as
     waits of ``prof.comm`` each, the message time measured on the workers), each message's CPU
-    (``prof.message_cpu``) on the jobs that move it, and the work outside
-    the engine (a training step sums its loss over every worker there, so each waits for all)."""
+    (``prof.message_cpu``) on the jobs that move it, each weight copy arriving a message's time
+    after its owner hands it over (:func:`~launcher.schedule.lowering.weight_arrivals`), and the work
+    outside the engine (a training step sums its loss over every worker there, so each waits for all)."""
     W = tl.step.workers
     ex = exchanges(tl, grads) if grads else None
     tails = [(max(e.sent, e.received) / prof.link.bytes_per_s if prof.link else 0.0) + prof.outside for e in ex] \
         if ex else [prof.outside] * W
     delays = [e.rounds * prof.comm for e in ex] if ex else None
     if work is None:
-        work = job_work(tl, tl.step.durations, prof.message_cpu)
-    return replay(tl, prof.cores or W, tails, [list(range(W))] * W, delays, durations=work).seconds
+        work = job_work(tl, tl.step.durations, prof.message_cpu, cache)
+    fetched = weight_arrivals(tl, cache, DEFAULT.prefetch) if tl.weights != tl.compute else None
+    return replay(tl, prof.cores or W, tails, [list(range(W))] * W, delays, durations=work, fetched=fetched).seconds

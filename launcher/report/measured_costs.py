@@ -10,8 +10,9 @@ message was handed over and when each late incoming message arrived, and where t
   *CPU* time: workers that share cores run their jobs slower when more of them are busy than there
   are cores, and the replay of :mod:`launcher.schedule.cores` charges that from the CPU each job
   asks for; on GPUs its wall time less its waits;
-- :func:`message_cpu_seconds`: on CPU workers, what moving one activation or gradient costs the
-  worker's communication threads (so a placement that moves more messages asks more of the cores);
+- :func:`message_cpu_seconds`: on CPU workers, what moving one message (an activation, a gradient,
+  a weight copy, a partial sum) costs the worker's communication threads (so a placement that moves
+  more messages asks more of the cores);
 - :func:`message_seconds`: what a message between workers really takes, the simulator's ``comm``:
   the median time from its hand-over at the sender to its arrival at a receiver that was waiting for
   it (activations, gradients, and the rounds of the all-reduces; one host's clock, so only when
@@ -46,7 +47,7 @@ def on_cpu(per_rank: Records) -> bool:
 def job_seconds(per_rank: Records, kinds: Sequence[str]) -> dict[str, float]:
     """Mean seconds of each job kind over every worker and step after the first (see above): on
     CPU workers the compute thread's CPU (its communication threads' go per message,
-    :func:`message_cpu_seconds`, or into the jobs when no activation or gradient moved); on GPUs
+    :func:`message_cpu_seconds`, or into the jobs when no message moved); on GPUs
     the wall time less the waits."""
     cpu = on_cpu(per_rank)
     extra = message_cpu_seconds(per_rank) is None  # nothing to charge them to but the jobs
@@ -84,16 +85,18 @@ def stage_job_seconds(per_rank: Records, kinds: Sequence[str], S: int) -> list[d
 
 
 def message_cpu_seconds(per_rank: Records) -> float | None:
-    """On CPU workers, the CPU seconds a worker's communication threads spent per activation or
-    gradient message it sent or received during its jobs (what moving a message costs a core);
-    ``None`` on GPUs or when no such message moved."""
+    """On CPU workers, the CPU seconds a worker's communication threads spent per message it moved
+    during its jobs (what moving a message costs a core): activations and gradients sent or received,
+    weight copies sent or received, partial gradient sums sent (their owners take them in at the end
+    of the step, outside the jobs); ``None`` on GPUs or when no such message moved."""
     if not on_cpu(per_rank):
         return None
     other = messages = 0.0
     for r in per_rank:
         for m in _steps(r):
             other += sum(job[4] - job[5] for job in m["jobs"] if len(job) > 5)
-            messages += sum(m["recv_count"].get(k, 0) + m["sent_count"].get(k, 0) for k in ("act", "grad"))
+            got, sent = m["recv_count"], m["sent_count"]
+            messages += sum(got.get(k, 0) + sent.get(k, 0) for k in ("act", "grad", "weights")) + sent.get("wgrad", 0)
     return max(0.0, other) / messages if messages else None
 
 

@@ -20,8 +20,8 @@ Keys (the comparison dashboard reads them):
 - ``profile``: ``durations_s`` per job kind (the compute thread's CPU seconds on CPU workers),
   ``stage_durations_s`` (per stage, the same of its own jobs: the prediction uses these),
   ``modules`` (each module's profiled cost when ``partition`` cut the stages by it, else null),
-  ``message_cpu_s`` (on CPU workers, the communication threads' CPU per activation or gradient
-  message, null without one), ``comm_s`` (what a
+  ``message_cpu_s`` (on CPU workers, the communication threads' CPU per message moved during the
+  jobs: activations, gradients, weight copies, partial sums sent; null without one), ``comm_s`` (what a
   message between workers took while its receiver waited, the median; else one mean activation
   over the link), ``link`` (``latency_s``, ``bytes_per_s`` of a ping-pong between workers 0 and 1;
   null with one worker), ``cores`` (the cores the workers shared, null with a processor each),
@@ -46,6 +46,7 @@ from typing import Any, Mapping, Sequence
 from ..schedule import Timeline, activations
 from ..schedule.cores import Replayed, job_work, replay
 from ..schedule.link import Link, exchanges
+from ..schedule.lowering import weight_arrivals
 from ..schedule.program import KINDS, Lowered
 from ..schedule.simulate import Step
 from .measured_costs import (
@@ -179,7 +180,8 @@ def _predict(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Me
     # step (the loss is summed over every worker there, so each waits for all)
     tails = [e + o for e, o in zip(end_seconds(ranks), measured.outside_s)]
     replayed = replay(tl, measured.cores or W, tails, [list(range(W))] * W, delays,
-                      durations=job_work(tl, timed, measured.message_cpu), comm=measured.comm_s)
+                      durations=job_work(tl, timed, measured.message_cpu, lowered.weight_cache),
+                      comm=measured.comm_s, fetched=weight_arrivals(tl, lowered.weight_cache, lowered.prefetch))
     return replayed, replayed.timeline(tl)
 
 

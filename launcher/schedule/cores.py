@@ -6,13 +6,14 @@ while more than C workers are busy at once. The runtime runs each worker's jobs 
 simulator chose (:attr:`Timeline.program`), so this replays those programs, job by job, with
 *processor sharing*: at any moment the ``n`` workers that have a job they can run each progress
 at ``min(1, C / n)`` of a core. A job can run once the worker's previous job is done and its
-inputs have arrived (``comm`` after the producing job when it ran elsewhere). After its last job a
+inputs have arrived (``comm`` after the producing job when it ran elsewhere; given ``fetched``, a
+job on a weight copy also waits ``comm`` after its owner hands the copy over). After its last job a
 worker has ``tails[w]`` more seconds of work (the gradient exchange and the optimizer step), which
 starts once the workers it exchanges with (``sync[w]``) have finished their jobs too and
 ``delays[w]`` seconds more have passed (the exchange's message rounds, which wait without
 computing).
 
-With ``cores >= W`` and no tails this is the simulated timeline itself (the same order, durations
+With ``cores >= W``, no tails and no ``fetched`` this is the simulated timeline itself (the same order, durations
 and message delays), so ``replay(tl, W).seconds == tl.latency``, unless the simulator kept a worker
 waiting for activation memory (a memory limit, 1F1B's warm-up): the runtime follows the order and
 waits for nothing else, so the replay is then shorter. Pure Python; ``O(jobs x W)``, and without events
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, NamedTuple, Sequence
 
+from .lowering import weight_messages
 from .simulate import Timeline
 
 
@@ -51,13 +53,16 @@ def replay(
     *,
     durations: Mapping[str, float] | Sequence[float] | None = None,
     comm: float | None = None,
+    fetched: Mapping[int, int] | None = None,
 ) -> Replayed:
     """The step's makespan when its workers share ``cores`` cores (see the module docstring).
 
     ``durations`` (per job kind, or per job id) and ``comm`` (default: the step's) time the
     programs: the runtime runs the programs of the timeline it was given, whatever durations
-    chose that order, so a measured run is replayed as it ran. Weight fetches wait for nothing:
-    owners hand copies over ahead of the job that needs them (:mod:`launcher.schedule.lowering`)."""
+    chose that order, so a measured run is replayed as it ran. ``fetched``: per job that receives
+    weights before it, the owner's job after which they are handed over (``-1``: at the start of the
+    step; :func:`~launcher.schedule.lowering.weight_arrivals`); the job waits for them a ``comm``
+    after that. Without it weight copies wait for nothing (the simulator's timeline)."""
     step = tl.step
     W = step.workers
     d = step.durations if durations is None else durations
@@ -66,13 +71,14 @@ def replay(
     tails = list(tails) if tails is not None else [0.0] * W
     sync = [list(s) for s in sync] if sync is not None else [[] for _ in range(W)]
     delays = list(delays) if delays is not None else [0.0] * W
+    fetched = fetched or {}
     if cores >= W:  # nobody shares a core: each job starts when its worker and its inputs are ready
-        return _longest_paths(tl, work, comm, tails, sync, delays)
-    return _processor_sharing(tl, cores, work, comm, tails, sync, delays)
+        return _longest_paths(tl, work, comm, tails, sync, delays, fetched)
+    return _processor_sharing(tl, cores, work, comm, tails, sync, delays, fetched)
 
 
 def _processor_sharing(tl: Timeline, cores: int, work: list[float], comm: float, tails: list[float],
-                       sync: Sequence[Sequence[int]], delays: list[float]) -> Replayed:
+                       sync: Sequence[Sequence[int]], delays: list[float], fetched: Mapping[int, int]) -> Replayed:
     """:func:`replay` on fewer cores than workers: from event to event (a piece of work ends, or one
     can start), the workers with work in hand share the cores. One loop, written inline: it runs
     once per event, and the planner replays every candidate on a CPU profile."""
@@ -85,7 +91,7 @@ def _processor_sharing(tl: Timeline, cores: int, work: list[float], comm: float,
     ended = [False] * W
     end = [0.0] * W
     busy = [0.0] * W
-    ready_at = _readiness(tl, comm, sync, delays, pos, finish, jobs_done)
+    ready_at = _readiness(tl, comm, sync, delays, pos, finish, jobs_done, fetched)
     t = 0.0
     while not all(ended):
         running: list[int] = []
@@ -131,7 +137,7 @@ def _processor_sharing(tl: Timeline, cores: int, work: list[float], comm: float,
 
 
 def _readiness(tl: Timeline, comm: float, sync: Sequence[Sequence[int]], delays: list[float], pos: list[int],
-               finish: list[float], jobs_done: list[float]) -> Callable[[int], float]:
+               finish: list[float], jobs_done: list[float], fetched: Mapping[int, int]) -> Callable[[int], float]:
     """``ready_at(w)``: when worker ``w``'s next piece of work can start (inf: it waits on something
     unfinished), read from the replay's state as it goes (``pos``, ``finish``, ``jobs_done``)."""
     space, programs, compute = tl.step.space, tl.program, tl.compute
@@ -145,6 +151,10 @@ def _readiness(tl: Timeline, comm: float, sync: Sequence[Sequence[int]], delays:
                 if math.isnan(finish[p]):
                     return math.inf
                 r = max(r, finish[p] + (comm if compute[p] != w else 0.0))
+            if (q := fetched.get(j)) is not None:  # weights handed over after the owner's job q
+                if q >= 0 and math.isnan(finish[q]):
+                    return math.inf
+                r = max(r, (finish[q] if q >= 0 else 0.0) + comm)
             return r
         r = jobs_done[w]
         for o in sync[w]:
@@ -157,7 +167,7 @@ def _readiness(tl: Timeline, comm: float, sync: Sequence[Sequence[int]], delays:
 
 
 def _longest_paths(tl: Timeline, work: list[float], comm: float, tails: list[float],
-                   sync: Sequence[Sequence[int]], delays: list[float]) -> Replayed:
+                   sync: Sequence[Sequence[int]], delays: list[float], fetched: Mapping[int, int]) -> Replayed:
     """:func:`replay` with a core per worker, without events: each job starts at
     ``max(its worker's previous finish, its inputs' finish + comm)``; the same times as the
     processor-sharing loop at a rate of 1, without its events."""
@@ -178,6 +188,10 @@ def _longest_paths(tl: Timeline, work: list[float], comm: float, tails: list[flo
                         break
                     r = max(r, f + (comm if compute[p] != w else 0.0))
                 else:
+                    if (q := fetched.get(j)) is not None:  # weights handed over after the owner's job q
+                        if q >= 0 and finish[q] != finish[q]:
+                            break
+                        r = max(r, (finish[q] if q >= 0 else 0.0) + comm)
                     start[j], finish[j] = r, r + work[j]
                     free[w] = finish[j]
                     pos[w] += 1
@@ -205,11 +219,18 @@ def crossings(tl: Timeline) -> list[int]:
     return out
 
 
-def job_work(tl: Timeline, durations: Mapping[str, float], message_s: float | None = None) -> list[float]:
-    """Per job, its duration by kind plus ``message_s`` for each message it receives or sends
-    (on CPU workers the communication threads' share of a core, :func:`crossings`)."""
+def job_work(tl: Timeline, durations: Mapping[str, float], message_s: float | None = None,
+             weight_cache: str | None = None) -> list[float]:
+    """Per job, its duration by kind plus ``message_s`` for each message its worker moves while it
+    runs (on CPU workers the communication threads' share of a core): the activations and gradients
+    it receives and sends (:func:`crossings`) and, given the ``weight_cache`` the step runs with, the
+    weight copies and partial gradient sums (:func:`~launcher.schedule.lowering.weight_messages`)."""
     B = tl.step.space.B
     # the step's own per-stage times apply to its own durations (a replay by other times is by kind)
     table = tl.step.duration_table(None if durations is tl.step.durations else durations)
-    moved = crossings(tl) if message_s else None
-    return [table[j // B] + (message_s * moved[j] if message_s and moved else 0.0) for j in range(tl.step.space.N)]
+    if not message_s:
+        return [table[j // B] for j in range(tl.step.space.N)]
+    moved = crossings(tl)
+    if weight_cache is not None:
+        moved = [a + b for a, b in zip(moved, weight_messages(tl, weight_cache))]
+    return [table[j // B] + message_s * moved[j] for j in range(tl.step.space.N)]

@@ -134,6 +134,32 @@ def add_act_grad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     return weave(progs, before, after)
 
 
+def weight_fetches(tl: Timeline, weight_cache: str) -> Iterator[tuple[int, int, int, int, int]]:
+    """Each weight copy :func:`add_weights` moves, as ``(worker, index, stage, owner, owner_index)``:
+    the worker receives stage ``stage`` before the job at ``index`` of its program, and the owner
+    hands it over before the job at ``owner_index`` of its own (its program's length: after its last
+    job)."""
+    if _all_on_own_weights(tl):
+        return
+    space = tl.step.space
+    S, B, SB, kinds = space.S, space.B, space.S * space.B, space.kinds
+    starts = [[tl.start[j] for j in prog] for prog in tl.program]
+    for w, prog in enumerate(tl.program):
+        cached: set[int] = set()
+        for i, j in enumerate(prog):
+            o = tl.weights[j]
+            if o == w:
+                continue
+            q = j // B
+            s, d = q % S, kinds[q // S]
+            if weight_cache == "step" and s in cached:
+                continue
+            if weight_cache == "job" and (d == "W" or (d != "F" and tl.weights[j % SB] == w)):
+                continue  # reuses the graph (and copy) of F or I: no transfer
+            cached.add(s)
+            yield w, i, s, o, bisect_left(starts[o], tl.start[j])
+
+
 def add_weights(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     """``weights``: a job with ``w_compute != w_weights`` runs on a copy of stage ``s`` sent by the
     owner ``w_weights``. With ``weight_cache="step"`` a worker fetches each stage once, for the
@@ -147,31 +173,46 @@ def add_weights(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     receive for weights it needs much later (``Program.weight_release``)."""
     if _all_on_own_weights(tl):
         return progs
-    space = tl.step.space
-    S, B, SB, kinds = space.S, space.B, space.S * space.B, space.kinds
     before, after = _slots(tl)
-    starts = [[tl.start[j] for j in prog] for prog in tl.program]
     hand: list[tuple[int, int, float, int, Action]] = []  # (owner, its job index, consumer's start, consumer, send)
-    for w, prog in enumerate(tl.program):
-        cached: set[int] = set()
-        for i, j in enumerate(prog):
-            o = tl.weights[j]
-            if o == w:
-                continue
-            q = j // B
-            s, d = q % S, kinds[q // S]
-            if weight_cache == "step" and s in cached:
-                continue
-            if weight_cache == "job":
-                if d == "W" or (d != "F" and tl.weights[j % SB] == w):
-                    continue  # reuses the graph (and copy) of F or I: no transfer
-                after[w][i].append(Action(FREE_WEIGHTS, s))
-            cached.add(s)
-            before[w][i].append(Action(RECV_WEIGHTS, s, peer=o))
-            hand.append((o, bisect_left(starts[o], tl.start[j]), tl.start[j], j, Action(SEND_WEIGHTS, s, peer=w)))
+    for w, i, s, o, oi in weight_fetches(tl, weight_cache):
+        j = tl.program[w][i]
+        if weight_cache == "job":
+            after[w][i].append(Action(FREE_WEIGHTS, s))
+        before[w][i].append(Action(RECV_WEIGHTS, s, peer=o))
+        hand.append((o, oi, tl.start[j], j, Action(SEND_WEIGHTS, s, peer=w)))
     for o, i, *_, send in sorted(hand, key=lambda h: h[:4]):  # in key order at each release point
         before[o][i].append(send)
     return weave(progs, before, after)
+
+
+def weight_arrivals(tl: Timeline, weight_cache: str, prefetch: int) -> dict[int, int]:
+    """Per job that receives a weight copy before it (:func:`weight_fetches`), the owner's job after
+    which the copy is handed over, ``-1`` for the start of the step: an owner hands release point
+    ``r`` over ``prefetch`` jobs ahead (:meth:`~launcher.schedule.program.Program.handovers`), so the
+    copy arrives a message's time after that, not before the consumer needs it."""
+    out = {}
+    for w, i, _s, o, oi in weight_fetches(tl, weight_cache):
+        k = oi - prefetch - 1
+        out[tl.program[w][i]] = tl.program[o][k] if k >= 0 else -1
+    return out
+
+
+def weight_messages(tl: Timeline, weight_cache: str) -> list[int]:
+    """Per job, the weight messages its worker moves while it runs: a copy received before it
+    (:func:`add_weights`), a copy its owner hands over before it (after the owner's last job: at that
+    job), and a partial gradient sum sent after it (:func:`add_wgrad`; the owner takes the sums in
+    at the end of the step, outside the jobs). On CPU workers each costs the communication threads a
+    core's time, like an activation (:func:`launcher.schedule.cores.job_work`)."""
+    out = [0] * tl.step.space.N
+    prog = tl.program
+    for w, i, _s, o, oi in weight_fetches(tl, weight_cache):
+        out[prog[w][i]] += 1
+        if prog[o]:
+            out[prog[o][min(oi, len(prog[o]) - 1)]] += 1
+    for j in _partial_sums(tl).values():
+        out[j] += 1
+    return out
 
 
 def add_wgrad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:

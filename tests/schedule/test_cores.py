@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from launcher.schedule import make_step, simulate
 from launcher.schedule.cores import replay
+from launcher.schedule.lowering import weight_arrivals
 
 
 @st.composite
@@ -62,16 +63,32 @@ def test_a_memory_limit_is_the_order_it_leaves():
 
 
 @settings(max_examples=100, deadline=None)
-@given(steps(), st.lists(st.floats(0.0, 2.0), min_size=8, max_size=8), st.booleans())
-def test_a_core_each_is_the_sharing_loop_at_full_rate(step, extra, synced):
+@given(steps(), st.lists(st.floats(0.0, 2.0), min_size=8, max_size=8), st.booleans(), st.sampled_from(["step", "job"]),
+       st.integers(0, 2))
+def test_a_core_each_is_the_sharing_loop_at_full_rate(step, extra, synced, cache, prefetch):
     # ``cores >= W`` takes a one-pass longest-path route; just under W cores the sharing loop runs,
-    # at a rate that differs from 1 by 1e-12: both must give the same times
+    # at a rate that differs from 1 by 1e-12: both must give the same times, weight copies included
     tl = simulate(step)
     W = step.workers
     tails, delays = extra[:W] if W <= 8 else None, extra[::-1][:W] if W <= 8 else None
     sync = [list(range(W))] * W if synced else None
-    fast = replay(tl, W, tails, sync, delays)
-    loop = replay(tl, W * (1 - 1e-12), tails, sync, delays)
+    fetched = weight_arrivals(tl, cache, prefetch)
+    fast = replay(tl, W, tails, sync, delays, fetched=fetched)
+    loop = replay(tl, W * (1 - 1e-12), tails, sync, delays, fetched=fetched)
     assert fast.seconds == pytest.approx(loop.seconds, rel=1e-9, abs=1e-9)
     assert fast.finish == pytest.approx(loop.finish, rel=1e-9, abs=1e-9)
     assert fast.busy == pytest.approx(loop.busy, rel=1e-9, abs=1e-9)
+
+
+def test_a_weight_copy_arrives_a_message_after_its_owner_hands_it_over():
+    """FSDP on two workers: worker 1's first forward runs on stage 0's weights, which worker 0 owns
+    and hands over at the start of the step (before its first job), so it waits a message's time;
+    with no lookahead an owner hands a copy over later, never sooner."""
+    tl = simulate(make_step("fsdp", 2, 2, G=2, R=1, comm=0.5, durations={"F": 1.0, "B": 2.0}))
+    assert tl.start[tl.program[1][0]] == 0.0  # the simulator lets weight copies wait for nothing
+    fetched = weight_arrivals(tl, "step", 1)
+    assert fetched[tl.program[1][0]] == -1
+    assert replay(tl, 2, fetched=fetched).start[tl.program[1][0]] == pytest.approx(0.5)
+    late = weight_arrivals(tl, "step", 0)
+    assert all(p == -1 or tl.compute[p] == tl.weights[j] != tl.compute[j] for j, p in late.items())  # the owner's job
+    assert replay(tl, 2, fetched=late).seconds >= replay(tl, 2, fetched=fetched).seconds - 1e-9

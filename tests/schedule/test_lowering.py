@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from launcher.schedule import ScheduleError, make_step, simulate
-from launcher.schedule.lowering import LoweringError, lower
+from launcher.schedule.lowering import LoweringError, lower, weight_messages
 from launcher.schedule.metrics import per_worker
 from launcher.schedule.program import ACT, GRAD, WEIGHTS, WGRAD, Lowered, predicted_receives, resident_peaks
 
@@ -261,3 +261,25 @@ def test_abstract_executor_catches_a_bad_pair_order():
         q.sort(key=lambda m: plan.messages[m].kind != GRAD)
     with pytest.raises(AssertionError, match="deadlock under NCCL ordering"):
         execute_abstract(plan)
+
+
+@pytest.mark.parametrize("cache", ["step", "job"])
+@pytest.mark.parametrize("name,G,R,S,B", SCHEMES)
+def test_weight_messages_are_the_lowered_programs_weight_traffic(name, G, R, S, B, cache):
+    """What the planner charges a job for weight messages (on CPU workers each costs a core's time)
+    is what the lowered programs move at it: a copy received before it, a copy its owner hands
+    over before it (after the owner's last job: at that job), a partial sum sent after it."""
+    tl = simulate(make_step(name, S, B, G=G, R=R, order="1f1b"))
+    plan = lower(tl, weight_cache=cache)
+    want = [0] * tl.step.space.N
+    for prog in plan.programs:
+        seen: set[int] = set()
+        for i, op in enumerate(prog.jobs):
+            if op.weights is not None and op.weights not in seen:
+                seen.add(op.weights)
+                want[op.job] += 1
+            want[op.job] += len(op.wgrad_send)
+        for i, mids in prog.weight_release.items():
+            want[prog.jobs[min(i, len(prog.jobs) - 1)].job] += len(mids)
+    assert want == weight_messages(tl, cache)
+    assert any(want) == (name in ("fsdp", "fslpp"))
