@@ -13,8 +13,9 @@ device's on the whole batch.
 Rank ``w`` of the group is worker ``w`` of the schedule; ranks at or above ``W`` have nothing to
 do. Every rank builds every stage, then keeps real weights (and optimizer state) only for the
 stages it owns; for every stage it also keeps a skeleton (parameters on the meta device, its own
-copy of the buffers) to run fetched copies of the weights (``torch.func.functional_call``), and,
-apart, meta-device copies that only tell what each stage returns (:mod:`.values`).
+copy of the buffers) to run fetched copies of the weights (:func:`.staged.call_with`, as
+``torch.func.functional_call`` does), and, apart, meta-device copies that only tell what each stage
+returns (:mod:`.values`).
 
 Activations: ``F(s, b)`` stashes its inputs ``x_s^b`` (and, unless it recomputes, the autograd
 graph of stage ``s``) from its start to the end of ``B(s, b)`` (or ``I(s, b)``), as the simulator

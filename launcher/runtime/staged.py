@@ -17,12 +17,12 @@ A parameter shared by two stages (tied embeddings) gets the sum of both stages' 
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from launcher.schedule.graph import StageGraph
 
@@ -73,13 +73,54 @@ class StagedModel:
         return [pick(outs[p], self.edge(p, s)) for p in preds] if preds else [x]
 
 
-def run_stage(module: nn.Module, params: dict[str, torch.Tensor] | None, values: Sequence[Any]) -> Any:
+def run_stage(module: nn.Module, params: Mapping[str, torch.Tensor] | None, values: Sequence[Any]) -> Any:
     """Apply a stage to the values it receives, with its own parameters (``params=None``) or with
     the given tensors (its buffers are its own either way)."""
     if len(values) == 1 and isinstance(values[0], torch.Tensor):  # the common case, without the unpacking
-        return module(values[0]) if params is None else functional_call(module, params, (values[0],))
+        return module(values[0]) if params is None else call_with(module, params, (values[0],), {})
     args, kwargs = arguments(values)
-    return module(*args, **kwargs) if params is None else functional_call(module, params, tuple(args), kwargs)
+    return module(*args, **kwargs) if params is None else call_with(module, params, tuple(args), kwargs)
+
+
+#: per module, where each of its parameters sits: ``(submodule._parameters, attribute, name, tied)``,
+#: ``tied`` the first name of a parameter the module holds under several names
+_BINDINGS: weakref.WeakKeyDictionary[nn.Module, list[tuple[dict, str, str, str]]] = weakref.WeakKeyDictionary()
+
+
+def _bindings(module: nn.Module) -> list[tuple[dict, str, str, str]]:
+    got = _BINDINGS.get(module)
+    if got is None:
+        first: dict[int, str] = {}
+        got = []
+        for name, p in module.named_parameters(remove_duplicate=False):
+            path, _, attr = name.rpartition(".")
+            got.append((module.get_submodule(path)._parameters, attr, name, first.setdefault(id(p), name)))
+        _BINDINGS[module] = got
+    return got
+
+
+def call_with(module: nn.Module, params: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """``module(*args, **kwargs)`` with ``params`` standing in for its parameters by name, as
+    ``torch.func.functional_call`` does (a name left out keeps the module's own; a parameter held
+    under two names takes the tensor given for either), without its cost per call: where each
+    parameter sits is found once per module, so a call swaps a few dictionary entries in and back
+    (on the default GPT's block, one thread of the 2-core VM: a forward and backward on a fetched copy
+    took 2.08 ms of CPU through functional_call, 1.85 ms through this, 1.76 ms on the block's own
+    parameters)."""
+    binds = _bindings(module)
+    kept = []
+    try:
+        for slot, attr, name, tied in binds:
+            t = params.get(name)
+            if t is None:
+                t = params.get(tied)
+            if t is not None:
+                kept.append((slot, attr, slot[attr]))
+                slot[attr] = t
+        return module(*args, **kwargs)
+    finally:
+        for slot, attr, orig in kept:
+            slot[attr] = orig
 
 
 def as_meta(value: Any) -> Any:
