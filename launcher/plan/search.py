@@ -66,10 +66,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from ..schedule import ScheduleError, make_step, simulate
-from ..schedule.cores import job_work, replay
+from ..schedule.cores import job_work, replay, with_weight_messages
 from ..schedule.link import end_of_step, exchanges
 from ..schedule.link import step_time as link_step_time
-from ..schedule.lowering import weight_arrivals, weight_messages
+from ..schedule.lowering import weight_arrivals
 from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
 from ..schedule.schemes import named
 from ..schedule.settings import DEFAULT
@@ -543,7 +543,7 @@ def _weight_work(work: list[float] | None, tl: Timeline, cache: str, prof: Profi
     workers move under ``cache`` (:func:`~launcher.schedule.lowering.weight_messages`)."""
     if work is None or not prof.message_cpu or tl.weights == tl.compute:
         return work
-    return [x + prof.message_cpu * n for x, n in zip(work, weight_messages(tl, cache))]
+    return with_weight_messages(work, tl, cache, prof.message_cpu)
 
 
 def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = None,
@@ -582,7 +582,8 @@ def job_cache_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None, d
     processor each, ``base`` plus what the recomputation adds to the replay of the programs
     (adding work to fixed programs delays no job, so it is never below ``base``). On shared cores
     it can be below: a job delayed by the recomputation may stop competing for a core when another
-    worker's critical job needs it. ``work``: the jobs' work under cache ``step``, when known."""
+    worker's critical job needs it. ``work``: the jobs' work with their messages under cache ``job``
+    (its weight copies and partial sums), before the recomputation, when known."""
     work = with_recompute(tl, d, prof.message_cpu if prof.cores is not None else None, work)
     if prof.cores is not None:
         return shared_cores_time(tl, prof, grads, work, "job")

@@ -104,9 +104,7 @@ def call_with(module: nn.Module, params: Mapping[str, torch.Tensor], args: tuple
     ``torch.func.functional_call`` does (a name left out keeps the module's own; a parameter held
     under two names takes the tensor given for either), without its cost per call: where each
     parameter sits is found once per module, so a call swaps a few dictionary entries in and back
-    (on the default GPT's block, one thread of the 2-core VM: a forward and backward on a fetched copy
-    took 2.08 ms of CPU through functional_call, 1.85 ms through this, 1.76 ms on the block's own
-    parameters)."""
+    (``benchmarks/fetched_call.py`` measures both against the module's own parameters)."""
     binds = _bindings(module)
     kept = []
     try:

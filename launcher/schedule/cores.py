@@ -231,6 +231,11 @@ def job_work(tl: Timeline, durations: Mapping[str, float], message_s: float | No
     if not message_s:
         return [table[j // B] for j in range(tl.step.space.N)]
     moved = crossings(tl)
-    if weight_cache is not None:
-        moved = [a + b for a, b in zip(moved, weight_messages(tl, weight_cache))]
-    return [table[j // B] + message_s * moved[j] for j in range(tl.step.space.N)]
+    work = [table[j // B] + message_s * moved[j] for j in range(tl.step.space.N)]
+    return work if weight_cache is None else with_weight_messages(work, tl, weight_cache, message_s)
+
+
+def with_weight_messages(work: Sequence[float], tl: Timeline, weight_cache: str, message_s: float) -> list[float]:
+    """``work`` (per job) plus ``message_s`` for each weight copy and partial sum its worker moves
+    at it under ``weight_cache`` (:func:`~launcher.schedule.lowering.weight_messages`)."""
+    return [x + message_s * n for x, n in zip(work, weight_messages(tl, weight_cache))]

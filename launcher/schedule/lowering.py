@@ -53,7 +53,7 @@ from .assembly import (
     timeline_jobs,
 )
 from .assembly import LoweringError as LoweringError  # what lowering raises, with it: callers catch it here
-from .program import ACT, GRAD, Lowered
+from .program import ACT, GRAD, Lowered, Program
 from .settings import DEFAULT
 from .simulate import Timeline
 
@@ -193,7 +193,7 @@ def weight_arrivals(tl: Timeline, weight_cache: str, prefetch: int) -> dict[int,
     copy arrives a message's time after that, not before the consumer needs it."""
     out = {}
     for w, i, _s, o, oi in weight_fetches(tl, weight_cache):
-        k = oi - prefetch - 1
+        k = Program.handed_over_before(oi, prefetch) - 1  # after the owner's job k, or at the start
         out[tl.program[w][i]] = tl.program[o][k] if k >= 0 else -1
     return out
 

@@ -96,6 +96,12 @@ class Program:
     wgrad_deliver: dict[int, list[int]] = field(default_factory=dict)
 
     # ---- the engine's order of calls, before each job ----------------------------------------
+    @staticmethod
+    def handed_over_before(release: int, prefetch: int) -> int:
+        """The job before which :meth:`handovers` hands release point ``release`` over: ``prefetch``
+        jobs ahead of it, and at the start of the step for the first ``prefetch + 1`` points."""
+        return max(0, release - prefetch)
+
     def handovers(self, i: int, prefetch: int) -> Iterator[int]:
         """The weights messages this owner hands over before job ``i`` (``i = len(jobs)``: at the
         end of the step): its release points up to ``prefetch`` jobs ahead that it had not reached

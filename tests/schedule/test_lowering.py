@@ -283,3 +283,16 @@ def test_weight_messages_are_the_lowered_programs_weight_traffic(name, G, R, S, 
             want[prog.jobs[min(i, len(prog.jobs) - 1)].job] += len(mids)
     assert want == weight_messages(tl, cache)
     assert any(want) == (name in ("fsdp", "fslpp"))
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
+def test_a_release_point_is_handed_over_before_the_job_handed_over_before_says(prefetch):
+    """The replay's weight arrivals (lowering.weight_arrivals) read the engine's hand-over rule
+    from Program.handed_over_before: it names the job whose handovers() yield each release point."""
+    plan = lower(simulate(make_step("fsdp", 4, 4, G=4, R=1)))
+    for prog in plan.programs:
+        at = {mid: i for i in range(len(prog.jobs) + 1) for mid in prog.handovers(i, prefetch)}
+        assert at, "fsdp hands weights over"
+        for r, mids in prog.weight_release.items():
+            for mid in mids:
+                assert at[mid] == min(prog.handed_over_before(r, prefetch), len(prog.jobs))
