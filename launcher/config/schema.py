@@ -69,7 +69,8 @@ class PlanConf:
     (null: ``W``), micro-batch counts to try (null: ``microbatches``; an int or a list), the
     per-worker budget in live activations and/or bytes (``2GB``; needs a profile with bytes), the
     profile (a run's ``metrics.json`` or a bare profile JSON; null: ``durations`` and ``comm``),
-    and how many candidates to keep."""
+    how many candidates to keep, and how many of them ``mode=plan`` trains to choose by measurement
+    (:mod:`launcher.modes.trials`)."""
 
     workers: Optional[int] = None
     microbatches: Any = None
@@ -77,6 +78,9 @@ class PlanConf:
     memory: Any = None
     profile: Optional[str] = None
     top: int = 20
+    trials: int = 0  # mode=plan: train the top this many on real workers and keep the fastest measured
+    trial_steps: int = 10  # steps of each trial run (its median step after the first is measured)
+    trial_rounds: int = 2  # runs of each candidate tried, alternated; the median is kept
 
 
 @dataclass

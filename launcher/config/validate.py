@@ -116,6 +116,18 @@ def plan_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
             prof = load(path)
         except ProfileError as e:
             out.append(f"{e}.")
+    trials = _get(cfg, "plan.trials")  # a key left out (a config built in code) takes the schema's default
+    if trials is not None and not (trials == 0 or rules.is_size(trials)):
+        out.append(f"plan.trials={trials} is invalid: it must be 0 (choose by prediction) or a positive integer.")
+    elif trials and _get(cfg, "mode") != "plan":
+        out.append(f"plan.trials={trials} is invalid with mode={_get(cfg, 'mode')}: trials run under mode=plan only "
+                   f"(strategy=auto takes the predicted best; train mode=plan's best by its overrides).")
+    steps = _get(cfg, "plan.trial_steps")
+    if steps is not None and not (rules.is_size(steps) and steps >= 2):
+        out.append(f"plan.trial_steps={steps} is invalid: it must be an integer of at least 2 (the first step "
+                   f"warms up and is not measured).")
+    if _get(cfg, "plan.trial_rounds") is not None and not rules.is_size(_get(cfg, "plan.trial_rounds")):
+        out.append(f"plan.trial_rounds={_get(cfg, 'plan.trial_rounds')} is invalid: it must be a positive integer.")
     if memory is not None and (path is None or (prof is not None and not prof.bytes)):
         out.append(f"plan.memory={memory} needs plan.profile with bytes (params, grads, optimizer, activation per "
                    f"stage).")

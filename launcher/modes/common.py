@@ -240,10 +240,11 @@ def in_sweep() -> bool:
 
 
 #: every file a run leaves as its outcome; a new run in the same directory removes the old ones
-OUTCOMES = ("simulation.json", "invalid.json", "pipeline.png")
+OUTCOMES = ("simulation.json", "plan.json", "invalid.json", "pipeline.png")
 
 
 def clear_outcomes() -> None:
+    """Remove an earlier ``mode=simulate`` or ``mode=plan`` run's outcome from the run directory."""
     try:
         out = output_dir()
     except ValueError:  # not inside Hydra

@@ -1,10 +1,12 @@
 """``mode=plan``: search the schedule space for the fastest step that fits ``plan.*``'s budget,
 print the top candidates and write ``plan.json`` (``best``, ``candidates``, each with the Hydra
-overrides that reproduce it under ``mode=simulate``). Also :func:`chosen`, ``strategy=auto``'s
-planning half: the config with the planner's best applied."""
+overrides that reproduce it under ``mode=simulate``); with ``plan.trials`` the top candidates are
+trained on real workers first and the fastest measured is the best (:mod:`launcher.modes.trials`).
+Also :func:`chosen`, ``strategy=auto``'s planning half: the config with the planner's best applied."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
@@ -13,9 +15,10 @@ from ..config import ConfigError
 from ..config.validate import errors as config_errors
 from ..plan.from_config import budget_of, microbatches_of, plan, profile_of
 from ..plan.profile import ProfileError
-from ..plan.search import Candidate
+from ..plan.search import Candidate, Ranking
 from ..plan.table import candidates_table, describe, plan_record, write_plan
-from .common import console, in_sweep, output_dir, point, reject, write_invalid
+from .common import clear_outcomes, console, in_sweep, output_dir, point, reject, write_invalid
+from .trials import Trial, fastest, run_trials, trials_table
 
 
 def apply(cfg: DictConfig, c: Candidate) -> DictConfig:
@@ -28,9 +31,45 @@ def apply(cfg: DictConfig, c: Candidate) -> DictConfig:
     return out
 
 
+def _hydra_command() -> tuple[list[str], list[str], Path]:
+    """The running command's overrides, the arguments that chose its config (``--config-dir``,
+    ``--config-name``) and its working directory; empty outside Hydra (a config built in code)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return [], [], Path.cwd()
+    args = [f"--config-dir={s.path}" for s in hc.runtime.config_sources if s.provider == "command-line"]
+    if hc.job.config_name and hc.job.config_name != "config":
+        args.append(f"--config-name={hc.job.config_name}")
+    return list(hc.overrides.task), args, Path(hc.runtime.cwd)
+
+
+def measured_best(cfg: DictConfig, ranking: Ranking) -> tuple[Candidate | None, list[Trial]]:
+    """The best candidate: with ``plan.trials`` > 0 the fastest of the top ``plan.trials`` trained
+    (:mod:`launcher.modes.trials`, under the run directory's ``trials/``), else the prediction's."""
+    k = int(cfg.plan.get("trials") or 0)
+    if k == 0 or not ranking.candidates:
+        return ranking.best, []
+    user, args, cwd = _hydra_command()
+    steps, rounds = int(cfg.plan.trial_steps), int(cfg.plan.trial_rounds)
+    con = console()
+    con.print(f"trials: training the top {min(k, len(ranking.candidates))} for {steps} steps x {rounds} rounds",
+              highlight=False)
+    trials = run_trials(ranking.candidates[:k], user, output_dir() / "trials", steps, rounds, cwd, args)
+    con.print(trials_table(trials, steps, rounds))
+    won = fastest(trials)
+    if won is None:
+        con.print("trials: every trial failed; the predicted best stands", highlight=False)
+        return ranking.best, trials
+    return won.candidate, trials
+
+
 def chosen(cfg: DictConfig) -> tuple[DictConfig, Candidate]:
-    """``strategy=auto``: plan with the config's ``plan.*`` keys and apply the best; raise
-    :class:`ConfigError` when the config is invalid or nothing fits."""
+    """``strategy=auto``: plan with the config's ``plan.*`` keys and apply the predicted best
+    (``plan.trials`` is ``mode=plan``'s); raise :class:`ConfigError` when the config is invalid or
+    nothing fits."""
     found = config_errors(cfg)
     if found:
         raise ConfigError(found)
@@ -54,6 +93,7 @@ def _budget_text(cfg: DictConfig) -> str:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One planning run (or one point of a sweep): never raises for an invalid config."""
     where = point()
+    clear_outcomes()  # a reused run directory must not keep the last run's verdict
     found = config_errors(cfg)
     if found:
         write_invalid(cfg, found)
@@ -77,14 +117,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
               f"{result.auto_searched} of the best placements",
               highlight=False)
     con.print(candidates_table(result, prof.seconds, rows=min(10, len(result.candidates)), title="top candidates"))
-    if result.best:
-        con.print(f"best: {describe(result.best)}", highlight=False, soft_wrap=True)
-        con.print("reproduce: python -m launcher mode=simulate " + " ".join(result.best.overrides),
+    chosen_one, trials = measured_best(cfg, result)
+    if chosen_one:
+        con.print(f"best{' (measured)' if trials and chosen_one is not result.best else ''}: {describe(chosen_one)}",
+                  highlight=False, soft_wrap=True)
+        con.print("reproduce: python -m launcher mode=simulate " + " ".join(chosen_one.overrides),
                   highlight=False, soft_wrap=True)
     else:
         con.print(f"nothing fits {_budget_text(cfg)} on {workers} workers", highlight=False)
     config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's container is a dict
-    path = write_plan(plan_record(result, config, prof.seconds), output_dir())
+    record = plan_record(result, config, prof.seconds, chosen_one)
+    if trials:
+        record["trials"] = {"steps": int(cfg.plan.trial_steps), "rounds": int(cfg.plan.trial_rounds),
+                            "runs": [t.to_json() for t in trials]}
+    path = write_plan(record, output_dir())
     con.print(f"wrote {path}", highlight=False, soft_wrap=True)
-    best = result.best.to_json() if result.best else None
+    best = chosen_one.to_json() if chosen_one else None
     return {"point": where, "ok": True, "summary": None, "plan": best}

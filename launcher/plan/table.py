@@ -39,13 +39,15 @@ def candidates_table(plan: Ranking, seconds: bool, rows: int = 10, title: str = 
     return t
 
 
-def plan_record(plan: Ranking, config: dict[str, Any], seconds: bool) -> dict[str, Any]:
-    """``plan.json``: ``best``, ``candidates`` (best first, each with its ``overrides``) and how
-    the search went."""
+def plan_record(plan: Ranking, config: dict[str, Any], seconds: bool, best: Candidate | None = None) -> dict[str, Any]:
+    """``plan.json``: ``best`` (the predicted best unless ``best`` is given: the fastest measured
+    by trials), ``candidates`` (ranked by prediction, each with its ``overrides``) and how the
+    search went."""
+    best = best if best is not None else plan.best
     return {
         "config": config,
         "units": "seconds" if seconds else "duration units",
-        "best": plan.best.to_json() if plan.best else None,
+        "best": best.to_json() if best else None,
         "candidates": [c.to_json() for c in plan.candidates],
         "search": {"simulated": plan.simulated, "pruned_by_time_bound": plan.pruned_time,
                    "pruned_by_memory_bound": plan.pruned_memory, "did_not_fit": plan.did_not_fit,
