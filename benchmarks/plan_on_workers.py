@@ -66,7 +66,7 @@ def main() -> None:
             record = json.loads((out / "plan.json").read_text())
             candidates = record["candidates"][: args.top]
             # the trials' pick: plan.json's best (the predicted best without trials)
-            best = record["best"]["overrides"]
+            best = (record["best"] or {}).get("overrides")  # None: nothing fits
             trial_pick = next((i for i, c in enumerate(candidates) if c["overrides"] == best), None)
             times: list[list[float]] = [[] for _ in candidates]
             peaks: list[int] = [0] * len(candidates)
