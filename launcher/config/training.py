@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..schedule.rules import is_size as _is_size
 from ..schedule.schemes import SCHEMES
-from .validate import _get, step_errors
+from .validate import _get, png_errors, step_errors
 
 #: Trainer arguments the launcher sets itself, and from what
 RESERVED = {
@@ -128,7 +128,7 @@ def is_single(cfg: Any) -> bool:
 
 def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     """One sentence per rule a ``mode=train`` config breaks (the step's rules included)."""
-    out: list[str] = []
+    out: list[str] = png_errors(cfg)
     single = is_single(cfg)
     if not single:
         out += step_errors(cfg)

@@ -83,12 +83,18 @@ def errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     mode = _get(cfg, "mode")
     if mode not in MODES:
         out.append(f"mode={mode} is not a known mode; use {' or '.join('mode=' + m for m in MODES)}.")
-    png = _get(cfg, "png", "auto")
-    if not (isinstance(png, bool) or png == "auto"):  # not `in (True, False)`: 0 == False
-        out.append(f"png={rules.shown(png)} is invalid: use true, false or auto.")
+    out += png_errors(cfg)
     if mode == "plan" or _get(cfg, "strategy.name") == "auto":
         out += plan_errors(cfg)
     return out + step_errors(cfg)
+
+
+def png_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """``png`` (``pipeline.png`` of ``mode=simulate`` and ``mode=train``): true, false or auto."""
+    png = _get(cfg, "png", "auto")
+    if not (isinstance(png, bool) or png == "auto"):  # not `in (True, False)`: 0 == False
+        return [f"png={rules.shown(png)} is invalid: use true, false or auto."]
+    return []
 
 
 def plan_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:

@@ -106,12 +106,15 @@ class RunMetrics(Callback):
                 module_costs=[c.to_json() for c in strategy.module_costs] if strategy.module_costs else None,
                 saved_bytes=saved, recomputed=engine.recomputed())
             _predict_memory(self.metrics, strategy, gathered, stage_bytes)
-            from ..report.png import save_png
+            from ..report.png import save_png, want_png
 
-            save_png(tl, self.out_dir / "pipeline.png",
-                     title=f"{self.run.get('scheme')} G={self.run.get('G')} R={self.run.get('R')} "
-                           f"(predicted from the profiled step)",
-                     unit="seconds")
+            if want_png(self.config.get("png", "auto"), len(tl.start)):  # the config's png, as mode=simulate reads it
+                save_png(tl, self.out_dir / "pipeline.png",
+                         title=f"{self.run.get('scheme')} G={self.run.get('G')} R={self.run.get('R')} "
+                               f"(predicted from the profiled step)",
+                         unit="seconds")
+            else:
+                self.metrics["diagram"] = None
             _write_trace(self.out_dir, gathered, tl, self.run, len(self.walls), self.metrics["latency_s"]["predicted"])
         else:
             if trainer.global_rank != 0:

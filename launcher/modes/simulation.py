@@ -12,6 +12,7 @@ from ..config import ConfigError, to_step
 from ..config.sentences import one_line
 from ..config.validate import errors as config_errors
 from ..report.png import AUTO_MAX_JOBS as PNG_AUTO_MAX_JOBS
+from ..report.png import want_png
 from ..schedule import ScheduleError, Timeline, simulate
 from ..schedule.diagram import ascii_diagram, legend
 from ..schedule.lowering import LoweringError, lower
@@ -111,12 +112,6 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
                else f"{jobs:,} jobs > {PNG_AUTO_MAX_JOBS:,}; png=true draws it anyway")
         con.print(f"wrote {json_path} (pipeline.png skipped: {why})", highlight=False, soft_wrap=True)
     return rec
-
-
-def want_png(png: Any, jobs: int) -> bool:
-    """``png``: true, false, or auto (drawn up to :data:`PNG_AUTO_MAX_JOBS` jobs: past that the
-    picture takes most of the run and shows no single job)."""
-    return png is True or (png == "auto" and jobs <= PNG_AUTO_MAX_JOBS)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

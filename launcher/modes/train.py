@@ -40,7 +40,7 @@ from .model_checks import check_data_hooks, check_inputs, check_model, first_tra
 from .outcomes import error_line, record_failure, record_interrupted
 
 #: what a run directory holds about how the run ended; a new run removes the old ones
-OUTCOMES = ("metrics.json", "failed.json", "invalid.json")
+OUTCOMES = ("metrics.json", "failed.json", "invalid.json", "pipeline.png")
 
 
 @dataclass

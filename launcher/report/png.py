@@ -18,6 +18,12 @@ MAX_LABELS = 2000
 AUTO_MAX_JOBS = 10_000
 
 
+def want_png(png: object, jobs: int) -> bool:
+    """``png``: true, false, or auto (drawn up to :data:`AUTO_MAX_JOBS` jobs: past that the
+    picture takes most of the run and shows no single job)."""
+    return png is True or (png == "auto" and jobs <= AUTO_MAX_JOBS)
+
+
 def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int = 100,
              unit: str = "duration units") -> Path:
     """Draw ``tl`` into ``path`` (PNG) and return the path; ``unit`` labels the time axis."""

@@ -65,6 +65,7 @@ INVALID = [
     (["memory_limit=1"], "memory_limit=1 on worker 0 cannot finish the step"),
     (["G=2.5"], "G=2.5 is invalid"),
     (["mode=fly"], "mode=fly"),
+    (["png=maybe"], "png=maybe is invalid: use true, false or auto."),
 ]
 
 

@@ -101,10 +101,13 @@ RESUME = [*SMALL, "model.max_steps=6", "trainer.precision=64-true", "trainer.val
 
 def test_resume_equals_uninterrupted_and_across_schemes(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    for d, steps, extra in ((a, 6, []), (b, 3, [])):
+    for d, steps, extra in ((a, 6, []), (b, 3, ["png=false"])):
         p = launcher("strategy=fslpp", "G=2", "R=2", *RESUME, f"trainer.max_steps={steps}", f"hydra.run.dir={d}",
                      *extra, cwd=tmp_path)
         assert p.returncode == 0, p.stderr[-3000:]
+    # png=false leaves the diagram out of a training run too (the picture changes nothing resumed)
+    assert (a / "pipeline.png").exists() and not (b / "pipeline.png").exists()
+    assert json.loads((b / "metrics.json").read_text())["diagram"] is None
     ckpt = b / "checkpoints" / "last.ckpt"
     p = launcher("strategy=fslpp", "G=2", "R=2", *RESUME, "trainer.max_steps=6", f"ckpt_path={ckpt}",
                  f"hydra.run.dir={c}", cwd=tmp_path)
