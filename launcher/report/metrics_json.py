@@ -33,7 +33,7 @@ Keys (the comparison dashboard reads them):
   ``peak_activations`` (count) and ``peak_activation_bytes``, ``weights_owned``,
   ``weights_peak_resident``, ``traffic_count`` and ``traffic_bytes`` (per message kind, received),
   ``peak_memory_bytes`` (measured only: RSS on CPU, ``max_memory_allocated`` on GPU);
-- ``diagram``: the PNG of the predicted timeline, beside this file.
+- ``diagram``: the PNG of the predicted timeline, beside this file (null when ``png`` leaves it out).
 """
 
 from __future__ import annotations
