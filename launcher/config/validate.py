@@ -132,8 +132,9 @@ def plan_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     if steps is not None and not (rules.is_size(steps) and steps >= 2):
         out.append(f"plan.trial_steps={steps} is invalid: it must be an integer of at least 2 (the first step "
                    f"warms up and is not measured).")
-    if _get(cfg, "plan.trial_rounds") is not None and not rules.is_size(_get(cfg, "plan.trial_rounds")):
-        out.append(f"plan.trial_rounds={_get(cfg, 'plan.trial_rounds')} is invalid: it must be a positive integer.")
+    rounds = _get(cfg, "plan.trial_rounds")
+    if rounds is not None and not rules.is_size(rounds):
+        out.append(f"plan.trial_rounds={rounds} is invalid: it must be a positive integer.")
     if memory is not None and (path is None or (prof is not None and not prof.bytes)):
         out.append(f"plan.memory={memory} needs plan.profile with bytes (params, grads, optimizer, activation per "
                    f"stage).")

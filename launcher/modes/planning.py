@@ -18,7 +18,7 @@ from ..plan.profile import ProfileError
 from ..plan.search import Candidate, Ranking
 from ..plan.table import candidates_table, describe, plan_record, write_plan
 from .common import clear_outcomes, console, in_sweep, output_dir, point, reject, write_invalid
-from .trials import Trial, fastest, run_trials, trials_table
+from .trials import fastest, run_trials, trials_record, trials_table
 
 
 def apply(cfg: DictConfig, c: Candidate) -> DictConfig:
@@ -46,12 +46,13 @@ def _hydra_command() -> tuple[list[str], list[str], Path]:
     return list(hc.overrides.task), args, Path(hc.runtime.cwd)
 
 
-def measured_best(cfg: DictConfig, ranking: Ranking) -> tuple[Candidate | None, list[Trial]]:
+def measured_best(cfg: DictConfig, ranking: Ranking) -> tuple[Candidate | None, dict[str, Any] | None]:
     """The best candidate: with ``plan.trials`` > 0 the fastest of the top ``plan.trials`` trained
-    (:mod:`launcher.modes.trials`, under the run directory's ``trials/``), else the prediction's."""
+    (:mod:`launcher.modes.trials`, under the run directory's ``trials/``), else the prediction's;
+    and ``plan.json``'s record of the trials (``None`` without)."""
     k = int(cfg.plan.get("trials") or 0)
     if k == 0 or not ranking.candidates:
-        return ranking.best, []
+        return ranking.best, None
     user, args, cwd = _hydra_command()
     steps, rounds = int(cfg.plan.trial_steps), int(cfg.plan.trial_rounds)
     con = console()
@@ -62,8 +63,7 @@ def measured_best(cfg: DictConfig, ranking: Ranking) -> tuple[Candidate | None, 
     won = fastest(trials)
     if won is None:
         con.print("trials: every trial failed; the predicted best stands", highlight=False)
-        return ranking.best, trials
-    return won.candidate, trials
+    return (won.candidate if won else ranking.best), trials_record(trials, steps, rounds)
 
 
 def chosen(cfg: DictConfig) -> tuple[DictConfig, Candidate]:
@@ -128,8 +128,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's container is a dict
     record = plan_record(result, config, prof.seconds, chosen_one)
     if trials:
-        record["trials"] = {"steps": int(cfg.plan.trial_steps), "rounds": int(cfg.plan.trial_rounds),
-                            "runs": [t.to_json() for t in trials]}
+        record["trials"] = trials
     path = write_plan(record, output_dir())
     con.print(f"wrote {path}", highlight=False, soft_wrap=True)
     best = chosen_one.to_json() if chosen_one else None

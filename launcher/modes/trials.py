@@ -51,24 +51,23 @@ class Trial:
                 "peak_activations": self.peak_activations, "error": self.error}
 
 
-def _key(override: str) -> str:
-    """The config key an override sets (``+a.b=1``, ``~a``, ``strategy=lpp`` -> ``a.b``, ``a``, ``strategy``)."""
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def trial_overrides(user: Sequence[str], candidate: Sequence[str], steps: int) -> list[str]:
     """The command line of a trial: the user's overrides but those the trial sets itself (the
     mode, the ``plan.*`` keys, each key of the candidate's and every key under a group the
     candidate chooses, the logger, the trainer's steps), then the candidate's and the trial's."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     ours = [*candidate, *TRIAL_SETTINGS, f"trainer.max_steps={steps}"]
-    set_here = {_key(o) for o in ours}
-    groups = {k for k in set_here if "." not in k}
+    parser = OverridesParser.create()  # the key each override sets, as Hydra reads it (``+a.b=1`` sets a.b)
+    set_here = {o.key_or_group for o in parser.parse_overrides(ours)}
+    dropped = {k for k in set_here if "." not in k} | {"plan"}  # groups (and plan): every key under them goes
+    return [text for text, o in zip(user, parser.parse_overrides(list(user)))
+            if o.key_or_group not in set_here and o.key_or_group.split(".")[0] not in dropped] + ours
 
-    def kept(o: str) -> bool:
-        k = _key(o)
-        return k not in set_here and k != "plan" and not k.startswith("plan.") and k.split(".")[0] not in groups
 
-    return [o for o in user if kept(o)] + ours
+def trials_record(trials: Sequence[Trial], steps: int, rounds: int) -> dict[str, Any]:
+    """``plan.json``'s ``trials``: how each candidate was trained, and what it measured."""
+    return {"steps": steps, "rounds": rounds, "runs": [t.to_json() for t in trials]}
 
 
 def _last_line(text: str) -> str:
