@@ -2,25 +2,31 @@
 
 Seed 004 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), section 3: given ``T_F``,
 ``T_I``, ``T_W`` per stage, ``comm`` and a per-worker activation limit, find each worker's job
-sequence, ``W`` jobs included, with the shortest step. Activations are counted as the paper counts
-them: a micro-batch's stage holds one unit on its worker from the start of its ``F`` to the end of
-its ``W`` (the ``I`` frees the input but the graph lives on for ``W``). The simulator's own
-``memory_limit`` counts from ``F`` to ``I`` only, so the paper's count is the stricter one: a
-sequence that meets it meets the simulator's.
+sequence, ``W`` jobs included, with the shortest step. Activations are counted in units of one
+stage's micro-batch, taken at its ``F``'s start. The ``I`` frees the stage's input, but the graph
+lives on for ``W``: this runtime counts the whole unit until the ``W``'s end (``w_share=1``); the
+paper counts ``M_W / M_B`` of it from the ``I`` to the ``W`` (``w_share``, its Table 1). The
+simulator's own ``memory_limit`` counts from ``F`` to ``I`` only, so these counts are stricter: a
+sequence that meets one meets the simulator's.
 
 The search (:func:`auto_sequences`) is a portfolio, each candidate run by the real simulator:
 
 - a greedy event-driven construction on the step's dependency graph (any placement): a free worker
-  runs a ready ``I`` first, then a ready ``F`` if its live units stay under its cap (so the warm-up
-  takes as many ``F`` as memory allows), else a ready ``W`` (which fills gaps and frees memory);
-  variants differ in the cap (the limit, one less: the paper's choice about one more warm-up ``F``,
-  and 1F1B's per-stage warm-up scaled) and in whether a ``W`` may start when an ``I`` or ``F``
-  becomes ready before it would end;
+  runs a ready ``I`` first, then a ready ``F`` if its live units stay under its cap and its
+  micro-batches between ``F`` and ``I`` under its warm-up depth, else a ready ``W`` (which fills
+  gaps and frees memory). Variants differ in the cap (the limit, one less, and 1F1B's per-stage
+  warm-up scaled), in the depth (the round trip's, :func:`round_trips`: as many ``F`` as fit before
+  the worker's first ``I`` can come back, the paper's Appendix B; and a grid of slopes over the
+  stage's height) and in whether a ``W`` may start when an ``I`` or ``F`` becomes ready before it
+  would end;
 - the named orders' own schedules (1F1B on the split backward, ZB-H1, ZB-H2) under the same limit.
 
 Each candidate runs as its sequences, without the simulator's admission control: the sequences
-keep to the limit themselves, under the stricter count. The shortest one that meets the limit
-wins (the first, on a tie: deterministic). Pure Python.
+keep to the limit themselves. The shortest one that meets the limit wins (the first, on a tie:
+deterministic). Shortest means the makespan by default, what this runtime pays; the paper's own
+cost, the longest worker's span (:func:`span`), is the other objective, for comparing with its
+Table 5, and then the winner is polished by exchanging a ``W`` with an ``I`` that waited for it
+(:func:`_polish`). Pure Python.
 """
 
 from __future__ import annotations
@@ -28,12 +34,15 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .order import AutoOrder, make_order
 
 if TYPE_CHECKING:
     from .simulate import Step, Timeline
+
+#: each worker's job sequence
+Seqs = tuple[tuple[int, ...], ...]
 
 
 def worker_cap(step: Step) -> list[float]:
@@ -44,31 +53,124 @@ def worker_cap(step: Step) -> list[float]:
     return [float(ml)] * step.workers if isinstance(ml, int) else [float(x) for x in ml]
 
 
-def paper_peaks(tl: Timeline) -> list[int]:
-    """Peak live units per worker counted from each ``F``'s start to its ``W``'s end (the paper's
-    count; a release at time t before an acquisition at t)."""
+def paper_peaks(tl: Timeline, w_share: float = 1.0) -> list[float]:
+    """Peak live units per worker, a unit taken at each ``F``'s start; on the split backward the ``I``'s
+    end gives back ``1 - w_share`` of it and the ``W``'s end the rest (``w_share`` = 1: the whole unit
+    lives until ``W``, this runtime's count; the paper's ``M_W / M_B`` for its own). A release at time
+    t comes before an acquisition at t."""
     space = tl.step.space
     SB = space.S * space.B
-    last = 2 * SB if space.split_backward else SB
-    events: list[list[tuple[float, int]]] = [[] for _ in range(tl.step.workers)]
+    events: list[list[tuple[float, float]]] = [[] for _ in range(tl.step.workers)]
     for j in range(SB):
         ev = events[tl.compute[j]]
-        ev.append((tl.start[j], 1))
-        ev.append((tl.finish[last + j], -1))
+        ev.append((tl.start[j], 1.0))
+        if space.split_backward:
+            ev.append((tl.finish[SB + j], -(1.0 - w_share)))
+            ev.append((tl.finish[2 * SB + j], -w_share))
+        else:
+            ev.append((tl.finish[SB + j], -1.0))
     out = []
     for ev in events:
-        live = peak = 0
+        live = peak = 0.0
         for _, n in sorted(ev):
             live += n
             peak = max(peak, live)
-        out.append(peak)
+        out.append(round(peak, 9))
     return out
 
 
-def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: bool) -> list[list[int]]:
+def _topological(preds: list[list[tuple[int, float]]]) -> list[int]:
+    """The jobs in an order that puts every job after its predecessors (Kahn's)."""
+    left = [len(p) for p in preds]
+    succs: list[list[int]] = [[] for _ in preds]
+    for j, ps in enumerate(preds):
+        for k, _ in ps:
+            succs[k].append(j)
+    out = [j for j in range(len(preds)) if not left[j]]
+    for j in out:  # grows while it is read
+        for k in succs[j]:
+            left[k] -= 1
+            if not left[k]:
+                out.append(k)
+    return out
+
+
+def span(tl: Timeline, above: float = math.inf) -> float:
+    """The paper's cost of a step (its Appendix G, formula 3): the least ``C`` for which start times
+    exist that keep every worker's order, every dependency (``comm`` between workers) and every
+    worker's first job start to last job end within ``C``. It is what a step costs when consecutive
+    steps overlap (no synchronisation at the optimizer step); this runtime pays ``tl.latency``.
+
+    Each worker's longest chain from its first job to its last bounds ``C``; start times for that
+    bound exist unless a cycle through several workers' spans is longer, which the relaxation below
+    checks (then ``C`` is bisected up to the makespan, which always fits). A chain is never longer
+    than the worker's span in ``tl`` (every job there starts as early as it can), so workers whose
+    span cannot raise the bound are skipped; once the bound passes ``above`` it is returned as it
+    is (a cost that loses to ``above`` need not be exact)."""
+    step, N = tl.step, len(tl.start)
+    dur = [f - s for s, f in zip(tl.start, tl.finish)]
+    preds: list[list[tuple[int, float]]] = [[] for _ in range(N)]
+    for j in range(N):
+        for k in step.space.pred(j):
+            preds[j].append((k, dur[k] + (step.comm if tl.compute[k] != tl.compute[j] else 0.0)))
+    ends = []
+    for prog in tl.program:
+        for a, b in zip(prog, prog[1:]):
+            preds[b].append((a, dur[a]))
+        if prog:
+            ends.append((prog[0], prog[-1]))
+    topo = _topological(preds)
+    pos = [0] * N
+    for i, j in enumerate(topo):
+        pos[j] = i
+    bound = 0.0
+    low = -math.inf
+    for a, z in sorted(ends, key=lambda e: tl.start[e[0]] - tl.finish[e[1]]):  # the longest spans first
+        if tl.finish[z] - tl.start[a] <= bound:
+            break
+        dist = [low] * N  # longest chain from a: a pass over the jobs between a and z
+        dist[a] = 0.0
+        for j in topo[pos[a] + 1:pos[z] + 1]:
+            v = low
+            for k, w in preds[j]:
+                if dist[k] + w > v:
+                    v = dist[k] + w
+            dist[j] = v
+        bound = max(bound, dist[z] + dur[z])
+        if bound > above:
+            return bound
+
+    def fits(C: float) -> bool:  # Bellman-Ford from the ASAP times, a worker's span edge per round
+        t = list(tl.start)
+        for _ in range(len(ends) + 2):
+            changed = False
+            for a, z in ends:
+                if t[a] < t[z] + dur[z] - C - 1e-9:
+                    t[a], changed = t[z] + dur[z] - C, True
+            for j in topo:
+                v = max((t[k] + w for k, w in preds[j]), default=t[j])
+                if v > t[j] + 1e-9:
+                    t[j], changed = v, True
+            if not changed:
+                return True
+        return False
+
+    if fits(bound):
+        return bound
+    lo, hi = bound, tl.latency
+    while hi - lo > 1e-9 * max(1.0, hi):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: bool,
+           warm: Sequence[float] | None = None, w_share: float = 1.0) -> list[list[int]]:
     """The greedy construction (module docstring): each worker's sequence. ``caps[w]``: the most
-    live units (``F`` to ``W``) worker ``w`` keeps; ``fit_w``: a ``W`` starts only if no ``I`` or
-    ``F`` it could run becomes ready before the ``W`` would end."""
+    live units worker ``w`` keeps (counted as :func:`paper_peaks` counts them, with ``w_share``);
+    ``fit_w``: a ``W`` starts only if no ``I`` or ``F`` it could run becomes ready before the ``W``
+    would end; ``warm[w]``: the most micro-batches worker ``w`` keeps between an ``F`` and its ``I``
+    (its warm-up depth; ``None``: only memory bounds it)."""
     space = step.space
     N, B, SB, W = space.N, space.B, space.S * space.B, step.workers
     dur = step.duration_table()
@@ -77,7 +179,9 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
     # per worker: released jobs by kind, each a heap of (ready time, micro-batch, job)
     rel: list[list[list[tuple[float, int, int]]]] = [[[], [], []] for _ in range(W)]
     free = [0.0] * W
-    live = [0] * W
+    live = [0.0] * W
+    inflight = [0] * W  # F started, its I (B) not yet
+    depth = list(warm) if warm is not None else [math.inf] * W
     seqs: list[list[int]] = [[] for _ in range(W)]
     for j in range(N):
         if npred[j] == 0:
@@ -87,7 +191,7 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
         """When worker ``w`` starts its next job, and which."""
         t = free[w]
         f, i, wg = rel[w]
-        f_ok = bool(f) and live[w] < caps[w]
+        f_ok = bool(f) and live[w] + 1 <= caps[w] + 1e-9 and inflight[w] < depth[w]
         while True:
             ri = [x for x in i if x[0] <= t]
             if ri:
@@ -141,8 +245,12 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
         done += 1
         if kind == 0:
             live[w] += 1
-        elif kind == 2 or (kind == 1 and space.K == 2):
-            live[w] -= 1
+            inflight[w] += 1
+        elif kind == 1:
+            live[w] -= 1 if space.K == 2 else 1 - w_share
+            inflight[w] -= 1
+        else:
+            live[w] -= w_share
         touched = {w}
         for k in space.succ(j):
             npred[k] -= 1
@@ -157,7 +265,40 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
     return seqs
 
 
-def _candidates(step: Step, compute: Sequence[int]) -> list[list[list[int]]]:
+#: the warm-up depths tried per worker besides the round trip's: ``ceil(a (h - 1) + c)`` micro-batches
+#: for the height ``h`` of its lowest stage (1F1B's warm-up is ``a = 1, c = 1``), each within its memory
+DEPTH_SLOPES = tuple(x / 5 for x in range(5, 16))
+DEPTH_OFFSETS = (0, 1)
+
+
+def round_trips(step: Step, compute: Sequence[int]) -> list[float]:
+    """Per worker, how many of its lowest stage's ``F`` fit in the time from that stage's first ``F``
+    starting to its first ``I`` being ready, with nothing else running (``comm`` between workers):
+    the warm-up that keeps the worker busy until its first gradient comes back."""
+    space, SB, B = step.space, step.space.S * step.space.B, step.space.B
+    dur = step.duration_table()
+    ready: dict[int, float] = {}
+
+    def start(j: int) -> float:  # micro-batch 0's jobs only depend on each other
+        if j not in ready:
+            ready[j] = max((start(k) + dur[k // B] + (step.comm if compute[k] != compute[j] else 0.0)
+                            for k in space.pred(j)), default=0.0)
+        return ready[j]
+
+    lowest = [space.S] * step.workers
+    for j in range(SB):
+        lowest[compute[j]] = min(lowest[compute[j]], j // B)
+    out = []
+    for lo in lowest:
+        if lo == space.S:
+            out.append(1.0)
+            continue
+        f, i = lo * B, SB + lo * B
+        out.append((start(i) - start(f)) / max(dur[lo], 1e-12))
+    return out
+
+
+def _candidates(step: Step, compute: Sequence[int], w_share: float) -> list[list[list[int]]]:
     """Every candidate's sequences: the greedy variants, then the named orders' schedules."""
     from .simulate import ScheduleError, simulate
 
@@ -168,16 +309,32 @@ def _candidates(step: Step, compute: Sequence[int]) -> list[list[list[int]]]:
     for j in range(space.S * space.B):
         lowest[compute[j]] = min(lowest[compute[j]], j // space.B)
     warm = [height[lo] if lo < space.S else 1 for lo in lowest]  # 1F1B's warm-up per worker
-    variants: list[list[float]] = []
+    variants: list[tuple[list[float], list[int] | None]] = []
     for c in (caps, [x - 1 for x in caps], [min(x, 2 * h) for x, h in zip(caps, warm)],
               [min(x, 2 * h - 1) for x, h in zip(caps, warm)], [min(x, h) for x, h in zip(caps, warm)]):
-        if all(v >= 1 for v in c) and c not in variants:
-            variants.append(c)
+        if all(v >= 1 for v in c) and (c, None) not in variants:
+            variants.append((c, None))
+    if step.memory_limit is not None:  # under a limit, how deep each worker's warm-up goes decides the step
+        # the round trip's depth, whole: a worker that starts one more F delays its first I, and with it
+        # every worker upstream; the first workers have none upstream and fill their wait instead
+        trips = round_trips(step, compute)
+        first = [space.graph.preds[lo] == () if lo < space.S else False for lo in lowest]
+        for off in (0, -1, 1):
+            depth = [max(1, min(math.floor(c), math.ceil(x - 1e-9) if top else math.floor(x + 1e-9) + off))
+                     for c, x, top in zip(caps, trips, first)]
+            if (caps, depth) not in variants:
+                variants.append((caps, depth))
+        for a in DEPTH_SLOPES:
+            for off in DEPTH_OFFSETS:
+                depth = [max(1, min(math.floor(c), math.ceil(a * (h - 1) + off - 1e-9)))
+                         for c, h in zip(caps, warm)]
+                if (caps, depth) not in variants:
+                    variants.append((caps, depth))
     out: list[list[list[int]]] = []
-    for c in variants:
+    for c, d in variants:
         for fit in (False, True):
             try:
-                out.append(greedy(step, compute, c, fit))
+                out.append(greedy(step, compute, c, fit, d, w_share))
             except ValueError:
                 pass
     for name in ("zb_h1", "zb_h2", "1f1b"):
@@ -198,13 +355,17 @@ def _key(step: Step) -> tuple:
             tuple(sorted(step.durations.items())), step.comm, ml, sd, step.recompute)
 
 
-_CACHE: dict[tuple, tuple[tuple[int, ...], ...]] = {}
+_CACHE: dict[tuple, Seqs] = {}
+
+#: what the search minimises: the step's makespan, what this runtime pays (its optimizer step waits
+#: for every worker), or the paper's cost, the longest worker's span (:func:`span`)
+OBJECTIVES = ("makespan", "span")
 
 
-def auto_sequences(step: Step) -> tuple[tuple[int, ...], ...]:
+def auto_sequences(step: Step, objective: str = "makespan", w_share: float = 1.0) -> Seqs:
     """The best sequences the search finds for ``step`` (module docstring): the shortest step,
-    simulated strictly, whose activations (``F`` to ``W``) stay within the step's limit. Cached by
-    profile."""
+    simulated strictly, whose activations stay within the step's limit, counted with ``w_share``
+    (:func:`paper_peaks`); shortest by ``objective`` (:data:`OBJECTIVES`). Cached by profile."""
     from .simulate import ScheduleError, place_all, simulate
 
     if not step.space.split_backward:
@@ -214,25 +375,77 @@ def auto_sequences(step: Step) -> tuple[tuple[int, ...], ...]:
         hash(key)
     except TypeError:  # a user's placement callable that does not hash: no cache
         key = None
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is invalid: it must be one of {', '.join(OBJECTIVES)}")
+    if not 0.0 <= w_share <= 1.0:
+        raise ValueError(f"w_share={w_share} is invalid: it is a part of one activation unit, from 0 to 1")
+    if key is not None:
+        key = (*key, objective, w_share)
     if key is not None and key in _CACHE:
         return _CACHE[key]
     compute, _ = place_all(step)
     caps = worker_cap(step)
-    best: tuple[float, tuple[tuple[int, ...], ...]] | None = None
-    for seqs in _candidates(step, compute):
-        frozen = tuple(tuple(s) for s in seqs)
+
+    def cost(seqs: Seqs, above: float = math.inf) -> tuple[float, Timeline] | None:
+        """The step's cost under ``objective`` with these sequences (exact up to ``above``); ``None``
+        past the limit."""
         try:
-            tl = simulate(replace(step, order=AutoOrder(warmup="classic", seqs=frozen), memory_limit=None))
+            tl = simulate(replace(step, order=AutoOrder(warmup="classic", seqs=seqs), memory_limit=None))
         except ScheduleError:
-            continue
-        if any(p > c for p, c in zip(paper_peaks(tl), caps)):
-            continue
-        if best is None or tl.latency < best[0] - 1e-9:
-            best = (tl.latency, frozen)
+            return None
+        if any(p > c + 1e-9 for p, c in zip(paper_peaks(tl, w_share), caps)):
+            return None
+        return (tl.latency if objective == "makespan" else span(tl, above)), tl
+
+    best: tuple[float, Timeline, Seqs] | None = None
+    for seqs in _candidates(step, compute, w_share):
+        frozen = tuple(tuple(s) for s in seqs)
+        c = cost(frozen, best[0] if best else math.inf)
+        if c is not None and (best is None or c[0] < best[0] - 1e-9):
+            best = (c[0], c[1], frozen)
     if best is None:
         raise ScheduleError(f"order=auto found no schedule within memory_limit={step.memory_limit}: raise memory_limit")
+    # the exchanges shorten a worker's span; the makespan of the candidates above they left as it was
+    out = _polish(best[0], best[1], best[2], cost) if objective == "span" else best[2]
     if key is not None:
-        _CACHE[key] = best[1]
-    return best[1]
+        _CACHE[key] = out
+    return out
 
 
+#: the most ``W``/``I`` exchanges :func:`_polish` tries for one step
+POLISH_TRIES = 100
+
+
+def _polish(value: float, tl: Timeline, seqs: Seqs,
+            cost: Callable[[Seqs, float], tuple[float, Timeline] | None]) -> Seqs:
+    """Exchange a ``W`` with the ``I`` right after it that had to wait for it, while the step gets
+    shorter: a greedy worker starts a ``W`` when its next ``I`` is not yet ready, and that ``I``
+    (and every worker upstream on its gradient's way) then waits out the ``W``'s rest. The latest
+    such pairs are tried first (the ones at the end of a step decide its span); each kept exchange
+    shortens the step, so this ends, and at most :data:`POLISH_TRIES` are simulated."""
+    step, space = tl.step, tl.step.space
+    SB = space.S * space.B
+    tries = 0
+    while True:
+        pairs = []  # (the I's start, worker, position of the W)
+        for w, seq in enumerate(seqs):
+            for n in range(len(seq) - 1):
+                a, b = seq[n], seq[n + 1]
+                if a // SB != 2 or b // SB != 1:
+                    continue
+                ready = max((tl.finish[k] + (step.comm if tl.compute[k] != w else 0.0) for k in space.pred(b)),
+                            default=0.0)
+                if ready < tl.finish[a] - 1e-9:  # the I waited for this W
+                    pairs.append((tl.start[b], w, n))
+        for _, w, n in sorted(pairs, reverse=True):
+            if tries >= POLISH_TRIES:
+                return seqs
+            tries += 1
+            seq = seqs[w]
+            swapped = seqs[:w] + ((*seq[:n], seq[n + 1], seq[n], *seq[n + 2:]),) + seqs[w + 1:]
+            c = cost(swapped, value)
+            if c is not None and c[0] < value - 1e-9:
+                value, tl, seqs = c[0], c[1], swapped
+                break
+        else:
+            return seqs

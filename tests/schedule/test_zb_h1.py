@@ -32,6 +32,18 @@ ROWS = [
 ]
 #: the paper prints four decimals: a reproduced rate rounds to the printed one
 TOL = 5e-5
+#: the paper's Table 5, columns ZB-1p and ZB-2p (its automatic schedule at limits p and 2p), row by row
+ZB_1P = [r[8] for r in ROWS]  # ZB-1p reaches ZB-H1's rate in every row
+ZB_2P = [0.0433, 0.0039, 0.0026, 0.0029, 0.0022, 0.0010, 0.0066, 0.0054, 0.0028, 0.0038, 0.0029, 0.0018]
+#: each model's hidden size h, attention heads a and sequence length s (the paper's Table 3)
+SHAPES = {"1.5B": (2304, 24, 1024), "6.2B": (4096, 32, 1024), "14.6B": (5120, 40, 1024), "28.3B": (6144, 48, 1024)}
+
+
+def w_share(model: str) -> float:
+    """``M_W / M_B``: the part of a micro-batch's activations a stage keeps from its ``I`` to its ``W``
+    (the paper's Table 1: ``32 sbh`` of ``sb (34h + 5as)``)."""
+    h, a, s = SHAPES[model]
+    return 32 * h / (34 * h + 5 * a * s)
 
 
 def bubble_rate(p: int, m: int, tf: float, tb: float, tw: float, comm: float, order: str) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.schedule import Timeline, make_step, simulate
+from launcher.schedule.auto_order import span
 from schedule.test_zb_h1 import ROWS
 
 #: the paper's Table 5, column ZB-H2, for the rows of ``ROWS`` in order
@@ -71,6 +72,7 @@ def test_zb_h2_reproduces_the_papers_bubble_rates(row, rate):
     cost = max(end - start for start, end in spans(tl))
     assert abs((cost - m * (tf + tb + tw)) / cost - rate) < TOL
     assert tl.latency >= cost  # the makespan the runtime pays is never shorter
+    assert span(tl) == pytest.approx(cost)  # no worker's start can move to make its span shorter
 
 
 def test_zb_h2_needs_the_split_backward():
