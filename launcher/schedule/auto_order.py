@@ -17,8 +17,8 @@ The search (:func:`auto_sequences`) is a portfolio, each candidate run by the re
   gaps and frees memory). Variants differ in the cap (the limit, one less, and 1F1B's per-stage
   warm-up scaled), in the depth (the round trip's, :func:`round_trips`: as many ``F`` as fit before
   the worker's first ``I`` can come back, the paper's Appendix B; for the paper's objective also a
-  grid of slopes over the stage's height) and in whether a ``W`` may start when an ``I`` or ``F`` becomes ready before it
-  would end;
+  grid of slopes over the stage's height) and in whether a ``W`` may start when an ``I`` or ``F``
+  becomes ready before it would end;
 - the named orders' own schedules (1F1B on the split backward, ZB-H1, ZB-H2) under the same limit.
 
 Each candidate runs as its sequences, without the simulator's admission control: the sequences
