@@ -299,6 +299,13 @@ def round_trips(step: Step, compute: Sequence[int]) -> list[float]:
     return out
 
 
+def _binds(depth: Sequence[int], caps: Sequence[float]) -> bool:
+    """Whether a warm-up depth changes anything under these caps: a worker's micro-batches between
+    ``F`` and ``I`` are never more than its live units, so a depth of at least its cap never binds
+    (and the greedy would repeat the capped variant)."""
+    return any(d < math.floor(c) for d, c in zip(depth, caps))
+
+
 def _candidates(step: Step, compute: Sequence[int], w_share: float, grid: bool) -> list[list[list[int]]]:
     """Every candidate's sequences: the greedy variants, then the named orders' schedules."""
     from .simulate import ScheduleError, simulate
@@ -323,13 +330,13 @@ def _candidates(step: Step, compute: Sequence[int], w_share: float, grid: bool) 
         for off in (0, -1, 1):
             depth = [max(1, min(math.floor(c), math.ceil(x - 1e-9) if top else math.floor(x + 1e-9) + off))
                      for c, x, top in zip(caps, trips, first)]
-            if (caps, depth) not in variants:
+            if _binds(depth, caps) and (caps, depth) not in variants:
                 variants.append((caps, depth))
         for a in DEPTH_SLOPES if grid else ():
             for off in DEPTH_OFFSETS:
                 depth = [max(1, min(math.floor(c), math.ceil(a * (h - 1) + off - 1e-9)))
                          for c, h in zip(caps, warm)]
-                if (caps, depth) not in variants:
+                if _binds(depth, caps) and (caps, depth) not in variants:
                     variants.append((caps, depth))
     out: list[list[list[int]]] = []
     for c, d in variants:
