@@ -278,14 +278,12 @@ def round_trips(step: Step, compute: Sequence[int]) -> list[float]:
     the warm-up that keeps the worker busy until its first gradient comes back."""
     space, SB, B = step.space, step.space.S * step.space.B, step.space.B
     dur = step.duration_table()
-    ready: dict[int, float] = {}
-
-    def start(j: int) -> float:  # micro-batch 0's jobs only depend on each other
-        if j not in ready:
-            ready[j] = max((start(k) + dur[k // B] + (step.comm if compute[k] != compute[j] else 0.0)
-                            for k in space.pred(j)), default=0.0)
-        return ready[j]
-
+    start: dict[int, float] = {}
+    # micro-batch 0's jobs depend only on each other: its forwards up the stages (numbered in a
+    # topological order), then its input gradients back down
+    for j in [s * B for s in range(space.S)] + [SB + s * B for s in reversed(range(space.S))]:
+        start[j] = max((start[k] + dur[k // B] + (step.comm if compute[k] != compute[j] else 0.0)
+                        for k in space.pred(j)), default=0.0)
     lowest = [space.S] * step.workers
     for j in range(SB):
         lowest[compute[j]] = min(lowest[compute[j]], j // B)
@@ -295,7 +293,7 @@ def round_trips(step: Step, compute: Sequence[int]) -> list[float]:
             out.append(1.0)
             continue
         f, i = lo * B, SB + lo * B
-        out.append((start(i) - start(f)) / max(dur[lo], 1e-12))
+        out.append((start[i] - start[f]) / max(dur[lo], 1e-12))
     return out
 
 
