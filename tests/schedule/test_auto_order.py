@@ -13,7 +13,8 @@ import pytest
 from test_zb_h1 import ROWS, ZB_1P, ZB_2P, w_share
 
 from launcher.schedule import ScheduleError, make_step, simulate, unchecked_step
-from launcher.schedule.auto_order import AutoOrder, auto_sequences, paper_peaks, span
+from launcher.schedule.auto_order import AutoOrder, auto_sequences, greedy, paper_peaks, round_trips, span
+from launcher.schedule.simulate import place_all
 
 
 def auto(p: int, m: int, d: dict, comm: float, limit: int | None):
@@ -72,6 +73,34 @@ def test_table5_under_the_papers_rules_reaches_zb_1p_and_zb_2p(row, zb1, zb2):
         cost = span(tl)
         assert round((cost - work) / cost, 4) <= paper, (limit, (cost - work) / cost)
         assert cost <= tl.latency + 1e-9
+
+
+@pytest.mark.parametrize("p, comm", [(4, 0.0), (8, 0.3)])
+def test_round_trips_are_the_papers_warm_up_count(p, comm):
+    """The paper's Appendix B: ``((p-1)(T_B + 2 T_comm) + p T_F) / T_F`` forwards fit on the first
+    stage before its first gradient is back; on stage ``s``, the same count for the ``p - s`` it feeds."""
+    tf, tb = 1.3, 0.9
+    step = make_step("gpipe", p, 2 * p, 1, p, order="zb_h1", split_backward=True,
+                     durations={"F": tf, "I": tb, "W": 0.5}, comm=comm)
+    trips = round_trips(step, place_all(step)[0])
+    assert trips == pytest.approx([((p - 1 - s) * (tb + 2 * comm) + (p - s) * tf) / tf for s in range(p)])
+
+
+def test_a_warm_up_depth_at_the_cap_changes_nothing():
+    """A worker's micro-batches between ``F`` and ``I`` never outnumber its live units, so a depth
+    at its cap gives the capped construction's sequences (the search skips that variant)."""
+    rng = random.Random(7)
+    for _ in range(5):
+        p = rng.choice([4, 6])
+        per = [{"F": rng.uniform(0.5, 2), "I": rng.uniform(0.5, 2), "W": rng.uniform(0.2, 1.5)} for _ in range(p)]
+        step = make_step("gpipe", p, 3 * p, 1, p, order="zb_h1", split_backward=True, stage_durations=per,
+                         comm=rng.uniform(0, 0.5))
+        compute = place_all(step)[0]
+        caps = [float(rng.randint(p, 2 * p))] * p
+        for fit, share in ((False, 1.0), (True, 0.4)):
+            capped = greedy(step, compute, caps, fit, None, share)
+            assert greedy(step, compute, caps, fit, [int(c) for c in caps], share) == capped
+            assert greedy(step, compute, caps, fit, [1] * p, share) != capped  # a depth below it does bind
 
 
 def test_span_is_the_least_cost_of_the_papers_linear_program():
