@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from launcher.schedule import simulate, unchecked_step  # noqa: E402
-from launcher.schedule.auto_order import AutoOrder, auto_sequences, paper_peaks, span  # noqa: E402
+from launcher.schedule import unchecked_step  # noqa: E402
+from launcher.schedule.auto_order import auto_sequences, paper_peaks, run_sequences, span  # noqa: E402
 from schedule.test_zb_h1 import ROWS, ZB_1P, ZB_2P, w_share  # noqa: E402
 
 
@@ -57,12 +57,10 @@ def main() -> None:
         cells = []
         for limit in (p, 2 * p):
             step = replace(base, memory_limit=limit)
-            seqs = auto_sequences(step, objective="span", w_share=w_share(model))
-            tl = simulate(replace(step, order=AutoOrder(warmup="classic", seqs=seqs), memory_limit=None))
+            tl = run_sequences(step, auto_sequences(step, objective="span", w_share=w_share(model)))
             assert max(paper_peaks(tl, w_share(model))) <= limit + 1e-9
             cells.append(f"{rate(span(tl), work):.5f}")
-        seqs = auto_sequences(replace(base, memory_limit=2 * p))
-        ours = simulate(replace(base, order=AutoOrder(warmup="classic", seqs=seqs)))
+        ours = run_sequences(base, auto_sequences(replace(base, memory_limit=2 * p)))
         bound = (p - 1) * (tf + comm) + work
         table.add_row(model, str(p), str(m), f"{zb1:.4f}", cells[0], f"{zb2:.4f}", cells[1],
                       f"{rate(ours.latency, work):.4f}", f"{rate(bound, work):.4f}", f"{time.perf_counter() - t0:.0f}")

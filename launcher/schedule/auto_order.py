@@ -45,6 +45,14 @@ if TYPE_CHECKING:
 Seqs = tuple[tuple[int, ...], ...]
 
 
+def run_sequences(step: Step, seqs: Seqs) -> Timeline:
+    """``step`` simulated with each worker running ``seqs`` strictly, without the simulator's
+    admission control (the sequences keep to the limit themselves)."""
+    from .simulate import simulate
+
+    return simulate(replace(step, order=AutoOrder(warmup="classic", seqs=seqs), memory_limit=None))
+
+
 def worker_cap(step: Step) -> list[float]:
     """Each worker's activation limit (units of one stage's micro-batch); ``inf`` without a limit."""
     ml = step.memory_limit
@@ -112,7 +120,7 @@ def span(tl: Timeline, above: float = math.inf) -> float:
     preds: list[list[tuple[int, float]]] = [[] for _ in range(N)]
     for j in range(N):
         for k in step.space.pred(j):
-            preds[j].append((k, dur[k] + (step.comm if tl.compute[k] != tl.compute[j] else 0.0)))
+            preds[j].append((k, dur[k] + step.crossing(tl.compute[k], tl.compute[j])))
     ends = []
     for prog in tl.program:
         for a, b in zip(prog, prog[1:]):
@@ -165,11 +173,11 @@ def span(tl: Timeline, above: float = math.inf) -> float:
 
 
 def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: bool,
-           warm: Sequence[float] | None = None, w_share: float = 1.0) -> list[list[int]]:
+           depth: Sequence[float] | None = None, w_share: float = 1.0) -> list[list[int]]:
     """The greedy construction (module docstring): each worker's sequence. ``caps[w]``: the most
     live units worker ``w`` keeps (counted as :func:`paper_peaks` counts them, with ``w_share``);
     ``fit_w``: a ``W`` starts only if no ``I`` or ``F`` it could run becomes ready before the ``W``
-    would end; ``warm[w]``: the most micro-batches worker ``w`` keeps between an ``F`` and its ``I``
+    would end; ``depth[w]``: the most micro-batches worker ``w`` keeps between an ``F`` and its ``I``
     (its warm-up depth; ``None``: only memory bounds it)."""
     space = step.space
     N, B, SB, W = space.N, space.B, space.S * space.B, step.workers
@@ -181,7 +189,7 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
     free = [0.0] * W
     live = [0.0] * W
     inflight = [0] * W  # F started, its I (B) not yet
-    depth = list(warm) if warm is not None else [math.inf] * W
+    most = list(depth) if depth is not None else [math.inf] * W
     seqs: list[list[int]] = [[] for _ in range(W)]
     for j in range(N):
         if npred[j] == 0:
@@ -191,7 +199,7 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
         """When worker ``w`` starts its next job, and which."""
         t = free[w]
         f, i, wg = rel[w]
-        f_ok = bool(f) and live[w] + 1 <= caps[w] + 1e-9 and inflight[w] < depth[w]
+        f_ok = bool(f) and live[w] + 1 <= caps[w] + 1e-9 and inflight[w] < most[w]
         while True:
             ri = [x for x in i if x[0] <= t]
             if ri:
@@ -254,7 +262,7 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
         touched = {w}
         for k in space.succ(j):
             npred[k] -= 1
-            r = end + (step.comm if compute[k] != w else 0.0)
+            r = end + step.crossing(w, compute[k])
             ready[k] = max(ready[k], r)
             if npred[k] == 0:
                 v = compute[k]
@@ -272,6 +280,15 @@ DEPTH_SLOPES = tuple(x / 5 for x in range(5, 16))
 DEPTH_OFFSETS = (0, 1)
 
 
+def lowest_stages(step: Step, compute: Sequence[int]) -> list[int]:
+    """Each worker's lowest stage (``S`` for a worker that holds none)."""
+    B = step.space.B
+    lowest = [step.space.S] * step.workers
+    for j in range(step.space.S * B):
+        lowest[compute[j]] = min(lowest[compute[j]], j // B)
+    return lowest
+
+
 def round_trips(step: Step, compute: Sequence[int]) -> list[float]:
     """Per worker, how many of its lowest stage's ``F`` fit in the time from that stage's first ``F``
     starting to its first ``I`` being ready, with nothing else running (``comm`` between workers):
@@ -282,13 +299,10 @@ def round_trips(step: Step, compute: Sequence[int]) -> list[float]:
     # micro-batch 0's jobs depend only on each other: its forwards up the stages (numbered in a
     # topological order), then its input gradients back down
     for j in [s * B for s in range(space.S)] + [SB + s * B for s in reversed(range(space.S))]:
-        start[j] = max((start[k] + dur[k // B] + (step.comm if compute[k] != compute[j] else 0.0)
-                        for k in space.pred(j)), default=0.0)
-    lowest = [space.S] * step.workers
-    for j in range(SB):
-        lowest[compute[j]] = min(lowest[compute[j]], j // B)
+        start[j] = max((start[k] + dur[k // B] + step.crossing(compute[k], compute[j]) for k in space.pred(j)),
+                       default=0.0)
     out = []
-    for lo in lowest:
+    for lo in lowest_stages(step, compute):
         if lo == space.S:
             out.append(1.0)
             continue
@@ -311,9 +325,7 @@ def _candidates(step: Step, compute: Sequence[int], w_share: float, grid: bool) 
     caps = worker_cap(step)
     space = step.space
     height = space.graph.height()
-    lowest = [space.S] * step.workers
-    for j in range(space.S * space.B):
-        lowest[compute[j]] = min(lowest[compute[j]], j // space.B)
+    lowest = lowest_stages(step, compute)
     warm = [height[lo] if lo < space.S else 1 for lo in lowest]  # 1F1B's warm-up per worker
     variants: list[tuple[list[float], list[int] | None]] = []
     for c in (caps, [x - 1 for x in caps], [min(x, 2 * h) for x, h in zip(caps, warm)],
@@ -372,21 +384,19 @@ def auto_sequences(step: Step, objective: str = "makespan", w_share: float = 1.0
     """The best sequences the search finds for ``step`` (module docstring): the shortest step,
     simulated strictly, whose activations stay within the step's limit, counted with ``w_share``
     (:func:`paper_peaks`); shortest by ``objective`` (:data:`OBJECTIVES`). Cached by profile."""
-    from .simulate import ScheduleError, place_all, simulate
+    from .simulate import ScheduleError, place_all
 
     if not step.space.split_backward:
         raise ValueError("order=auto schedules the split backward (F, I, W), so it needs split_backward=True")
-    try:
-        key: tuple | None = _key(step)
-        hash(key)
-    except TypeError:  # a user's placement callable that does not hash: no cache
-        key = None
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is invalid: it must be one of {', '.join(OBJECTIVES)}")
     if not 0.0 <= w_share <= 1.0:
         raise ValueError(f"w_share={w_share} is invalid: it is a part of one activation unit, from 0 to 1")
-    if key is not None:
-        key = (*key, objective, w_share)
+    try:
+        key: tuple | None = (*_key(step), objective, w_share)
+        hash(key)
+    except TypeError:  # a user's placement callable that does not hash: no cache
+        key = None
     if key is not None and key in _CACHE:
         return _CACHE[key]
     compute, _ = place_all(step)
@@ -396,7 +406,7 @@ def auto_sequences(step: Step, objective: str = "makespan", w_share: float = 1.0
         """The step's cost under ``objective`` with these sequences (exact up to ``above``); ``None``
         past the limit."""
         try:
-            tl = simulate(replace(step, order=AutoOrder(warmup="classic", seqs=seqs), memory_limit=None))
+            tl = run_sequences(step, seqs)
         except ScheduleError:
             return None
         if any(p > c + 1e-9 for p, c in zip(paper_peaks(tl, w_share), caps)):
@@ -439,8 +449,7 @@ def _polish(value: float, tl: Timeline, seqs: Seqs,
                 a, b = seq[n], seq[n + 1]
                 if a // SB != 2 or b // SB != 1:
                     continue
-                ready = max((tl.finish[k] + (step.comm if tl.compute[k] != w else 0.0) for k in space.pred(b)),
-                            default=0.0)
+                ready = max((tl.finish[k] + step.crossing(tl.compute[k], w) for k in space.pred(b)), default=0.0)
                 if ready < tl.finish[a] - 1e-9:  # the I waited for this W
                     pairs.append((tl.start[b], w, n))
         for _, w, n in sorted(pairs, reverse=True):

@@ -66,6 +66,11 @@ class Step:
     def S(self) -> int:
         return self.space.S
 
+    def crossing(self, src: int, dst: int) -> float:
+        """What a value adds to its job's finish on its way from worker ``src`` to worker ``dst``:
+        ``comm`` between two workers, nothing on one (the simulator's own loops inline this rule)."""
+        return self.comm if src != dst else 0.0
+
     def duration_table(self, durations: Mapping[str, float] | None = None) -> list[float]:
         """Every job's duration, indexed by ``kind * S + stage`` (a job ``j`` is at ``j // B``):
         ``durations`` per kind (default: the step's), with the step's per-stage times over them.

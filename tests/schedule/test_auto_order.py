@@ -13,7 +13,15 @@ import pytest
 from test_zb_h1 import ROWS, ZB_1P, ZB_2P, w_share
 
 from launcher.schedule import ScheduleError, make_step, simulate, unchecked_step
-from launcher.schedule.auto_order import AutoOrder, auto_sequences, greedy, paper_peaks, round_trips, span
+from launcher.schedule.auto_order import (
+    AutoOrder,
+    auto_sequences,
+    greedy,
+    paper_peaks,
+    round_trips,
+    run_sequences,
+    span,
+)
 from launcher.schedule.simulate import place_all
 
 
@@ -53,8 +61,7 @@ def by_paper(p: int, m: int, d: dict, comm: float, limit: int, model: str):
     an ``I`` gives back all but ``M_W / M_B`` of its micro-batch's unit."""
     step = replace(unchecked_step("gpipe", p, m, 1, p, order="zb_h1", split_backward=True, durations=d, comm=comm),
                    memory_limit=limit)
-    seqs = auto_sequences(step, objective="span", w_share=w_share(model))
-    return simulate(replace(step, order=AutoOrder(warmup="classic", seqs=seqs), memory_limit=None))
+    return run_sequences(step, auto_sequences(step, objective="span", w_share=w_share(model)))
 
 
 PAPER = [(r, one, two) for r, one, two in zip(ROWS, ZB_1P, ZB_2P) if r[1] <= 8]  # p=16, 32: docs/configuration.md
