@@ -7,6 +7,7 @@ The built-in GPT and Hugging Face's Llama, on the same stage modules on both sid
     python benchmarks/vs_native_transformer.py --models llama --sizes 256 --pairs ddp-w4,1f1b-w4 --json out.json
     python benchmarks/vs_native_transformer.py --backend nccl  # one GPU per rank
     python benchmarks/vs_native_transformer.py --schedules sched --pairs torch-csv-w4,ours-csv-w4  # schedules as files
+    python benchmarks/vs_native_transformer.py --pool a.json,b.json  # earlier runs' --json, pooled
 
 Workload, per model and size: the model's own modules ``[embedding, block x L, head]``
 (:class:`launcher.models.GPT`'s ``stages``; :class:`launcher.models.HFCausalLM`'s cut of
@@ -32,8 +33,9 @@ at its defaults, as ``vs_torch_native.py`` runs it.
 Measured as in ``vs_torch_native.py`` (its harness is imported): one set of W forked workers per
 pair builds both sides and alternates them (ours, native, ours, ...); a step is timed from a barrier
 to a barrier around the whole step with its optimizer, the slowest rank's; CPU seconds are every
-process's (its threads too). Also printed: our predicted step (the simulator replaying what our
-workers measured, per stage) and the first step's fingerprints, the loss and the sum of |gradient|
+process's (its threads too). Also printed: the ratio's 95% interval (a paired bootstrap over the
+alternated steps), our predicted step (the simulator replaying what our workers measured, per
+stage) and the first step's fingerprints, the loss and the sum of |gradient|
 of stage 0, on both sides. Exit status 1 when a pair's fingerprints differ by more than 1e-6
 relative.
 """
@@ -63,7 +65,19 @@ from launcher.schedule import make_step, simulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # the MLP benchmark's harness
-from vs_torch_native import NATIVE, Native, Ours, Pair, _rel, alternate, pair_device, pair_link, replayed
+from vs_torch_native import (  # noqa: E402
+    NATIVE,
+    Native,
+    Ours,
+    Pair,
+    _rel,
+    alternate,
+    interval_text,
+    pair_device,
+    pair_link,
+    ratio_interval,
+    replayed,
+)
 
 #: as vs_torch_native's: the losses come out bit for bit equal; the stage-0 gradient sums differ by
 #: at most about 1e-9 relative (DDP's buckets and FSDP's reduce-scatter add in another order)
@@ -296,6 +310,30 @@ def predicted(p: Pair, size: Size, grads: list[int], result: dict[str, Any]) -> 
                     {k: 1.0 for k in tl.step.space.kinds})  # the stages' own times, over these
 
 
+def pool(paths: list[str]) -> int:
+    """Each pair of several runs' ``--json`` files: its ratio in each run, and the ratio of the
+    medians of every timed step of the runs together with its 95% interval (each run's steps stay
+    paired with the other side's of the same repetition)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f)["rows"])
+    table = Table(title=f"ours vs PyTorch native, {len(runs)} runs pooled ({', '.join(paths)})")
+    for col in ("model", "d", "pair", "W", "ours/native per run", "CPU ours/native per run", "pooled", "95% interval"):
+        table.add_column(col, justify="left" if col in ("model", "pair") else "right")
+    keys = list(dict.fromkeys((r["model"], r["d"], r["pair"], r["W"]) for rows in runs for r in rows))
+    for key in keys:
+        found = [r for rows in runs for r in rows if (r["model"], r["d"], r["pair"], r["W"]) == key]
+        ours = [t for r in found for t in r["ours_s"]]
+        native = [t for r in found for t in r["native_s"]]
+        table.add_row(key[0], str(key[1]), key[2], str(key[3]), ", ".join(f"{r['ratio']:.2f}" for r in found),
+                      ", ".join(f"{r['ours_cpu_s'] / r['native_cpu_s']:.2f}" for r in found),
+                      f"{statistics.median(ours) / statistics.median(native):.3f}",
+                      interval_text(ratio_interval(ours, native)))
+    Console(width=200).print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="gpt,llama", help="comma-separated: gpt, llama")
@@ -312,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"a smoke run: d_model 64, T=16, W=4, pairs {QUICK_PAIRS}, 1 repetition")
     ap.add_argument("--json", default="", help="write every measurement here")
     ap.add_argument("--schedules", default="", help=f"write schedule CSVs here and add the pairs {FILE_PAIRS}")
+    ap.add_argument("--pool", default="", help="comma-separated --json files of earlier runs: print each pair's "
+                                               "ratio per run and over all their steps pooled, then exit")
     args = ap.parse_args(argv)
+    if args.pool:
+        return pool(args.pool.split(","))
     # the root's output (the logits) is a view; nothing writes into it (inherited by the workers)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     if args.quick:
@@ -332,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"one thread per process; median of {args.reps} x {args.steps} steps; L={args.layers}, "
                         f"T={args.seq}, mb={args.mb})")
     for col in ("model", "d", "pair", "native", "W", "ours ms (med / min)", "native ms (med / min)", "ours/native",
-                "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native", "|g0| ours / native",
-                "agree"):
+                "95% interval", "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native",
+                "|g0| ours / native", "agree"):
         table.add_column(col, justify="left" if col in ("model", "pair", "native") else "right")
     rows, failed, started = [], False, time.perf_counter()
     for size in sizes:
@@ -357,11 +399,13 @@ def main(argv: list[str] | None = None) -> int:
                    "loss_rel_diff": _rel(lo, ln), "g0_rel_diff": _rel(go, gn), "agree": agree, "link": result["link"]}
             row["cpu_ratio"] = row["ours_cpu_s"] / row["native_cpu_s"]
             row["ours_s"], row["native_s"] = ours, native  # every timed step, for medians pooled over runs
+            row["ratio_interval"] = ratio_interval(ours, native)
             rows.append(row)
             table.add_row(row["model"], str(size.d), p.name, NATIVE_NAMES[p.native], str(p.W),
                           f"{row['ours_median_s'] * 1e3:.1f} / {row['ours_min_s'] * 1e3:.1f}",
                           f"{row['native_median_s'] * 1e3:.1f} / {row['native_min_s'] * 1e3:.1f}",
-                          f"{row['ratio']:.2f}", f"{row['ours_cpu_s'] * 1e3:.0f} / {row['native_cpu_s'] * 1e3:.0f}",
+                          f"{row['ratio']:.2f}", interval_text(row["ratio_interval"]),
+                          f"{row['ours_cpu_s'] * 1e3:.0f} / {row['native_cpu_s'] * 1e3:.0f}",
                           f"{pred * 1e3:.1f}", f"{row['predicted_over_measured']:.2f}",
                           f"{lo:.6f} / {ln:.6f}", f"{go:.6g} / {gn:.6g}",
                           "yes" if agree else f"NO ({max(row['loss_rel_diff'], row['g0_rel_diff']):.1e})")

@@ -12,8 +12,10 @@ mean over micro-batches of each one's MSE; SGD lr 0.1; one intra-op thread per p
 For each pair, one set of W forked processes runs both sides, alternating repetitions (ours,
 native, ours, ...) so the machine's noise falls on both alike. Step time: barrier, start, the
 whole step with the optimizer, barrier, end; the slowest rank's. Printed per pair: the median and
-minimum of both, their ratio (ours / native, medians), our predicted step time, and the
-fingerprints of the first step on both sides: the loss and the sum of |gradient| of stage 0.
+minimum of both, their ratio (ours / native, medians) with its 95% interval (a paired bootstrap over
+the alternated steps: an interval that holds 1.0 is parity within the run's spread), our predicted
+step time, and the fingerprints of the first step on both sides: the loss and the sum of |gradient|
+of stage 0.
 
 Predicted: the simulator fed with what our workers measured (per-kind job durations, the link's
 latency and bandwidth from a ping-pong, :mod:`launcher.schedule.link` for the gradient exchange
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -33,10 +36,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+from scipy.stats import bootstrap
 from torch import nn
 
 from launcher.report.measured_costs import (
@@ -331,6 +336,28 @@ def alternate(sides: dict[str, Any], device: torch.device, reps: int, steps: int
             "barrier_s": statistics.median(barriers)}
 
 
+def ratio_interval(ours: list[float], native: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A ``confidence`` interval of ``median(ours) / median(native)``: a paired bootstrap (step i of
+    each side ran in the same alternated repetition, so they are resampled together), seeded, so a
+    run prints the same interval for the same times. An interval that holds 1.0 is parity within
+    this run's spread; (nan, nan) with fewer than 3 steps a side."""
+    if len(ours) < 3:
+        return math.nan, math.nan
+
+    def ratio(o: Any, n: Any, axis: int = -1) -> Any:
+        return np.median(o, axis=axis) / np.median(n, axis=axis)
+
+    res = bootstrap((np.asarray(ours), np.asarray(native)), ratio, paired=True, vectorized=True,
+                    confidence_level=confidence, n_resamples=2000, method="percentile",
+                    random_state=np.random.default_rng(0))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def interval_text(lo_hi: tuple[float, float]) -> str:
+    lo, hi = lo_hi
+    return "-" if math.isnan(lo) else f"{lo:.2f} - {hi:.2f}"
+
+
 def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> dict[str, Any] | None:
     """On each of W ranks: both sides, alternated; rank 0 returns the measurements."""
     device = pair_device()
@@ -393,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"ours vs PyTorch native ({args.backend}, {os.cpu_count()} cores, one thread per process; "
                         f"median of {args.reps} x {args.steps} steps)")
     for col in ("pair", "native", "H", "W", "ours ms (med / min)", "native ms (med / min)", "ours/native",
-                "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native", "|g0| ours / native",
-                "agree"):
+                "95% interval", "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native",
+                "|g0| ours / native", "agree"):
         table.add_column(col, justify="left" if col in ("pair", "native") else "right")
     rows, failed = [], False
     for H, mb in sizes:
@@ -414,11 +441,13 @@ def main(argv: list[str] | None = None) -> int:
                    "native_cpu_s": statistics.median(result["cpus"]["native"]),
                    "predicted_over_measured": pred / statistics.median(ours), "loss": [lo, ln], "g0": [go, gn],
                    "loss_rel_diff": _rel(lo, ln), "g0_rel_diff": _rel(go, gn), "agree": agree, "link": result["link"]}
+            row["ratio_interval"] = ratio_interval(ours, native)
             rows.append(row)
             table.add_row(p.name, NATIVE[p.native], str(H), str(p.W),
                           f"{row['ours_median_s'] * 1e3:.2f} / {row['ours_min_s'] * 1e3:.2f}",
                           f"{row['native_median_s'] * 1e3:.2f} / {row['native_min_s'] * 1e3:.2f}",
-                          f"{row['ratio']:.2f}", f"{row['ours_cpu_s'] * 1e3:.1f} / {row['native_cpu_s'] * 1e3:.1f}",
+                          f"{row['ratio']:.2f}", interval_text(row["ratio_interval"]),
+                          f"{row['ours_cpu_s'] * 1e3:.1f} / {row['native_cpu_s'] * 1e3:.1f}",
                           f"{pred * 1e3:.2f}", f"{row['predicted_over_measured']:.2f}",
                           f"{lo:.6f} / {ln:.6f}", f"{go:.6g} / {gn:.6g}",
                           "yes" if agree else f"NO ({max(row['loss_rel_diff'], row['g0_rel_diff']):.1e})")

@@ -87,21 +87,24 @@ def stage_grads(roots: Sequence[torch.Tensor | GradientEdge], wrt: Sequence[torc
 
 
 def stage_grads_into(roots: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
-                     into: Sequence[torch.Tensor],
-                     grads: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor | None, ...]:
+                     into: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
+                     bound: bool = False) -> tuple[torch.Tensor | None, ...]:
     """The gradients of ``leaves``, as :func:`stage_grads` gives them, while each of ``targets``'s
     gradients is added in place into its tensor of ``into`` (same shape) during the backward.
 
     Autograd's own accumulation (``AccumulateGrad``: ``grad += new``) adds a weight's gradient as
     soon as it is computed, while it is still in cache; adding the returned gradients after the
     backward reads them back from memory (a 6-block Llama stage, 8 micro-batches: 20 ms a step
-    against 6). The targets' ``.grad`` point at ``into`` only during the call."""
+    against 6). The targets' ``.grad`` point at ``into`` only during the call, unless ``bound``:
+    the caller has pointed them there already and puts them back itself (a worker's step does,
+    once for the step rather than around every job)."""
     if not roots:  # nothing differentiable reaches the stage's output: nothing to add
         return (None,) * len(leaves)
     grads = _seeds(roots, grads)
-    before = [t.grad for t in targets]
-    for t, g in zip(targets, into):
-        t.grad = g
+    before = [] if bound else [t.grad for t in targets]
+    if not bound:
+        for t, g in zip(targets, into):
+            t.grad = g
     try:
         if _run_backward is None:
             torch.autograd.backward(tuple(roots), tuple(grads), inputs=[*leaves, *targets])
@@ -358,7 +361,8 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
         weights = targets if views is None else views
         res, deferred = input_grads(roots, grads, stash.leaves, weights)
     elif into is not None:  # later micro-batches: added into the total during the backward
-        res = stage_grads_into(roots, stash.leaves, targets, into, grads)
+        st.bind(targets, into)
+        res = stage_grads_into(roots, stash.leaves, targets, into, grads, bound=True)
     else:
         res = stage_grads(roots, stash.leaves + targets, grads)
     if st.e.finite is not None:
@@ -450,16 +454,22 @@ def _route_input_grads(st: StepState, op: JobOp, stash: Stash, grads: Sequence[t
 def _into(st: StepState, op: JobOp, targets: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """Where a backward adds ``targets``'s gradients in place: the views of the stage's total once
     a micro-batch has started it; None where the job's gradients are needed apart (the first,
-    a non-finite check of each job's gradients) or a target has hooks run on accumulation."""
+    a non-finite check of each job's gradients) or a target has hooks run on accumulation. Decided
+    once per total in a step: hooks and dtypes do not change while it runs."""
     key = (op.stage, op.owner)
     total = st.acc.get(key)
     if total is None or not targets or (st.e.finite is not None and st.e.finite.grads):
         return None
-    if any(has_post_accumulate_hooks(t) for t in targets):
-        return None
+    known = st.into.get(key)
+    if known is not None and known[0] is total:
+        return known[1]
+    views: list[torch.Tensor] | None = None
     if total.dtype != targets[0].dtype:  # mixed precision: a low-precision copy's gradient, added up in fp32
-        return None
-    return [total.view_as(targets[0])] if len(targets) == 1 else _views(st, key, total)
+        views = None
+    elif not any(has_post_accumulate_hooks(t) for t in targets):
+        views = [total.view_as(targets[0])] if len(targets) == 1 else _views(st, key, total)
+    st.into[key] = (total, views)
+    return views
 
 
 def _views(st: StepState, key: tuple[int, int], total: torch.Tensor) -> list[torch.Tensor]:

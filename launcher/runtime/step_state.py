@@ -8,7 +8,7 @@ import contextlib
 import functools
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -58,6 +58,9 @@ class StepState:
         self.weights: dict[int, torch.Tensor] = {}  # weights message -> fetched flat copy (a leaf)
         self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
         self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # acc key -> per-parameter views of the total
+        self.into: dict[tuple[int, int], tuple] = {}  # acc key -> (its total, where a backward adds in place or None)
+        self.unbound: dict[int, tuple[torch.Tensor, Any]] = {}  # weight id -> (weight, its .grad before the step)
+        self.static_keys: dict[tuple[int, bool], tuple] = {}  # (stage, own weights) -> its forwards' fixed key part
         self.incoming: list[int] = []  # partial sums asked for before this job (cache "job"), not yet added
         self.absorbed: set[int] = set()  # partial sums already added into an owned stage's total
 
@@ -84,6 +87,23 @@ class StepState:
     def free(self, mid: int | None) -> None:
         if mid is not None and self.weights.pop(mid, None) is not None:
             self.meter.free_weights()
+
+    def bind(self, targets: Sequence[torch.Tensor], into: Sequence[torch.Tensor]) -> None:
+        """Point each weight's ``.grad`` at its tensor of ``into`` (where autograd adds it in place)
+        until :meth:`unbind`: once for a stage's backwards in a step, not around each (another
+        stage sharing a weight points it at its own total before its backward)."""
+        if all(t.grad is g for t, g in zip(targets, into)):
+            return
+        for t, g in zip(targets, into):
+            if id(t) not in self.unbound:
+                self.unbound[id(t)] = (t, t.grad)
+            t.grad = g
+
+    def unbind(self) -> None:
+        """Give every weight :meth:`bind` pointed elsewhere its ``.grad`` from before the step."""
+        for t, g in self.unbound.values():
+            t.grad = g
+        self.unbound.clear()
 
     # ---- jobs --------------------------------------------------------------------------------
     def run(self, op: JobOp) -> None:
@@ -233,11 +253,14 @@ class StepState:
         """What decides the storages a forward's graph saves: the stage, its inputs' and target's
         shapes, dtypes and ``requires_grad``, its weights' (owned or fetched), training and grad
         mode, autocast; None (always counted) when an input's constant cannot be hashed."""
-        dev = self.e.device.type
         try:
-            key = (op.stage, recomputing, op.weights is None, mod.training, torch.is_grad_enabled(),
-                   torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
-                   tuple(t.requires_grad for t in targets), leaves_key(values),
+            fixed = self.static_keys.get((op.stage, op.weights is None))
+            if fixed is None:  # training mode, autocast and the weights' requires_grad hold for the step
+                dev = self.e.device.type
+                fixed = self.static_keys[(op.stage, op.weights is None)] = (
+                    mod.training, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
+                    tuple(t.requires_grad for t in targets))
+            key = (op.stage, recomputing, op.weights is None, torch.is_grad_enabled(), fixed, leaves_key(values),
                    leaves_key([self._target(op.microbatch)]) if sink else None)
             hash(key)
         except TypeError:
@@ -346,12 +369,27 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
         comm.send(mid, packed[s])
 
     st = StepState(engine, comm, meter, microbatches, shapes, train, shares)
-    jobs = prog.jobs
-    what = "step" if train else "evaluation step"
+    try:
+        _run_jobs(engine, lowered, prog, st, hand_over)
+    finally:
+        st.unbind()
+    for mid in prog.handovers(len(prog.jobs), engine.prefetch):
+        hand_over(mid)
+    return st
+
+
+def _run_jobs(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
+              hand_over: Callable[[int], None]) -> None:
+    """The worker's jobs of ``prog`` in order, each with its messages and weight hand-overs, timed."""
+    msgs, comm, meter = lowered.messages, st.comm, st.meter
+    what = "step" if st.train else "evaluation step"
     clock, cpu_clock, thread_clock = time.perf_counter, time.process_time, time.thread_time
-    for i, op in enumerate(jobs):
-        # a job's time runs from here (the engine's own work for it included) to its end
-        t, cpu, mine, waited = clock(), cpu_clock(), thread_clock(), comm.waited
+    # a job's time runs from the end of the one before (the engine's own work for it included) to
+    # its end: one reading of each clock per job (the process's CPU clock sums every thread's, and
+    # costs microseconds while the communication threads run)
+    t, cpu, mine = clock(), cpu_clock(), thread_clock()
+    for i, op in enumerate(prog.jobs):
+        waited = comm.waited
         # the order of calls the lowering's memory prediction replays (Program.handovers, .wants)
         for mid in prog.handovers(i, engine.prefetch):
             hand_over(mid)
@@ -369,19 +407,17 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
             comm.send(mid, st.acc.pop(key) if lowered.weight_cache == "job" else st.acc[key])
             st.views.pop(key, None)  # cache "job": the send holds the sum, and frees it once delivered
         st.absorb()
-        if train:  # buckets of replicated stages whose share is complete start their all-reduce
+        if st.train:  # buckets of replicated stages whose share is complete start their all-reduce
             engine.replicas.launch_ready(i)
         # work: what it spent blocked on a peer's data is idle time, not work; cpu: the
         # process's CPU meanwhile (its communication threads' too), what it asks of a core;
         # and the compute thread's own share of it
-        end = clock()
-        meter.jobs.append([op.stage, op.microbatch, op.kind, end - t - (comm.waited - waited), cpu_clock() - cpu,
-                           thread_clock() - mine])
+        end, end_cpu, end_mine = clock(), cpu_clock(), thread_clock()
+        meter.jobs.append([op.stage, op.microbatch, op.kind, end - t - (comm.waited - waited), end_cpu - cpu,
+                           end_mine - mine])
         if meter.spans is not None:
             meter.spans.append((t, end))
-    for mid in prog.handovers(len(jobs), engine.prefetch):
-        hand_over(mid)
-    return st
+        t, cpu, mine = end, end_cpu, end_mine
 
 
 def _spec(engine: Engine, shapes: list[Shapes], m: Msg) -> tuple:

@@ -83,3 +83,37 @@ def test_pairs_our_registry_lacks_are_skipped():
         assert bench.runnable(pairs[name]) is None
     for name in ("dualpipev-w2", "dualpipev-w4"):
         assert (bench.runnable(pairs[name]) is None) == ("dualpipev" in ORDERS)
+
+
+def test_ratio_interval_holds_the_ratio_and_narrows_with_a_steady_gap():
+    """The printed interval of ours/native: it holds the ratio of the medians; a side that is 10%
+    faster on every paired step gives an interval near 0.9 that leaves out 1.0; two sides whose
+    steps take turns being faster give one that holds 1.0; too few steps give none."""
+    import math
+    import random
+
+    ratio_interval = _benchmark().ratio_interval
+    rng = random.Random(0)
+    native = [0.1 + 0.02 * rng.random() for _ in range(27)]
+    lo, hi = ratio_interval([0.9 * t for t in native], native)
+    assert 0.85 < lo <= 0.9 <= hi < 0.95
+    ours = [t * (1.05 if i % 2 else 0.95) for i, t in enumerate(native)]
+    lo, hi = ratio_interval(ours, native)
+    assert lo < 1.0 < hi
+    assert all(math.isnan(v) for v in ratio_interval([0.1, 0.2], [0.1, 0.2]))
+
+
+def test_pool_pools_every_step_of_each_pair(tmp_path, capsys):
+    """``--pool`` reads earlier runs' ``--json`` and prints each pair's ratio per run and over all
+    their steps together."""
+    bench = _benchmark()
+    paths = []
+    for k, (ours, native) in enumerate((([1.0, 1.1, 1.2], [2.0, 2.1, 2.2]), ([3.0, 3.0, 3.0], [2.0, 2.0, 2.0]))):
+        row = {"model": "GPT", "d": 128, "pair": "interleaved-1f1b-w2", "W": 2, "ours_s": ours, "native_s": native,
+               "ratio": sorted(ours)[1] / sorted(native)[1], "ours_cpu_s": 1.0, "native_cpu_s": 2.0}
+        paths.append(tmp_path / f"run{k}.json")
+        paths[-1].write_text(json.dumps({"rows": [row]}))
+    assert bench.main(["--pool", ",".join(map(str, paths))]) == 0
+    out = capsys.readouterr().out
+    # pooled: the median of 1.0 1.1 1.2 3 3 3 (2.1) over that of 2.0 2.1 2.2 2 2 2 (2.0)
+    assert "0.52, 1.50" in out and "0.50, 0.50" in out and "1.050" in out

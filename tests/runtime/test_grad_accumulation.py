@@ -47,7 +47,11 @@ def _totals(S: int, hooked: bool) -> tuple[list[torch.Tensor], int]:
     if hooked:
         next(model.stages[1].parameters()).register_post_accumulate_grad_hook(calls.append)
     engine = Engine(model, make_step("lpp", S, len(mbs), G=1, R=1), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    params = [p for m in model.stages for p in m.parameters()]
+    mark = params[0].grad = torch.ones_like(params[0])  # a user's .grad from before the step
     engine.compute_step(mbs)
+    # the backwards pointed the weights' .grad at the stages' totals only while the step ran
+    assert params[0].grad is mark and all(p.grad is None for p in params[1:])
     return [engine.last_grads[s].clone() for s in range(S)], len(calls)
 
 
