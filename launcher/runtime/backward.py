@@ -361,8 +361,12 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
         weights = targets if views is None else views
         res, deferred = input_grads(roots, grads, stash.leaves, weights)
     elif into is not None:  # later micro-batches: added into the total during the backward
-        st.bind(targets, into)
-        res = stage_grads_into(roots, stash.leaves, targets, into, grads, bound=True)
+        # the stage's own weights keep pointing at its total until the step ends; a fetched copy
+        # only during the call (held until the step's end, it would outlive its job)
+        own = op.weights is None
+        if own:
+            st.bind(targets, into)
+        res = stage_grads_into(roots, stash.leaves, targets, into, grads, bound=own)
     else:
         res = stage_grads(roots, stash.leaves + targets, grads)
     if st.e.finite is not None:

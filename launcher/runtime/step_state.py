@@ -406,6 +406,7 @@ def _run_jobs(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
             key = (op.stage, msgs[mid].dst)
             comm.send(mid, st.acc.pop(key) if lowered.weight_cache == "job" else st.acc[key])
             st.views.pop(key, None)  # cache "job": the send holds the sum, and frees it once delivered
+            st.into.pop(key, None)
         st.absorb()
         if st.train:  # buckets of replicated stages whose share is complete start their all-reduce
             engine.replicas.launch_ready(i)
