@@ -61,6 +61,7 @@ from torch import nn
 
 from launcher.report.measured_costs import stage_job_seconds
 from launcher.runtime import Engine, StagedModel, launch
+from launcher.runtime.engine import TRANSPORTS
 from launcher.schedule import make_step, simulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -255,12 +256,12 @@ def stage_bytes(stages: list[nn.Module]) -> list[int]:
 class OursT(Ours):
     """``vs_torch_native.Ours`` (its step and fingerprint) on a transformer's stages."""
 
-    def __init__(self, p: Pair, size: Size, device: torch.device) -> None:
+    def __init__(self, p: Pair, size: Size, device: torch.device, transport: str = "auto") -> None:
         self.p, self.device = p, device
         stages, loss, _ = build(size, p.S, device)
         # the engine's defaults (the batch check runs on step 1, a warm-up step, then every 50th)
         self.engine = Engine(StagedModel(stages, loss), make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order,
-                                                                  split_backward=p.split), adamw)
+                                                                  split_backward=p.split), adamw, transport=transport)
         x, t = build_batch(size, p.B, device)
         self.mbs = list(zip(x.chunk(p.B), t.chunk(p.B)))
         self.records: list[dict] = []
@@ -289,12 +290,14 @@ class NativeT(Native):
 
 
 # ---- one pair on its workers -----------------------------------------------------------------
-def run_pair(p: Pair, size: Size, reps: int, steps: int, warmup: int) -> dict[str, Any] | None:
+def run_pair(p: Pair, size: Size, reps: int, steps: int, warmup: int,
+             transport: str = "auto") -> dict[str, Any] | None:
     """On each of W ranks: both sides, alternated (``vs_torch_native.alternate``); rank 0 returns
-    the measurements."""
+    the measurements. ``transport``: how our side's activations and gradients travel."""
     device = pair_device()
     link = pair_link(p, device)
-    out = alternate({"ours": OursT(p, size, device), "native": NativeT(p, size, device)}, device, reps, steps, warmup)
+    out = alternate({"ours": OursT(p, size, device, transport), "native": NativeT(p, size, device)}, device, reps,
+                    steps, warmup)
     return None if out is None else {"pair": asdict(p), "size": asdict(size), "link": link, **out}
 
 
@@ -346,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1, help="steps per repetition")
     ap.add_argument("--warmup", type=int, default=2, help="steps per side before timing (the first: the fingerprints)")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    ap.add_argument("--transport", default="auto", choices=list(TRANSPORTS),
+                    help="how our side's activations and gradients travel (the engine's default: auto, shared "
+                         "memory on one host)")
     ap.add_argument("--quick", action="store_true",
                     help=f"a smoke run: d_model 64, T=16, W=4, pairs {QUICK_PAIRS}, 1 repetition")
     ap.add_argument("--json", default="", help="write every measurement here")
@@ -370,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [Size(m, int(d), args.layers, args.seq, args.mb)
              for m in args.models.split(",") for d in args.sizes.split(",")]
     console = Console(width=260)
-    table = Table(title=f"ours vs PyTorch native on transformers ({args.backend}, {os.cpu_count()} cores, "
+    table = Table(title=f"ours vs PyTorch native on transformers ({args.backend}, ours over {args.transport}, "
+                        f"{os.cpu_count()} cores, "
                         f"one thread per process; median of {args.reps} x {args.steps} steps; L={args.layers}, "
                         f"T={args.seq}, mb={args.mb})")
     for col in ("model", "d", "pair", "native", "W", "ours ms (med / min)", "native ms (med / min)", "ours/native",
@@ -381,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         grads = {S: stage_bytes(build(size, S, torch.device("cpu"))[0]) for S in {p.S for p in pairs}}
         for p in pairs:
-            result = launch(run_pair, p.W, p, size, args.reps, args.steps, args.warmup, backend=args.backend,
+            result = launch(run_pair, p.W, p, size, args.reps, args.steps, args.warmup, args.transport,
+                            backend=args.backend,
                             timeout=120, deadline=900)[0]
             ours, native = result["times"]["ours"], result["times"]["native"]
             (lo, go), (ln, gn) = result["fingerprints"]["ours"], result["fingerprints"]["native"]
@@ -416,9 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wall time {wall:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"backend": args.backend, "cores": os.cpu_count(), "torch": torch.__version__,
-                       "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "wall_s": wall, "rows": rows},
-                      f, indent=1)
+            json.dump({"backend": args.backend, "transport": args.transport, "cores": os.cpu_count(),
+                       "torch": torch.__version__, "reps": args.reps, "steps": args.steps, "warmup": args.warmup,
+                       "wall_s": wall, "rows": rows}, f, indent=1)
     if failed:
         print(f"fingerprints disagree by more than {TOLERANCE:g} relative on some pair", file=sys.stderr)
     return 1 if failed else 0

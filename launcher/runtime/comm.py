@@ -19,6 +19,7 @@ import torch.distributed as dist
 from launcher.schedule.program import ACT, GRAD, WGRAD, Lowered, Msg, PairIssue
 
 from .failure import Watchdog, WorkerAborted, blocked
+from .shared_links import SharedLinks
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
@@ -88,6 +89,15 @@ def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag
 #: a wait shorter than this found its data already there (the call's own cost), not a late message
 BLOCKED_S = 20e-6
 TIMED = (ACT, GRAD, WGRAD)  # the step's dependencies, and partial sums (an exchange's rounds)
+LINKED = (ACT, GRAD)  # the kinds a worker's shared-memory links carry (transport "shm")
+
+
+def _nbytes(spec: Spec) -> int:
+    shape, dtype = spec
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 class Clock:
@@ -139,6 +149,7 @@ class Comm:
         on_alloc: Callable[[Msg], None] | None = None,
         timed: bool = True,
         traced: bool = False,
+        links: SharedLinks | None = None,
     ) -> None:
         self.msgs = lowered.messages
         self.me = worker
@@ -151,9 +162,9 @@ class Comm:
         self.queue = lowered.programs[worker].pair_order
         self.issue = PairIssue(self.msgs, worker, self.queue)  # when each operation may go out
         self.ready: dict[int, torch.Tensor] = {}  # outgoing data handed over, not issued yet
-        self.works: dict[int, dist.Work] = {}
+        self.works: dict[int, Any] = {}  # mid -> its receive (a dist.Work, or a shared link's)
         self.buffers: dict[int, torch.Tensor] = {}
-        self.sends: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # mid -> its send, until delivered
+        self.sends: dict[int, tuple[Any, torch.Tensor]] = {}  # mid -> its send, until delivered
         self.waited = 0.0  # seconds spent blocked waiting for incoming data (not compute)
         # what a message between workers really takes here (:class:`Clock`), for the activations
         # and gradients (the dependencies the simulator charges), the partial sums and the
@@ -164,6 +175,12 @@ class Comm:
         # host's monotonic clock; None when not traced
         self.waits: list[tuple[int, float, float, int]] | None = [] if traced else None
         self.handed: list[tuple[int, float, int]] | None = [] if traced else None
+        # activations and their gradients between workers on one host through shared memory
+        # (transport "shm"): every message of those kinds with this worker, laid out for the step
+        self.links = links
+        if links is not None:
+            linked = (self.msgs[mid] for q in self.queue.values() for mid in q)
+            links.begin_step((m.mid, m.src, m.dst, _nbytes(spec(m))) for m in linked if m.kind in LINKED)
         self.recv_count: dict[str, int] = defaultdict(int)
         self.recv_bytes: dict[str, int] = defaultdict(int)
         self.sent_count: dict[str, int] = defaultdict(int)
@@ -177,7 +194,10 @@ class Comm:
                 t = self.ready.pop(mid)
                 if not t.is_contiguous():
                     t = t.contiguous()
-                self.sends[mid] = (isend(t, self.ranks[m.dst], group=self.group, tag=mid), t)
+                if self.links is not None and m.kind in LINKED:
+                    self.sends[mid] = (self.links.send(mid, m.dst, t), t)
+                else:
+                    self.sends[mid] = (isend(t, self.ranks[m.dst], group=self.group, tag=mid), t)
                 self.sent_count[m.kind] += 1
                 self.sent_bytes[m.kind] += t.numel() * t.element_size()
             else:
@@ -186,7 +206,10 @@ class Comm:
                 if self.on_alloc is not None:
                     self.on_alloc(m)
                 self.buffers[mid] = buf
-                self.works[mid] = irecv(buf, self.ranks[m.src], group=self.group, tag=mid)
+                if self.links is not None and m.kind in LINKED:
+                    self.works[mid] = self.links.recv(mid, m.src, buf)
+                else:
+                    self.works[mid] = irecv(buf, self.ranks[m.src], group=self.group, tag=mid)
                 if m.kind == WGRAD:
                     self.clock.posted(mid)
         except Exception as e:

@@ -66,6 +66,7 @@ from .layout import StageLayout
 from .measure import HOST, Meter, worker_record
 from .saved import GraphCounts, stage_saved_bytes
 from .shapes import Shapes, shape_key
+from .shared_links import SharedLinks, host_identity, shared_links_possible
 from .signatures import NoMeta, real_signatures, signatures
 from .staged import Batch, OptimizerFactory, StagedModel, as_meta, meta_copy, skeleton
 from .stats import RunningStats
@@ -129,6 +130,12 @@ def _recompute(timeline: Timeline, recompute: Iterable[int] | None) -> frozenset
     return stages
 
 
+#: how the step's activations and gradients travel between workers: gloo's point-to-point, shared
+#: memory between workers on one host (:mod:`.shared_links`), or "auto": shared memory where every
+#: worker computes on the CPU of one host, else the backend's point-to-point
+TRANSPORTS = ("auto", "gloo", "shm")
+
+
 class Engine:
     """Runs this rank's share of every training step of one schedule."""
 
@@ -148,7 +155,10 @@ class Engine:
         recompute: Iterable[int] | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         compute_dtype: torch.dtype | None = None,
+        transport: str = "auto",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r} is invalid: use one of {', '.join(TRANSPORTS)}")
         self.lowered = _lowered(schedule, weight_cache, prefetch)
         self.timeline = self.lowered.timeline
         space = self.timeline.step.space
@@ -174,6 +184,7 @@ class Engine:
         self.replicas = Replicas(self.lowered, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes)
         if dist.get_backend(group) == "nccl":
             warm_pairs(self.lowered, self.worker, self.ranks, group, self.device)
+        self.links = self._links(transport)
         if self.materialized:
             self._sync_ties()
         self._sync_replicas()
@@ -181,6 +192,24 @@ class Engine:
         params = list(dict.fromkeys(p for s in self.owned for p in self.modules[s].parameters()))
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self._step_state(compute_dtype)
+
+    def _links(self, transport: str) -> SharedLinks | None:
+        """This worker's shared-memory links, or None where messages go over the backend."""
+        cpu = self.device.type == "cpu" and dist.get_backend(self.group) == "gloo"
+        if transport == "gloo" or (transport == "auto" and not (cpu and shared_links_possible())):
+            return None
+        if not cpu:
+            raise ValueError(f"transport=shm moves host memory, but the workers compute on {self.device.type} over "
+                             f"{dist.get_backend(self.group)}: use transport=gloo or auto")
+        hosts: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(hosts, host_identity(), group=self.group)
+        if len(set(hosts)) > 1:  # agreed by every rank: each sees the same list
+            if transport == "shm":
+                raise ValueError(f"transport=shm needs every worker on one host, but they run on {len(set(hosts))}: "
+                                 "use transport=gloo or auto")
+            return None
+        peers = self.lowered.programs[self.worker].pair_order if self.worker is not None else {}
+        return SharedLinks(self.group, self.worker, peers, self.watchdog)
 
     def _place_stages(self, model: StagedModel, space: Any) -> None:
         """The owned stages on the device (materialised if built on the meta device), a skeleton

@@ -130,6 +130,7 @@ class Case:
     placement: Callable | None = field(default=None, compare=False)
     W: int | None = None  # with a custom placement
     bucket_bytes: int | None = None  # the replicas' all-reduce buckets (None: the engine's default)
+    transport: str = "gloo"  # how activations and their gradients travel (the engine's ``transport``)
 
     @property
     def name(self) -> str:
@@ -137,6 +138,7 @@ class Case:
             "-split" if self.split else "", f"-cache_{self.weight_cache}" if self.weight_cache != "step" else "",
             f"-prefetch{self.prefetch}" if self.prefetch != 1 else "",
             f"-bucket{self.bucket_bytes}" if self.bucket_bytes is not None else "",
+            f"-{self.transport}" if self.transport != "gloo" else "",
         ])
         order = self.order if isinstance(self.order, str) else self.order.name
         return f"{self.strategy}-G{self.G}R{self.R}-S{self.S}B{self.B}-{order}-{self.optimizer}{extra}"
@@ -161,7 +163,7 @@ def run_case(case: Case, seed: int = 0) -> dict[str, Any]:
     """This rank's result for one case: max errors against the oracle and its per-step records."""
     extra: dict[str, Any] = {} if case.bucket_bytes is None else {"bucket_bytes": case.bucket_bytes}
     engine = Engine(staged_mlp(case.S, seed=seed), case.schedule(), case.make_optimizer,
-                    prefetch=case.prefetch, weight_cache=case.weight_cache, **extra)
+                    prefetch=case.prefetch, weight_cache=case.weight_cache, transport=case.transport, **extra)
     ref = staged_mlp(case.S, seed=seed)
     ref_opt = case.make_optimizer([p for m in ref.stages for p in m.parameters()])
     grad_err = param_err = 0.0

@@ -357,7 +357,7 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
     shapes = engine.shapes(microbatches)
     comm = Comm(lowered, w, functools.partial(_spec, engine, shapes), engine.device, engine.watchdog, engine.group,
                 engine.ranks, on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
-                timed=train and engine.steps <= TIMED_STEPS, traced=meter.spans is not None)
+                timed=train and engine.steps <= TIMED_STEPS, traced=meter.spans is not None, links=engine.links)
     # owners hand weights over just in time (the program's release points, ``prefetch`` jobs early)
     packed: dict[int, torch.Tensor] = {}
 

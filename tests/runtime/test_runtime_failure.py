@@ -20,10 +20,11 @@ TIMEOUT = 4.0
 BOUND = TIMEOUT + min(2.0, TIMEOUT / 4) + 1.0 + 2.0  # launcher's stop bound, plus slack for a loaded machine
 
 
-def train_and_fail(tmp: str, how: str, victim: int, steps: int = 4) -> None:
+def train_and_fail(tmp: str, how: str, victim: int, steps: int = 4, transport: str = "gloo") -> None:
     rank = dist.get_rank()
     Path(tmp, f"pid-{rank}").write_text(str(os.getpid()))
-    engine = Engine(staged_mlp(4), make_step("gpipe", 4, 4, G=1, R=4), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = Engine(staged_mlp(4), make_step("gpipe", 4, 4, G=1, R=4), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    transport=transport)
     if rank == victim:
         stage = engine.modules[victim]
         inner = stage.forward
@@ -46,11 +47,13 @@ def train_and_fail(tmp: str, how: str, victim: int, steps: int = 4) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
 @pytest.mark.parametrize("how", ["kill", "raise"])
-def test_failure_stops_everyone(tmp_path, how):
+def test_failure_stops_everyone(tmp_path, how, transport):
+    """Over gloo or over shared memory (a peer's closed link, or the watchdog, ends the waits)."""
     victim = 2
     with pytest.raises(WorkerFailed) as info:
-        launch(train_and_fail, 4, str(tmp_path), how, victim, timeout=TIMEOUT, deadline=100)
+        launch(train_and_fail, 4, str(tmp_path), how, victim, 4, transport, timeout=TIMEOUT, deadline=100)
     done = time.time()
     err = info.value
     # the job: F of stage 2, micro-batch 1, step 2 (gpipe: rank 2 runs stage 2)
