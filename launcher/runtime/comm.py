@@ -2,9 +2,11 @@
 
 Every operation is asynchronous (``isend``/``irecv``); the communication backend moves data on its
 own threads while the worker computes: a prefetch running beside the compute, without a Python thread
-fighting the compute for the GIL. When each operation goes out is
-:class:`~launcher.schedule.program.PairIssue`'s rule (per peer, strictly in the pair order, as NCCL
-needs), the one the lowering's memory prediction replays.
+fighting the compute for the GIL. Between workers on one host the activations and their gradients
+go through shared memory instead (:mod:`.shared_links`), with the same send, receive and wait.
+
+When each operation goes out is :class:`~launcher.schedule.program.PairIssue`'s rule (per peer,
+strictly in the pair order, as NCCL needs), the one the lowering's memory prediction replays.
 """
 
 from __future__ import annotations

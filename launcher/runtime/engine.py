@@ -196,7 +196,8 @@ class Engine:
     def _links(self, transport: str) -> SharedLinks | None:
         """This worker's shared-memory links, or None where messages go over the backend."""
         cpu = self.device.type == "cpu" and dist.get_backend(self.group) == "gloo"
-        if transport == "gloo" or (transport == "auto" and not (cpu and shared_links_possible())):
+        alone = dist.get_world_size(self.group) == 1  # nobody to send to
+        if transport == "gloo" or (transport == "auto" and (alone or not (cpu and shared_links_possible()))):
             return None
         if not cpu:
             raise ValueError(f"transport=shm moves host memory, but the workers compute on {self.device.type} over "

@@ -157,6 +157,7 @@ class SharedLinks:
             used[(src, dst)] = at + _aligned(nbytes)
         for (src, dst), need in used.items():
             peer = self.peers[dst] if src == self.me else None
+            need = max(need, ALIGN)  # messages of no bytes still have a (mappable) buffer
             if peer is None or (peer.out is not None and peer.out.size >= need):
                 continue
             gen = 0 if peer.out is None else peer.out.gen + 1
@@ -268,9 +269,12 @@ def shared_links_possible() -> bool:
 def host_identity() -> tuple[str, str]:
     """Who can link with whom: the running kernel (its boot id) and the network namespace (the
     abstract sockets are per namespace); equal on two workers exactly when they can link."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    return boot, os.readlink("/proc/self/ns/net")
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return boot, os.readlink("/proc/self/ns/net")
+    except OSError:  # no /proc to tell: this worker links with nobody
+        return f"{socket.gethostname()}-{os.getpid()}", ""
 
 
 def _address(token: str, worker: int) -> str:
