@@ -315,8 +315,8 @@ def predicted(p: Pair, size: Size, grads: list[int], result: dict[str, Any]) -> 
 
 def pool(paths: list[str]) -> int:
     """Each pair of several runs' ``--json`` files: its ratio in each run, and the ratio of the
-    medians of every timed step of the runs together with its 95% interval (each run's steps stay
-    paired with the other side's of the same repetition)."""
+    medians of every timed step of the runs together (each over its run's native median) with its
+    95% interval (each run's steps stay paired with the other side's of the same repetition)."""
     runs = []
     for path in paths:
         with open(path) as f:
@@ -327,8 +327,10 @@ def pool(paths: list[str]) -> int:
     keys = list(dict.fromkeys((r["model"], r["d"], r["pair"], r["W"]) for rows in runs for r in rows))
     for key in keys:
         found = [r for rows in runs for r in rows if (r["model"], r["d"], r["pair"], r["W"]) == key]
-        ours = [t for r in found for t in r["ours_s"]]
-        native = [t for r in found for t in r["native_s"]]
+        # each run's steps over its own native median: the machine's speed drifts between runs,
+        # and mixing raw times would weigh the slower runs' steps as if they were the pair's
+        ours = [t / statistics.median(r["native_s"]) for r in found for t in r["ours_s"]]
+        native = [t / statistics.median(r["native_s"]) for r in found for t in r["native_s"]]
         table.add_row(key[0], str(key[1]), key[2], str(key[3]), ", ".join(f"{r['ratio']:.2f}" for r in found),
                       ", ".join(f"{r['ours_cpu_s'] / r['native_cpu_s']:.2f}" for r in found),
                       f"{statistics.median(ours) / statistics.median(native):.3f}",
