@@ -464,15 +464,13 @@ def _into(st: StepState, op: JobOp, targets: list[torch.Tensor]) -> list[torch.T
     total = st.acc.get(key)
     if total is None or not targets or (st.e.finite is not None and st.e.finite.grads):
         return None
-    known = st.into.get(key)
-    if known is not None and known[0] is total:
-        return known[1]
+    if key in st.into:  # decided for this total (a sent one leaves with its entry)
+        return st.into[key]
     views: list[torch.Tensor] | None = None
-    if total.dtype != targets[0].dtype:  # mixed precision: a low-precision copy's gradient, added up in fp32
-        views = None
-    elif not any(has_post_accumulate_hooks(t) for t in targets):
+    # mixed precision (a low-precision copy's gradient, added up in fp32) or hooks: added apart
+    if total.dtype == targets[0].dtype and not any(has_post_accumulate_hooks(t) for t in targets):
         views = [total.view_as(targets[0])] if len(targets) == 1 else _views(st, key, total)
-    st.into[key] = (total, views)
+    st.into[key] = views
     return views
 
 

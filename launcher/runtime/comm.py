@@ -22,6 +22,7 @@ from launcher.schedule.program import ACT, GRAD, WGRAD, Lowered, Msg, PairIssue
 
 from .failure import Watchdog, WorkerAborted, blocked
 from .shared_links import SharedLinks
+from .values import spec_bytes
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
@@ -92,14 +93,6 @@ def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag
 BLOCKED_S = 20e-6
 TIMED = (ACT, GRAD, WGRAD)  # the step's dependencies, and partial sums (an exchange's rounds)
 LINKED = (ACT, GRAD)  # the kinds a worker's shared-memory links carry (transport "shm")
-
-
-def _nbytes(spec: Spec) -> int:
-    shape, dtype = spec
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
 
 
 class Clock:
@@ -182,7 +175,7 @@ class Comm:
         self.links = links
         if links is not None:
             linked = (self.msgs[mid] for q in self.queue.values() for mid in q)
-            links.begin_step((m.mid, m.src, m.dst, _nbytes(spec(m))) for m in linked if m.kind in LINKED)
+            links.begin_step((m.mid, m.src, m.dst, spec_bytes(spec(m))) for m in linked if m.kind in LINKED)
         self.recv_count: dict[str, int] = defaultdict(int)
         self.recv_bytes: dict[str, int] = defaultdict(int)
         self.sent_count: dict[str, int] = defaultdict(int)

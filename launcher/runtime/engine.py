@@ -66,7 +66,7 @@ from .layout import StageLayout
 from .measure import HOST, Meter, worker_record
 from .saved import GraphCounts, stage_saved_bytes
 from .shapes import Shapes, shape_key
-from .shared_links import SharedLinks, host_identity, shared_links_possible
+from .shared_links import SharedLinks, host_identity, new_token, shared_links_possible
 from .signatures import NoMeta, real_signatures, signatures
 from .staged import Batch, OptimizerFactory, StagedModel, as_meta, meta_copy, skeleton
 from .stats import RunningStats
@@ -202,15 +202,18 @@ class Engine:
         if not cpu:
             raise ValueError(f"transport=shm moves host memory, but the workers compute on {self.device.type} over "
                              f"{dist.get_backend(self.group)}: use transport=gloo or auto")
-        hosts: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(hosts, host_identity(), group=self.group)
-        if len(set(hosts)) > 1:  # agreed by every rank: each sees the same list
+        # who runs where, and rank 0's name for the group's links: one collective
+        found: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(found, (host_identity(), new_token()), group=self.group)
+        hosts = {host for host, _ in found}
+        if len(hosts) > 1:  # agreed by every rank: each sees the same list
             if transport == "shm":
-                raise ValueError(f"transport=shm needs every worker on one host, but they run on {len(set(hosts))}: "
+                raise ValueError(f"transport=shm needs every worker on one host, but they run on {len(hosts)}: "
                                  "use transport=gloo or auto")
             return None
-        peers = self.lowered.programs[self.worker].pair_order if self.worker is not None else {}
-        return SharedLinks(self.group, self.worker, peers, self.watchdog)
+        if self.worker is None:  # a rank past the schedule's workers links nothing
+            return None
+        return SharedLinks(found[0][1], self.worker, self.lowered.programs[self.worker].pair_order, self.watchdog)
 
     def _place_stages(self, model: StagedModel, space: Any) -> None:
         """The owned stages on the device (materialised if built on the meta device), a skeleton

@@ -37,12 +37,11 @@ import time
 from typing import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 
 from .failure import Watchdog
 
-# a notice: its kind and two numbers, DATA (id, buffer generation), ACK (id, 0), BUFFER (size, generation)
-NOTICE = struct.Struct("<Bqq")
+# a notice: its kind and a number, DATA (the message's id), ACK (the message's id), BUFFER (its size)
+NOTICE = struct.Struct("<Bq")
 DATA, ACK, BUFFER = 0, 1, 2
 ALIGN = 64  # slot alignment in bytes: a cache line
 CONNECT_S = 60.0  # how long a worker waits for a peer's listening socket at set-up
@@ -57,8 +56,8 @@ class _Buffer:
     """One direction's shared buffer: an anonymous memory file mapped by both processes (the
     mapping keeps it; its descriptor is closed once handed over)."""
 
-    def __init__(self, fd: int, size: int, gen: int) -> None:
-        self.size, self.gen = size, gen
+    def __init__(self, fd: int, size: int) -> None:
+        self.size = size
         self.map = mmap.mmap(fd, size)
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
 
@@ -77,36 +76,32 @@ class _Peer:
         self.sock = sock
         self.pending = b""
         self.fds: list[int] = []  # descriptors received, not yet taken by their notice
-        self.arrived: dict[int, int] = {}  # id -> generation of the buffer holding it
+        self.arrived: set[int] = set()  # the peer's messages to this worker, in its buffer, not read yet
         self.unacked: set[int] = set()  # this worker's messages the peer has not read yet
         self.out: _Buffer | None = None  # this worker's messages to the peer
-        self.inbox: dict[int, _Buffer] = {}  # generation -> the peer's buffer of messages to this worker
+        # the peer's buffer of messages to this worker (a new one replaces it only once every
+        # message in it was read: the peer's step ended on their acknowledgements)
+        self.inbox: _Buffer | None = None
 
 
 class SharedLinks:
     """This worker's shared-memory links to its peers (see the module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, worker: int | None, peers: Iterable[int],
-                 watchdog: Watchdog | None) -> None:
-        """Set up every link (a collective over ``group``: every rank calls it, all on this host:
-        :func:`host_identity`). ``peers``: the workers this one exchanges messages with (worker w
-        is rank w of the group)."""
+    def __init__(self, token: str, worker: int, peers: Iterable[int], watchdog: Watchdog | None) -> None:
+        """Link ``worker`` with each of ``peers`` (the workers it exchanges messages with, all on
+        this host: :func:`host_identity`); ``token``: the same string on every worker of the group
+        and unique to it (:func:`new_token`), which names the workers' sockets."""
         self.peers: dict[int, _Peer] = {}
-        self.me = -1 if worker is None else worker  # a rank past the schedule's workers links nothing
-        self.watchdog = watchdog
+        self.me, self.watchdog = worker, watchdog
         self.offsets: dict[int, int] = {}  # message id -> its slot's offset in its direction's buffer
-        token = [secrets.token_hex(8)]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        if worker is None:
-            return
         mine = sorted(set(peers))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(_address(str(token[0]), worker))  # the abstract namespace: no file to clean up
+        listener.bind(_address(token, worker))  # the abstract namespace: no file to clean up
         listener.listen(max(len(mine), 1))
         listener.settimeout(CONNECT_S)
         try:
             for p in (p for p in mine if p > worker):  # connect to the higher peers, which listen
-                self.peers[p] = _Peer(self._connect(str(token[0]), p))
+                self.peers[p] = _Peer(self._connect(token, p))
                 self.peers[p].sock.sendall(struct.pack("<i", worker))
             for _ in (p for p in mine if p < worker):  # and take the lower peers' connections
                 conn, _ = listener.accept()
@@ -137,7 +132,7 @@ class SharedLinks:
     def close(self) -> None:
         for peer in self.peers.values():
             peer.sock.close()
-            for buf in [peer.out, *peer.inbox.values()]:
+            for buf in (peer.out, peer.inbox):
                 if buf is not None:
                     buf.close()
             for fd in peer.fds:
@@ -160,12 +155,11 @@ class SharedLinks:
             need = max(need, ALIGN)  # messages of no bytes still have a (mappable) buffer
             if peer is None or (peer.out is not None and peer.out.size >= need):
                 continue
-            gen = 0 if peer.out is None else peer.out.gen + 1
             fd = os.memfd_create("launcher-p2p")
             try:
                 os.ftruncate(fd, need)
-                buf = _Buffer(fd, need, gen)
-                socket.send_fds(peer.sock, [NOTICE.pack(BUFFER, need, gen)], [fd])
+                buf = _Buffer(fd, need)
+                socket.send_fds(peer.sock, [NOTICE.pack(BUFFER, need)], [fd])
             finally:
                 os.close(fd)
             if peer.out is not None:
@@ -181,7 +175,7 @@ class SharedLinks:
         at = self.offsets[mid]
         out.bytes[at:at + data.numel()].copy_(data)
         peer.unacked.add(mid)
-        peer.sock.sendall(NOTICE.pack(DATA, mid, out.gen))
+        peer.sock.sendall(NOTICE.pack(DATA, mid))
         return _Send(self, mid, dst)
 
     def recv(self, mid: int, src: int, into: torch.Tensor) -> "_Recv":
@@ -205,17 +199,17 @@ class SharedLinks:
             peer.pending += data
             whole = len(peer.pending) // NOTICE.size * NOTICE.size
             for k in range(0, whole, NOTICE.size):
-                kind, a, b = NOTICE.unpack_from(peer.pending, k)
+                kind, n = NOTICE.unpack_from(peer.pending, k)
                 if kind == DATA:
-                    peer.arrived[a] = b
+                    peer.arrived.add(n)
                 elif kind == ACK:
-                    peer.unacked.discard(a)
-                else:  # a new buffer of the peer's messages: every one in the older ones was read
-                    for old in peer.inbox.values():
-                        old.close()
+                    peer.unacked.discard(n)
+                else:  # a larger buffer of the peer's messages: every one in the old was read
+                    if peer.inbox is not None:
+                        peer.inbox.close()
                     fd = peer.fds.pop(0)
                     try:
-                        peer.inbox = {b: _Buffer(fd, a, b)}
+                        peer.inbox = _Buffer(fd, n)
                     finally:
                         os.close(fd)
             peer.pending = peer.pending[whole:]
@@ -223,11 +217,12 @@ class SharedLinks:
     def _take(self, mid: int, src: int, into: torch.Tensor) -> None:
         peer = self.peers[src]
         self._pump(src, lambda: mid in peer.arrived)
-        buf = peer.inbox[peer.arrived.pop(mid)]
+        peer.arrived.discard(mid)
+        assert peer.inbox is not None  # its notice came before the message's
         out = into.reshape(-1).view(torch.uint8)
         at = self.offsets[mid]
-        out.copy_(buf.bytes[at:at + out.numel()])
-        peer.sock.sendall(NOTICE.pack(ACK, mid, 0))
+        out.copy_(peer.inbox.bytes[at:at + out.numel()])
+        peer.sock.sendall(NOTICE.pack(ACK, mid))
 
     def _delivered(self, mid: int, dst: int) -> None:
         peer = self.peers[dst]
@@ -258,6 +253,11 @@ class _Recv:
             self.links._take(self.mid, self.src, self.into)
             self.done = True
         return True
+
+
+def new_token() -> str:
+    """A fresh name for one group's links (every worker must use rank 0's)."""
+    return secrets.token_hex(8)
 
 
 def shared_links_possible() -> bool:

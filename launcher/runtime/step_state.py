@@ -58,7 +58,7 @@ class StepState:
         self.weights: dict[int, torch.Tensor] = {}  # weights message -> fetched flat copy (a leaf)
         self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
         self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # acc key -> per-parameter views of the total
-        self.into: dict[tuple[int, int], tuple] = {}  # acc key -> (its total, where a backward adds in place or None)
+        self.into: dict[tuple[int, int], list[torch.Tensor] | None] = {}  # acc key -> where a backward adds in place
         self.unbound: dict[int, tuple[torch.Tensor, Any]] = {}  # weight id -> (weight, its .grad before the step)
         self.static_keys: dict[tuple[int, bool], tuple] = {}  # (stage, own weights) -> its forwards' fixed key part
         self.incoming: list[int] = []  # partial sums asked for before this job (cache "job"), not yet added

@@ -119,7 +119,7 @@ class Signature:
 
     def nbytes(self) -> int:
         """Bytes of its message."""
-        return _spec_bytes(self.spec())
+        return spec_bytes(self.spec())
 
     def cast(self, dtype: torch.dtype | None) -> "Signature":
         """This signature with every floating leaf in ``dtype`` (mixed precision: what crosses
@@ -152,7 +152,7 @@ class Signature:
 
     def grad_nbytes(self) -> int:
         """Bytes of its gradient's message."""
-        return _spec_bytes(self.grad_spec())
+        return spec_bytes(self.grad_spec())
 
     def grad_leaves(self, value: Any) -> list[torch.Tensor]:
         """The differentiable leaves of ``value`` (a value of this signature)."""
@@ -284,7 +284,8 @@ def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _spec_bytes(spec: Spec) -> int:
+def spec_bytes(spec: Spec) -> int:
+    """Bytes of a message of this shape and dtype."""
     return _numel(spec[0]) * _itemsize(spec[1])
 
 

@@ -56,12 +56,14 @@ CASES_W4 = (
     # at the end (halving-doubling); three replicas (not a power of two) on a subgroup of the four
     + [Case("ddp", 4, 1, 3, 4, bucket_bytes=1), Case("lpp", 2, 2, 8, 8, order="breadth_first", bucket_bytes=1),
        Case("ddp", 3, 1, 3, 3), Case("ddp", 3, 1, 3, 3, bucket_bytes=1, optimizer="adam")]
-    # activations and gradients through shared memory (transport "shm"): looped, split, fetched
-    # weights freed per job, a deep prefetch, the V
-    + [Case("lpp", 1, 4, 8, 8, order="interleaved_1f1b", optimizer="adam", transport="shm"),
-       Case("gpipe", 1, 4, 4, 8, order="zb_h1", split=True, transport="shm"),
-       Case("fslpp", 2, 2, 8, 4, weight_cache="job", optimizer="adam", transport="shm"),
-       Case("lpp", 2, 2, 8, 8, prefetch=6, order="breadth_first", transport="shm")]
+    # every case above sends its activations and gradients as a user's run does (transport auto:
+    # shared memory between these workers on one host); these go over gloo instead (turned off:
+    # the other transport, a user's choice across hosts): looped, split, fetched weights freed per
+    # job, a deep prefetch
+    + [Case("lpp", 1, 4, 8, 8, order="interleaved_1f1b", optimizer="adam", transport="gloo"),
+       Case("gpipe", 1, 4, 4, 8, order="zb_h1", split=True, transport="gloo"),
+       Case("fslpp", 2, 2, 8, 4, weight_cache="job", optimizer="adam", transport="gloo"),
+       Case("lpp", 2, 2, 8, 8, prefetch=6, order="breadth_first", transport="gloo")]
     # a worker in several owner sets whose buckets end the step in both ways: worker 0 reduces
     # stage 0 (with 1) point to point at the end, and stage 1 (with 2, after 1's partial sum
     # arrives) by gloo's collective, which worker 2 launches during its backward
