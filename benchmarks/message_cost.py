@@ -9,12 +9,11 @@ receiver waits for each message and then computes as long. Two transports, alter
 repetition by repetition:
 
 - ``gloo``: ``dist.isend`` / ``dist.irecv`` with a tag per message, as the engine's messages go
-  (a loopback TCP connection, moved by gloo's own threads);
-- ``shared``: the sender copies the tensor into its slot of a buffer both processes map
-  (``multiprocessing.shared_memory``) and writes the slot's number into a pipe; the receiver reads
-  numbers from the pipe until its message's has come (the pipe's kernel locking orders the copy
-  before the number, on any CPU) and copies the slot out. Not a transport of the engine: what one
-  would save.
+  under ``transport="gloo"`` (a loopback TCP connection, moved by gloo's own threads);
+- ``shared``: the engine's links between workers on one host
+  (:class:`launcher.runtime.shared_links.SharedLinks`, its default there): the sender copies the
+  tensor into its slot of a buffer both processes map and sends a notice; the receiver copies it
+  out and acknowledges; the sender waits for the acknowledgements at the end, as a step does.
 
 Printed: per message, the CPU each process spent beyond its compute (``time.process_time``, every
 thread of the process), and the wall time of a repetition; medians over ``--reps``. Exit status 1
@@ -28,11 +27,12 @@ import os
 import socket
 import statistics
 import time
-from multiprocessing import shared_memory
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from launcher.runtime.shared_links import SharedLinks, new_token
 
 MODES = ("gloo", "shared")
 
@@ -46,46 +46,29 @@ def _compute(a: torch.Tensor, seconds: float) -> torch.Tensor:
     return a
 
 
-def _worker(rank: int, port: int, shm_name: str, pipe: tuple[int, int], args: argparse.Namespace,
-            out: mp.SimpleQueue) -> None:
+def _worker(rank: int, port: int, token: str, args: argparse.Namespace, out: mp.SimpleQueue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    shm = shared_memory.SharedMemory(name=shm_name)
-    n, nbytes, work = args.messages, args.kb * 1024, args.work_ms / 1e3
-    arena = torch.frombuffer(shm.buf, dtype=torch.float32)
-    slot = nbytes // 4
-    data, into, a = torch.randn(slot), torch.empty(slot), torch.randn(64, 64)
-    read_fd, write_fd = pipe
+    links = SharedLinks(token, rank, [1 - rank], None)
+    n, work = args.messages, args.work_ms / 1e3
+    data, into, a = torch.randn(args.kb * 256), torch.empty(args.kb * 256), torch.randn(64, 64)
     try:
         for rep in range(args.reps):
             for mode in MODES:
+                links.begin_step((i, 0, 1, data.numel() * data.element_size()) for i in range(n))
                 dist.barrier()
                 cpu, wall = time.process_time(), time.perf_counter()
                 if rank == 0:
                     sends = []
                     for i in range(n):
                         a = _compute(a, work)
-                        if mode == "gloo":
-                            sends.append(dist.isend(data, 1, tag=i))
-                        else:
-                            arena[i * slot:(i + 1) * slot].copy_(data)
-                            os.write(write_fd, i.to_bytes(4, "little"))
+                        sends.append(dist.isend(data, 1, tag=i) if mode == "gloo" else links.send(i, 1, data))
                     for s in sends:
                         s.wait()
                 else:
-                    arrived: set[int] = set()
-                    pending = b""
                     for i in range(n):
-                        if mode == "gloo":
-                            dist.irecv(into, 0, tag=i).wait()
-                        else:
-                            while i not in arrived:
-                                pending += os.read(read_fd, 4096)
-                                whole = len(pending) // 4 * 4
-                                arrived.update(int.from_bytes(pending[k:k + 4], "little") for k in range(0, whole, 4))
-                                pending = pending[whole:]
-                            into.copy_(arena[i * slot:(i + 1) * slot])
+                        (dist.irecv(into, 0, tag=i) if mode == "gloo" else links.recv(i, 0, into)).wait()
                         a = _compute(a, work)
                 spent, took = time.process_time() - cpu, time.perf_counter() - wall
                 dist.barrier()
@@ -93,8 +76,7 @@ def _worker(rank: int, port: int, shm_name: str, pipe: tuple[int, int], args: ar
                 into.zero_()
                 out.put((rank, mode, rep, (spent - n * work) / n, took, same))
     finally:
-        del arena
-        shm.close()
+        links.close()
         dist.destroy_process_group()
 
 
@@ -110,15 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
-    shm = shared_memory.SharedMemory(create=True, size=args.messages * args.kb * 1024)
-    read_fd, write_fd = os.pipe()
     out: mp.SimpleQueue = mp.get_context("fork").SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(args.port, shm.name, (read_fd, write_fd), args, out), nprocs=2,
-                           start_method="fork")
-    finally:
-        shm.close()
-        shm.unlink()
+    mp.start_processes(_worker, args=(args.port, new_token(), args, out), nprocs=2, start_method="fork")
     rows = [out.get() for _ in range(2 * len(MODES) * args.reps)]
     print(f"{args.messages} messages of {args.kb} KiB, {args.work_ms} ms of compute between them, "
           f"medians of {args.reps} alternated repetitions")
