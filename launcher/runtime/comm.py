@@ -92,7 +92,7 @@ def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag
 #: a wait shorter than this found its data already there (the call's own cost), not a late message
 BLOCKED_S = 20e-6
 TIMED = (ACT, GRAD, WGRAD)  # the step's dependencies, and partial sums (an exchange's rounds)
-LINKED = (ACT, GRAD)  # the kinds a worker's shared-memory links carry (transport "shm")
+LINKED = (ACT, GRAD)  # the kinds a worker's shared-memory links carry (the engine's ``transport``)
 
 
 class Clock:
@@ -170,8 +170,8 @@ class Comm:
         # host's monotonic clock; None when not traced
         self.waits: list[tuple[int, float, float, int]] | None = [] if traced else None
         self.handed: list[tuple[int, float, int]] | None = [] if traced else None
-        # activations and their gradients between workers on one host through shared memory
-        # (transport "shm"): every message of those kinds with this worker, laid out for the step
+        # activations and their gradients between workers on one host through shared memory (the
+        # engine's ``transport``): every message of those kinds with this worker, laid out for the step
         self.links = links
         if links is not None:
             linked = (self.msgs[mid] for q in self.queue.values() for mid in q)

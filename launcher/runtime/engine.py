@@ -202,6 +202,9 @@ class Engine:
         if not cpu:
             raise ValueError(f"transport=shm moves host memory, but the workers compute on {self.device.type} over "
                              f"{dist.get_backend(self.group)}: use transport=gloo or auto")
+        if not shared_links_possible():
+            raise ValueError("transport=shm needs Linux (anonymous memory files passed over Unix sockets): "
+                             "use transport=gloo or auto")
         # who runs where, and rank 0's name for the group's links: one collective
         found: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(found, (host_identity(), new_token()), group=self.group)
