@@ -101,8 +101,8 @@ def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, o
         "busy": sum(j[3] for j in meter.jobs),
         "act_recv": comm.recv_count["act"],
         "grad_recv": comm.recv_count["grad"],
-        # never measured: the plan refuses placements that split the jobs of (s, b) across workers
-        # (plan._check_colocated), so no stash ever moves and the prediction is 0 by construction
+        # never measured: lowering refuses placements that split the jobs of (s, b) across workers
+        # (schedule.lowering.job_actions), so no stash ever moves and the prediction is 0 by construction
         "stash_recv": None,
         "weight_fetch_stages": len(meter.fetched_stages),
         "weight_fetch_jobs": meter.fetched_jobs,
