@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -373,7 +374,10 @@ def _key(step: Step) -> tuple:
             tuple(sorted(step.durations.items())), step.comm, ml, sd, step.recompute)
 
 
-_CACHE: dict[tuple, Seqs] = {}
+#: searched sequences by profile, the most recently used kept: the planner asks for a few dozen
+#: profiles, and a long sweep in one process must not grow it without bound
+_CACHE: OrderedDict[tuple, Seqs] = OrderedDict()
+_CACHE_SIZE = 128
 
 #: what the search minimises: the step's makespan, what this runtime pays (its optimizer step waits
 #: for every worker), or the paper's cost, the longest worker's span (:func:`span`)
@@ -398,6 +402,7 @@ def auto_sequences(step: Step, objective: str = "makespan", w_share: float = 1.0
     except TypeError:  # a user's placement callable that does not hash: no cache
         key = None
     if key is not None and key in _CACHE:
+        _CACHE.move_to_end(key)
         return _CACHE[key]
     compute, _ = place_all(step)
     caps = worker_cap(step)
@@ -425,6 +430,8 @@ def auto_sequences(step: Step, objective: str = "makespan", w_share: float = 1.0
     out = _polish(best[0], best[1], best[2], cost) if objective == "span" else best[2]
     if key is not None:
         _CACHE[key] = out
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
     return out
 
 
