@@ -491,7 +491,8 @@ def part_env(run: Run, on_gpu: bool, backend: str) -> Callable[[float], dict[str
         imports = {m: _where(m) for m in IMPORTS}
         for m in ("launcher.cli", "launcher.modes.train", "launcher.lightning", "wandb", "transformers"):
             imports[m] = _where(m)  # the command's own modules; wandb and transformers are optional
-        run.progress("env", imports=imports, pythonpath=os.environ.get("PYTHONPATH", ""), python=sys.executable)
+        run.progress("env", imports=imports, pythonpath=os.environ.get("PYTHONPATH", ""), python=sys.executable,
+                     installed=os.environ.get("GPU_CHECK_INSTALLED"))  # by scripts/gpu_check.sh, if it had to
         ok = True
         for m in (*IMPORTS, "launcher.cli", "launcher.modes.train", "launcher.lightning"):
             r = imports[m]
@@ -668,7 +669,11 @@ def part_flagship(run: Run, on_gpu: bool, sizes: Sizes) -> Callable[[float], dic
         # W>1 on the one GPU: the engine alone, its workers sharing the device over gloo
         left = budget - (time.time() - t0) - 10
         engine: dict[str, Any] = {"status": "skipped", "reason": "no time left in the flagship's budget"}
-        if left > 20:
+        if torch.cuda.is_initialized():  # reading the checkpoints must not have: the workers are forked
+            engine = {"status": "failed", "reason": "CUDA was initialised in the checking process; forked "
+                      "workers could not use it"}
+            ok &= run.row("flagship", "engine W=4 gloo", "-", engine["reason"], False)
+        elif left > 20:
             W = max(c.G * c.R for c in ENGINE_CASES)
             ranks = launch(engine_worker, W, ENGINE_CASES, time.time() + left - 10, on_gpu, backend="gloo",
                            timeout=left, deadline=left)

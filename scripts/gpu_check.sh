@@ -34,14 +34,14 @@ if ! "$py" -c "import hydra, omegaconf, launcher.conf" 2>/dev/null; then
       "where pip reaches PyPI, and carry $wheels" >&2
     exit 2
   fi
-  rm -rf "$site"
   # the wheels, then this checkout (its conf/ becomes launcher.conf only when installed); nothing from
   # a registry (--no-index), nothing beside what is named (--no-deps)
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheels"/*.whl
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target "$site" .
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-  echo "gpu_check: installed $(ls "$wheels" | tr '\n' ' ')and this checkout into $site" \
-    "($((SECONDS - t0)) s)" | tee -a "$out/gpu_check.log" >&2
+  # the env part's JSON says it too
+  export GPU_CHECK_INSTALLED="$(ls "$wheels" | tr '\n' ' ')and this checkout into $site ($((SECONDS - t0)) s)"
+  echo "gpu_check: installed $GPU_CHECK_INSTALLED" | tee -a "$out/gpu_check.log" >&2
 else
   # the package from this checkout even where it is not installed
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -102,6 +102,7 @@ def test_dry_run_of_env_and_flagship_in_a_bare_venv(tmp_path):
     assert imports["hydra"]["from"] == imports["omegaconf"]["from"] == imports["launcher"]["from"] == site
     assert imports["torch"]["from"].startswith(str(venv)) and not imports["wandb"]["ok"]
     assert env_part["collectives_ok"] and env_part["help"]["returncode"] == 0
+    assert "hydra_core" in env_part["installed"] and "this checkout" in env_part["installed"]
     # every scheme in both precisions, beside strategy=single, with its prediction
     rows = {(r["scheme"], r["precision"]): r for r in flagship["oracle"]}
     assert set(rows) == {(s, p) for s in ("ddp", "fsdp", "lpp", "fslpp", "gpipe") for p in gpu_check.PRECISIONS}
