@@ -12,7 +12,7 @@
 # Results in $OUT (default ./gpu_check). Needs torch (a CUDA build, but for --dry-run) and Lightning;
 # what the launcher needs beyond them (Hydra, OmegaConf) comes from the wheels in $GPU_WHEELS
 # (default .whl, made by scripts/gpu_wheels.sh), installed with --no-index into a folder put on
-# PYTHONPATH, with this checkout itself (built from here, so the check runs the code it was sent with).
+# PYTHONPATH, with this checkout's package (copied from here, so the check runs the code it was sent with).
 # Exit status 1 when a part failed, 2 when no GPU is visible (without --dry-run); a part still running
 # 30 s past its budget fails and stops the check (its JSON and gpu_check.log keep what was found).
 set -euo pipefail
@@ -34,10 +34,13 @@ if ! "$py" -c "import hydra, omegaconf, launcher.conf" 2>/dev/null; then
       "where pip reaches PyPI, and carry $wheels" >&2
     exit 2
   fi
-  # the wheels, then this checkout (its conf/ becomes launcher.conf only when installed); nothing from
-  # a registry (--no-index), nothing beside what is named (--no-deps)
+  # the wheels: nothing from a registry (--no-index), nothing beside what is named (--no-deps)
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheels"/*.whl
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target "$site" .
+  # then this checkout as installing it lays it out (pyproject.toml's package-dir: conf/ is launcher.conf,
+  # which a bare checkout on PYTHONPATH lacks), copied rather than built: no build tools needed there
+  rm -rf "$site/launcher"
+  cp -r launcher "$site/launcher"
+  cp -r conf "$site/launcher/conf"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   # the env part's JSON says it too
   export GPU_CHECK_INSTALLED="$(ls "$wheels" | tr '\n' ' ')and this checkout into $site ($((SECONDS - t0)) s)"

@@ -39,7 +39,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402 - the benchmark's folder, put on the path above
 
 #: the lent machine's image, as far as `python -m launcher` and the check import it (torch as the README pins
-#: it; setuptools builds this checkout into the check's site folder there too)
+#: it; setuptools as the image has it)
 BARE = ["torch==2.13.0", "lightning==2.6.6", "numpy", "matplotlib", "rich", "jinja2", "pyyaml", "typing-extensions",
         "scipy", "setuptools"]
 
