@@ -5,6 +5,7 @@ failure is one sentence naming the key, the value and the rule; nothing is insta
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 import os
@@ -157,6 +158,10 @@ def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     if logger not in (None, {}) and not (isinstance(logger, Mapping) and isinstance(logger.get("_target_"), str)):
         out.append(f"logger={logger} is invalid: use logger=wandb, logger=none, or a node with _target_ naming a "
                    f"Lightning logger class.")
+    elif isinstance(logger, Mapping) and str(logger.get("_target_")).endswith("WandbLogger") \
+            and importlib.util.find_spec("wandb") is None:  # Lightning's own error comes late and names no key
+        out.append("logger=wandb is invalid here: the wandb package is not installed; install it (pip install "
+                   "wandb) or use logger=none.")
 
     out += _trainer_errors(cfg, single)
     out += _split_errors(cfg)

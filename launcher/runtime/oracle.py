@@ -159,17 +159,22 @@ class Case:
         return step
 
 
-def run_case(case: Case, seed: int = 0) -> dict[str, Any]:
-    """This rank's result for one case: max errors against the oracle and its per-step records."""
+def run_case(case: Case, seed: int = 0, device: torch.device | None = None) -> dict[str, Any]:
+    """This rank's result for one case: max errors against the oracle and its per-step records.
+    ``device``: where the engine and the oracle compute (default: the engine's, the CPU on gloo)."""
     extra: dict[str, Any] = {} if case.bucket_bytes is None else {"bucket_bytes": case.bucket_bytes}
+    if device is not None:
+        extra["device"] = device
     engine = Engine(staged_mlp(case.S, seed=seed), case.schedule(), case.make_optimizer,
                     prefetch=case.prefetch, weight_cache=case.weight_cache, transport=case.transport, **extra)
     ref = staged_mlp(case.S, seed=seed)
+    for m in ref.stages:
+        m.to(engine.device)  # in place: the optimizer below takes these parameters
     ref_opt = case.make_optimizer([p for m in ref.stages for p in m.parameters()])
     grad_err = param_err = 0.0
     records = []
     for i in range(case.steps):
-        mbs = mlp_batches(case.B, seed=seed * 1000 + i)
+        mbs = [(x.to(engine.device), y.to(engine.device)) for x, y in mlp_batches(case.B, seed=seed * 1000 + i)]
         records.append(engine.train_step(mbs))
         grads, _ = reference_step(ref, ref_opt, mbs)
         for s in engine.owned:
@@ -179,6 +184,6 @@ def run_case(case: Case, seed: int = 0) -> dict[str, Any]:
             "records": records}
 
 
-def run_cases(cases: list[Case], seed: int = 0) -> list[dict[str, Any]]:
+def run_cases(cases: list[Case], seed: int = 0, device: torch.device | None = None) -> list[dict[str, Any]]:
     """:func:`run_case` for every case, in order (every rank must pass the same list)."""
-    return [run_case(c, seed) for c in cases]
+    return [run_case(c, seed, device) for c in cases]
