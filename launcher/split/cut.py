@@ -120,8 +120,9 @@ class Traced:
         own parameters and buffers (the same tensor objects, under their names in the module) and
         are specialised to the example's shapes: every micro-batch must have them (stage 0 checks).
 
-        Before returning, the stages run on the example in train mode (drawing the same dropout
-        masks as the module) and in eval mode, and must reproduce the module's output bit for bit,
+        Before returning, the stages run on the example in train mode and in eval mode, each run
+        seeded as the module's is (the same dropout masks, the same noise a step draws), and must
+        reproduce the module's output bit for bit,
         or within 16 ulps of the output's scale where a kernel is not deterministic (some GPU
         kernels); otherwise :class:`SplitError`. The stages are left in the module's mode.
         """
@@ -136,10 +137,12 @@ class Traced:
             check_same(want, seeded(lambda: split.train().run(*args, **kwargs), args, module), "train", module,
                        len(split.stages))
             module.eval()
-            with torch.enable_grad():  # as in training: under no_grad, eval-mode nn.Transformer takes a fused path
-                want = module(*args, **kwargs)
-                got = split.eval().run(*args, **kwargs)
-            check_same(want, got, "eval", module, len(split.stages))
+            # seeded alike too: a step that draws in eval mode (a diffusion step's noise and
+            # timesteps) draws the same numbers in both; with grad, as in training (under no_grad,
+            # eval-mode nn.Transformer takes a fused path)
+            want = seeded(lambda: module(*args, **kwargs), args, module)
+            check_same(want, seeded(lambda: split.eval().run(*args, **kwargs), args, module), "eval", module,
+                       len(split.stages))
         return split.train(module.training)
 
 
