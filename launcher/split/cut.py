@@ -133,16 +133,14 @@ class Traced:
         split = self.program.build(cuts, starts)
         with kept(module):
             module.train()
-            want = seeded(lambda: module(*args, **kwargs), args, module)
-            check_same(want, seeded(lambda: split.train().run(*args, **kwargs), args, module), "train", module,
-                       len(split.stages))
-            module.eval()
-            # seeded alike too: a step that draws in eval mode (a diffusion step's noise and
-            # timesteps) draws the same numbers in both; with grad, as in training (under no_grad,
-            # eval-mode nn.Transformer takes a fused path)
-            want = seeded(lambda: module(*args, **kwargs), args, module)
-            check_same(want, seeded(lambda: split.eval().run(*args, **kwargs), args, module), "eval", module,
-                       len(split.stages))
+            for mode in (True, False):
+                # each mode's two runs seeded alike: dropout draws the same masks, and a step that
+                # draws in eval mode too (a diffusion step's noise and timesteps) the same numbers;
+                # with grad, as in training (under no_grad, eval-mode nn.Transformer takes a fused path)
+                module.train(mode)
+                runs = (lambda: seeded(lambda: module(*args, **kwargs), args, module),
+                        lambda: seeded(lambda: split.train(mode).run(*args, **kwargs), args, module))
+                check_same(runs[0](), runs[1](), "train" if mode else "eval", module, len(split.stages), runs)
         return split.train(module.training)
 
 
