@@ -55,11 +55,11 @@ class HFTraced(LightningModule):
                              f"the family has one, else the causal LM).")
         self.save_hyperparameters()
         self.model = build(arch, config, pretrained, dtype, attn_implementation, head=head, siblings=True)
-        config = self.model.config
-        self.seq2seq = bool(config.is_encoder_decoder)
-        if self.seq2seq and getattr(config, "decoder_start_token_id", None) is None:
+        cfg = self.model.config
+        self.seq2seq = bool(cfg.is_encoder_decoder)
+        if self.seq2seq and getattr(cfg, "decoder_start_token_id", None) is None:
             # T5's config leaves it to the generation config (the padding token, as T5 trained)
-            config.decoder_start_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+            cfg.decoder_start_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
 
     def split_batch(self, batch: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """``(inputs, target)``: the model's keyword inputs (``input_ids``, an ``attention_mask``
@@ -86,7 +86,8 @@ class HFTraced(LightningModule):
     def forward(self, inputs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
         """The logits; an encoder-decoder's decoder reads ``target`` shifted right."""
         if self.seq2seq:
-            decoder_ids = self.model.prepare_decoder_input_ids_from_labels(labels=target)
+            shift = self.model.prepare_decoder_input_ids_from_labels  # the family's own rule
+            decoder_ids = shift(labels=target)  # type: ignore[operator]  # typed as a module attribute
             return self.model(**inputs, decoder_input_ids=decoder_ids, use_cache=False).logits
         return self.model(**inputs, use_cache=False).logits
 
