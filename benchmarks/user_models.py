@@ -38,13 +38,13 @@ class Diffusion(L.LightningModule):
     """DDPM training as diffusers' examples write it: noise and timesteps drawn in the step, a
     ``diffusers.UNet2DModel`` (random weights, its dropout) predicting the noise."""
 
-    def __init__(self, size: int = 16, channels: int = 3) -> None:
+    def __init__(self, size: int = 16, channels: int = 3, width: int = 16) -> None:
         super().__init__()
         from diffusers import DDPMScheduler, UNet2DModel
 
         self.unet = UNet2DModel(sample_size=size, in_channels=channels, out_channels=channels, layers_per_block=1,
-                                block_out_channels=(16, 32), down_block_types=("DownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=8, dropout=0.1)
+                                block_out_channels=(width, 2 * width), down_block_types=("DownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=width // 2, dropout=0.1)
         self.noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
 
     def training_step(self, batch, batch_idx):

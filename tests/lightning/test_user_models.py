@@ -1,7 +1,8 @@
 """Models users bring that draw random numbers where a trace fixes things: recurrent layers with
 dropout between their layers (``nn.LSTM``/``nn.GRU``/``nn.RNN``, traced to one ``aten.lstm``-like
 op whose train flag the trace holds), and a diffusion model's training step, which draws its noise
-(``torch.randn_like``) and timesteps (``torch.randint``) itself, around a ``diffusers.UNet2DModel``.
+(``torch.randn_like``) and timesteps (``torch.randint``) itself, around a ``diffusers.UNet2DModel``
+(random weights): the user code of ``benchmarks/user_models.py``, which docs/models.md shows.
 
 Both are traced and cut (``split=auto``) and train under several schemes to the parameters of
 ``strategy=single`` (:class:`~launcher.lightning.single.StreamedSingleDevice`: one device running
@@ -18,15 +19,17 @@ and each module's own draws: the same numbers for a micro-batch, whichever worke
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import lightning as L
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.oracle import assert_scheme_equals_single_device
 from helpers.training import char_data, max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.single import StreamedSingleDevice
@@ -37,52 +40,20 @@ TOL = 1e-10
 STEPS = 3
 B = 4  # micro-batches, and stages
 #: the gradient clipping a user of the launcher gets
-CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
+ROOT = Path(__file__).parents[2]
+CLIP = float(OmegaConf.load(ROOT / "conf" / "trainer" / "default.yaml").gradient_clip_val)
 
 
-class RecurrentLM(L.LightningModule):
-    """A character model around a two-layer recurrent layer with dropout 0.2 between its layers
-    (four modules, so four stages)."""
-
-    def __init__(self, kind: str = "LSTM") -> None:
-        super().__init__()
-        self.embed = nn.Embedding(128, 16)
-        self.proj = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
-        self.rnn = getattr(nn, kind)(16, 16, num_layers=2, dropout=0.2, batch_first=True)
-        self.head = nn.Linear(16, 128)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        out, _ = self.rnn(self.proj(self.embed(x)))
-        return nn.functional.cross_entropy(self.head(out).flatten(0, 1), y.flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+def _user_models() -> ModuleType:
+    """``benchmarks/user_models.py``: the user code docs/models.md's table runs, tested here as it is."""
+    spec = importlib.util.spec_from_file_location("user_models", ROOT / "benchmarks" / "user_models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class Diffusion(L.LightningModule):
-    """DDPM training as diffusers' examples write it: noise and timesteps drawn in the step, the
-    UNet (random weights, 8 x 8 images, its own dropout 0.1) predicting the noise."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from diffusers import DDPMScheduler, UNet2DModel
-
-        self.unet = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, layers_per_block=1,
-                                block_out_channels=(8, 16), down_block_types=("DownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4, dropout=0.1)
-        self.noise_scheduler = DDPMScheduler(num_train_timesteps=100)
-
-    def training_step(self, batch, batch_idx):
-        clean = batch[0]
-        noise = torch.randn_like(clean)
-        steps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (clean.shape[0],),
-                              device=clean.device)
-        noisy = self.noise_scheduler.add_noise(clean, noise, steps)
-        return nn.functional.mse_loss(self.unet(noisy, steps).sample, noise)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+user_models = _user_models()
 
 
 def images() -> DataLoader:
@@ -91,11 +62,11 @@ def images() -> DataLoader:
     return DataLoader(TensorDataset(data), batch_size=8, shuffle=True)
 
 
-MODELS = {
-    "lstm": (lambda: RecurrentLM("LSTM"), lambda: {"datamodule": char_data()}),
-    "gru": (lambda: RecurrentLM("GRU"), lambda: {"datamodule": char_data()}),
-    "rnn": (lambda: RecurrentLM("RNN"), lambda: {"datamodule": char_data()}),
-    "unet": (Diffusion, lambda: {"train_dataloaders": images()}),
+MODELS = {  # tiny: width 16, 8 x 8 images of one channel
+    "lstm": (lambda: user_models.RecurrentLM("LSTM", width=16), lambda: {"datamodule": char_data()}),
+    "gru": (lambda: user_models.RecurrentLM("GRU", width=16), lambda: {"datamodule": char_data()}),
+    "rnn": (lambda: user_models.RecurrentLM("RNN", width=16), lambda: {"datamodule": char_data()}),
+    "unet": (lambda: user_models.Diffusion(size=8, channels=1, width=8), lambda: {"train_dataloaders": images()}),
 }
 SCHEMES = {"gpipe": {}, "lpp": {"G": 2, "R": 2}, "fsdp": {}}
 
@@ -131,3 +102,16 @@ def test_the_draws_matter() -> None:
     a = fit("unet", StreamedSingleDevice(microbatches=B, split="auto", seed=1), 1)
     b = fit("unet", StreamedSingleDevice(microbatches=B, split="auto", seed=2), 1)
     assert max_diff(a, b) > 1e-6
+
+
+@pytest.mark.slow
+def test_a_diffusion_step_from_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The docs' command (``model=custom model._target_=user_models.Diffusion data=images``) at the
+    launcher's defaults but float64: its ``last.ckpt`` under lpp equals strategy=single's parameters."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # for the oracle, built in this process
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "benchmarks"))  # for the command
+    assert_scheme_equals_single_device("lpp", [
+        "G=2", "R=2", "stages=4", "microbatches=4", "split=auto", "model=custom",
+        "model._target_=user_models.Diffusion", "model.size=8", "model.width=8", "data=images", "data.size=8",
+        "data.n=256", "data.batch_size=8",
+        f"trainer.max_steps={STEPS}", "trainer.precision=64-true", "logger=none"], tmp_path)
