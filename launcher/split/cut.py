@@ -122,9 +122,9 @@ class Traced:
 
         Before returning, the stages run on the example in train mode and in eval mode, each run
         seeded as the module's is (the same dropout masks, the same noise a step draws), and must
-        reproduce the module's output bit for bit,
-        or within 16 ulps of the output's scale where a kernel is not deterministic (some GPU
-        kernels); otherwise :class:`SplitError`. The stages are left in the module's mode.
+        reproduce the module's output bit for bit, or within 16 ulps of the output's scale where a
+        kernel is not deterministic (some GPU kernels); otherwise :class:`SplitError`, naming the
+        first op whose result differs. The stages are left in the module's mode.
         """
         if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
             raise SplitError(f"stages={stages!r}: a split needs a whole number of stages, at least 1.")
@@ -132,7 +132,6 @@ class Traced:
         cuts, starts = self.program.cuts(points, stages)
         split = self.program.build(cuts, starts)
         with kept(module):
-            module.train()
             for mode in (True, False):
                 # each mode's two runs seeded alike: dropout draws the same masks, and a step that
                 # draws in eval mode too (a diffusion step's noise and timesteps) the same numbers;
