@@ -5,6 +5,7 @@ tried" table.
     python benchmarks/real_models.py                 # every model, every scheme, 10 steps each
     python benchmarks/real_models.py --steps 4 --models llama --json out.json
     python benchmarks/real_models.py --steps 4 --schemes gpipe --models falcon timm
+    PYTHONPATH=benchmarks python benchmarks/real_models.py --steps 4 --schemes gpipe --models traced
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 SCHEMES = {"ddp": [], "fsdp": [], "gpipe": [], "lpp": ["G=2", "R=2"], "fslpp": ["G=2", "R=2"]}
 CHARS = ["data.batch_size=16", "data.seq_len=32"]
 HF = ["model=hf", "model.config.num_hidden_layers=2"]
+TRACED = ["model=hf_traced", "model.config.num_hidden_layers=2"]
 MODELS = {
     # name: (overrides, lines of user code it needs)
     "gpt2 (tied)": ([*HF, "model.arch=gpt2", *CHARS], 0),
@@ -41,6 +43,19 @@ MODELS = {
                                                 "data.batch_size=16"], 0),
     "timm efficientnet_b0 (BatchNorm)": (["model=timm", "model.name=efficientnet_b0", "data=images",
                                           "data.batch_size=16"], 0),
+    # traced and cut (no self.stages): Hugging Face LMs model=hf cannot cut at their decoder layers
+    "t5 (encoder-decoder, traced)": ([*TRACED, "model.arch=t5", *CHARS], 0),
+    "bart (encoder-decoder, traced)": ([*TRACED, "model.arch=bart", *CHARS], 0),
+    "mbart (encoder-decoder, traced)": ([*TRACED, "model.arch=mbart", *CHARS], 0),
+    "rwkv (recurrent state, traced)": ([*TRACED, "model.arch=rwkv", *CHARS], 0),
+    # user code in benchmarks/user_models.py (run with PYTHONPATH=benchmarks), traced and cut
+    "LSTM, dropout 0.2 (user code, traced)": (["model=custom", "model._target_=user_models.RecurrentLM",
+                                               "split=auto", *CHARS], 16),
+    "GRU, dropout 0.2 (user code, traced)": (["model=custom", "model._target_=user_models.RecurrentLM",
+                                              "model.kind=GRU", "split=auto", *CHARS], 16),
+    "diffusers UNet2DModel, DDPM step (user code, traced)": (["model=custom", "model._target_=user_models.Diffusion",
+                                                             "data=images", "data.size=16", "data.batch_size=16",
+                                                             "split=auto"], 20),
 }
 
 

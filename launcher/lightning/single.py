@@ -57,6 +57,7 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         self.B, self.split = int(microbatches), split
         self.seed = seed  # None: torch's initial seed (seed_everything's) when training starts
         self._head: int | None = None  # a traced module's unit before any submodule, seeded at job start
+        self._units: tuple[Any, dict[str, int]] | None = None  # (module, its traced units), found before fit
 
     @property
     def _attached(self) -> LightningModule:
@@ -82,6 +83,29 @@ class StreamedSingleDevice(SingleDeviceStrategy):
             self._root_device = kind.get_parallel_devices(kind.parse_devices(1))[0]
         super().setup_environment()
 
+    def check_before_fork(self, module: Any, datamodule: Any = None, train_dataloaders: Any = None) -> None:
+        """Trace ``module`` (one without ``self.stages``) on the first micro-batch of its first
+        training batch, in the trainer's precision, as :meth:`setup` would, so that a step the
+        tracer refuses is refused before training, in one sentence, as under every scheme
+        (:class:`~launcher.runtime.checks.ModelError`); the units found are kept for :meth:`setup`.
+        Every random state and the loaders are left as they were (:func:`~.staging.first_batch`)."""
+        from .staging import training_loaders
+
+        if not uses_trace(module, self.split) or (self._units is not None and self._units[0] is module):
+            return
+        loaders = training_loaders(module, train_dataloaders, datamodule)
+        batch = self.precision_plugin.convert_input(first_batch(loaders)) if loaders is not None else None
+        if batch is None:
+            return  # nothing to train on: setup finds no batch either
+        self.precision_plugin.convert_module(module)
+        self._units = (module, self._traced_units(module, batch))
+
+    def _traced_units(self, module: Any, batch: Any) -> dict[str, int]:
+        """The random-stream units of ``module``'s traced training step (module path -> unit)."""
+        example = example_microbatch(module, batch, self.B, self.split)
+        with self.precision_plugin.train_step_context():  # traced as the workers trace it
+            return dict(stage_module(module, 1, "auto" if self.split is None else self.split, example).units or {})
+
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
@@ -97,9 +121,10 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         self._traced = loss_module(module, _mapping_type(batch) if batch is not None else None)
         if batch is None:  # nothing to train on: no step will draw
             return
-        example = self.batch_to_device(example_microbatch(module, batch, self.B, self.split))
-        with self.precision_plugin.train_step_context():  # traced as the workers trace it
-            units = stage_module(module, 1, "auto" if self.split is None else self.split, example).units or {}
+        if self._units is not None and self._units[0] is module:
+            units = dict(self._units[1])
+        else:
+            units = self._traced_units(module, self.batch_to_device(batch))
         self._head = units.pop("", None)
         streams.install([(module.get_submodule(path), u) for path, u in units.items()])
 

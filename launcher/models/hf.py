@@ -74,15 +74,20 @@ def _fields(cls: type[PreTrainedConfig]) -> set[str]:
     return names | set(cls.attribute_map) | set(vars(_default(cls)))  # type: ignore[arg-type]
 
 
-def _overrides(arch: str, cls: type[PreTrainedConfig], config: Mapping[str, Any]) -> dict[str, Any]:
+def _overrides(arch: str, cls: type[PreTrainedConfig], config: Mapping[str, Any],
+               siblings: bool = False) -> dict[str, Any]:
     """``config`` with unset (null) keys dropped and aliases (GPT-2's ``num_hidden_layers`` for
     ``n_layer``) turned into the family's own names; one sentence for a key the family does not have
-    or a field given twice."""
+    or a field given twice. With ``siblings``, a common key of :data:`SIBLINGS` the family has only
+    under other names (T5's ``d_ff`` for ``intermediate_size``) is kept, for :func:`_small`."""
     known = _fields(cls)
     out: dict[str, Any] = {}
     given: dict[str, str] = {}
     for key, value in config.items():
         if value is None:
+            continue
+        if siblings and key not in known and any(o in known for o in SIBLINGS.get(key, ())):
+            out[key] = given[key] = value
             continue
         if key not in known:
             raise ValueError(f"model.config.{key}={value} is invalid: {arch}'s {cls.__name__} has no field {key}.")
@@ -94,12 +99,28 @@ def _overrides(arch: str, cls: type[PreTrainedConfig], config: Mapping[str, Any]
     return out
 
 
-def _small(cls: type[PreTrainedConfig], given: dict[str, Any]) -> dict[str, Any]:
+#: fields that size a second stack or a wider layer under another name (an encoder-decoder's
+#: decoder, T5's and BART's feed-forward width): from scratch they follow the common key's value
+SIBLINGS = {"intermediate_size": ("d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "n_inner"),
+            "num_hidden_layers": ("encoder_layers", "decoder_layers", "num_decoder_layers"),
+            "num_attention_heads": ("encoder_attention_heads", "decoder_attention_heads")}
+
+
+def _small(cls: type[PreTrainedConfig], given: dict[str, Any], siblings: bool = False) -> dict[str, Any]:
     """:data:`SMALL` under ``given``, for the keys ``cls`` has; ``head_dim`` follows the width, and a
-    default token id beyond the vocabulary is dropped (an embedding cannot pad with it)."""
+    default token id beyond the vocabulary is dropped (an embedding cannot pad with it). With
+    ``siblings``, the fields of :data:`SIBLINGS` (and T5's ``d_kv``) follow their common key too."""
     known = _fields(cls)
     out = {cls.attribute_map.get(k, k): v for k, v in SMALL.items() if k in known}
     out.update(given)
+    if siblings:
+        for key, others in SIBLINGS.items():
+            own = cls.attribute_map.get(key, key)
+            value = out.get(own, SMALL[key]) if own in known else out.pop(key, SMALL[key])
+            out.update({o: value for o in others if o in known and o not in given and o != own})
+        if "d_kv" in known and "d_kv" not in given:
+            out["d_kv"] = out[cls.attribute_map.get("hidden_size", "hidden_size")] // out[
+                cls.attribute_map.get("num_attention_heads", "num_attention_heads")]
     if "head_dim" in known and "head_dim" not in given:
         width = out[cls.attribute_map.get("hidden_size", "hidden_size")]
         heads = out[cls.attribute_map.get("num_attention_heads", "num_attention_heads")]
@@ -129,13 +150,22 @@ def _saved_config(pretrained: str) -> Any:
                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__}).") from e
 
 
+#: the heads a model is built with: ``transformers``' auto class, and the mapping of config classes it has
+HEADS = {"causal_lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING", "causal LM"),
+         "seq2seq_lm": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING", "encoder-decoder LM")}
+
+
 def build(arch: str | None, config: Mapping[str, Any] | None, pretrained: str | None, dtype: str | None,
-          attn_implementation: str | None = None, experts_implementation: str | None = None) -> PreTrainedModel:
+          attn_implementation: str | None = None, experts_implementation: str | None = None,
+          head: str | None = "causal_lm", siblings: bool = False) -> PreTrainedModel:
     """The Hugging Face model: from ``arch``'s config (default :data:`DEFAULT_ARCH`) with
     :data:`SMALL` under ``config`` and random weights, or, with ``pretrained``, config and weights
     from that local directory (its ``config.json`` says the architecture), ``config`` over the saved
-    config. One sentence (``ValueError``) for what cannot be built."""
-    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
+    config. ``head``: a key of :data:`HEADS`; ``None``: the encoder-decoder LM where the family has
+    one (T5, BART), else the causal LM; ``siblings``: see :func:`_small`. One sentence (``ValueError``)
+    for what cannot be built."""
+    import transformers
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     saved = None if pretrained is None else _saved_config(pretrained)
     if saved is not None:
@@ -147,10 +177,18 @@ def build(arch: str | None, config: Mapping[str, Any] | None, pretrained: str | 
     if arch not in CONFIG_MAPPING:
         raise ValueError(f"model.arch={arch} is invalid: transformers has no model type {arch}.")
     cls = CONFIG_MAPPING[arch]
-    if cls not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"model.arch={arch} is not supported: transformers has no causal LM of type {arch} "
-                         f"(AutoModelForCausalLM); {hf_stages.ROUTE}.")
-    given = _overrides(arch, cls, _plain(config))
+    if head is None:
+        head = "seq2seq_lm" if cls in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING else "causal_lm"
+    auto_name, mapping, what = HEADS[head]
+    if cls not in getattr(transformers, mapping):
+        if head == "causal_lm" and cls in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+            raise ValueError(f"model.arch={arch} is not supported by model=hf: {arch} is an encoder-decoder "
+                             f"(AutoModelForSeq2SeqLM), and model=hf cuts causal LMs at their decoder layers; "
+                             f"{hf_stages.ROUTE}.")
+        raise ValueError(f"model.arch={arch} is not supported: transformers has no {what} of type {arch} "
+                         f"({auto_name}).")
+    auto = getattr(transformers, auto_name)
+    given = _overrides(arch, cls, _plain(config), siblings)
     kw: dict[str, Any] = {}
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
@@ -159,7 +197,7 @@ def build(arch: str | None, config: Mapping[str, Any] | None, pretrained: str | 
     if dtype is not None:
         kw["dtype"] = getattr(torch, dtype)
     if pretrained is None:
-        cfg = AutoConfig.for_model(arch, **_small(cls, given))
+        cfg = AutoConfig.for_model(arch, **_small(cls, given, siblings))
     else:
         cfg = AutoConfig.from_pretrained(pretrained, local_files_only=True, **given)
     if cfg.vocab_size < VOCAB:
@@ -167,9 +205,9 @@ def build(arch: str | None, config: Mapping[str, Any] | None, pretrained: str | 
         raise ValueError(f"model.config.vocab_size={cfg.vocab_size}{where} is invalid: the vocabulary must hold the "
                          f"data's {VOCAB} symbols, so it must be at least {VOCAB}.")
     if pretrained is None:
-        return AutoModelForCausalLM.from_config(cfg, **kw)
+        return auto.from_config(cfg, **kw)
     with real_init():  # loaded weights are real even where the model is built on the meta device
-        return AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, local_files_only=True, **kw)
+        return auto.from_pretrained(pretrained, config=cfg, local_files_only=True, **kw)
 
 
 def cut(model: PreTrainedModel) -> list[nn.Module]:

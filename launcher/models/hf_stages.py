@@ -44,7 +44,8 @@ from .twins import twin as _twin
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-ROUTE = "train it with model=custom split=auto (traced and cut at any module)"
+#: the way out a refusal names: the same model, kept whole, traced and cut (:mod:`.hf_traced`)
+ROUTE = "train it with model=hf_traced and the same model.* keys (traced and cut at any module)"
 
 
 class CutError(ValueError):
@@ -310,9 +311,11 @@ class _Plan:
                 twin(**self.kwargs(ids, None, None))
         except CutError:
             raise
-        except Exception as e:  # noqa: BLE001 - any failure of the library's forward is the model's
-            self.refuse(f"its {type(self.body).__name__}.forward failed with the layers stood in for "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        except Exception:  # noqa: BLE001 - any failure of the library's forward is the model's
+            # what failed inside the library's code (RWKV: "not enough values to unpack", its loop
+            # takes three values from each layer) says nothing the user can act on
+            self.refuse(f"its {type(self.body).__name__}.forward does not run with only one decoder layer present "
+                        f"and the others passed over, as a stage runs it")
         calls = [entry[1] for entry in log if entry[0] == "layer"]
         if calls != list(range(len(self.layers))):
             self.refuse(f"its forward calls the decoder layers in the order {calls}, not each once in turn")

@@ -55,15 +55,18 @@ def check_model(strategy: Any, model: Any, data: Any, cfg: DictConfig) -> None:
     """The module staged as the workers will (its self.stages cut, or its training step traced and
     cut) and one micro-batch of the data's first batch through the stages, before any worker
     starts; the workers inherit the staging."""
+    from ..lightning.single import StreamedSingleDevice
     from ..runtime.checks import ModelError
 
     target = cfg.model.get("_target_")
+    by = ("strategy=single (which traces it as every scheme does, for the random streams)"
+          if isinstance(strategy, StreamedSingleDevice) else "the schedule")
     try:
         strategy.check_before_fork(model, data)
     except ModelError as e:
         # a sentence about a key of the run (stages=9) names it already; the others are the model's
         raise ConfigError([s if s.startswith(("stages=", "split=")) else
-                           f"model._target_={target} cannot be trained by the schedule: {s}"
+                           f"model._target_={target} cannot be trained by {by}: {s}"
                            for s in e.sentences]) from e
     except ConfigError:
         raise

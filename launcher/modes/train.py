@@ -260,8 +260,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None, checked: Built | None = None)
         trainer = Trainer(**kwargs)
     except Exception as e:  # noqa: BLE001 - Lightning's own checks of its arguments: one sentence
         raise ConfigError([f"trainer: lightning's Trainer refused the configuration: {one_line(e)}."]) from e
-    if not single:
-        check_model(strategy, model, data, cfg)
+    check_model(strategy, model, data, cfg)  # strategy=single too: it traces a module without self.stages
     if single:
         # Lightning's single-device strategy loads a checkpoint before it converts the module to the
         # trainer's precision, which would round a float64 checkpoint through float32: convert first

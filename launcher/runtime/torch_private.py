@@ -223,3 +223,13 @@ def drop_persistent_iterator(loader: Any, keep: Any) -> None:
     if callable(shutdown):
         shutdown()
     loader._iterator = keep
+
+
+def dispatch_mode_base() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: the base class of a mode that sees every
+    ATen op as it runs, below autograd, whether Python code or a traced graph called it; what
+    the stage check uses to find the first op where a split and its module part (no public class
+    sees ops at that level: ``TorchFunctionMode`` sees the Python calls, which differ between the two)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -19,6 +19,7 @@ import operator
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,7 +94,10 @@ def _export(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.exp
     err = io.StringIO()
     partial = ""
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), warnings.catch_warnings():
+            # nn.LSTM/GRU/RNN refresh their list of weights in forward: export warns that a module
+            # attribute changed, though the weights are the module's registered parameters
+            warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights\[")
             return torch.export.export(module, args, kwargs, strict=False)
     except Exception as e:
         partial = str(getattr(e, "partial_fx_graph", "") or "")

@@ -120,10 +120,11 @@ class Traced:
         own parameters and buffers (the same tensor objects, under their names in the module) and
         are specialised to the example's shapes: every micro-batch must have them (stage 0 checks).
 
-        Before returning, the stages run on the example in train mode (drawing the same dropout
-        masks as the module) and in eval mode, and must reproduce the module's output bit for bit,
-        or within 16 ulps of the output's scale where a kernel is not deterministic (some GPU
-        kernels); otherwise :class:`SplitError`. The stages are left in the module's mode.
+        Before returning, the stages run on the example in train mode and in eval mode, each run
+        seeded as the module's is (the same dropout masks, the same noise a step draws), and must
+        reproduce the module's output bit for bit, or within 16 ulps of the output's scale where a
+        kernel is not deterministic (some GPU kernels); otherwise :class:`SplitError`, naming the
+        first op whose result differs. The stages are left in the module's mode.
         """
         if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
             raise SplitError(f"stages={stages!r}: a split needs a whole number of stages, at least 1.")
@@ -131,15 +132,14 @@ class Traced:
         cuts, starts = self.program.cuts(points, stages)
         split = self.program.build(cuts, starts)
         with kept(module):
-            module.train()
-            want = seeded(lambda: module(*args, **kwargs), args, module)
-            check_same(want, seeded(lambda: split.train().run(*args, **kwargs), args, module), "train", module,
-                       len(split.stages))
-            module.eval()
-            with torch.enable_grad():  # as in training: under no_grad, eval-mode nn.Transformer takes a fused path
-                want = module(*args, **kwargs)
-                got = split.eval().run(*args, **kwargs)
-            check_same(want, got, "eval", module, len(split.stages))
+            for mode in (True, False):
+                # each mode's two runs seeded alike: dropout draws the same masks, and a step that
+                # draws in eval mode too (a diffusion step's noise and timesteps) the same numbers;
+                # with grad, as in training (under no_grad, eval-mode nn.Transformer takes a fused path)
+                module.train(mode)
+                runs = (lambda: seeded(lambda: module(*args, **kwargs), args, module),
+                        lambda: seeded(lambda: split.train(mode).run(*args, **kwargs), args, module))
+                check_same(runs[0](), runs[1](), "train" if mode else "eval", module, len(split.stages), runs)
         return split.train(module.training)
 
 

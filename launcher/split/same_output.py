@@ -1,6 +1,8 @@
 """The check that a split's stages compute what the module computes: both run on the example with
 the same random draws, in train and in eval mode, and must agree bit for bit (or within a few ulps
-where a kernel is not deterministic), every mode and buffer of the module put back afterwards."""
+where a kernel is not deterministic), every mode and buffer of the module put back afterwards.
+Where they do not, both run again with every ATen op recorded, and the refusal names the first op
+whose result differs and the module it ran in."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from launcher.runtime.torch_private import pytree
+from launcher.runtime.torch_private import dispatch_mode_base, pytree
 from launcher.split.capture import SplitError
 
 _SEED = 20240517  # both runs of a check draw the same dropout masks
@@ -42,8 +44,10 @@ def seeded(fn: Callable[[], Any], args: tuple, module: nn.Module, grad: bool = T
         return fn()
 
 
-def check_same(want: Any, got: Any, mode: str, module: nn.Module, stages: int) -> None:
-    """Refuse a split whose output differs from the module's."""
+def check_same(want: Any, got: Any, mode: str, module: nn.Module, stages: int,
+               again: tuple[Callable[[], Any], Callable[[], Any]] | None = None) -> None:
+    """Refuse a split whose output differs from the module's. ``again``: the module's run and the
+    stages' run (each seeded as before), to find the first op that differs (:func:`first_difference`)."""
     w, wspec = pytree.tree_flatten(want)
     g, gspec = pytree.tree_flatten(got)
     if wspec != gspec:
@@ -54,9 +58,77 @@ def check_same(want: Any, got: Any, mode: str, module: nn.Module, stages: int) -
             return
         gap = _gap(*bad[0])
         differs = "differ from its output" + (f" by up to {gap:.3g}" if gap is not None else "")
-    raise SplitError(f"the {stages} stages of {type(module).__name__} {differs} in {mode} mode, so its "
+    first = first_difference(module, *again) if again is not None else None
+    at = f", first at {first}" if first else ""
+    raise SplitError(f"the {stages} stages of {type(module).__name__} {differs} in {mode} mode{at}, so its "
                      f"forward does something the traced graph does not capture; give the model as a list of stage "
                      f"modules (self.stages) instead.")
+
+
+class _Ops(dispatch_mode_base()):  # type: ignore[misc]  # a class the function returns
+    """Records every ATen op that runs: its name, the module it ran in (where ``paths`` are
+    tracked) and copies of its tensor results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str, list[torch.Tensor]]] = []
+        self.where: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        results = [t.detach().clone() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.log.append((str(func.overloadpacket.__name__), self.where[-1] if self.where else "", results))
+        return out
+
+
+def _recorded(fn: Callable[[], Any], module: nn.Module | None = None) -> list[tuple[str, str, list[torch.Tensor]]]:
+    """The ops ``fn()`` runs; with ``module``, each with the path and class of the innermost of
+    its submodules it ran in."""
+    names = {id(m): f"{p!r} ({type(m).__name__})" if p else f"{type(m).__name__}'s own code"
+             for p, m in module.named_modules()} if module is not None else {}
+    rec = _Ops()
+    handles = []
+    if module is not None:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def enter(m: nn.Module, args: Any) -> None:
+            if id(m) in names:
+                rec.where.append(names[id(m)])
+
+        def leave(m: nn.Module, args: Any, out: Any) -> None:
+            if id(m) in names and rec.where:
+                rec.where.pop()
+
+        handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        with rec:
+            fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return rec.log
+
+
+def first_difference(module: nn.Module, want: Callable[[], Any], got: Callable[[], Any]) -> str | None:
+    """``aten.lstm in 'rnn' (LSTM)``: the first op of the module's run (``want``) whose result the
+    stages' run (``got``) does not reproduce, or ``None`` if none is found. The stages run the same
+    ops in the same order, less the ones whose results are unused and plus constants each stage
+    computes again: an op of the module's run is matched with the next op of that name in the
+    stages' run, a few ops ahead at most."""
+    try:
+        a, b = _recorded(want, module), _recorded(got)
+    except Exception:  # noqa: BLE001 - a run that fails when recorded: the refusal goes on without it
+        return None
+    j = 0
+    for op, where, results in a:
+        ahead = next((k for k in range(j, min(j + 64, len(b))) if b[k][0] == op), None)
+        if ahead is None:
+            continue  # an op the graph dropped (a view nothing reads): skipped
+        j = ahead + 1
+        theirs = b[ahead][2]
+        if len(theirs) != len(results) or not all(_equal(x, y) for x, y in zip(results, theirs)):
+            return f"aten.{op} in {where}"
+    return None
 
 
 def _equal(a: Any, b: Any) -> bool:

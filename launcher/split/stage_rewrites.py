@@ -1,6 +1,6 @@
 """What a cut stage's graph is made to follow at run time rather than at trace time: its own
-``training`` flag (dropout) and the device of its own tensors; and stage 0's check that a
-micro-batch has the shapes and dtypes the graph was specialised to."""
+``training`` flag (dropout, recurrent layers' dropout, RReLU) and the device of its own tensors;
+and stage 0's check that a micro-batch has the shapes and dtypes the graph was specialised to."""
 
 from __future__ import annotations
 
@@ -14,11 +14,6 @@ from torch import fx, nn
 from launcher.runtime.torch_private import is_op_overload, op_schema
 
 aten = torch.ops.aten
-# Ops whose train flag (third argument) export fixed at trace time: a stage passes its own
-# ``training`` instead, so ``stage.eval()`` turns them off as ``module.eval()`` does.
-_DROPOUTS = {aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default,
-             aten.feature_dropout_.default, aten.alpha_dropout.default, aten.alpha_dropout_.default,
-             aten.feature_alpha_dropout.default, aten.feature_alpha_dropout_.default}
 # nn.MultiheadAttention passes dropout_p=0 to it in eval mode: a stage passes p * training.
 _SDPA = aten.scaled_dot_product_attention.default
 
@@ -59,8 +54,25 @@ def _describe(v: Any) -> str:
     return f"value {v!r}"
 
 
+def _train_flag(op: Any) -> int | None:
+    """The position of the mode flag that export fixed at trace time in ``op``'s arguments, if it
+    has one: ``train`` (the dropouts; ``aten.lstm``/``gru``/``rnn_tanh``/``rnn_relu``, whose
+    dropout between layers it switches), or ``training`` on an op that draws (RReLU). BatchNorm's
+    ``training`` is not a mode flag: without running statistics it is true in eval mode too."""
+    if not is_op_overload(op):
+        return None
+    draws = torch.Tag.nondeterministic_seeded in op.tags
+    for i, arg in enumerate(op_schema(op).arguments):
+        if str(arg.type) == "bool" and not arg.kwarg_only and (arg.name == "train" or
+                                                                 (draws and arg.name == "training")):
+            return i
+    return None
+
+
 def follow_mode(g: fx.Graph, attrs: dict[str, Any]) -> None:
-    """Make dropout read the stage's ``training`` flag instead of the mode it was traced in."""
+    """Make the ops that behave differently in train and eval mode (dropout, recurrent layers'
+    dropout, attention's dropout) read the stage's ``training`` flag instead of the mode it was
+    traced in, so ``stage.eval()`` turns them off as ``module.eval()`` does."""
     mode: list[fx.Node] = []
 
     def training() -> fx.Node:
@@ -73,8 +85,9 @@ def follow_mode(g: fx.Graph, attrs: dict[str, Any]) -> None:
     for n in list(g.nodes):
         if n.op != "call_function":
             continue
-        if n.target in _DROPOUTS and len(n.args) >= 3 and n.args[2] is True:
-            n.update_arg(2, training())
+        flag = _train_flag(n.target)
+        if flag is not None and len(n.args) > flag and n.args[flag] is True:
+            n.update_arg(flag, training())
         elif n.target is _SDPA:
             named = "dropout_p" in n.kwargs
             p = n.kwargs["dropout_p"] if named else (n.args[4] if len(n.args) > 4 else 0.0)

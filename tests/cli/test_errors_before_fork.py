@@ -49,6 +49,19 @@ class RaisesInStep(Tiny):
 class RaisesInConfigureModel(Tiny):
     def configure_model(self):
         raise RuntimeError("configure_model failed")
+
+
+class Normed(Tiny):
+    """BatchNorm in a traced step: its running statistics, updated in forward, are refused."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__(width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.norm(self.emb(x).transpose(1, 2)).transpose(1, 2)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 '''
 
 BROKEN = "import a_module_that_is_not_installed\n"
@@ -97,12 +110,28 @@ def test_a_module_that_cannot_be_imported_is_one_sentence(user_code: Path, schem
         "'a_module_that_is_not_installed'."]
 
 
-@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s != "single"])  # one device traces nothing
+@pytest.mark.parametrize("scheme", list(SCHEMES))  # strategy=single traces too (its random streams' units)
 def test_a_step_that_raises_while_traced_is_one_sentence(user_code: Path, scheme: str) -> None:
     assert _fatal(*SCHEMES[scheme], *SMALL, "model._target_=usermod.RaisesInStep") == [
         "model._target_=usermod.RaisesInStep failed before training started, while the launcher cut it into stages "
         "and ran one micro-batch of the data's first batch through them: ValueError: the batch is not what I "
         f"expected (usermod.py, line {STEP_LINE})."]
+
+
+NORMED = ("BatchNorm1d 'norm' updates 'norm.num_batches_tracked' in place during forward (as BatchNorm updates its "
+          "running statistics in train mode), which stages traced from one graph cannot keep in step; give the model "
+          "as a list of stage modules (self.stages) instead.")
+
+
+@pytest.mark.parametrize("scheme", ["single", "gpipe"])
+def test_a_step_the_tracer_refuses_is_one_sentence_under_single_as_under_a_scheme(user_code: Path,
+                                                                                   scheme: str) -> None:
+    """strategy=single traces a module without self.stages as every scheme does: a refusal is the
+    same sentence before training (it was a raw SplitError from inside fit, exit 1)."""
+    by = ("strategy=single (which traces it as every scheme does, for the random streams)" if scheme == "single"
+          else "the schedule")
+    assert _fatal(*SCHEMES[scheme], *SMALL, "model._target_=usermod.Normed") == [
+        f"model._target_=usermod.Normed cannot be trained by {by}: {NORMED}"]
 
 
 def test_configure_model_that_raises_is_one_sentence(user_code: Path) -> None:
@@ -113,10 +142,11 @@ def test_configure_model_that_raises_is_one_sentence(user_code: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_command_prints_the_sentence_alone_and_exits_2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheme", ["fslpp", "single"])
+def test_the_command_prints_the_sentence_alone_and_exits_2(tmp_path: Path, scheme: str) -> None:
     (tmp_path / "usermod.py").write_text(MODULE)
     run = tmp_path / "run"
-    p = run_launcher(*SCHEMES["fslpp"], *SMALL, "model._target_=usermod.RaisesInStep", f"hydra.run.dir={run}",
+    p = run_launcher(*SCHEMES[scheme], *SMALL, "model._target_=usermod.RaisesInStep", f"hydra.run.dir={run}",
                      cwd=tmp_path, pythonpath="cwd", timeout=240)
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr.strip().splitlines() == [

@@ -43,7 +43,7 @@ INVALID = [
     (["+trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches=2 is invalid"),
     (["trainer.accelerator=tpu"], "trainer.accelerator=tpu is invalid: use cpu, gpu, cuda, auto"),
     (["trainer.precision=17"], "trainer.precision=17 is invalid: use one of lightning's precisions"),
-    (["model=nope"], "model=nope is not a known model; choose one of custom, gpt, hf, mlp, timm"),
+    (["model=nope"], "model=nope is not a known model; choose one of custom, gpt, hf, hf_traced, mlp, timm"),
     (["model=custom"], "model._target_=??? is invalid: model needs _target_"),
     (["model=custom", "model._target_=collections.OrderedDict"], "built a OrderedDict, not a LightningModule"),
     (["model=custom", "model._target_=nosuchmodule.Model"], "model._target_=nosuchmodule.Model could not be built"),

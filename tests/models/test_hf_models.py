@@ -246,8 +246,10 @@ def test_config_keys_are_checked() -> None:
         HFCausalLM("llama", config={"n_layer": 2})
     with pytest.raises(ValueError, match=r"set the same field of gpt2's GPT2Config; give one of them\.$"):
         HFCausalLM("gpt2", config={"num_hidden_layers": 3, "n_layer": 2})
-    with pytest.raises(ValueError, match=r"^model.arch=t5 is not supported: transformers has no causal LM of type t5"):
+    with pytest.raises(ValueError, match=r"^model.arch=t5 is not supported by model=hf: t5 is an encoder-decoder"):
         HFCausalLM("t5")
+    with pytest.raises(ValueError, match=r"^model.arch=vit is not supported: transformers has no causal LM of type"):
+        HFCausalLM("vit")
     with pytest.raises(ValueError, match=r"^model.arch=nonesuch is invalid: transformers has no model type nonesuch"):
         HFCausalLM("nonesuch")
     with pytest.raises(ValueError, match=r"rope_type dynamic is not supported: "):
@@ -270,7 +272,7 @@ def test_a_model_that_cannot_be_cut_names_the_traced_route(arch: str, why: str) 
     with pytest.raises(ValueError) as e:
         HFCausalLM(arch, config={**TINY, "is_decoder": True} if arch == "bert" else TINY)
     assert str(e.value) == (f"model.arch={arch} cannot be cut into stages at its decoder layers: {why}; train it "
-                            f"with model=custom split=auto (traced and cut at any module).")
+                            f"with model=hf_traced and the same model.* keys (traced and cut at any module).")
 
 
 def test_state_a_stage_cannot_keep_is_one_sentence() -> None:

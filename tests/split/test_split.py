@@ -316,6 +316,88 @@ def test_dropout_switches_with_train_and_eval():
     assert not torch.equal(_seeded(lambda: split.run(x), 1), _seeded(lambda: split.run(x), 2))
 
 
+class Recurrent(nn.Module):
+    """A linear layer, a two-layer recurrent layer with dropout between its layers, a head."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.rnn = getattr(nn, kind)(8, 8, num_layers=2, dropout=0.5, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.inp(x))[0])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_recurrent_dropout_follows_train_and_eval(kind: str):
+    """``aten.lstm``/``gru``/``rnn_tanh`` hold their train flag as a constant of the trace: each
+    stage passes its own mode, so dropout between the layers is on in train mode (the module's
+    masks, under the same seed) and off in eval mode, as ``module.eval()`` has it; and the op
+    draws in a random-stream unit of its own."""
+    torch.manual_seed(0)
+    m = Recurrent(kind).to(F64)
+    x = torch.randn(3, 5, 4, dtype=F64)
+    split = split_module(m, (x,), 3)
+    assert "rnn" in split.units  # the unit that begins at the recurrent layer draws
+    assert torch.equal(_seeded(lambda: split.train().run(x)), _seeded(lambda: m.train()(x)))
+    assert not torch.equal(_seeded(lambda: split.run(x), 1), _seeded(lambda: split.run(x), 2))  # dropout is on
+    assert torch.equal(_seeded(lambda: split.eval().run(x), 1), m.eval()(x))
+    assert torch.equal(_seeded(lambda: split.run(x), 1), _seeded(lambda: split.run(x), 2))  # and off
+
+
+class Noised(nn.Module):
+    """A step that draws in either mode, as a diffusion model's training step draws its noise and
+    timesteps: ``randn_like`` and ``randint`` before the network, not dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.scale = nn.Embedding(10, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn_like(x)
+        t = torch.randint(0, 10, (x.shape[0],))
+        return ((self.net(x + noise * self.scale(t)) - noise) ** 2).mean()
+
+
+def test_a_step_that_draws_is_checked_under_the_same_seeds():
+    """The eval-mode check seeds both runs as the train-mode one does: a step that draws its own
+    noise is split (it was refused as a forward the graph does not capture), and the stages draw
+    the module's numbers in both modes."""
+    torch.manual_seed(0)
+    m = Noised().to(F64)
+    x = torch.randn(6, 4, dtype=F64)
+    split = split_module(m, (x,), 2)
+    for mode in (True, False):
+        m.train(mode)
+        split.train(mode)
+        assert torch.equal(_seeded(lambda: split.run(x)), _seeded(lambda: m(x)))
+    assert not torch.equal(_seeded(lambda: split.run(x), 1), _seeded(lambda: split.run(x), 2))
+
+
+class Counter(nn.Module):
+    """Scales by how often it has been called: a Python value the trace takes as a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * self.calls
+
+
+def test_a_real_mismatch_names_the_first_op_that_differs():
+    """Seeding both runs alike hides nothing: a forward that does what the graph does not capture
+    is still refused, and the sentence names the first op whose result differs, and its module."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), Counter(), nn.Linear(4, 2)).to(F64)
+    with pytest.raises(SplitError) as e:
+        split_module(m, (torch.randn(2, 4, dtype=F64),), 2)
+    msg = one_sentence(e)
+    assert "differ from its output" in msg and "first at aten.mul in '2' (Counter)" in msg
+
+
 # ---- (6) what is refused -------------------------------------------------------------------------
 
 
