@@ -166,3 +166,10 @@ def prefetched_batches(trainer: Any) -> int:
     to know its last batch (a loader with a length is not). No public API says how many."""
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     return len(getattr(fetcher, "batches", None) or [])
+
+
+def continues_epoch(trainer: Any) -> bool:
+    """Whether a resumed fit loop goes on with the checkpoint's epoch (``fit_loop.restarting``, the
+    condition under which Lightning itself hands a stateful loader its saved state) rather than
+    beginning the next one."""
+    return bool(trainer.fit_loop.restarting)

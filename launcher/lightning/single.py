@@ -34,7 +34,7 @@ from ..runtime.values import as_tree, chunk
 from ..split.capture import loss_module
 from .item_counts import loss_items
 from .lightning_private import batch_in_step, train_dataloaders
-from .loader_position import resumable
+from .loader_position import Positions
 from .staging import (
     _mapping_type,
     example_microbatch,
@@ -57,6 +57,7 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         super().__init__(**kwargs)
         self.B, self.split = int(microbatches), split
         self.seed = seed  # None: torch's initial seed (seed_everything's) when training starts
+        self.positions = Positions()  # the training loaders' positions, saved and restored with checkpoints
         self._head: int | None = None  # a traced module's unit before any submodule, seeded at job start
 
     @property
@@ -71,15 +72,21 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         """A sharded checkpoint (a directory) read whole, in the single-device layout."""
         from . import sharded
 
-        if sharded.is_sharded(checkpoint_path):
-            return sharded.read(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        checkpoint = (sharded.read(checkpoint_path) if sharded.is_sharded(checkpoint_path)
+                      else super().load_checkpoint(checkpoint_path, *args, **kwargs))
+        self.positions.load(checkpoint)  # the training loaders' positions, for the loaders made next
+        return checkpoint
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         """A training DataLoader keeps its position in checkpoints (:mod:`.loader_position`), as
         under every scheme."""
-        return resumable(dataloader, self._attached.trainer)
+        return self.positions.resumable(dataloader, self._attached.trainer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.positions.save(checkpoint, self._attached.trainer)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def setup_environment(self) -> None:

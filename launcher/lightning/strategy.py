@@ -63,7 +63,7 @@ from .item_counts import loss_items
 from .keywords import keyword_settings
 from .launcher import ForkLauncher
 from .lightning_private import batch_in_step, train_dataloaders
-from .loader_position import resumable
+from .loader_position import Positions
 from .precision import (
     all_reduce,
     compute_dtype,
@@ -152,6 +152,7 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.base_memory = 0  # bytes this worker held before its stages were materialised
         self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes
         self._pending = None
+        self.positions = Positions()  # the training loaders' positions, saved and restored with checkpoints
         self._in_step = 0  # which of the accumulate_grad_batches batches of its optimizer step this batch is
 
     # ---- configuration -------------------------------------------------------------------
@@ -354,10 +355,22 @@ class UnifiedStrategy(CheckpointingStrategy):
         with empty_init():
             yield
 
+    # ---- the training loaders' positions (:mod:`.loader_position`) --------------------------
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         """A training DataLoader keeps its position in checkpoints (:mod:`.loader_position`)."""
-        return resumable(dataloader, self._attached.trainer)
+        return self.positions.resumable(dataloader, self._attached.trainer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.positions.save(checkpoint, self._attached.trainer)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self.positions.load(checkpoint)
+        return checkpoint
 
     @property
     @override

@@ -14,15 +14,11 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
 from omegaconf import OmegaConf
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from helpers.training import max_diff, quiet_trainer
+from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.single import StreamedSingleDevice
-from launcher.models.base import adamw_cosine
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -31,41 +27,12 @@ CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "de
 K, STEPS, B = 2, 4, 4  # 4 optimizer steps over 7 batches: windows (0,1) (2,3) (4) | (0,1) of the next epoch
 
 
-class Regressor(L.LightningModule):
-    """Four stages of linear, tanh and dropout; mean squared error; AdamW with a cosine schedule
-    stepped every optimizer step (the built-in models' optimizer)."""
-
-    def __init__(self, width: int = 8, dropout: float = 0.1) -> None:
-        super().__init__()
-        self.stages = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(dropout))
-                                    for _ in range(4))
-
-    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ((out - y) ** 2).mean()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        for stage in self.stages:
-            x = stage(x)
-        return self.loss(x, y)
-
-    def configure_optimizers(self):
-        return adamw_cosine(self.parameters(), lr=3e-2, weight_decay=0.0, max_steps=STEPS)
-
-
-def loader(n: int = 36) -> DataLoader:
-    g = torch.Generator().manual_seed(n)
-    data = TensorDataset(torch.randn(n, 8, generator=g, dtype=torch.float64),
-                         torch.randn(n, 8, generator=g, dtype=torch.float64))
-    return DataLoader(data, batch_size=8, shuffle=True)
-
-
 def fit(strategy, devices: int, k: int = K) -> tuple[dict, L.Trainer]:
     L.seed_everything(0, verbose=False)
-    model = Regressor().double()
+    model = Regressor(max_steps=STEPS).double()
     tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP,
                        accumulate_grad_batches=k, limit_val_batches=0)
-    tr.fit(model, train_dataloaders=loader())
+    tr.fit(model, train_dataloaders=user_loader())
     return model.state_dict(), tr
 
 
@@ -84,7 +51,6 @@ def test_accumulation_matters(oracle: dict) -> None:
     assert max_diff(oracle, plain) > 1e-3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["ddp", "gpipe", "fslpp"])
 def test_scheme_accumulates_as_lightning_does_on_one_device(scheme: str, oracle: dict) -> None:
     kw = {"G": 2, "R": 2} if scheme == "fslpp" else {}
