@@ -173,3 +173,10 @@ def continues_epoch(trainer: Any) -> bool:
     condition under which Lightning itself hands a stateful loader its saved state) rather than
     beginning the next one."""
     return bool(trainer.fit_loop.restarting)
+
+
+def optimizer_step_of_batch(trainer: Any) -> int:
+    """The optimizer step (from 1) the batch just trained belongs to, read after it
+    (``on_train_batch_end``): ``global_step`` when it stepped, the next one while its gradient is
+    still accumulated (``fit_loop._should_accumulate()``, Lightning's own decision; no public API)."""
+    return int(trainer.global_step) + int(trainer.fit_loop._should_accumulate())

@@ -10,12 +10,15 @@ do), the user's own ``DataLoader(shuffle=True)`` with ``drop_last=False`` (36 sa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
+from helpers.cli import SMALL_RUN
+from helpers.oracle import assert_scheme_equals_single_device
 from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.single import StreamedSingleDevice
@@ -58,3 +61,15 @@ def test_scheme_accumulates_as_lightning_does_on_one_device(scheme: str, oracle:
     diff = max_diff(oracle, state)
     print(f"accumulate_grad_batches={K}, {scheme}: parameters within {diff:.1e} of one device")
     assert diff < TOL
+
+
+@pytest.mark.slow
+def test_command_line_accumulation_equals_strategy_single(tmp_path: Path) -> None:
+    """``trainer.accumulate_grad_batches=2`` on the command line (the built-in GPT and data, gpipe)
+    equals ``strategy=single`` with the same accumulation; ``metrics.json`` lists each batch's engine
+    step with the optimizer step it belongs to."""
+    overrides = [*SMALL_RUN, "trainer.max_steps=2", "trainer.accumulate_grad_batches=2", "trainer.precision=64-true",
+                 "logger=none"]
+    assert_scheme_equals_single_device("gpipe", overrides, tmp_path)
+    steps = json.loads((tmp_path / "run" / "metrics.json").read_text())["steps"]
+    assert [s["optimizer_step"] for s in steps] == [1, 1, 2, 2]
