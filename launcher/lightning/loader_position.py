@@ -119,12 +119,14 @@ class ResumableLoader:
             _set(gens, pending["made"])
         epoch = self._epoch = _Epoch(_get(gens))
         it = iter(self.loader)
-        if pending is not None:
+        taken = int(pending["taken"]) if pending is not None else 0
+        if pending is not None and pending["first"] is not None and not taken:
+            _set(gens, pending["first"])  # read ahead, none trained: the first batch draws as it drew
+        elif pending is not None:
             if pending["first"] is not None:
                 _set(gens, pending["first"])
                 epoch.first = pending["first"]
-                taken = int(pending["taken"])
-                if taken and not skip_indices(it, taken):
+                if not skip_indices(it, taken):
                     self._warn(f"the {taken} batches already trained on are read again to reach the next one "
                                f"({self._why_read()}); the order is the uninterrupted run's as long as it depends "
                                f"only on torch's generators")

@@ -10,6 +10,7 @@ is refused in one sentence, exit 2, before any worker or run directory exists.""
 from __future__ import annotations
 
 import json
+import logging
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
 
 from helpers.cli import finished, start_launcher
 from helpers.training import Regressor, last_state, load_checkpoint, max_diff, quiet_trainer, user_loader
@@ -199,15 +201,20 @@ def _strategy(scheme: str) -> tuple[Any, int]:
     return UnifiedStrategy(scheme, stages=4, microbatches=4, **({"G": 2, "R": 2} if scheme == "fslpp" else {})), 4
 
 
-def _user_fit(strategy: Any, devices: int, folder: Path, ckpt: Path | None = None) -> dict[str, torch.Tensor]:
-    """:class:`Regressor` (dropout on) on the user's loader, float64, clipping at the launcher's default,
-    to step 7, keeping each validation's checkpoint (``step=3.ckpt``: mid-epoch); from ``ckpt`` if given."""
+def _user_fit(strategy: Any, devices: int, folder: Path, ckpt: Path | None = None,
+              **loader: Any) -> dict[str, torch.Tensor]:
+    """:class:`Regressor` (dropout on) on the user's loader (``loader``: more DataLoader arguments),
+    float64, clipping at the launcher's default, to step 7, keeping each validation's checkpoint
+    (``step=3.ckpt``: mid-epoch); from ``ckpt`` if given."""
     L.seed_everything(0, verbose=False)
     model = Regressor(max_steps=USER_STEPS).double()
     saves = ModelCheckpoint(dirpath=folder, filename="{step}", save_top_k=-1)
     tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=USER_STEPS, gradient_clip_val=CLIP,
                        val_check_interval=3, limit_val_batches=1, enable_checkpointing=True, callbacks=[saves])
-    tr.fit(model, train_dataloaders=user_loader(), val_dataloaders=user_loader(8, shuffle=False),
+    train = user_loader()
+    if loader:
+        train = DataLoader(train.dataset, batch_size=8, shuffle=True, **loader)
+    tr.fit(model, train_dataloaders=train, val_dataloaders=user_loader(8, shuffle=False),
            ckpt_path=str(ckpt) if ckpt is not None else None)
     return model.state_dict()
 
@@ -249,3 +256,21 @@ def test_without_the_saved_position_the_resume_differs(uninterrupted, tmp_path):
     got = _user_fit(*_strategy("single"), tmp_path / "resumed", plain)
     assert max_diff(got, uninterrupted.state) > 1e-4
     _user_fit("auto", 1, tmp_path / "auto", uninterrupted.single / "step=3.ckpt")
+
+
+@pytest.mark.parametrize("kind", ["own generator", "worker process"])
+def test_user_loader_variants_resume_exactly(tmp_path, caplog, kind):
+    """A loader with its own ``generator=`` resumes unread; one reading in a worker process reads the
+    trained batches again to reach its position, and says so once: both as the uninterrupted run."""
+    def loader() -> dict[str, Any]:
+        return {"generator": torch.Generator().manual_seed(7)} if kind == "own generator" else {"num_workers": 1}
+
+    want = _user_fit(*_strategy("single"), tmp_path / "whole", **loader())
+    with caplog.at_level(logging.WARNING, logger="launcher.lightning.loader_position"):
+        got = _user_fit(*_strategy("single"), tmp_path / "resumed", tmp_path / "whole" / "step=3.ckpt", **loader())
+    assert max_diff(got, want) == 0.0
+    said = [r.getMessage() for r in caplog.records if r.name == "launcher.lightning.loader_position"]
+    assert said == ([] if kind == "own generator" else [
+        "warning: resuming the training DataLoader mid-epoch: the 3 batches already trained on are read again to "
+        "reach the next one (num_workers=1: worker processes read the indices ahead); the order is the "
+        "uninterrupted run's as long as it depends only on torch's generators."])
