@@ -249,12 +249,14 @@ def test_without_the_saved_position_the_resume_differs(uninterrupted, tmp_path):
     from launcher.lightning.loader_position import KEY
 
     ckpt = torch.load(uninterrupted.single / "step=3.ckpt", weights_only=False)
-    assert KEY in ckpt and ckpt[KEY][0]["taken"] == 3
+    assert [p["taken"] for p in ckpt[KEY]] == [3]  # the training loader's only: 3 batches trained
     del ckpt[KEY]
     plain = tmp_path / "plain.ckpt"
     torch.save(ckpt, plain)
     got = _user_fit(*_strategy("single"), tmp_path / "resumed", plain)
-    assert max_diff(got, uninterrupted.state) > 1e-4
+    diff = max_diff(got, uninterrupted.state)
+    print(f"user loader, single resumed from step=3.ckpt without its loader position: parameters {diff:.1e} away")
+    assert diff > 1e-4
     _user_fit("auto", 1, tmp_path / "auto", uninterrupted.single / "step=3.ckpt")
 
 
