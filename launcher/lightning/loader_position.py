@@ -126,12 +126,16 @@ class ResumableLoader:
             if pending["first"] is not None:
                 _set(gens, pending["first"])
                 epoch.first = pending["first"]
-                if not skip_indices(it, taken):
-                    self._warn(f"the {taken} batches already trained on are read again to reach the next one "
-                               f"({self._why_read()}); the order is the uninterrupted run's as long as it depends "
-                               f"only on torch's generators")
-                    for _ in range(taken):
-                        next(it)
+                try:
+                    if not skip_indices(it, taken):
+                        self._warn(f"the {taken} batches already trained on are read again to reach the next one "
+                                   f"({self._why_read()}); the order is the uninterrupted run's as long as it "
+                                   f"depends only on torch's generators")
+                        for _ in range(taken):
+                            next(it)
+                except StopIteration:  # another, shorter dataset than the checkpoint's: its epoch is over
+                    self._warn(f"the checkpoint had trained on {taken} batches of the epoch, more than this loader "
+                               f"holds, so its epoch ends here")
                 epoch.yielded = taken
             _set(gens, pending["now"])
         return self._batches(it, epoch, gens)
