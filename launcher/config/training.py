@@ -243,9 +243,10 @@ def _trainer_errors(cfg: Any, single: bool) -> list[str]:
         out.append(f"trainer.max_steps=-1 with trainer.max_epochs={epochs} never ends: set trainer.max_steps to a "
                    f"positive integer or trainer.max_epochs to one.")
     acc = _get(cfg, "trainer.accumulate_grad_batches", 1)
-    if not single and acc != 1:
-        out.append(f"trainer.accumulate_grad_batches={acc} is invalid: the schedule accumulates gradients over the "
-                   f"micro-batches itself; set microbatches instead and leave it at 1.")
+    if not (isinstance(acc, int) and not isinstance(acc, bool) and acc >= 1):
+        out.append(f"trainer.accumulate_grad_batches={acc} is invalid: it must be a positive integer, the number "
+                   f"of batches one optimizer step accumulates (each batch still runs as microbatches "
+                   f"micro-batches).")
     accel = _get(cfg, "trainer.accelerator", "cpu")
     if accel not in ACCELERATORS:
         out.append(f"trainer.accelerator={accel} is invalid: use {', '.join(ACCELERATORS)}.")

@@ -149,3 +149,34 @@ def train_dataloaders(trainer: Any) -> Any:
     2.6 (>=2.6.6,<2.7)."""
     source = trainer.fit_loop._data_source
     return source.dataloader() if source.is_defined() and source.instance is not None else None
+
+
+def batch_in_step(trainer: Any) -> int:
+    """Which of the ``accumulate_grad_batches`` batches of the current optimizer step the training
+    loop is on (``0 .. k-1``): its batch index within the epoch (``fit_loop.epoch_loop.batch_idx``,
+    restored on resume) modulo ``k``, as Lightning's automatic optimization counts the batches it
+    accumulates (a new epoch starts a new step; the epoch's last batch steps whatever its place).
+    ``training_step`` is handed ``batch_idx`` only when the module's own takes it, hence the loop."""
+    return int(trainer.fit_loop.epoch_loop.batch_idx) % int(trainer.accumulate_grad_batches)
+
+
+def prefetched_batches(trainer: Any) -> int:
+    """Batches the training loop's data fetcher has read ahead and not handed to ``training_step``
+    yet (``fit_loop._data_fetcher.batches``): a loader of unknown length is read one batch ahead,
+    to know its last batch (a loader with a length is not). No public API says how many."""
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    return len(getattr(fetcher, "batches", None) or [])
+
+
+def continues_epoch(trainer: Any) -> bool:
+    """Whether a resumed fit loop goes on with the checkpoint's epoch (``fit_loop.restarting``, the
+    condition under which Lightning itself hands a stateful loader its saved state) rather than
+    beginning the next one."""
+    return bool(trainer.fit_loop.restarting)
+
+
+def optimizer_step_of_batch(trainer: Any) -> int:
+    """The optimizer step (from 1) the batch just trained belongs to, read after it
+    (``on_train_batch_end``): ``global_step`` when it stepped, the next one while its gradient is
+    still accumulated (``fit_loop._should_accumulate()``, Lightning's own decision; no public API)."""
+    return int(trainer.global_step) + int(trainer.fit_loop._should_accumulate())

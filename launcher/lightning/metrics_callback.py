@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from ..report import metrics_json as report
 from ..runtime.link_probe import measure as measure_link
-from .lightning_private import started_experiment
+from .lightning_private import optimizer_step_of_batch, started_experiment
 from .strategy import UnifiedStrategy
 
 
@@ -39,6 +39,8 @@ class RunMetrics(Callback):
         self.losses: list[float] = []
         self.samples: list[int] = []
         self.skipped: list[int] = []  # steps dropped for a non-finite value (nonfinite=skip)
+        #: accumulate_grad_batches > 1: the optimizer step (from 1) each batch's engine step belongs to
+        self.optimizer_steps: list[int] = []
         self.val: list[dict[str, float]] = []
         self.metrics: dict[str, Any] | None = None
         self._t0 = self._cpu0 = 0.0
@@ -56,8 +58,11 @@ class RunMetrics(Callback):
         self.cpus.append(time.process_time() - self._cpu0)
         loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
         n = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
+        k = trainer.accumulate_grad_batches
         self.walls.append(wall)
-        self.losses.append(float(loss))
+        self.losses.append(float(loss) * k)  # Lightning hands back the loss divided by k: the batch's own
+        if k > 1:  # the step this batch ends (it has stepped then) or is a part of
+            self.optimizer_steps.append(optimizer_step_of_batch(trainer))
         self.samples.append(n)
         if getattr(trainer.strategy, "step_skipped", False):
             self.skipped.append(len(self.losses))
@@ -68,11 +73,11 @@ class RunMetrics(Callback):
         """The curve so far, so that a run resumed from a checkpoint (a requeued Slurm job) reports
         every step, not only those after the resume."""
         return {"walls": self.walls, "losses": self.losses, "samples": self.samples, "val": self.val,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "optimizer_steps": self.optimizer_steps}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for key in ("walls", "losses", "samples", "val", "skipped"):
+        for key in ("walls", "losses", "samples", "val", "skipped", "optimizer_steps"):
             setattr(self, key, list(state_dict.get(key, [])))
 
     @override
@@ -141,9 +146,12 @@ class RunMetrics(Callback):
                     run.finish()
 
     def _steps(self, walls: list[float]) -> list[dict[str, Any]]:
+        """Per engine step (one batch): its loss, wall time and throughput; with
+        ``accumulate_grad_batches`` > 1 also the optimizer step it belongs to."""
         skipped = set(self.skipped)
+        opt = self.optimizer_steps if len(self.optimizer_steps) == len(self.losses) else []
         return [{"step": i + 1, "loss": loss, "step_s": w, "samples_per_s": n / w if w else None,
-                 **({"skipped": True} if i + 1 in skipped else {})}
+                 **({"optimizer_step": opt[i]} if opt else {}), **({"skipped": True} if i + 1 in skipped else {})}
                 for i, (loss, w, n) in enumerate(zip(self.losses, walls, self.samples))]
 
 

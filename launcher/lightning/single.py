@@ -33,7 +33,8 @@ from ..runtime.staged import run_stage
 from ..runtime.values import as_tree, chunk
 from ..split.capture import loss_module
 from .item_counts import loss_items
-from .lightning_private import train_dataloaders
+from .lightning_private import batch_in_step, train_dataloaders
+from .loader_position import Positions
 from .staging import (
     _mapping_type,
     example_microbatch,
@@ -56,6 +57,7 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         super().__init__(**kwargs)
         self.B, self.split = int(microbatches), split
         self.seed = seed  # None: torch's initial seed (seed_everything's) when training starts
+        self.positions = Positions()  # the training loaders' positions, saved and restored with checkpoints
         self._head: int | None = None  # a traced module's unit before any submodule, seeded at job start
         self._units: tuple[Any, dict[str, int]] | None = None  # (module, its traced units), found before fit
 
@@ -71,9 +73,21 @@ class StreamedSingleDevice(SingleDeviceStrategy):
         """A sharded checkpoint (a directory) read whole, in the single-device layout."""
         from . import sharded
 
-        if sharded.is_sharded(checkpoint_path):
-            return sharded.read(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        checkpoint = (sharded.read(checkpoint_path) if sharded.is_sharded(checkpoint_path)
+                      else super().load_checkpoint(checkpoint_path, *args, **kwargs))
+        self.positions.load(checkpoint)  # the training loaders' positions, for the loaders made next
+        return checkpoint
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """A training DataLoader keeps its position in checkpoints (:mod:`.loader_position`), as
+        under every scheme."""
+        return self.positions.resumable(dataloader, self._attached.trainer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.positions.save(checkpoint, self._attached.trainer)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def setup_environment(self) -> None:
@@ -148,14 +162,14 @@ class StreamedSingleDevice(SingleDeviceStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self._attached
-        batch, rest = self.precision_plugin.convert_input(args[0]), args[1:]
+        batch = self.precision_plugin.convert_input(args[0])
         pieces = min(self.B, rows(batch) or 1)  # a last batch smaller than B: a micro-batch per row
         weights = item_shares([None] * pieces, loss_items(module, batch, pieces) or
                               [rows(p) for p in chunk(as_tree(batch), pieces, equal=False)])
         trainer = module.trainer
         step = trainer.global_step
         # accumulate_grad_batches=k: the k batches of one step are its k * B micro-batches
-        first = (rest[0] % trainer.accumulate_grad_batches) * self.B if rest and isinstance(rest[0], int) else 0
+        first = batch_in_step(trainer) * self.B
         total: torch.Tensor | None = None
         seed = self.seed
         assert seed is not None  # set in setup

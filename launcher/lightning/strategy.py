@@ -18,7 +18,10 @@ is the model: the strategy runs the whole schedule in ``training_step`` and take
   whichever workers computed it) is returned and logged as ``train_loss``. Lightning's automatic
   optimization then runs as usual: ``backward`` installs the engine's reduced gradients,
   ``gradient_clip_val`` clips by the global norm across owners (:func:`.precision.clip_by_global_norm`), the
-  optimizer and learning-rate schedulers step as Lightning steps them;
+  optimizer and learning-rate schedulers step as Lightning steps them. ``accumulate_grad_batches=k``
+  is Lightning's own: each batch runs as one engine step (its ``B`` micro-batches draw as micro-batches
+  ``j*B ..`` of the optimizer step), its gradient added in divided by ``k``, the optimizer stepping
+  (and clipping) after the ``k``-th batch or the epoch's last;
 - ``validation_step``/``test_step``/``predict_step``: a forward-only pass of the same schedule
   (:meth:`Engine.evaluate`); ``val_loss``/``test_loss`` logged, predictions gathered;
 - checkpoints (:mod:`.checkpoint_hooks`): ``checkpoint.format``: sharded (each stage's owner writes
@@ -59,7 +62,8 @@ from .checkpoint_hooks import CheckpointingStrategy
 from .item_counts import loss_items
 from .keywords import keyword_settings
 from .launcher import ForkLauncher
-from .lightning_private import train_dataloaders
+from .lightning_private import batch_in_step, train_dataloaders
+from .loader_position import Positions
 from .precision import (
     all_reduce,
     compute_dtype,
@@ -148,6 +152,8 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.base_memory = 0  # bytes this worker held before its stages were materialised
         self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes
         self._pending = None
+        self.positions = Positions()  # the training loaders' positions, saved and restored with checkpoints
+        self._in_step = 0  # which of the accumulate_grad_batches batches of its optimizer step this batch is
 
     # ---- configuration -------------------------------------------------------------------
     def _from_keywords(self, stages: int) -> Settings:
@@ -224,9 +230,6 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.base_memory = resident_bytes(self.root_device)  # the process before any stage is materialised
         self.accelerator.setup(trainer)
         module = self._attached
-        if getattr(trainer, "accumulate_grad_batches", 1) != 1:
-            raise ValueError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported by "
-                             f"UnifiedStrategy: it accumulates over microbatches={self.B} itself; leave it at 1.")
         traced = uses_trace(module, self.split)
         if self._settings_for(module) is None:
             raise ValueError(f"{type(module).__name__} is traced and cut into stages: "
@@ -352,6 +355,23 @@ class UnifiedStrategy(CheckpointingStrategy):
         with empty_init():
             yield
 
+    # ---- the training loaders' positions (:mod:`.loader_position`) --------------------------
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """A training DataLoader keeps its position in checkpoints (:mod:`.loader_position`)."""
+        return self.positions.resumable(dataloader, self._attached.trainer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.positions.save(checkpoint, self._attached.trainer)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self.positions.load(checkpoint)
+        return checkpoint
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -382,7 +402,11 @@ class UnifiedStrategy(CheckpointingStrategy):
             scaler = getattr(self.precision_plugin, "scaler", None)
             if scaler is not None:  # 16-mixed: the backward runs here, on the scaled loss; the step unscales
                 self.engine.loss_scale = float(scaler.get_scale())
-            record = self.engine.compute_step(mbs, items, step=self._attached.trainer.global_step)
+            trainer = self._attached.trainer
+            # accumulate_grad_batches=k: the j-th batch of an optimizer step draws as micro-batches j*B ..
+            self._in_step = batch_in_step(trainer) if trainer.accumulate_grad_batches > 1 else 0
+            record = self.engine.compute_step(mbs, items, step=trainer.global_step,
+                                              first_microbatch=self._in_step * self.B)
         self.records.append(record)
         self._last_batch = mbs
         finite = self.engine.finite
@@ -413,13 +437,22 @@ class UnifiedStrategy(CheckpointingStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The engine has run the backward already: install its reduced gradients, with the hooks
-        Lightning calls around a backward (none in a dropped step: the optimizer then changes nothing)."""
+        Lightning calls around a backward (none in a dropped step: the optimizer then changes nothing).
+
+        ``accumulate_grad_batches=k``: Lightning calls this for each of the step's ``k`` batches and
+        steps the optimizer (clipping first) after the ``k``-th, or after the epoch's last batch; each
+        batch's gradient is added in divided by ``k``, as Lightning divides each batch's loss. A
+        dropped batch adds nothing (the step's other batches still count)."""
         assert self.engine is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self._attached)
+        k = self._attached.trainer.accumulate_grad_batches
         if self.step_skipped:
-            for s in self.engine.owned:
-                for p in self.engine.modules[s].parameters():
-                    p.grad = None
+            if self._in_step == 0:  # the step's first batch: no earlier batch's gradient to keep
+                for s in self.engine.owned:
+                    for p in self.engine.modules[s].parameters():
+                        p.grad = None
+        elif k > 1:
+            self.engine.install_grads(scale=1.0 / k, accumulate=self._in_step > 0)
         else:
             self.engine.install_grads()
         return self.precision_plugin.post_backward(closure_loss, self._attached)

@@ -252,6 +252,7 @@ class Engine:
         self._grad_views: dict[int, tuple] = {}  # owned stage -> (its total, its parameters, their views of it)
         self.steps = 0
         self.step_index = 0  # the global step of the current step (:meth:`compute_step`'s ``step``)
+        self.first_microbatch = 0  # the streams' index of this call's micro-batch 0 (:meth:`compute_step`)
         self._traced: dict[str, Any] | None = None  # the last training step's events (:meth:`trace`)
         self.split = "I" in space.kinds  # a split backward: W takes a fetched copy's gradient per parameter
         self._shapes: dict[Any, Shapes] = {}
@@ -363,16 +364,19 @@ class Engine:
         return record
 
     def compute_step(self, microbatches: Sequence[Batch], items: Sequence[Count] | None = None,
-                     step: int | None = None) -> dict[str, Any]:
+                     step: int | None = None, first_microbatch: int = 0) -> dict[str, Any]:
         """Every job of one step and the gradient reduction, without the optimizer step: each
         owned stage's total gradient is left in :attr:`last_grads` (see :meth:`install_grads`).
         ``items``: how many items each micro-batch's loss averages over (numbers or 0-d tensors,
         the same on every rank); micro-batch ``b``'s loss weighs ``items[b] / sum(items)``
         (:mod:`.items`). None: the rows of each micro-batch's input (equal rows: ``1 / B``).
         ``step``: the global step the random streams draw for (default: this engine's count of
-        steps from 0; a resumed run passes its own)."""
+        steps from 0; a resumed run passes its own). ``first_microbatch``: the random streams' index
+        of micro-batch 0, when one optimizer step spans several calls (gradient accumulation over
+        batches: the ``j``-th batch of a step passes ``j * B``, so no two batches draw alike)."""
         self.steps += 1
         self.step_index = self.steps - 1 if step is None else int(step)
+        self.first_microbatch = int(first_microbatch)
         if self.finite is not None:
             self.finite.begin()
         B = self.space.B
@@ -439,8 +443,13 @@ class Engine:
                 "jobs": [[j[0], j[1], j[2], a, b, j[3]] for j, (a, b) in zip(meter.jobs, meter.spans or ())],
                 "waits": waits, "sends": [[mid, msgs[mid].kind, nbytes, at] for mid, at, nbytes in t["sends"] or ()]}
 
-    def install_grads(self) -> None:
-        """Point every owned parameter's ``.grad`` at its slice of the step's reduced gradient."""
+    def install_grads(self, scale: float = 1.0, accumulate: bool = False) -> None:
+        """Point every owned parameter's ``.grad`` at its slice of the step's reduced gradient.
+
+        ``scale`` multiplies it (``1/k`` for one optimizer step over ``k`` batches, as Lightning
+        divides each batch's loss by ``k``); ``accumulate`` adds it into the ``.grad`` an earlier
+        call of the same optimizer step installed. Either makes ``.grad`` a tensor of its own: the
+        totals' buffers are the next step's."""
         for s in self.owned:
             total = self.last_grads[s]
             cached = self._grad_views.get(s)
@@ -448,7 +457,12 @@ class Engine:
                 cached = self._grad_views[s] = (total, list(self.modules[s].parameters()),
                                                 list(self.layouts[s].views(total).values()))
             for p, g in zip(cached[1], cached[2]):
-                p.grad = g
+                if accumulate and p.grad is not None:
+                    p.grad.add_(g, alpha=scale)
+                elif accumulate or scale != 1.0:
+                    p.grad = g * scale
+                else:
+                    p.grad = g
 
     def evaluate(self, microbatches: Sequence[Batch],
                  items: Sequence[Count] | None = None) -> tuple[float, dict[int, torch.Tensor]]:

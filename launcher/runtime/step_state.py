@@ -179,7 +179,7 @@ class StepState:
         e = self.e
         if e.streams is None or not self.train:
             return contextlib.nullcontext()
-        return stream_job(e.streams, e.step_index, b, e.device)
+        return stream_job(e.streams, e.step_index, e.first_microbatch + b, e.device)
 
     def weightless(self, s: int, b: int) -> bool:
         """Whether stage ``s`` is a loss stage and micro-batch ``b`` has no item to average over."""

@@ -233,3 +233,20 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def skip_indices(iterator: Any, batches: int) -> bool:
+    """Advance a single-process DataLoader iterator over ``batches`` batches without loading them:
+    only its index sampler moves (``_sampler_iter``; ``_num_yielded`` keeps the count a length check
+    reads). False, moving nothing, for an iterator that has no such sampler of its own (worker
+    processes read indices ahead; an iterable dataset has no indices). No public API skips a
+    DataLoader's batches unread."""
+    from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
+
+    if (type(iterator) is not _SingleProcessDataLoaderIter or not hasattr(iterator, "_sampler_iter")
+            or getattr(iterator, "_dataset_kind", None) != _DatasetKind.Map):
+        return False
+    for _ in range(batches):
+        next(iterator._sampler_iter)
+    iterator._num_yielded += batches
+    return True

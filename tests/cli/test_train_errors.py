@@ -40,7 +40,7 @@ INVALID = [
     (["trainer.foo=1"], "trainer.foo=1 is invalid: foo is not an argument of lightning's Trainer."),
     (["trainer.max_step=10"], "max_step is not an argument of lightning's Trainer; did you mean trainer.max_steps?"),
     (["+trainer.devices=3"], "trainer.devices=3 is invalid: the launcher sets devices from W = G*R"),
-    (["+trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches=2 is invalid"),
+    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 is invalid: it must be a positive"),
     (["trainer.accelerator=tpu"], "trainer.accelerator=tpu is invalid: use cpu, gpu, cuda, auto"),
     (["trainer.precision=17"], "trainer.precision=17 is invalid: use one of lightning's precisions"),
     (["model=nope"], "model=nope is not a known model; choose one of custom, gpt, hf, hf_traced, mlp, timm"),

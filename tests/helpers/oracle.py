@@ -55,7 +55,7 @@ def single_device(overrides: Sequence[str], microbatches: int | None = None,
     strategy = StreamedSingleDevice(microbatches=int(microbatches or cfg.microbatches), split=split)
     tr = quiet_trainer(strategy, precision=t.precision, max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val,
                        limit_val_batches=t.limit_val_batches, val_check_interval=t.val_check_interval,
-                       callbacks=list(callbacks))
+                       accumulate_grad_batches=t.get("accumulate_grad_batches", 1), callbacks=list(callbacks))
     tr.fit(model, datamodule=data)
     return model.state_dict()
 

@@ -8,8 +8,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from launcher.models import GPT, CharCorpus
+from launcher.models.base import adamw_cosine
 
 
 def char_data(batch_size: int = 8) -> CharCorpus:
@@ -20,6 +23,45 @@ def char_data(batch_size: int = 8) -> CharCorpus:
 def tiny_gpt(**kw: Any) -> GPT:
     """The built-in GPT, tiny: sequences of 8, d_model 16, 2 heads, 2 blocks (``kw`` changes any)."""
     return GPT(**{"seq_len": 8, "d_model": 16, "n_head": 2, "n_layer": 2, **kw})
+
+
+class Regressor(L.LightningModule):
+    """A user's small model: four stages of linear, tanh and dropout (``self.stages``, ``self.loss``:
+    mean squared error), AdamW with the built-in models' cosine schedule over ``max_steps``,
+    stepped every optimizer step."""
+
+    def __init__(self, width: int = 8, dropout: float = 0.1, max_steps: int = 8) -> None:
+        super().__init__()
+        self.max_steps = max_steps
+        self.stages = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(dropout))
+                                    for _ in range(4))
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2).mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        for stage in self.stages:
+            x = stage(x)
+        return self.loss(x, y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        for stage in self.stages:
+            x = stage(x)
+        self.log("val_loss", self.loss(x, y))
+
+    def configure_optimizers(self) -> Any:
+        return adamw_cosine(self.parameters(), lr=3e-2, weight_decay=0.0, max_steps=self.max_steps)
+
+
+def user_loader(n: int = 36, shuffle: bool = True) -> DataLoader:
+    """A user's own loader at DataLoader's defaults but ``shuffle``: ``n`` float64 samples (x, y) of
+    width 8 in batches of 8, the last one smaller (``drop_last=False``): 36 make 5 batches, the 5th of 4."""
+    g = torch.Generator().manual_seed(n)
+    data = TensorDataset(torch.randn(n, 8, generator=g, dtype=torch.float64),
+                         torch.randn(n, 8, generator=g, dtype=torch.float64))
+    return DataLoader(data, batch_size=8, shuffle=shuffle)
 
 
 def quiet_trainer(strategy: Any = "auto", devices: int = 1, **kw: Any) -> L.Trainer:
