@@ -1,0 +1,105 @@
+"""Frozen weights (``requires_grad=False``) and peft LoRA adapters under every scheme, against the
+same LightningModule under ``strategy=single`` (Lightning's single-device strategy, each batch as
+the same micro-batches through the random streams, so dropout draws the same masks).
+
+At the launcher's defaults (gradient clipping at ``conf/trainer/default.yaml``'s value, the models'
+own dropout: GPT-2's 0.1, a shuffling loader), float64, 2 steps: the trainable parameters equal one
+device's within 1e-10, the frozen ones stay bit-equal to their initial values, and a step's weight
+gradient messages and replica all-reduces carry the trainable parameters' bytes only, as predicted.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from helpers.training import char_data, quiet_trainer, tiny_gpt
+from launcher.lightning import UnifiedStrategy
+from launcher.lightning.single import StreamedSingleDevice
+from launcher.models import HFCausalLM
+
+pytestmark = [pytest.mark.timeout(400),
+              pytest.mark.filterwarnings("ignore:.*fan_in_fan_out.*"),
+              pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")]
+
+TOL = 1e-10
+STEPS = 2
+B = 4
+#: the gradient clipping a user of the launcher gets
+CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
+SCHEMES = [("ddp", None, None), ("fsdp", None, None), ("gpipe", None, None), ("lpp", 2, 2), ("fslpp", 2, 2)]
+
+
+def lora_gpt2() -> L.LightningModule:
+    """A tiny GPT-2 (tied embedding, dropout 0.1) with peft LoRA adapters on ``c_attn``, by name."""
+    torch.manual_seed(0)
+    return HFCausalLM("gpt2", config={"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 2},
+                      lora={"r": 4, "alpha": 8}, max_steps=STEPS).double()
+
+
+def frozen_gpt() -> L.LightningModule:
+    """The built-in GPT with its whole embedding stage and the first block's attention frozen."""
+    torch.manual_seed(0)
+    model = tiny_gpt(n_layer=2, max_steps=STEPS).double()
+    for p in model.stages[0].parameters():
+        p.requires_grad_(False)
+    for p in [*model.stages[1].qkv.parameters(), *model.stages[1].proj.parameters()]:
+        p.requires_grad_(False)
+    return model
+
+
+MODELS = {"lora": lora_gpt2, "frozen": frozen_gpt}
+
+
+def fit(model: L.LightningModule, strategy, devices: int) -> L.Trainer:
+    tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP,
+                       limit_val_batches=0)
+    tr.fit(model, datamodule=char_data())
+    return tr
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[L.LightningModule, L.LightningModule]]:
+    """Per model: its initial copy and the same model trained under ``strategy=single``."""
+    out = {}
+    for name, make in MODELS.items():
+        model = make()
+        start = copy.deepcopy(model)
+        fit(model, StreamedSingleDevice(microbatches=B), 1)
+        out[name] = (start, model)
+    return out
+
+
+def check_against_single(start: L.LightningModule, want: L.LightningModule, got: L.LightningModule) -> float:
+    """The largest difference of a trainable parameter from one device's; every frozen parameter
+    bit-equal to its initial value (and to one device's)."""
+    initial = dict(start.named_parameters())
+    single = dict(want.named_parameters())
+    trained = dict(got.named_parameters())
+    assert trained.keys() == single.keys()
+    frozen = [n for n, p in initial.items() if not p.requires_grad]
+    assert frozen and len(frozen) < len(initial)
+    for n in frozen:
+        assert torch.equal(trained[n], initial[n]), n
+        assert torch.equal(single[n], initial[n]), n
+    moved = max((single[n] - initial[n]).abs().max().item() for n in initial if n not in frozen)
+    assert moved > 1e-4  # the trainable parameters did train
+    return max((trained[n] - single[n]).abs().max().item() for n in initial if n not in frozen)
+
+
+@pytest.mark.parametrize("scheme,G,R", SCHEMES, ids=[s for s, _, _ in SCHEMES])
+def test_frozen_weights_train_as_on_one_device(references, scheme: str, G, R) -> None:
+    """Both models under one scheme: trainable parameters equal one device's, frozen ones untouched."""
+    for name in MODELS:
+        start, want = references[name]
+        got = copy.deepcopy(start)
+        st = UnifiedStrategy(scheme, G=G, R=R, stages=4, microbatches=B)
+        fit(got, st, st.W)
+        diff = check_against_single(start, want, got)
+        print(f"{name} under {scheme}: trainable parameters within {diff:.1e} of strategy=single")
+        assert diff < TOL, (name, diff)
