@@ -18,7 +18,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers.training import char_data, quiet_trainer, tiny_gpt
+from helpers.training import Keep, char_data, quiet_trainer, tiny_gpt
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.single import StreamedSingleDevice
 from launcher.models import HFCausalLM
@@ -35,11 +35,11 @@ CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "de
 SCHEMES = [("ddp", None, None), ("fsdp", None, None), ("gpipe", None, None), ("lpp", 2, 2), ("fslpp", 2, 2)]
 
 
-def lora_gpt2() -> L.LightningModule:
+def lora_gpt2(lora: dict | None = None) -> L.LightningModule:
     """A tiny GPT-2 (tied embedding, dropout 0.1) with peft LoRA adapters on ``c_attn``, by name."""
     torch.manual_seed(0)
     return HFCausalLM("gpt2", config={"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 2},
-                      lora={"r": 4, "alpha": 8}, max_steps=STEPS).double()
+                      lora={"r": 4, "alpha": 8} if lora is None else lora, max_steps=STEPS).double()
 
 
 def frozen_gpt() -> L.LightningModule:
@@ -56,9 +56,9 @@ def frozen_gpt() -> L.LightningModule:
 MODELS = {"lora": lora_gpt2, "frozen": frozen_gpt}
 
 
-def fit(model: L.LightningModule, strategy, devices: int) -> L.Trainer:
+def fit(model: L.LightningModule, strategy, devices: int, callbacks: list | None = None) -> L.Trainer:
     tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP,
-                       limit_val_batches=0)
+                       limit_val_batches=0, callbacks=callbacks or [])
     tr.fit(model, datamodule=char_data())
     return tr
 
@@ -103,3 +103,34 @@ def test_frozen_weights_train_as_on_one_device(references, scheme: str, G, R) ->
         diff = check_against_single(start, want, got)
         print(f"{name} under {scheme}: trainable parameters within {diff:.1e} of strategy=single")
         assert diff < TOL, (name, diff)
+
+
+def trainable_bytes(model: L.LightningModule) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("scheme,G,R", [("fsdp", None, None), ("lpp", 2, 2)])
+def test_gradient_traffic_is_the_adapters_only(tmp_path: Path, scheme: str, G, R) -> None:
+    """The LoRA model's weight-gradient sums (FSDP: every worker sends its sum of the 3 stages it
+    does not own) and replica all-reduces (LPP, G=2: each stage's 2 owners) carry its adapters'
+    bytes only: far fewer than the same model fully trained, and what the engine predicts."""
+    got = {}
+    for name, lora in (("lora", None), ("full", {})):
+        model = lora_gpt2(lora)
+        out = tmp_path / name
+        out.mkdir()
+        st = UnifiedStrategy(scheme, G=G, R=R, stages=4, microbatches=B)
+        fit(model, st, st.W, [Keep(out)])
+        ranks = [torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))]
+        measured = sum(rec["measured_only"]["sent_bytes"].get("wgrad", 0) for r in ranks for rec in r["records"])
+        predicted = sum(n * STEPS for r in ranks for kind, dst, n in r["predicted"]
+                        if kind == "wgrad" and dst == r["worker"])
+        assert measured == predicted, (name, measured, predicted)
+        got[name] = (measured, sum(r["allreduce_bytes"] for r in ranks), trainable_bytes(model))
+    (lora_sent, lora_reduced, adapters), (full_sent, full_reduced, _) = got["lora"], got["full"]
+    print(f"{scheme}: weight-gradient bytes sent over {STEPS} steps {lora_sent} (LoRA) vs {full_sent} (full); "
+          f"all-reduced per step {lora_reduced} vs {full_reduced}; adapters {adapters} bytes")
+    if scheme == "fsdp":
+        assert lora_sent == 3 * adapters * STEPS and full_sent > 20 * lora_sent
+    else:  # every stage has 2 owners, and each all-reduces its stages' gradients
+        assert lora_reduced == 2 * adapters and full_reduced > 20 * lora_reduced
