@@ -231,8 +231,11 @@ def add_lora(model: PreTrainedModel, lora: Mapping[str, Any]) -> None:
     try:
         inject_adapter_in_model(LoraConfig(**kw), model)
     except ValueError as e:
+        hint = f" (peft's default for {arch}: [{','.join(DEFAULTS[arch])}])" if arch in DEFAULTS else ""
+        why = ("no module of the model has that name" + hint if "not found" in str(e)
+               else " ".join(str(e).split()).rstrip("."))
         raise ValueError(f"model.lora.target_modules=[{','.join(targets)}] is invalid for model.arch={arch}: "
-                         f"{' '.join(str(e).split())}") from None
+                         f"{why}.") from None
 
 
 def reset_lora(module: nn.Module) -> None:
@@ -303,7 +306,7 @@ class HFCausalLM(LightningModule):
         model.loss_type = "ForCausalLM"  # what GPT2LMHeadModel falls back to anyway, with a warning
         lora = _plain(lora)
         self.lora = lora.get("r") is not None
-        if lora:
+        if self.lora or any(v is not None for v in lora.values()):  # the latter: one sentence on what lacks r
             add_lora(model, lora)
         # a plain attribute, not a child module: its parameters are named once, under stages
         object.__setattr__(self, "hf", model)

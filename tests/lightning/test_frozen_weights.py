@@ -134,3 +134,58 @@ def test_gradient_traffic_is_the_adapters_only(tmp_path: Path, scheme: str, G, R
         assert lora_sent == 3 * adapters * STEPS and full_sent > 20 * lora_sent
     else:  # every stage has 2 owners, and each all-reduces its stages' gradients
         assert lora_reduced == 2 * adapters and full_reduced > 20 * lora_reduced
+
+
+#: the command line's tiny GPT-2 with LoRA adapters, at the launcher's defaults otherwise
+LORA_CLI = ["stages=4", "microbatches=4", "trainer.max_steps=2", "trainer.precision=64-true", "logger=none",
+            "model=hf", "model.arch=gpt2", "model.config.n_layer=2", "model.config.n_embd=16", "model.config.n_head=2",
+            "model.lora.r=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000"]
+
+
+@pytest.mark.slow
+def test_lora_by_name_through_the_command_line(tmp_path: Path) -> None:
+    """``model=hf model.lora.r=4`` under FSLPP: ``last.ckpt`` holds the adapters within 1e-10 of
+    ``strategy=single`` and every frozen weight exactly as one device leaves it (its initial value)."""
+    from helpers.cli import run_launcher
+    from helpers.oracle import single_device
+    from helpers.training import last_state
+
+    run = tmp_path / "run"
+    p = run_launcher("strategy=fslpp", "G=2", "R=2", *LORA_CLI, f"hydra.run.dir={run}", cwd=tmp_path, timeout=380)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got, want = last_state(run), single_device(LORA_CLI)
+    assert got.keys() == want.keys()
+    adapters = [k for k in want if ".lora_" in k]
+    assert adapters and len(adapters) < len(want)
+    for k in want:
+        if k in adapters:
+            assert (got[k] - want[k]).abs().max().item() < TOL, k
+        else:
+            assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("lora,sentence", [
+    ({"r": 0}, "model.lora.r=0 is invalid: the adapters' rank must be a positive integer (e.g. 8)."),
+    ({"alpha": 16}, "model.lora.alpha=16 needs model.lora.r: set the adapters' rank (e.g. model.lora.r=8) "
+                    "to train with LoRA."),
+    ({"r": 4, "rank": 4}, "model.lora.rank=4 is invalid: model.lora takes r, alpha, dropout, target_modules."),
+    ({"r": 4, "dropout": 1.0}, "model.lora.dropout=1.0 is invalid: a dropout probability must be at least 0 "
+                               "and below 1."),
+    ({"r": 4, "target_modules": ["q_proj"]},
+     "model.lora.target_modules=[q_proj] is invalid for model.arch=gpt2: no module of the model has that name "
+     "(peft's default for gpt2: [c_attn])."),
+], ids=["rank-0", "alpha-without-rank", "unknown-key", "dropout-1", "no-such-module"])
+def test_bad_lora_options_are_one_sentence(lora: dict, sentence: str) -> None:
+    with pytest.raises(ValueError) as e:
+        HFCausalLM("gpt2", config={"num_hidden_layers": 1, "hidden_size": 16, "num_attention_heads": 2}, lora=lora)
+    assert str(e.value) == sentence
+
+
+def test_bad_lora_option_exits_2_before_any_worker(tmp_path: Path) -> None:
+    from helpers.cli import run_launcher
+
+    run = tmp_path / "run"
+    p = run_launcher("strategy=fsdp", *LORA_CLI[:-4], "model.lora.r=-1", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "model.lora.r=-1 is invalid: the adapters' rank must be a positive integer (e.g. 8)." in p.stderr
+    assert "Traceback" not in p.stderr and not (run / "checkpoints").exists()
