@@ -105,6 +105,43 @@ def test_frozen_weights_train_as_on_one_device(references, scheme: str, G, R) ->
         assert diff < TOL, (name, diff)
 
 
+class PeftLM(L.LightningModule):
+    """A user's own module: a Llama wrapped by ``peft.get_peft_model`` (LoRA on ``q_proj``/``v_proj``),
+    no ``self.stages``: traced and cut (``split=auto``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.for_model("llama", vocab_size=128, num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+                                   num_attention_heads=2, num_key_value_heads=1)
+        self.model = get_peft_model(AutoModelForCausalLM.from_config(cfg),
+                                    LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return self.model(input_ids=x, labels=x).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("scheme,G,R", [("gpipe", None, None), ("fslpp", 2, 2)], ids=["gpipe", "fslpp"])
+def test_a_users_peft_model_traced(scheme: str, G, R) -> None:
+    """A LightningModule around ``get_peft_model(...)``, traced and cut: adapters equal one device's,
+    the base model untouched."""
+    torch.manual_seed(0)
+    start = PeftLM().double()
+    want, got = copy.deepcopy(start), copy.deepcopy(start)
+    fit(want, StreamedSingleDevice(microbatches=B, split="auto"), 1)
+    st = UnifiedStrategy(scheme, G=G, R=R, stages=4, microbatches=B, split="auto")
+    fit(got, st, st.W)
+    diff = check_against_single(start, want, got)
+    print(f"peft user module under {scheme}: adapters within {diff:.1e} of strategy=single")
+    assert diff < TOL
+
+
 def trainable_bytes(model: L.LightningModule) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
