@@ -62,7 +62,7 @@ class StageLayout:
 
     def ordered(self, module: nn.Module, trainable_only: bool = False) -> list[torch.Tensor]:
         """``module``'s parameters in buffer order (only the trainable ones: the gradient's order)."""
-        ps = list(module.parameters())
+        ps: list[torch.Tensor] = list(module.parameters())
         out = [ps[i] for i in sorted(range(len(ps)), key=self.index.__getitem__)]
         return out[: self.trainable] if trainable_only else out
 
