@@ -32,14 +32,19 @@ STEPS = 2
 B = 4
 #: the gradient clipping a user of the launcher gets
 CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
-SCHEMES = [("ddp", None, None), ("fsdp", None, None), ("gpipe", None, None), ("lpp", 2, 2), ("fslpp", 2, 2)]
+SCHEMES = [("ddp", None, None, {}), ("fsdp", None, None, {}), ("gpipe", None, None, {}), ("lpp", 2, 2, {}),
+           ("fslpp", 2, 2, {}),
+           # the split backward (W takes each parameter's gradient of a fetched copy) on copies freed after each job
+           ("fslpp", 2, 2, {"split_backward": True, "weight_cache": "job", "prefetch": 2})]
 
 
 def lora_gpt2(lora: dict | None = None) -> L.LightningModule:
-    """A tiny GPT-2 (tied embedding, dropout 0.1) with peft LoRA adapters on ``c_attn``, by name."""
+    """A tiny GPT-2 (tied embedding, dropout 0.1) with peft LoRA adapters on ``c_attn``, by name.
+    ``alpha`` 256 (scale 64) puts the adapters' gradient norm (1.7) above the clipping threshold, so
+    the clipping is active (:func:`test_clipping_is_active`); peft's default 8 gives 0.05."""
     torch.manual_seed(0)
     return HFCausalLM("gpt2", config={"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 2},
-                      lora={"r": 4, "alpha": 8} if lora is None else lora, max_steps=STEPS).double()
+                      lora={"r": 4, "alpha": 256} if lora is None else lora, max_steps=STEPS).double()
 
 
 def frozen_gpt() -> L.LightningModule:
@@ -92,13 +97,13 @@ def check_against_single(start: L.LightningModule, want: L.LightningModule, got:
     return max((trained[n] - single[n]).abs().max().item() for n in initial if n not in frozen)
 
 
-@pytest.mark.parametrize("scheme,G,R", SCHEMES, ids=[s for s, _, _ in SCHEMES])
-def test_frozen_weights_train_as_on_one_device(references, scheme: str, G, R) -> None:
+@pytest.mark.parametrize("scheme,G,R,extra", SCHEMES, ids=[s + ("-split-job" if e else "") for s, _, _, e in SCHEMES])
+def test_frozen_weights_train_as_on_one_device(references, scheme: str, G, R, extra: dict) -> None:
     """Both models under one scheme: trainable parameters equal one device's, frozen ones untouched."""
     for name in MODELS:
         start, want = references[name]
         got = copy.deepcopy(start)
-        st = UnifiedStrategy(scheme, G=G, R=R, stages=4, microbatches=B)
+        st = UnifiedStrategy(scheme, G=G, R=R, stages=4, microbatches=B, **extra)
         fit(got, st, st.W)
         diff = check_against_single(start, want, got)
         print(f"{name} under {scheme}: trainable parameters within {diff:.1e} of strategy=single")
@@ -226,3 +231,15 @@ def test_bad_lora_option_exits_2_before_any_worker(tmp_path: Path) -> None:
     assert p.returncode == 2, p.stderr[-2000:]
     assert "model.lora.r=-1 is invalid: the adapters' rank must be a positive integer (e.g. 8)." in p.stderr
     assert "Traceback" not in p.stderr and not (run / "checkpoints").exists()
+
+
+def test_clipping_is_active(references) -> None:
+    """The references clip (their global norm, over the trainable parameters only, exceeds the
+    launcher's 1.0): without clipping a scheme lands elsewhere, so the equality above tests the norm."""
+    for name in MODELS:
+        start, want = references[name]
+        got = copy.deepcopy(start)
+        st = UnifiedStrategy("fslpp", G=2, R=2, stages=4, microbatches=B)
+        quiet_trainer(st, st.W, precision="64-true", max_steps=STEPS, gradient_clip_val=None,
+                      limit_val_batches=0).fit(got, datamodule=char_data())
+        assert check_against_single(start, want, got) > 1e-6, name
