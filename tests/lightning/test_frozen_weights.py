@@ -187,10 +187,12 @@ LORA_CLI = ["stages=4", "microbatches=4", "trainer.max_steps=2", "trainer.precis
 @pytest.mark.slow
 def test_lora_by_name_through_the_command_line(tmp_path: Path) -> None:
     """``model=hf model.lora.r=4`` under FSLPP: ``last.ckpt`` holds the adapters within 1e-10 of
-    ``strategy=single`` and every frozen weight exactly as one device leaves it (its initial value)."""
+    ``strategy=single`` and every frozen weight exactly as one device leaves it (its initial value);
+    resumed for one more step under FSDP it equals the same checkpoint resumed under
+    ``strategy=single``, optimizer state (the adapters' only) included."""
     from helpers.cli import run_launcher
     from helpers.oracle import single_device
-    from helpers.training import last_state
+    from helpers.training import last_state, load_checkpoint
 
     run = tmp_path / "run"
     p = run_launcher("strategy=fslpp", "G=2", "R=2", *LORA_CLI, f"hydra.run.dir={run}", cwd=tmp_path, timeout=380)
@@ -204,6 +206,21 @@ def test_lora_by_name_through_the_command_line(tmp_path: Path) -> None:
             assert (got[k] - want[k]).abs().max().item() < TOL, k
         else:
             assert torch.equal(got[k], want[k]), k
+    # resume: one more step on the schedule the checkpoint was trained with (model.max_steps=2)
+    resumed = {}
+    for scheme in ("fsdp", "single"):
+        out = tmp_path / f"resumed-{scheme}"
+        p = run_launcher(f"strategy={scheme}", *LORA_CLI, "trainer.max_steps=3", "model.max_steps=2",
+                         f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={out}", cwd=tmp_path,
+                         timeout=380)
+        assert p.returncode == 0, p.stderr[-3000:]
+        resumed[scheme] = load_checkpoint(out / "checkpoints" / "last.ckpt")
+    a, b = resumed["fsdp"], resumed["single"]
+    assert a["global_step"] == b["global_step"] == 3
+    assert max((a["state_dict"][k] - b["state_dict"][k]).abs().max().item() for k in want) < TOL
+    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert sorted(sa) == sorted(sb) and len(sb) == len(adapters)
+    assert max((sa[i]["exp_avg_sq"] - sb[i]["exp_avg_sq"]).abs().max().item() for i in sb) < TOL
 
 
 @pytest.mark.parametrize("lora,sentence", [
