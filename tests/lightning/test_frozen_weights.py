@@ -11,6 +11,7 @@ gradient messages and replica all-reduces carry the trainable parameters' bytes 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import lightning as L
@@ -206,6 +207,15 @@ def test_lora_by_name_through_the_command_line(tmp_path: Path) -> None:
             assert (got[k] - want[k]).abs().max().item() < TOL, k
         else:
             assert torch.equal(got[k], want[k]), k
+    # the run's report (the planner's profile, the memory meter's prediction) counts the adapters'
+    # gradients and optimizer state only, and its gradient traffic as measured
+    metrics = json.loads((run / "metrics.json").read_text())
+    by, adapter_bytes = metrics["profile"]["bytes"], sum(want[k].numel() * want[k].element_size() for k in adapters)
+    assert sum(by["grads"]) == adapter_bytes and sum(by["params"]) > 10 * adapter_bytes
+    # AdamW: two moments of each adapter, and a step count
+    assert 2 * adapter_bytes <= sum(by["optimizer"]) <= 2 * adapter_bytes + 8 * len(adapters)
+    wgrad = metrics["per_worker"]["traffic_bytes"]["wgrad"]
+    assert wgrad["predicted"] == wgrad["measured"] and 0 < sum(wgrad["measured"]) <= adapter_bytes
     # resume: one more step on the schedule the checkpoint was trained with (model.max_steps=2)
     resumed = {}
     for scheme in ("fsdp", "single"):
