@@ -41,6 +41,7 @@ import contextlib
 import os
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -97,8 +98,16 @@ def default_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _lowered(schedule: Step | Timeline | Lowered, weight_cache: str, prefetch: int) -> Lowered:
-    """The engine's program: the schedule lowered (simulated first, if need be) for ``prefetch``."""
+def frozen_stages(stages: Sequence[torch.nn.Module]) -> frozenset[int]:
+    """Stages with no trainable parameter (``requires_grad=False`` throughout, or none at all):
+    no weight gradient leaves them, so the program sends them no partial sum and all-reduces nothing."""
+    return frozenset(s for s, m in enumerate(stages) if not any(p.requires_grad for p in m.parameters()))
+
+
+def _lowered(schedule: Step | Timeline | Lowered, weight_cache: str, prefetch: int,
+             frozen: frozenset[int] = frozenset()) -> Lowered:
+    """The engine's program: the schedule lowered (simulated first, if need be) for ``prefetch``,
+    without gradient messages for the ``frozen`` stages."""
     found = [e for e in (value_error("prefetch", prefetch), value_error("weight_cache", weight_cache)) if e]
     if found:  # the command line's sentences
         raise StepError(found)
@@ -106,8 +115,16 @@ def _lowered(schedule: Step | Timeline | Lowered, weight_cache: str, prefetch: i
         if schedule.prefetch != prefetch:
             raise ValueError(f"the program was lowered for prefetch={schedule.prefetch} but the engine got "
                              f"prefetch={prefetch}; its predicted peak resident weights would not hold")
+        if schedule.timeline.step.frozen != frozen:
+            raise ValueError(f"the program was lowered with frozen stages {sorted(schedule.timeline.step.frozen)} but "
+                             f"the model's stages {sorted(frozen)} have no trainable parameter; lower the step with "
+                             f"frozen={sorted(frozen)}")
         return schedule
-    tl = schedule if isinstance(schedule, Timeline) else simulate(schedule)
+    if isinstance(schedule, Timeline):  # the timeline does not depend on what trains, its messages do
+        tl = schedule if schedule.step.frozen == frozen else replace(schedule, step=replace(schedule.step,
+                                                                                             frozen=frozen))
+    else:
+        tl = simulate(schedule if schedule.frozen == frozen else replace(schedule, frozen=frozen))
     return lower(tl, weight_cache, prefetch)
 
 
@@ -159,7 +176,7 @@ class Engine:
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is invalid: use one of {', '.join(TRANSPORTS)}")
-        self.lowered = _lowered(schedule, weight_cache, prefetch)
+        self.lowered = _lowered(schedule, weight_cache, prefetch, frozen_stages(model.stages))
         self.timeline = self.lowered.timeline
         space = self.timeline.step.space
         _check_model(model, space)

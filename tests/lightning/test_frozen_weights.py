@@ -154,9 +154,12 @@ def trainable_bytes(model: L.LightningModule) -> int:
 
 @pytest.mark.parametrize("scheme,G,R", [("fsdp", None, None), ("lpp", 2, 2)])
 def test_gradient_traffic_is_the_adapters_only(tmp_path: Path, scheme: str, G, R) -> None:
-    """The LoRA model's weight-gradient sums (FSDP: every worker sends its sum of the 3 stages it
-    does not own) and replica all-reduces (LPP, G=2: each stage's 2 owners) carry its adapters'
-    bytes only: far fewer than the same model fully trained, and what the engine predicts."""
+    """The LoRA model's weight-gradient sums (FSDP: every worker sends its sum of the stages it does
+    not own) and replica all-reduces (LPP, G=2: each stage's 2 owners) carry its adapters' bytes
+    only: far fewer than the same model fully trained, and what the engine predicts. Its embedding
+    and head stages have nothing to train: they send no sum and all-reduce nothing at all."""
+    from launcher.runtime.measure import mismatches
+
     got = {}
     for name, lora in (("lora", None), ("full", {})):
         model = lora_gpt2(lora)
@@ -169,8 +172,18 @@ def test_gradient_traffic_is_the_adapters_only(tmp_path: Path, scheme: str, G, R
         predicted = sum(n * STEPS for r in ranks for kind, dst, n in r["predicted"]
                         if kind == "wgrad" and dst == r["worker"])
         assert measured == predicted, (name, measured, predicted)
-        got[name] = (measured, sum(r["allreduce_bytes"] for r in ranks), trainable_bytes(model))
-    (lora_sent, lora_reduced, adapters), (full_sent, full_reduced, _) = got["lora"], got["full"]
+        records = [rec for r in ranks for rec in r["records"] if rec]
+        assert not any(mismatches(rec) for rec in records)  # message and all-reduce counts as predicted
+        sums = sum(rec["measured_only"]["sent_count"].get("wgrad", 0) for rec in records)
+        reduces = sum(rec["per_worker"]["weight_allreduce"]["measured"] for rec in records)
+        got[name] = (measured, sum(r["allreduce_bytes"] for r in ranks), trainable_bytes(model), sums, reduces)
+    lora_sent, lora_reduced, adapters, lora_sums, lora_reduces = got["lora"]
+    full_sent, full_reduced, _, full_sums, full_reduces = got["full"]
+    # stage s is owned by worker s % 4 (FSDP) or by workers s % 2 and 2 + s % 2 (LPP); LoRA trains stages 1 and 2
+    if scheme == "fsdp":
+        assert (lora_sums, full_sums) == (6 * STEPS, 12 * STEPS)
+    else:
+        assert (lora_reduces, full_reduces) == (4 * STEPS, 8 * STEPS)
     print(f"{scheme}: weight-gradient bytes sent over {STEPS} steps {lora_sent} (LoRA) vs {full_sent} (full); "
           f"all-reduced per step {lora_reduced} vs {full_reduced}; adapters {adapters} bytes")
     if scheme == "fsdp":
