@@ -55,8 +55,8 @@ class StepState:
         self.ys: dict[int, Any] = {}  # micro-batch -> its target on the device (loss stages)
         self.wstash: dict[tuple[int, int], tuple] = {}  # split backward: I's graph kept for W
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (stage, owner) -> summed weight gradient
-        # weights message -> (fetched flat copy, its trainable prefix as a leaf of its own; None
-        # when the whole copy is the leaf, or nothing in it trains)
+        # weights message -> (fetched flat copy, the leaf its gradient is taken against: the copy
+        # itself, its trainable prefix, or None when nothing of the stage trains)
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
         self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # acc key -> per-parameter views of the total
@@ -83,14 +83,16 @@ class StepState:
         if mid not in self.weights:
             flat = self.comm.wait(mid)
             self.comm.drop(mid)
+            # the leaf autograd differentiates: the whole copy when nothing of the stage is frozen
             if not L.frozen:
-                self.weights[mid] = (flat.requires_grad_(True), None)
+                grad: torch.Tensor | None = flat.requires_grad_(True)
             else:
-                self.weights[mid] = (flat, flat[: L.grad_numel].detach().requires_grad_(True) if L.trainable else None)
+                grad = flat[: L.grad_numel].detach().requires_grad_(True) if L.trainable else None
+            self.weights[mid] = (flat, grad)
         flat, grad = self.weights[mid]
         self.meter.fetched_jobs += 1
         self.meter.fetched_stages.add(s)
-        if grad is None and not L.frozen:
+        if grad is flat:
             return self.e.skeletons[s], L.views(flat), [flat]
         return self.e.skeletons[s], L.views(flat, grad), [] if grad is None else [grad]
 
