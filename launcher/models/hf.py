@@ -307,7 +307,10 @@ class HFCausalLM(LightningModule):
         lora = _plain(lora)
         self.lora = lora.get("r") is not None
         if self.lora or any(v is not None for v in lora.values()):  # the latter: one sentence on what lacks r
-            add_lora(model, lora)
+            # adapters take their device from the layer they wrap: real on loaded weights (started by
+            # peft here; no stage of a loaded model is initialised again), meta on a meta-built model
+            with real_init():
+                add_lora(model, lora)
         # a plain attribute, not a child module: its parameters are named once, under stages
         object.__setattr__(self, "hf", model)
         self.stages = nn.ModuleList(cut(model))
