@@ -283,3 +283,25 @@ def test_clipping_is_active(references) -> None:
         quiet_trainer(st, st.W, precision="64-true", max_steps=STEPS, gradient_clip_val=None,
                       limit_val_batches=0).fit(got, datamodule=char_data())
         assert check_against_single(start, want, got) > 1e-6, name
+
+
+def test_lora_on_a_loaded_model_keeps_its_weights(tmp_path: Path) -> None:
+    """``model.pretrained`` with ``model.lora``, built on the meta device as the command builds it:
+    the loaded weights stay as saved (nothing is initialised again), the adapters start as peft
+    starts them (``lora_B`` zero: the model's output is the loaded model's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from launcher.runtime.init import empty_init, has_meta
+
+    torch.manual_seed(1)
+    cfg = AutoConfig.for_model("gpt2", vocab_size=128, n_layer=1, n_embd=16, n_head=2, bos_token_id=0, eos_token_id=0)
+    saved = AutoModelForCausalLM.from_config(cfg)
+    saved.save_pretrained(tmp_path)
+    with empty_init():
+        model = HFCausalLM(pretrained=str(tmp_path), lora={"r": 4})
+    assert not has_meta(model)
+    layer = model.hf.transformer.h[0].attn.c_attn
+    assert torch.equal(layer.base_layer.weight, saved.transformer.h[0].attn.c_attn.weight)
+    assert not layer.lora_B["default"].weight.any() and layer.lora_A["default"].weight.any()
+    x = torch.randint(0, 128, (2, 8))
+    assert torch.equal(model.eval()(x), saved.eval()(x).logits)
