@@ -101,7 +101,8 @@ class RunMetrics(Callback):
             opt = {}
             for r in gathered:
                 opt.update(r["optimizer_bytes"])
-            stage_bytes = {"params": params, "grads": params,
+            # gradients (and optimizer state) of the trainable parameters only: frozen ones have none
+            stage_bytes = {"params": params, "grads": engine.grad_sizes(),
                            "optimizer": [opt.get(s, 0) for s in range(len(params))],
                            "activation": [max(a) for a in act], "saved": [max(g) for g in saved]}
             self.metrics, tl = report.build(
@@ -195,8 +196,8 @@ def _counted_again(strategy: UnifiedStrategy, stages: set[int], tied_opt: Mappin
     for uses in strategy.engine.ties:
         for s, i in sorted(u for u in uses if u[0] in stages)[1:]:
             L = layouts[s]
-            value = L.numels[i] * torch.empty((), dtype=L.dtype).element_size()
-            out += value * (2 if grads else 1) + tied_opt.get((s, i), 0)
+            value = L.numels[L.index[i]] * torch.empty((), dtype=L.dtype).element_size()
+            out += value * (2 if grads and L.is_trainable(i) else 1) + tied_opt.get((s, i), 0)
     return out
 
 

@@ -210,6 +210,83 @@ def build(arch: str | None, config: Mapping[str, Any] | None, pretrained: str | 
         return auto.from_pretrained(pretrained, config=cfg, local_files_only=True, **kw)
 
 
+#: the keys of ``model.lora`` (peft's ``LoraConfig`` names: ``alpha`` is ``lora_alpha``, ``dropout`` ``lora_dropout``)
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
+
+
+def _lora_error(lora: Mapping[str, Any], arch: str) -> str | None:
+    """One sentence for a ``model.lora`` that cannot be used, else None."""
+    for key, value in lora.items():
+        if key not in LORA_KEYS:
+            return f"model.lora.{key}={value} is invalid: model.lora takes {', '.join(LORA_KEYS)}."
+    r = lora.get("r")
+    if r is None:
+        given = next(((k, v) for k, v in lora.items() if v is not None), None)
+        return None if given is None else (f"model.lora.{given[0]}={given[1]} needs model.lora.r: set the adapters' "
+                                           f"rank (e.g. model.lora.r=8) to train with LoRA.")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        return f"model.lora.r={r} is invalid: the adapters' rank must be a positive integer (e.g. 8)."
+    alpha = lora.get("alpha")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+        return f"model.lora.alpha={alpha} is invalid: the adapters' scale (alpha / r) needs a positive number."
+    p = lora.get("dropout")
+    if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1):
+        return f"model.lora.dropout={p} is invalid: a dropout probability must be at least 0 and below 1."
+    targets = lora.get("target_modules")
+    if targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        if arch not in DEFAULTS:
+            return (f"model.lora.target_modules=null is invalid for model.arch={arch}: peft has no default adapter "
+                    f"targets for it; name the modules (e.g. model.lora.target_modules=[q_proj,v_proj]).")
+    elif isinstance(targets, str) or not (isinstance(targets, (list, tuple)) and targets
+                                          and all(isinstance(t, str) and t for t in targets)):
+        return (f"model.lora.target_modules={targets} is invalid: it must be a non-empty list of module names "
+                f"(e.g. [q_proj,v_proj]), or null for peft's default for the family.")
+    return None
+
+
+def add_lora(model: PreTrainedModel, lora: Mapping[str, Any]) -> None:
+    """Low-rank adapters (peft's LoRA) on ``model``'s target modules, in place: the adapters train,
+    every other parameter is frozen (``requires_grad=False``). One sentence (``ValueError``) for a
+    ``model.lora`` that cannot be used."""
+    arch = str(model.config.model_type)
+    found = _lora_error(lora, arch)
+    if found:
+        raise ValueError(found)
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    targets = lora.get("target_modules")
+    targets = list(DEFAULTS[arch]) if targets is None else list(targets)
+    kw: dict[str, Any] = {"r": lora["r"], "target_modules": targets}
+    if lora.get("alpha") is not None:
+        kw["lora_alpha"] = lora["alpha"]
+    if lora.get("dropout") is not None:
+        kw["lora_dropout"] = float(lora["dropout"])
+    if arch == "gpt2":  # GPT-2's Conv1D keeps its weight transposed
+        kw["fan_in_fan_out"] = True
+    try:
+        inject_adapter_in_model(LoraConfig(**kw), model)
+    except ValueError as e:
+        hint = f" (peft's default for {arch}: [{','.join(DEFAULTS[arch])}])" if arch in DEFAULTS else ""
+        why = ("no module of the model has that name" + hint if "not found" in str(e)
+               else " ".join(str(e).split()).rstrip("."))
+        raise ValueError(f"model.lora.target_modules=[{','.join(targets)}] is invalid for model.arch={arch}: "
+                         f"{why}.") from None
+
+
+def reset_lora(module: nn.Module) -> None:
+    """peft's own start for every adapter in ``module`` (``lora_A`` Kaiming-uniform, ``lora_B``
+    zero: the adapted model starts as the base model)."""
+    from peft.tuners.lora import LoraLayer
+
+    for m in module.modules():
+        if isinstance(m, LoraLayer):
+            for name in m.lora_A:
+                m.reset_lora_parameters(name, True)
+
+
 def cut(model: PreTrainedModel) -> list[nn.Module]:
     """``model``'s own submodules as stages (no copies): the embeddings, one stage per decoder
     layer (the last with the final norm), ``lm_head`` (:mod:`.hf_stages`). One sentence
@@ -249,6 +326,9 @@ class HFCausalLM(LightningModule):
     ``experts_implementation`` picks the mixture-of-experts kernel (null: the library's default,
     ``grouped_mm``, which takes float32 and bf16 only; ``batched_mm`` computes in any dtype and
     runs on the meta device, which the engine's memory estimate needs; ``eager`` routes by value).
+    ``lora`` (``r``, ``alpha``, ``dropout``, ``target_modules``; ``r`` null: off) trains peft's LoRA
+    adapters only, every other weight frozen (:func:`add_lora`; ``target_modules`` null: peft's
+    default for the family, e.g. ``q_proj``/``v_proj`` for Llama, ``c_attn`` for GPT-2).
     """
 
     stages: nn.ModuleList
@@ -256,11 +336,19 @@ class HFCausalLM(LightningModule):
 
     def __init__(self, arch: str | None = None, config: Mapping[str, Any] | None = None, pretrained: str | None = None,
                  lr: float = 3e-3, weight_decay: float = 0.0, max_steps: int = 0, dtype: str | None = None,
-                 attn_implementation: str | None = None, experts_implementation: str | None = None) -> None:
+                 attn_implementation: str | None = None, experts_implementation: str | None = None,
+                 lora: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         model = build(arch, config, pretrained, dtype, attn_implementation, experts_implementation)
         model.loss_type = "ForCausalLM"  # what GPT2LMHeadModel falls back to anyway, with a warning
+        lora = _plain(lora)
+        self.lora = lora.get("r") is not None
+        if self.lora or any(v is not None for v in lora.values()):  # the latter: one sentence on what lacks r
+            # adapters take their device from the layer they wrap: real on loaded weights (started by
+            # peft here; no stage of a loaded model is initialised again), meta on a meta-built model
+            with real_init():
+                add_lora(model, lora)
         # a plain attribute, not a child module: its parameters are named once, under stages
         object.__setattr__(self, "hf", model)
         self.stages = nn.ModuleList(cut(model))
@@ -270,6 +358,8 @@ class HFCausalLM(LightningModule):
         rule a model built on the meta device follows, :mod:`launcher.runtime.init`)."""
         for m in module.modules():
             self.hf._init_weights(m)
+        if self.lora:  # the library's rule reaches the adapters' layers too: peft's own start instead
+            reset_lora(module)
 
     def train(self, mode: bool = True) -> HFCausalLM:
         super().train(mode)
@@ -339,4 +429,6 @@ class HFCausalLM(LightningModule):
 
     def configure_optimizers(self):  # noqa: ANN201 - Lightning's union of return types
         hp = self.hparams
+        # every parameter, as a user's module passes them: a frozen one (LoRA's base model) never has
+        # a gradient, so AdamW keeps no state for it and never changes it
         return adamw_cosine(self.parameters(), hp["lr"], hp["weight_decay"], hp["max_steps"])

@@ -18,7 +18,8 @@ def keyed(e: BaseException, node: Any, key: str) -> str | None:
     ``ValueError`` (or ``TypeError``) whose text starts with ``name=value`` for an argument ``name``
     of the node, as the built-in models and data say it, gets ``key.`` before every argument it
     names (``n_head=5 is invalid: it must divide d_model=16`` under ``model`` becomes
-    ``model.n_head=5 is invalid: it must divide model.d_model=16.``); ``None`` for anything else."""
+    ``model.n_head=5 is invalid: it must divide model.d_model=16.``), and one that names the key in
+    full already (``model.lora.r=0 is invalid: ...``) is said as it is; ``None`` for anything else."""
     import re
 
     root = e
@@ -28,6 +29,8 @@ def keyed(e: BaseException, node: Any, key: str) -> str | None:
     names = [str(k) for k in node.keys() if not str(k).startswith("_")] if hasattr(node, "keys") else []
     if not isinstance(root, (ValueError, TypeError)) or not names:
         return None
+    if re.match(rf"{re.escape(key)}\.({'|'.join(map(re.escape, names))})[.=]", text):
+        return text.rstrip(".") + "."  # names its key in full already (model.lora.r=0 is invalid: ...)
     head = re.match(r"([A-Za-z_][A-Za-z0-9_]*)=", text)
     if head is None or head.group(1) not in names:
         return None

@@ -337,7 +337,7 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
     views = stash.views
     if stash.out is None:  # recompute the stage's forward on freshly fetched weights
         mod, params, targets = st.fetch(op)
-        views = None if params is None else list(params.values())
+        views = None if params is None else list(params.values())[: st.e.layouts[s].trainable]
         st.e.stats.before(s, b, mod)
         with torch.enable_grad(), replayed_rng(stash.rng, st.e.device), st.in_streams(b), \
                 st.counting(False, op, mod, targets, stash.values, True) as graph:
@@ -478,7 +478,7 @@ def _views(st: StepState, key: tuple[int, int], total: torch.Tensor) -> list[tor
     """Each parameter's view of the stage's total ``total`` (made once per total)."""
     views = st.views.get(key)
     if views is None:
-        views = st.views[key] = list(st.e.layouts[key[0]].views(total).values())
+        views = st.views[key] = st.e.layouts[key[0]].grad_views(total)
     return views
 
 
@@ -489,6 +489,8 @@ def accumulate(st: StepState, op: JobOp, targets: list[torch.Tensor], grads: Seq
     layout = st.e.layouts[op.stage]
     total = st.acc.get(key)
     if total is not None:  # add each gradient into its view of the total: no packed copy
+        if not gs:  # nothing of the stage trains: its (empty) total stays as it is
+            return
         if len(gs) == 1:
             total += gs[0].reshape(-1)
         else:
@@ -499,11 +501,11 @@ def accumulate(st: StepState, op: JobOp, targets: list[torch.Tensor], grads: Seq
         st.e.replicas.fill(op.stage)
     elif op.owner != st.e.worker and st.e.lowered.weight_cache == "job":
         # cache "job": a fetched stage's sum lives only until it is delivered (freed, not kept)
-        total = torch.empty(layout.numel, dtype=layout.dtype, device=st.e.device)
+        total = torch.empty(layout.grad_numel, dtype=layout.dtype, device=st.e.device)
     else:
         total = st.e.totals.get(key)
         if total is None:
-            total = st.e.totals[key] = torch.empty(layout.numel, dtype=layout.dtype, device=st.e.device)
+            total = st.e.totals[key] = torch.empty(layout.grad_numel, dtype=layout.dtype, device=st.e.device)
     # written in place into a buffer kept from step to step (a fresh megabyte a step costs a
     # page fault per 4 KiB); the engine's sends of it are done before the next step starts
     layout.pack(gs, out=total)

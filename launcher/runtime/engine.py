@@ -41,6 +41,7 @@ import contextlib
 import os
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -97,8 +98,16 @@ def default_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _lowered(schedule: Step | Timeline | Lowered, weight_cache: str, prefetch: int) -> Lowered:
-    """The engine's program: the schedule lowered (simulated first, if need be) for ``prefetch``."""
+def frozen_stages(stages: Sequence[torch.nn.Module]) -> frozenset[int]:
+    """Stages with no trainable parameter (``requires_grad=False`` throughout, or none at all):
+    no weight gradient leaves them, so the program sends them no partial sum and all-reduces nothing."""
+    return frozenset(s for s, m in enumerate(stages) if not any(p.requires_grad for p in m.parameters()))
+
+
+def _lowered(schedule: Step | Timeline | Lowered, weight_cache: str, prefetch: int,
+             frozen: frozenset[int] = frozenset()) -> Lowered:
+    """The engine's program: the schedule lowered (simulated first, if need be) for ``prefetch``,
+    without gradient messages for the ``frozen`` stages."""
     found = [e for e in (value_error("prefetch", prefetch), value_error("weight_cache", weight_cache)) if e]
     if found:  # the command line's sentences
         raise StepError(found)
@@ -106,8 +115,16 @@ def _lowered(schedule: Step | Timeline | Lowered, weight_cache: str, prefetch: i
         if schedule.prefetch != prefetch:
             raise ValueError(f"the program was lowered for prefetch={schedule.prefetch} but the engine got "
                              f"prefetch={prefetch}; its predicted peak resident weights would not hold")
+        if schedule.timeline.step.frozen != frozen:
+            raise ValueError(f"the program was lowered with frozen stages {sorted(schedule.timeline.step.frozen)} but "
+                             f"the model's stages {sorted(frozen)} have no trainable parameter; lower the step with "
+                             f"frozen={sorted(frozen)}")
         return schedule
-    tl = schedule if isinstance(schedule, Timeline) else simulate(schedule)
+    if isinstance(schedule, Timeline):  # the timeline does not depend on what trains, its messages do
+        tl = schedule if schedule.step.frozen == frozen else replace(schedule, step=replace(schedule.step,
+                                                                                             frozen=frozen))
+    else:
+        tl = simulate(schedule if schedule.frozen == frozen else replace(schedule, frozen=frozen))
     return lower(tl, weight_cache, prefetch)
 
 
@@ -159,7 +176,7 @@ class Engine:
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is invalid: use one of {', '.join(TRANSPORTS)}")
-        self.lowered = _lowered(schedule, weight_cache, prefetch)
+        self.lowered = _lowered(schedule, weight_cache, prefetch, frozen_stages(model.stages))
         self.timeline = self.lowered.timeline
         space = self.timeline.step.space
         _check_model(model, space)
@@ -189,7 +206,8 @@ class Engine:
             self._sync_ties()
         self._sync_replicas()
         # a parameter several owned stages share (tied embeddings) is one parameter of the optimizer
-        params = list(dict.fromkeys(p for s in self.owned for p in self.modules[s].parameters()))
+        # frozen parameters (requires_grad=False) get no gradient, so no optimizer state either
+        params = list(dict.fromkeys(p for s in self.owned for p in self.modules[s].parameters() if p.requires_grad))
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self._step_state(compute_dtype)
 
@@ -294,9 +312,11 @@ class Engine:
 
     def sizes(self, microbatches: Sequence[Batch]) -> tuple[list[int], list[list[int]], list[int]]:
         """Bytes of every planned message, of every stage input ``x_s^b`` (per micro-batch) and of
-        every stage's parameters, for these micro-batches' shapes: what crosses, as packed."""
+        every stage's parameters, for these micro-batches' shapes: what crosses, as packed (a weight
+        gradient sum: the stage's trainable parameters only, :meth:`grad_sizes`)."""
         shapes, space = self.shapes(microbatches), self.space
         params = [L.numel * torch.empty((), dtype=L.dtype).element_size() for L in self.layouts]
+        grads = self.grad_sizes()
 
         def size(m: Msg) -> int:
             if m.kind == ACT:
@@ -305,11 +325,16 @@ class Engine:
                 return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.grad_nbytes()
             if m.kind == WEIGHTS:
                 return self.layouts[m.stage].numel * torch.empty((), dtype=self.wire_dtype(m.stage)).element_size()
-            return params[m.stage]
+            return grads[m.stage]
 
         act = [[shapes[b].input_bytes(s, space.stage_preds[s]) if space.stage_preds[s]
                 else value_bytes(microbatches[b][0]) for b in range(space.B)] for s in range(space.S)]
         return [size(m) for m in self.lowered.messages], act, params
+
+    def grad_sizes(self) -> list[int]:
+        """Bytes of every stage's gradient: its trainable parameters' (a frozen one has none), in
+        the weights' dtype, as gradient sums and replica all-reduces carry it."""
+        return [L.grad_numel * torch.empty((), dtype=L.dtype).element_size() for L in self.layouts]
 
     def wire_dtype(self, s: int) -> torch.dtype:
         """The dtype stage ``s``'s weights are fetched in: the compute dtype under mixed
@@ -444,7 +469,8 @@ class Engine:
                 "waits": waits, "sends": [[mid, msgs[mid].kind, nbytes, at] for mid, at, nbytes in t["sends"] or ()]}
 
     def install_grads(self, scale: float = 1.0, accumulate: bool = False) -> None:
-        """Point every owned parameter's ``.grad`` at its slice of the step's reduced gradient.
+        """Point every owned trainable parameter's ``.grad`` at its slice of the step's reduced
+        gradient (a frozen one keeps ``None``, as on one device).
 
         ``scale`` multiplies it (``1/k`` for one optimizer step over ``k`` batches, as Lightning
         divides each batch's loss by ``k``); ``accumulate`` adds it into the ``.grad`` an earlier
@@ -454,8 +480,9 @@ class Engine:
             total = self.last_grads[s]
             cached = self._grad_views.get(s)
             if cached is None or cached[0] is not total:  # the totals' buffers are kept: so are their views
-                cached = self._grad_views[s] = (total, list(self.modules[s].parameters()),
-                                                list(self.layouts[s].views(total).values()))
+                L = self.layouts[s]
+                cached = self._grad_views[s] = (total, L.ordered(self.modules[s], trainable_only=True),
+                                                L.grad_views(total))
             for p, g in zip(cached[1], cached[2]):
                 if accumulate and p.grad is not None:
                     p.grad.add_(g, alpha=scale)
@@ -550,12 +577,12 @@ class Engine:
                 continue
             root, L = owners[0], self.layouts[s]
             if w == root:
-                flat = L.pack([p.detach() for p in self.modules[s].parameters()])
+                flat = L.pack_module(self.modules[s])
                 works += [isend(flat, self.ranks[o], group=self.group, tag=tag0 + s) for o in owners[1:]]
             else:
                 flat = torch.empty(L.numel, dtype=L.dtype, device=self.device)
                 works.append(irecv(flat, self.ranks[root], group=self.group, tag=tag0 + s))
-                into += list(zip(self.modules[s].parameters(), L.views(flat).values()))
+                into += list(zip(L.ordered(self.modules[s]), L.views(flat).values()))
         self._receive_into(works, into)
 
     def _receive_into(self, works: list[Any], into: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -576,7 +603,8 @@ class Engine:
         w, owners = self.worker, self.lowered.owners
         for g, uses in enumerate(self.ties):
             union = sorted({o for s, _ in uses for o in owners[s]})
-            if w not in union:
+            s0, i0 = uses[0]
+            if w not in union or not self.layouts[s0].is_trainable(i0):  # a frozen one has no gradient
                 continue
             works, parts = [], []
             for k, (s, i) in enumerate(uses):
@@ -590,7 +618,7 @@ class Engine:
                                   for o in union if o not in owners[s]]
                 else:
                     L = self.layouts[s]
-                    buf = torch.empty(L.shapes[i], dtype=L.dtype, device=self.device)
+                    buf = torch.empty(L.shapes[L.index[i]], dtype=L.dtype, device=self.device)
                     works.append(irecv(buf, self.ranks[root], group=self.group, tag=tag))
                     parts.append(buf)
             with blocked(self.watchdog):
@@ -604,9 +632,7 @@ class Engine:
                     self._param_view(totals[s], s, i).copy_(total)
 
     def _param_view(self, flat: torch.Tensor, s: int, i: int) -> torch.Tensor:
-        L = self.layouts[s]
-        at = sum(L.numels[:i])
-        return flat[at : at + L.numels[i]].view(L.shapes[i])
+        return self.layouts[s].param_view(flat, i)
 
     def gather_state(self, dst: int = 0) -> list[dict[str, torch.Tensor]] | None:
         """Every stage's parameters at worker ``dst`` (each from its lowest-ranked owner); None elsewhere."""
@@ -616,7 +642,7 @@ class Engine:
             root = self.lowered.owners[s][0]
             L = self.layouts[s]
             if self.worker == root:
-                flat = L.pack([p.detach() for p in self.modules[s].parameters()])
+                flat = L.pack_module(self.modules[s])
                 if dst != root:
                     with blocked(self.watchdog):
                         isend(flat, self.ranks[dst], group=self.group, tag=tag0 + s).wait()

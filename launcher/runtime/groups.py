@@ -116,8 +116,9 @@ class Replicas:
                  layouts: Sequence, device: torch.device, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.lowered, self.worker, self.ranks, self.group = lowered, worker, list(ranks), group
         self.nccl = dist.get_backend(group) == "nccl"
-        nbytes = [L.numel * torch.empty(0, dtype=L.dtype).element_size() for L in layouts]
-        every = plan_buckets(lowered, nbytes, [L.numel for L in layouts], [L.dtype for L in layouts], bucket_bytes)
+        # a stage's gradient is its trainable parameters' (:class:`~launcher.runtime.layout.StageLayout`)
+        nbytes = [L.grad_numel * torch.empty(0, dtype=L.dtype).element_size() for L in layouts]
+        every = plan_buckets(lowered, nbytes, [L.grad_numel for L in layouts], [L.dtype for L in layouts], bucket_bytes)
         self.buckets = [b for b in every if worker in b.owners]
         if worker is not None:  # a rank that is no worker has no buckets
             for b in self.buckets:

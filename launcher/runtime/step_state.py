@@ -55,7 +55,9 @@ class StepState:
         self.ys: dict[int, Any] = {}  # micro-batch -> its target on the device (loss stages)
         self.wstash: dict[tuple[int, int], tuple] = {}  # split backward: I's graph kept for W
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (stage, owner) -> summed weight gradient
-        self.weights: dict[int, torch.Tensor] = {}  # weights message -> fetched flat copy (a leaf)
+        # weights message -> (fetched flat copy, the leaf its gradient is taken against: the copy
+        # itself, its trainable prefix, or None when nothing of the stage trains)
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
         self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # acc key -> per-parameter views of the total
         self.into: dict[tuple[int, int], list[torch.Tensor] | None] = {}  # acc key -> where a backward adds in place
@@ -66,23 +68,33 @@ class StepState:
 
     # ---- weights -----------------------------------------------------------------------------
     def fetch(self, op: JobOp) -> tuple[torch.nn.Module, dict | None, list[torch.Tensor]]:
-        """Module, parameter override and gradient targets for ``op``'s stage."""
+        """Module, parameter override and gradient targets for ``op``'s stage: its trainable
+        parameters, or a fetched copy's trainable prefix (a leaf of its own; the frozen rest of
+        the copy is computed with, never differentiated)."""
         s = op.stage
         if op.weights is None:
             mod = self.e.modules[s]
             params = self.params.get(s)
             if params is None:
-                params = self.params[s] = list(mod.parameters())
+                params = self.params[s] = self.e.layouts[s].ordered(mod, trainable_only=True)
             return mod, None, params
         mid = op.weights
+        L = self.e.layouts[s]
         if mid not in self.weights:
             flat = self.comm.wait(mid)
             self.comm.drop(mid)
-            self.weights[mid] = flat.requires_grad_(True)
-        flat = self.weights[mid]
+            # the leaf autograd differentiates: the whole copy when nothing of the stage is frozen
+            if not L.frozen:
+                grad: torch.Tensor | None = flat.requires_grad_(True)
+            else:
+                grad = flat[: L.grad_numel].detach().requires_grad_(True) if L.trainable else None
+            self.weights[mid] = (flat, grad)
+        flat, grad = self.weights[mid]
         self.meter.fetched_jobs += 1
         self.meter.fetched_stages.add(s)
-        return self.e.skeletons[s], self.e.layouts[s].views(flat), [flat]
+        if grad is flat:
+            return self.e.skeletons[s], L.views(flat), [flat]
+        return self.e.skeletons[s], L.views(flat, grad), [] if grad is None else [grad]
 
     def free(self, mid: int | None) -> None:
         if mid is not None and self.weights.pop(mid, None) is not None:
@@ -221,7 +233,8 @@ class StepState:
             self.e.finite.forward(s, b, None if self.weightless(s, b) else out, loss)
         # a recomputing backward fetches the weights again: keeping ``targets`` (a fetched copy)
         # here would hold every fetched stage's weights until its backward
-        views = list(params.values()) if params is not None and not recompute and self.e.split else None
+        views = (list(params.values())[: self.e.layouts[s].trainable] if params is not None and not recompute
+                 and self.e.split else None)
         self.stash[(s, b)] = Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
                                     [] if recompute else targets, nbytes, saved, rng, views)
         n = self.e._local_succ[s * self.e.space.B + b]
@@ -301,7 +314,7 @@ class StepState:
                 layout = e.layouts[s]
                 total = e.totals.get((s, w))
                 if total is None:
-                    total = e.totals[(s, w)] = torch.empty(layout.numel, dtype=layout.dtype, device=e.device)
+                    total = e.totals[(s, w)] = torch.empty(layout.grad_numel, dtype=layout.dtype, device=e.device)
                 total.copy_(part)
                 self.acc[(s, w)] = total
             else:
@@ -327,7 +340,7 @@ class StepState:
             if total is None:
                 total = e.replicas.buffer(s)
                 if total is None:
-                    total = torch.zeros(e.layouts[s].numel, dtype=e.layouts[s].dtype, device=e.device)
+                    total = torch.zeros(e.layouts[s].grad_numel, dtype=e.layouts[s].dtype, device=e.device)
                 elif red.recv_from and e.replicas.fill(s):  # not launched yet: it waits for these sums
                     total.zero_()
             for mid in red.recv_from:
@@ -364,7 +377,7 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
     def hand_over(mid: int) -> None:
         s = msgs[mid].stage
         if s not in packed:
-            flat = engine.layouts[s].pack([p.detach() for p in engine.modules[s].parameters()])
+            flat = engine.layouts[s].pack_module(engine.modules[s])
             packed[s] = flat.to(engine.wire_dtype(s))  # mixed precision: cast once, sent to all
         comm.send(mid, packed[s])
 
@@ -428,4 +441,6 @@ def _spec(engine: Engine, shapes: list[Shapes], m: Msg) -> tuple:
     if m.kind == GRAD:
         return shapes[m.microbatch].edges[(m.stage, m.peer_stage)].sig.grad_spec()
     L = engine.layouts[m.stage]
-    return (L.numel,), engine.wire_dtype(m.stage) if m.kind == WEIGHTS else L.dtype
+    if m.kind == WEIGHTS:
+        return (L.numel,), engine.wire_dtype(m.stage)
+    return (L.grad_numel,), L.dtype  # a weight-gradient sum: the trainable prefix

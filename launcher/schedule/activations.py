@@ -100,7 +100,7 @@ def sum_handovers(tl: Timeline) -> list[SumHandover]:
     last: dict[tuple[int, int, int], int] = {}
     for w in range(W):
         for i, j in enumerate(tl.program[w]):
-            if j // SB == grad_kind and tl.weights[j] != w:
+            if j // SB == grad_kind and tl.weights[j] != w and (j // B) % S not in tl.step.frozen:
                 key = ((j // B) % S, w, tl.weights[j])
                 first.setdefault(key, i)
                 last[key] = j

@@ -312,7 +312,8 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
     for mid, (_, _, kind, ws, wr, stage, _, peer, ns, nr) in enumerate(edge_msgs):  # each job's messages in id order
         jobs[wr][nr].recv[stage if kind == ACT else peer] = mid
         jobs[ws][ns].send.append(mid)
-    programs = [_program(w, progs[w], jobs[w], belongs[w], mids[w], msgs, owners, pair[w]) for w in range(W)]
+    programs = [_program(w, progs[w], jobs[w], belongs[w], mids[w], msgs, owners, pair[w], tl.step.frozen)
+                for w in range(W)]
     lowered = Lowered(tl, weight_cache, msgs, programs, owners, per_worker(tl, weight_cache), prefetch,
                       _reduce_order(tl, programs, owners))
     if weight_cache == "job":
@@ -322,10 +323,12 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
 
 
 def _program(w: int, prog: list[Action], jobs: list[JobOp], belongs: list[int], mids: list[int], msgs: list[Msg],
-             owners: list[list[int]], pair: dict[int, list[int]]) -> Program:
+             owners: list[list[int]], pair: dict[int, list[int]], frozen: frozenset[int] = frozenset()) -> Program:
     """Worker ``w``'s :class:`~launcher.schedule.program.Program` from its actions (``mids``: per
-    action, its message's id; -1: none) and its jobs, their activations and gradients filled in."""
-    reduces = {s: StageReduce(s, replicas=tuple(o) if len(o) > 1 else ()) for s, o in enumerate(owners) if w in o}
+    action, its message's id; -1: none) and its jobs, their activations and gradients filled in;
+    a stage in ``frozen`` (nothing to train) has no all-reduce."""
+    reduces = {s: StageReduce(s, replicas=tuple(o) if len(o) > 1 and s not in frozen else ())
+               for s, o in enumerate(owners) if w in o}
     held: dict[int, int] = {}  # stage -> the fetched copy its jobs here run on
     at: dict[str, dict[int, list[int]]] = {SEND_WEIGHTS: {}, RECV_WGRAD: {}, FREE_WGRAD: {}}  # job index -> mids
     ready: dict[int, int] = {}

@@ -80,7 +80,7 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
         k, s = divmod(j // B, S)
         o = tl.weights[j]
         owners[s].add(o)
-        if k == grad_kind and tl.compute[j] != o:
+        if k == grad_kind and tl.compute[j] != o and s not in tl.step.frozen:
             pairs.add((s, tl.compute[j], o))
     sent, received = [0.0] * W, [0.0] * W
     sends, receives, rounds = [0] * W, [0] * W, [0] * W
@@ -91,7 +91,7 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
         receives[o] = 1
     sets: dict[tuple[int, ...], float] = {}
     for s, stage_owners in enumerate(owners):
-        if len(stage_owners) > 1:
+        if len(stage_owners) > 1 and s not in tl.step.frozen:
             key = tuple(sorted(stage_owners))
             sets[key] = sets.get(key, 0.0) + grad_bytes[s]
     for group, nbytes in sets.items():

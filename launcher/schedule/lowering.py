@@ -253,7 +253,8 @@ def _partial_sums(tl: Timeline) -> dict[tuple[int, int, int], int]:
         return last
     for w, prog in enumerate(tl.program):
         for j in prog:
-            if j // SB == space.K - 1 and tl.weights[j] != w:  # B, or W when split: it yields the gradient
+            # B, or W when split: it yields the gradient (none for a frozen stage: nothing to send)
+            if j // SB == space.K - 1 and tl.weights[j] != w and (j // B) % S not in tl.step.frozen:
                 last[((j // B) % S, w, tl.weights[j])] = j
     return last
 
@@ -274,7 +275,7 @@ def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     for w, prog in enumerate(tl.program):
         ready = {(j // B) % S: i for i, j in enumerate(prog) if j // SB == space.K - 1 and tl.weights[j] == w}
         for s in range(S):
-            if len(owners[s]) > 1 and w in owners[s]:
+            if len(owners[s]) > 1 and w in owners[s] and s not in tl.step.frozen:
                 if (w, s) in sums:
                     before[w][len(prog)].append(Action(REDUCE, s))
                 else:

@@ -67,6 +67,7 @@ def traffic(tl: Timeline) -> dict[str, list[int]]:
     sends: list[set[tuple[int, int]]] = [set() for _ in range(W)]
     owners: list[set[int]] = [set() for _ in range(S)]
     grad_kind = space.K - 1  # B, or W when split: the job that makes stage s's weight gradient
+    frozen = tl.step.frozen
     for j in range(space.N):
         k, s = divmod(j // B, S)
         w, o = comp[j], wts[j]
@@ -75,7 +76,7 @@ def traffic(tl: Timeline) -> dict[str, list[int]]:
         if o != w:
             fetch_jobs[w] += 1
             fetched[w].add(s)
-        if k == grad_kind and o != w:
+        if k == grad_kind and o != w and s not in frozen:
             sends[w].add((s, o))
         for p in space.pred(j):
             if comp[p] == w:
@@ -89,7 +90,7 @@ def traffic(tl: Timeline) -> dict[str, list[int]]:
                 grad[w] += 1
         if k == 1 and not space.is_sink[s] and comp[j - SB] != w:
             stash[w] += 1  # B(s,b) away from F(s,b) needs x_s^b moved
-    allreduce = [sum(1 for s in owned[w] if len(owners[s]) > 1) for w in range(W)]
+    allreduce = [sum(1 for s in owned[w] if len(owners[s]) > 1 and s not in frozen) for w in range(W)]
     return {
         "act_recv": act,
         "grad_recv": grad,

@@ -61,6 +61,9 @@ class Step:
     #: stages whose backward (``B``, or ``I`` when split) recomputes their forward first
     #: (activation checkpointing): each such job takes its stage's forward time more
     recompute: frozenset[int] = frozenset()
+    #: stages with no trainable parameter (every one ``requires_grad=False``): no weight gradient
+    #: leaves them, so no partial sum is sent to their owners and their replicas all-reduce nothing
+    frozen: frozenset[int] = frozenset()
 
     @property
     def S(self) -> int:

@@ -8,9 +8,11 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from launcher.lightning import UnifiedStrategy
 from launcher.models import GPT, CharCorpus
 from launcher.models.base import adamw_cosine
 
@@ -70,6 +72,31 @@ def quiet_trainer(strategy: Any = "auto", devices: int = 1, **kw: Any) -> L.Trai
     args = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False, num_sanity_val_steps=0)
     return L.Trainer(strategy=strategy, devices=devices, **{**args, **kw})
+
+
+class Keep(L.Callback):
+    """Each step's loss; at the end, every worker's engine records and predicted message bytes,
+    written where the test reads them (the workers are forked processes)."""
+
+    def __init__(self, out: Path | None = None) -> None:
+        self.out, self.losses = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        st = trainer.strategy
+        if self.out is None or not isinstance(st, UnifiedStrategy):
+            return
+        msgs = st.engine.lowered.messages
+        sizes = st.sizes()[0] if st.engine.worker is not None else []
+        replicas = st.engine.replicas
+        torch.save({"records": st.records, "losses": self.losses, "worker": st.engine.worker,
+                    "predicted": [(m.kind, m.dst, n) for m, n in zip(msgs, sizes)],
+                    # the bytes this worker all-reduces across replicas each step
+                    "allreduce_bytes": sum(f.numel() * f.element_size() for f in replicas.flats)},
+                   self.out / f"rank{dist.get_rank()}.pt")
 
 
 def load_checkpoint(path: Path) -> dict:

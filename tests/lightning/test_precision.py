@@ -20,12 +20,11 @@ import copy
 from collections import defaultdict
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.training import char_data, quiet_trainer, tiny_gpt
+from helpers.training import Keep, char_data, quiet_trainer, tiny_gpt
 from launcher.lightning import UnifiedStrategy
 from launcher.models import GPT
 
@@ -43,28 +42,6 @@ SCHEMES = {
     "lpp": ("lpp", 1, 2, 4, 2),
     "fslpp": ("fslpp", 2, 2, 4, 4),
 }
-
-
-class Keep(L.Callback):
-    """Each step's loss; at the end, every worker's engine records and predicted message bytes,
-    written where the test reads them (the workers are forked processes)."""
-
-    def __init__(self, out: Path | None = None) -> None:
-        self.out, self.losses = out, []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        st = trainer.strategy
-        if self.out is None or not isinstance(st, UnifiedStrategy):
-            return
-        msgs = st.engine.lowered.messages
-        sizes = st.sizes()[0] if st.engine.worker is not None else []
-        torch.save({"records": st.records, "losses": self.losses, "worker": st.engine.worker,
-                    "predicted": [(m.kind, m.dst, n) for m, n in zip(msgs, sizes)]},
-                   self.out / f"rank{dist.get_rank()}.pt")
 
 
 def fit(base: GPT, strategy, devices: int, precision: str, out: Path | None = None) -> tuple[GPT, Keep]:

@@ -296,3 +296,25 @@ def test_a_release_point_is_handed_over_before_the_job_handed_over_before_says(p
         for r, mids in prog.weight_release.items():
             for mid in mids:
                 assert at[mid] == min(prog.handed_over_before(r, prefetch), len(prog.jobs))
+
+
+@pytest.mark.parametrize("scheme,G,R,split,cache", [("ddp", 4, 1, False, "step"), ("fsdp", 4, 1, True, "job"),
+                                                    ("lpp", 2, 2, False, "step"), ("fslpp", 2, 2, True, "job")])
+def test_frozen_stages_send_no_gradient(scheme: str, G: int, R: int, split: bool, cache: str) -> None:
+    """A stage with nothing to train (``Step.frozen``) has no partial sum and no all-reduce; the
+    rest of the program, and the counts the simulator predicts, follow."""
+    from dataclasses import replace
+
+    step = make_step(scheme, 4, 4, G=G, R=R, split_backward=split)
+    every, some = lower(simulate(step), cache), lower(simulate(replace(step, frozen=frozenset({0, 3}))), cache)
+    wgrad = [m for m in some.messages if m.kind == WGRAD]
+    assert not any(m.stage in (0, 3) for m in wgrad)
+    assert sorted((m.src, m.dst, m.stage) for m in wgrad) == sorted(
+        (m.src, m.dst, m.stage) for m in every.messages if m.kind == WGRAD and m.stage not in (0, 3))
+    for w, prog in enumerate(some.programs):
+        assert [r.stage for r in prog.reduces if r.replicas] == [
+            r.stage for r in every.programs[w].reduces if r.replicas and r.stage not in (0, 3)]
+        assert some.predicted["weight_grad_send"][w] == sum(m.src == w for m in wgrad)
+        assert some.predicted["weight_allreduce"][w] == sum(1 for r in prog.reduces if r.replicas)
+    assert set(some.reduce_order) == set(every.reduce_order) - {0, 3}
+    assert [m.kind for m in some.messages if m.kind != WGRAD] == [m.kind for m in every.messages if m.kind != WGRAD]
