@@ -47,6 +47,7 @@ from typing_extensions import override
 from ..config import ConfigError
 from ..runtime import DEFAULT_TIMEOUT, Engine
 from ..runtime.init import empty_init, has_meta
+from ..runtime.items import rows
 from ..runtime.measure import resident_bytes
 from ..runtime.nonfinite import MODES as NONFINITE_MODES
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
@@ -146,7 +147,8 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.records: list[dict[str, Any]] = []  # this worker's record of every training step
         self.meta = False  # the module was built on the meta device: no process holds all of it
         self.base_memory = 0  # bytes this worker held before its stages were materialised
-        self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes
+        self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes: the largest
+        self._stand_ins = 0  # micro-batches of the last batch cut that repeat another and weigh nothing
         self._pending = None
 
     # ---- configuration -------------------------------------------------------------------
@@ -362,12 +364,27 @@ class UnifiedStrategy(CheckpointingStrategy):
         """The batch cut into ``microbatches`` (input, target) pieces (:func:`split_batch`), as equal
         as they can be (a last batch may not divide), and the items each one's loss averages over
         (:func:`~launcher.lightning.item_counts.loss_items`; None: its rows), by which the engine weighs
-        it; not counted unless ``weigh`` (a prediction batch may hold no target to count)."""
+        it; not counted unless ``weigh`` (a prediction batch may hold no target to count).
+
+        A batch of fewer samples than ``microbatches`` (a last batch of 2 under DDP on 4 workers) is
+        cut into one micro-batch per sample, and the schedule's other micro-batches repeat the last
+        one with a count of 0 items: they weigh nothing (no loss, no gradient), so the step equals
+        one device's on the batch (:meth:`_stand_ins` says how many there are)."""
         batch = self.precision_plugin.convert_input(batch)
         x, y = split_batch(self._attached, batch, self.traced)
-        xs = chunk(x, self.B, equal=False)
-        ys = chunk(y, self.B, equal=False) if y is not None else [None] * self.B
-        return list(zip(xs, ys)), loss_items(self._attached, batch, self.B) if weigh else None
+        n = rows(x)
+        pieces = self.B if n is None or n >= self.B else max(n, 1)
+        xs = chunk(x, pieces, equal=False)
+        ys = chunk(y, pieces, equal=False) if y is not None else [None] * pieces
+        items = loss_items(self._attached, batch, pieces) if weigh else None
+        self._stand_ins = self.B - pieces
+        if self._stand_ins:
+            if weigh:  # the real micro-batches' counts (their rows by default), then none for the stand-ins
+                counts = items if items is not None else [rows(part) for part in xs]
+                items = [*counts, *[0] * self._stand_ins]
+            xs += [xs[-1]] * self._stand_ins
+            ys += [ys[-1]] * self._stand_ins
+        return list(zip(xs, ys)), items
 
     def _sum_over_workers(self, value: float) -> torch.Tensor:
         t = torch.tensor([value], dtype=torch.float64, device=self.root_device)
@@ -384,7 +401,8 @@ class UnifiedStrategy(CheckpointingStrategy):
                 self.engine.loss_scale = float(scaler.get_scale())
             record = self.engine.compute_step(mbs, items, step=self._attached.trainer.global_step)
         self.records.append(record)
-        self._last_batch = mbs
+        if self._last_batch is None or _samples(mbs) >= _samples(self._last_batch):
+            self._last_batch = mbs  # a last, smaller batch does not stand for the run's messages
         finite = self.engine.finite
         loss, bad = agree(record["measured_only"]["loss"] if record else 0.0, finite.first() if finite else None,
                           self.root_device)
@@ -449,19 +467,19 @@ class UnifiedStrategy(CheckpointingStrategy):
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, {b: to_device(t, torch.device("cpu")) for b, t in preds.items()})
         merged = {b: t for part in every for b, t in part.items()}
-        return joined([merged[b] for b in range(self.B)], self.root_device)
+        return joined([merged[b] for b in range(self.B - self._stand_ins)], self.root_device)
 
     # ---- metrics ---------------------------------------------------------------------------
     def sizes(self) -> tuple[list[int], list[list[int]], list[int]]:
         """Bytes of every planned message, of every stage input ``x_s^b`` (per micro-batch) and of
-        every stage's parameters, for the last training batch's shapes."""
+        every stage's parameters, for the shapes of the last training batch of the most samples."""
         assert self.engine is not None and self._last_batch is not None
         e, mbs = self.engine, self._last_batch
         return e.sizes(mbs)
 
     def saved_sizes(self) -> list[list[int]]:
-        """Bytes each stage's forward graph saves for its backward, per micro-batch, for the last
-        training batch's shapes (:meth:`Engine.saved_sizes`)."""
+        """Bytes each stage's forward graph saves for its backward, per micro-batch, for the shapes
+        of the last training batch of the most samples (:meth:`Engine.saved_sizes`)."""
         assert self.engine is not None and self._last_batch is not None
         return self.engine.saved_sizes(self._last_batch)
 
@@ -478,6 +496,11 @@ class UnifiedStrategy(CheckpointingStrategy):
                 del module.cpu
             return
         super().teardown()
+
+
+def _samples(microbatches: Sequence[tuple[Any, Any]]) -> int:
+    """The samples of a step's micro-batches (stand-ins counted: they are computed too)."""
+    return sum(rows(mb[0]) or 0 for mb in microbatches)
 
 
 StrategyRegistry.register("unified", UnifiedStrategy,
