@@ -399,7 +399,8 @@ class UnifiedStrategy(CheckpointingStrategy):
             scaler = getattr(self.precision_plugin, "scaler", None)
             if scaler is not None:  # 16-mixed: the backward runs here, on the scaled loss; the step unscales
                 self.engine.loss_scale = float(scaler.get_scale())
-            record = self.engine.compute_step(mbs, items, step=self._attached.trainer.global_step)
+            record = self.engine.compute_step(mbs, items, step=self._attached.trainer.global_step,
+                                              stand_ins=self._stand_ins)
         self.records.append(record)
         if self._last_batch is None or _samples(mbs) >= _samples(self._last_batch):
             self._last_batch = mbs  # a last, smaller batch does not stand for the run's messages
