@@ -403,7 +403,9 @@ class UnifiedStrategy(CheckpointingStrategy):
                                               stand_ins=self._stand_ins)
         self.records.append(record)
         if self._last_batch is None or _samples(mbs) >= _samples(self._last_batch):
-            self._last_batch = mbs  # a last, smaller batch does not stand for the run's messages
+            self._last_batch = mbs
+        elif record:  # a last, smaller batch stands neither for the run's messages nor for its job times
+            record["measured_only"]["short_batch"] = True
         finite = self.engine.finite
         loss, bad = agree(record["measured_only"]["loss"] if record else 0.0, finite.first() if finite else None,
                           self.root_device)
