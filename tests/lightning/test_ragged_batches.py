@@ -6,7 +6,8 @@ graph takes micro-batches of any size) and a module with stages alike, at the la
 Two steps of batches of 8 over 14 or 10 samples: step 2's batch has 6 (micro-batches of 2, 2, 1
 and 1 samples, weighed by their rows) or 2, fewer than the 4 micro-batches (one micro-batch per
 sample; the schedule's other two weigh nothing), which ddp and fsdp, a micro-batch per worker, meet
-with workers that hold no sample. Validation runs on one batch of 3 samples.
+with workers that hold no sample. Validation runs on one batch of 3 samples. Also BatchNorm stages
+(their running statistics compared) and ``model=hf``'s module on such a batch.
 """
 
 from __future__ import annotations
@@ -79,8 +80,19 @@ class ConvNet(Regressor):
             nn.Sequential(nn.Flatten(), nn.Dropout(0.2), nn.Linear(24, 8), nn.Tanh()), nn.Linear(8, 3)])
 
 
-def samples(n: int, seed: int) -> TensorDataset:
+def llama() -> L.LightningModule:
+    """``model=hf``'s module (stages cut from the model's own modules), a tiny Llama."""
+    from launcher.models import HFCausalLM
+
+    return HFCausalLM(arch="llama", config=dict(num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+                                                num_attention_heads=2, num_key_value_heads=1), max_steps=2)
+
+
+def samples(n: int, seed: int, tokens: bool = False) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
+    if tokens:  # windows of 9 characters: input and next-character target
+        w = torch.randint(0, 128, (n, 9), generator=g)
+        return TensorDataset(w[:, :-1].contiguous(), w[:, 1:].contiguous())
     return TensorDataset(torch.randn(n, 6, generator=g, dtype=torch.float64),
                          torch.randn(n, 3, generator=g, dtype=torch.float64))
 
@@ -89,11 +101,12 @@ def fit(kind: str, n: int, strategy: Any, devices: int) -> tuple[dict[str, torch
     """Two steps over ``n`` samples in shuffled batches of 8 (the last one ragged), then
     ``val_loss`` on 3 samples: the trained state and ``val_loss``."""
     L.seed_everything(0, verbose=False)
-    model = (ConvNet() if kind == "batchnorm" else Regressor(staged=kind == "staged")).double()
+    model = {"batchnorm": ConvNet, "hf": llama}.get(kind, lambda: Regressor(staged=kind == "staged"))().double()
     tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=2, gradient_clip_val=CLIP,
                        val_check_interval=2, limit_val_batches=1)
-    tr.fit(model, train_dataloaders=DataLoader(samples(n, 1), batch_size=8, shuffle=True),
-           val_dataloaders=DataLoader(samples(3, 2), batch_size=8))
+    tokens = kind == "hf"
+    tr.fit(model, train_dataloaders=DataLoader(samples(n, 1, tokens), batch_size=8, shuffle=True),
+           val_dataloaders=DataLoader(samples(3, 2, tokens), batch_size=8))
     return model.state_dict(), float(tr.callback_metrics["val_loss"])
 
 
@@ -103,11 +116,12 @@ def split_of(kind: str) -> str | None:
 
 #: (module, scheme, G, R, samples): each scheme with a traced module and a module with stages, on
 #: a last batch of 6 (uneven micro-batches) or of 2 (fewer samples than micro-batches); BatchNorm's
-#: running statistics (in the state compared) with stand-ins
+#: running statistics (in the state compared) with stand-ins; model=hf's module
 CASES = [("traced", "ddp", 4, 1, 10), ("traced", "fsdp", 4, 1, 14), ("traced", "gpipe", 1, 4, 10),
          ("traced", "lpp", 2, 2, 14), ("traced", "fslpp", 2, 2, 10),
          ("staged", "ddp", 4, 1, 14), ("staged", "fsdp", 4, 1, 10), ("staged", "gpipe", 1, 4, 14),
-         ("staged", "lpp", 2, 2, 10), ("staged", "fslpp", 2, 2, 14), ("batchnorm", "ddp", 4, 1, 10)]
+         ("staged", "lpp", 2, 2, 10), ("staged", "fslpp", 2, 2, 14), ("batchnorm", "ddp", 4, 1, 10),
+         ("hf", "fsdp", 4, 1, 10)]
 
 
 @pytest.fixture(scope="module")
