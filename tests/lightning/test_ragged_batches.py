@@ -172,6 +172,20 @@ class FixedRows(nn.Module):
         return self.b(torch.tanh(self.a(x.view(4, -1))))
 
 
+class OneSampleBranch(nn.Module):
+    """A forward that does something else for one sample: a graph traced on more would skip it
+    (export assumes a symbolic size is not 1), so the split is checked on one sample and keeps
+    the example's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h * 2 if x.shape[0] == 1 else h)
+
+
 class Traced(L.LightningModule):
     def __init__(self, body: nn.Module) -> None:
         super().__init__()
@@ -193,8 +207,8 @@ def test_the_input_check_still_refuses_a_real_mismatch() -> None:
     with pytest.raises(ValueError, match=r"^stage 0 was traced on an input 'batch_0' of shape \(n, 8\) and dtype "
                                          r"torch.float64, and got one of shape \(n, 5\)"):
         stage0((batch[0][:3, :5], batch[1][:3]))
-    fixed = Traced(FixedRows()).double()
-    stage0 = check_staging(fixed, 2, "auto", batch, 2).model.stages[0]
-    with pytest.raises(ValueError, match=r"^stage 0 was traced on micro-batches .*4.* and got one of 3 samples.*, so "
-                                         r"give its DataLoaders drop_last=True"):
-        stage0((batch[0][:3], batch[1][:3]))
+    for body, rows in ((FixedRows(), 3), (OneSampleBranch(), 1)):
+        stage0 = check_staging(Traced(body).double(), 2, "auto", batch, 2).model.stages[0]
+        with pytest.raises(ValueError, match=rf"^stage 0 was traced on micro-batches .*4.* and got one of {rows} "
+                                             r"samples.*, so give its DataLoaders drop_last=True"):
+            stage0((batch[0][:rows], batch[1][:rows]))
