@@ -280,7 +280,7 @@ class UnifiedStrategy(CheckpointingStrategy):
         kept: forked workers inherit it rather than trace the module again. Every random state
         and the trainer's loaders are left as they were (:func:`~.staging.first_batch`)."""
         from ..runtime.checks import ModelError
-        from .staging import check_staging, training_loaders
+        from .staging import check_staging, loader_batch_sizes, ragged_errors, training_loaders
 
         if self._staged is not None and self._staged[0] is module:
             return
@@ -293,7 +293,7 @@ class UnifiedStrategy(CheckpointingStrategy):
         if S is None:
             raise ModelError([f"{type(module).__name__} is traced and cut into stages: "
                               f"give UnifiedStrategy(stages=...) or split=[module paths where stages begin]."])
-        batch, unread = None, False
+        batch, unread, loaders = None, False, None
         try:
             loaders = training_loaders(module, train_dataloaders, datamodule)
             if loaders is not None:
@@ -307,6 +307,11 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.precision_plugin.convert_module(module)
         with self.precision_plugin.train_step_context():  # as the workers will trace and run it
             staging = check_staging(module, S, self.split, batch, self.B, self.partition, self.memory_cap)
+        sizes = loader_batch_sizes(loaders) if batch is not None else None
+        if sizes:  # a graph of a fixed batch size, and a last, smaller batch: said before any worker starts
+            found = ragged_errors(module, staging, batch, sizes, self.B)
+            if found:
+                raise ModelError(found)
         self._staged = (module, staging)
 
     def adopt(self, other: UnifiedStrategy) -> None:

@@ -41,9 +41,9 @@ class InputCheck(nn.Module):
                     and want[0][0] is None and isinstance(got, tuple) and len(got) == 2 and got[0]:
                 got = ((None, *got[0][1:]), got[1])  # any number of samples
             if got != want and _only_rows_differ(want, got):
-                raise ValueError(f"stage 0 was traced on micro-batches of {want[0][0]} samples, a size the model's "
-                                 f"code fixes, and got one of {got[0][0]} samples (input {name!r}), so give its "
-                                 f"DataLoaders drop_last=True (a last, smaller batch is of another size).")
+                raise ValueError(f"stage 0 takes micro-batches of {want[0][0]} samples, a size the model's code fixes, "
+                                 f"not one of {got[0][0]} (input {name!r}), so give its DataLoaders drop_last=True (a "
+                                 f"last, smaller batch is of another size).")
             if got != want:
                 raise ValueError(f"stage 0 was traced on an input {name!r} of {_describe(want)}, and got one of "
                                  f"{_describe(got)}; every micro-batch must match the example the model was split on.")
@@ -52,9 +52,10 @@ class InputCheck(nn.Module):
                 self.guards(*(inputs[i] for i in self.guarded))
             except AssertionError as e:  # a branch in the code on the number of samples
                 rows = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim()), None)
-                raise ValueError(f"stage 0 was traced on micro-batches of the sizes the model's code allows ({e}), "
-                                 f"and got one of {rows} samples, so give its DataLoaders drop_last=True (a last, "
-                                 f"smaller batch is of another size).") from None
+                rule = str(e).removeprefix("Guard failed: ")
+                raise ValueError(f"stage 0 takes micro-batches of the sizes the model's code allows ({rule}), not one "
+                                 f"of {rows}, so give its DataLoaders drop_last=True (a last, smaller batch is of "
+                                 f"another size).") from None
 
 
 def _spec(v: Any) -> Any:

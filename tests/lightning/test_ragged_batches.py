@@ -209,6 +209,27 @@ def test_the_input_check_still_refuses_a_real_mismatch() -> None:
         stage0((batch[0][:3, :5], batch[1][:3]))
     for body, rows in ((FixedRows(), 3), (OneSampleBranch(), 1)):
         stage0 = check_staging(Traced(body).double(), 2, "auto", batch, 2).model.stages[0]
-        with pytest.raises(ValueError, match=rf"^stage 0 was traced on micro-batches .*4.* and got one of {rows} "
-                                             r"samples.*, so give its DataLoaders drop_last=True"):
+        with pytest.raises(ValueError, match=rf"^stage 0 takes micro-batches .*4.*, not one of {rows}\b.*, so "
+                                             r"give its DataLoaders drop_last=True"):
             stage0((batch[0][:rows], batch[1][:rows]))
+
+
+def test_a_fixed_batch_size_and_a_last_smaller_batch_are_refused_before_training() -> None:
+    """What the launcher checks before any worker starts (as ``python -m launcher`` does): a graph
+    whose code fixes the batch size, and a DataLoader whose last batch is smaller, are refused in
+    one sentence naming drop_last=True; with drop_last=True the same module is taken."""
+    from launcher.runtime.checks import ModelError
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(14, 8, generator=g), torch.randn(14, 2, generator=g))
+    for drop_last in (False, True):
+        strategy = UnifiedStrategy("ddp", stages=2, microbatches=2, split="auto")
+        loader = DataLoader(data, batch_size=8, shuffle=True, drop_last=drop_last)
+        if drop_last:
+            strategy.check_before_fork(Traced(FixedRows()), train_dataloaders=loader)
+            continue
+        with pytest.raises(ModelError, match=r"^the training DataLoader's batches of 6 samples are cut into "
+                                             r"micro-batches of 3, and stage 0 takes micro-batches .*, not one of 3\b.*"
+                                             r"drop_last=True") as e:
+            strategy.check_before_fork(Traced(FixedRows()), train_dataloaders=loader)
+        assert len(e.value.sentences) == 1
