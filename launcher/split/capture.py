@@ -61,8 +61,8 @@ def export_graph(module: nn.Module, args: tuple, kwargs: dict[str, Any], rows: b
     Parameters and buffers are ``get_attr`` nodes that resolve to ``module``'s own tensors (export
     never copies them), placeholders are the flattened inputs, and every node carries the
     ``nn_module_stack`` of the modules it ran in. Shapes are those of the example, except the first
-    dimension of each input tensor when ``rows``: a symbol wherever the code lets it be one (the
-    ranges export found for the symbols are ``gm.meta["rows"]``, see :func:`row_ranges`).
+    dimension of each input tensor when ``rows``: a symbol wherever the code lets it be one, within
+    the guards export found (``_guards_fn``, which stage 0's input check runs).
     """
     logs = [logging.getLogger(name) for name in ("torch.fx.experimental.symbolic_shapes",
                                                  "torch._export.non_strict_utils")]
@@ -86,7 +86,6 @@ def export_graph(module: nn.Module, args: tuple, kwargs: dict[str, Any], rows: b
         for log, level in zip(logs, levels):
             log.setLevel(level)
     gm = ep.module()
-    gm.meta["rows"] = {str(k): (_bound(v.lower) or 0, _bound(v.upper)) for k, v in ep.range_constraints.items()}
     _refuse_state_updates(module, gm)
     if data_branches:
         try:
@@ -114,9 +113,8 @@ def _row_dims(inputs: Any) -> Any:
     """``dynamic_shapes`` for ``(args, kwargs)``: the first dimension of every tensor of at least
     one dimension is a symbol (``Dim.AUTO``: export keeps it fixed where the code needs that)."""
     args, kwargs = inputs
-    spec = pytree.tree_map(lambda x: {0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() else None,
+    return pytree.tree_map(lambda x: {0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() else None,
                            (tuple(args), dict(kwargs)), is_leaf=lambda x: x is None)
-    return spec
 
 
 def _export(module: nn.Module, args: tuple, kwargs: dict[str, Any],
@@ -141,11 +139,6 @@ def _export(module: nn.Module, args: tuple, kwargs: dict[str, Any],
             sys.stderr.write(text)
 
 
-def _bound(value: Any) -> int | None:
-    """A range's bound as an int; None for infinity."""
-    return int(value) if getattr(value, "is_Integer", False) else None
-
-
 def _named(module: nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: Any) -> dict[str, Any]:
     """``dynamic``'s specs by the name of the forward parameter each input binds to."""
     bound = inspect.signature(module.forward).bind(*range(len(args)), **{k: k for k in kwargs})
@@ -159,17 +152,6 @@ def _named(module: nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: Any)
         else:
             out[name] = spec_args[value] if isinstance(value, int) else spec_kwargs[value]
     return out
-
-
-def row_ranges(val: Any, ranges: dict[str, tuple[int, int | None]]) -> tuple[int, int | None] | None:
-    """The sizes a traced input's first dimension may take: ``(lowest, highest or None)`` when it
-    is a symbol, None when the graph fixed it (or ``val`` is not a tensor). Export assumes a
-    symbol is at least 2 (its sizes 0 and 1 are specialised); the graph takes 1 as well, so a bound
-    of 2 reads as 1 (a bound above 2 is a branch in the code, kept)."""
-    if not isinstance(val, torch.Tensor) or val.dim() == 0 or not isinstance(val.shape[0], torch.SymInt):
-        return None
-    low, high = ranges.get(str(val.shape[0].node.expr), (2, None))
-    return (1 if low <= 2 else low), high
 
 
 def _refuse_state_updates(module: nn.Module, gm: fx.GraphModule) -> None:
