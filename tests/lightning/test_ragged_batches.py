@@ -12,6 +12,7 @@ with workers that hold no sample. Validation runs on one batch of 3 samples. Als
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.oracle import assert_scheme_equals_single_device
 from helpers.training import max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.single import StreamedSingleDevice
@@ -233,3 +235,52 @@ def test_a_fixed_batch_size_and_a_last_smaller_batch_are_refused_before_training
                                              r"drop_last=True") as e:
             strategy.check_before_fork(Traced(FixedRows()), train_dataloaders=loader)
         assert len(e.value.sentences) == 1
+
+
+#: a user's traced module (dropout on) and data module: 14 samples in shuffled batches of 8
+USER_CODE = '''
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Reg(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(6 if i == 0 else 8, 8), nn.Dropout(0.2), nn.Tanh())
+                                    for i in range(3)], nn.Linear(8, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.body(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Data(L.LightningDataModule):
+    def __init__(self, batch_size: int = 8, n: int = 14) -> None:
+        super().__init__()
+        self.batch_size, self.n = batch_size, n
+
+    def setup(self, stage=None):
+        g = torch.Generator().manual_seed(1)
+        self.train_set = TensorDataset(torch.randn(self.n, 6, generator=g), torch.randn(self.n, 3, generator=g))
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+'''
+
+
+@pytest.mark.slow
+def test_the_command_line_trains_a_traced_module_on_a_last_smaller_batch(tmp_path: Path, monkeypatch) -> None:
+    """Issue 46's run: ``python -m launcher model=custom split=auto`` on a DataLoader whose second
+    batch has 6 samples exits 0, and its ``last.ckpt`` equals ``strategy=single``'s."""
+    (tmp_path / "ragged_user.py").write_text(USER_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the oracle builds the same classes in this process
+    monkeypatch.delitem(sys.modules, "ragged_user", raising=False)
+    assert_scheme_equals_single_device("fslpp", [
+        "G=2", "R=2", "stages=4", "microbatches=4", "split=auto", "model=custom", "model._target_=ragged_user.Reg",
+        "data=custom", "data._target_=ragged_user.Data", "data.batch_size=8", "+data.n=14", "trainer.max_steps=2",
+        "trainer.precision=64-true", "trainer.val_check_interval=2", "logger=none"], tmp_path)
