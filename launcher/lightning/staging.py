@@ -275,6 +275,54 @@ def check_staging(module: nn.Module, S: int, split: Sequence[str] | str | None, 
     return staging
 
 
+def loader_batch_sizes(loaders: Any) -> list[int] | None:
+    """The sizes of the batches a plain ``DataLoader`` over a sized data set yields in an epoch:
+    its ``batch_size``, then a last, smaller one unless ``drop_last``; None where that cannot be
+    told without reading it (an iterable data set, a batch sampler of the user's, several loaders)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if not isinstance(loaders, DataLoader) or isinstance(loaders.dataset, IterableDataset):
+        return None
+    size = loaders.batch_size
+    try:
+        n = len(loaders.sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    if size is None:
+        return None
+    sizes = [size] if n >= size else []
+    if n % size and not loaders.drop_last:
+        sizes.append(n % size)
+    return sizes
+
+
+def ragged_errors(module: nn.Module, staging: Staging, batch: Any, sizes: Sequence[int],
+                  microbatches: int) -> list[str]:
+    """A traced graph whose code fixes the batch size, and training batches of ``sizes`` samples
+    that the step cuts into micro-batches of another size (a last, smaller batch): the sentence
+    stage 0 would raise at that step, said before training (naming ``drop_last=True``)."""
+    from ..runtime.items import rows
+    from ..runtime.torch_private import pytree
+
+    check = getattr(staging.model.stages[0], "_input_check", None) if staging.traced else None
+    have = rows(batch)
+    if check is None or have is None:
+        return []
+    for size in sizes:
+        pieces = max(1, min(microbatches, size))
+        for k in sorted({size // pieces, -(-size // pieces)}):
+            if k > have:
+                continue
+            part = pytree.tree_map(lambda x: x[:k] if isinstance(x, torch.Tensor) and x.dim() else x, as_tree(batch))
+            args = split_batch(module, part, traced=True)[0]
+            try:
+                check(*pytree.tree_leaves((tuple(args), {})))
+            except ValueError as e:
+                return [f"the training DataLoader's batches of {size} samples are cut into micro-batches of {k}, "
+                        f"and {e}"]
+    return []
+
+
 #: the parameter a worker that owns no stage registers, so ``configure_optimizers`` still builds an optimizer
 PLACEHOLDER = "_launcher_nothing_owned"
 

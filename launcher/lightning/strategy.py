@@ -50,6 +50,7 @@ from typing_extensions import override
 from ..config import ConfigError
 from ..runtime import DEFAULT_TIMEOUT, Engine
 from ..runtime.init import empty_init, has_meta
+from ..runtime.items import rows
 from ..runtime.measure import resident_bytes
 from ..runtime.nonfinite import MODES as NONFINITE_MODES
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
@@ -150,7 +151,8 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.records: list[dict[str, Any]] = []  # this worker's record of every training step
         self.meta = False  # the module was built on the meta device: no process holds all of it
         self.base_memory = 0  # bytes this worker held before its stages were materialised
-        self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes
+        self._last_batch: list[tuple[torch.Tensor, Any]] | None = None  # for message sizes: the largest
+        self._stand_ins = 0  # micro-batches of the last batch cut that repeat another and weigh nothing
         self._pending = None
         self.positions = Positions()  # the training loaders' positions, saved and restored with checkpoints
         self._in_step = 0  # which of the accumulate_grad_batches batches of its optimizer step this batch is
@@ -281,7 +283,7 @@ class UnifiedStrategy(CheckpointingStrategy):
         kept: forked workers inherit it rather than trace the module again. Every random state
         and the trainer's loaders are left as they were (:func:`~.staging.first_batch`)."""
         from ..runtime.checks import ModelError
-        from .staging import check_staging, training_loaders
+        from .staging import check_staging, loader_batch_sizes, ragged_errors, training_loaders
 
         if self._staged is not None and self._staged[0] is module:
             return
@@ -294,7 +296,7 @@ class UnifiedStrategy(CheckpointingStrategy):
         if S is None:
             raise ModelError([f"{type(module).__name__} is traced and cut into stages: "
                               f"give UnifiedStrategy(stages=...) or split=[module paths where stages begin]."])
-        batch, unread = None, False
+        batch, unread, loaders = None, False, None
         try:
             loaders = training_loaders(module, train_dataloaders, datamodule)
             if loaders is not None:
@@ -308,6 +310,11 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.precision_plugin.convert_module(module)
         with self.precision_plugin.train_step_context():  # as the workers will trace and run it
             staging = check_staging(module, S, self.split, batch, self.B, self.partition, self.memory_cap)
+        sizes = loader_batch_sizes(loaders) if batch is not None else None
+        if sizes:  # a graph of a fixed batch size, and a last, smaller batch: said before any worker starts
+            found = ragged_errors(module, staging, batch, sizes, self.B)
+            if found:
+                raise ModelError(found)
         self._staged = (module, staging)
 
     def adopt(self, other: UnifiedStrategy) -> None:
@@ -382,12 +389,27 @@ class UnifiedStrategy(CheckpointingStrategy):
         """The batch cut into ``microbatches`` (input, target) pieces (:func:`split_batch`), as equal
         as they can be (a last batch may not divide), and the items each one's loss averages over
         (:func:`~launcher.lightning.item_counts.loss_items`; None: its rows), by which the engine weighs
-        it; not counted unless ``weigh`` (a prediction batch may hold no target to count)."""
+        it; not counted unless ``weigh`` (a prediction batch may hold no target to count).
+
+        A batch of fewer samples than ``microbatches`` (a last batch of 2 under DDP on 4 workers) is
+        cut into one micro-batch per sample, and the schedule's other micro-batches repeat the last
+        one with a count of 0 items: they weigh nothing (no loss, no gradient), so the step equals
+        one device's on the batch (:meth:`_stand_ins` says how many there are)."""
         batch = self.precision_plugin.convert_input(batch)
         x, y = split_batch(self._attached, batch, self.traced)
-        xs = chunk(x, self.B, equal=False)
-        ys = chunk(y, self.B, equal=False) if y is not None else [None] * self.B
-        return list(zip(xs, ys)), loss_items(self._attached, batch, self.B) if weigh else None
+        n = rows(x)
+        pieces = self.B if n is None or n >= self.B else max(n, 1)
+        xs = chunk(x, pieces, equal=False)
+        ys = chunk(y, pieces, equal=False) if y is not None else [None] * pieces
+        items = loss_items(self._attached, batch, pieces) if weigh else None
+        self._stand_ins = self.B - pieces
+        if self._stand_ins:
+            if weigh:  # the real micro-batches' counts (their rows by default), then none for the stand-ins
+                counts = items if items is not None else [rows(part) for part in xs]
+                items = [*counts, *[0] * self._stand_ins]
+            xs += [xs[-1]] * self._stand_ins
+            ys += [ys[-1]] * self._stand_ins
+        return list(zip(xs, ys)), items
 
     def _sum_over_workers(self, value: float) -> torch.Tensor:
         t = torch.tensor([value], dtype=torch.float64, device=self.root_device)
@@ -406,9 +428,12 @@ class UnifiedStrategy(CheckpointingStrategy):
             # accumulate_grad_batches=k: the j-th batch of an optimizer step draws as micro-batches j*B ..
             self._in_step = batch_in_step(trainer) if trainer.accumulate_grad_batches > 1 else 0
             record = self.engine.compute_step(mbs, items, step=trainer.global_step,
-                                              first_microbatch=self._in_step * self.B)
+                                              first_microbatch=self._in_step * self.B, stand_ins=self._stand_ins)
         self.records.append(record)
-        self._last_batch = mbs
+        if self._last_batch is None or _samples(mbs) >= _samples(self._last_batch):
+            self._last_batch = mbs
+        elif record:  # a last, smaller batch stands neither for the run's messages nor for its job times
+            record["measured_only"]["short_batch"] = True
         finite = self.engine.finite
         loss, bad = agree(record["measured_only"]["loss"] if record else 0.0, finite.first() if finite else None,
                           self.root_device)
@@ -482,19 +507,19 @@ class UnifiedStrategy(CheckpointingStrategy):
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, {b: to_device(t, torch.device("cpu")) for b, t in preds.items()})
         merged = {b: t for part in every for b, t in part.items()}
-        return joined([merged[b] for b in range(self.B)], self.root_device)
+        return joined([merged[b] for b in range(self.B - self._stand_ins)], self.root_device)
 
     # ---- metrics ---------------------------------------------------------------------------
     def sizes(self) -> tuple[list[int], list[list[int]], list[int]]:
         """Bytes of every planned message, of every stage input ``x_s^b`` (per micro-batch) and of
-        every stage's parameters, for the last training batch's shapes."""
+        every stage's parameters, for the shapes of the last training batch of the most samples."""
         assert self.engine is not None and self._last_batch is not None
         e, mbs = self.engine, self._last_batch
         return e.sizes(mbs)
 
     def saved_sizes(self) -> list[list[int]]:
-        """Bytes each stage's forward graph saves for its backward, per micro-batch, for the last
-        training batch's shapes (:meth:`Engine.saved_sizes`)."""
+        """Bytes each stage's forward graph saves for its backward, per micro-batch, for the shapes
+        of the last training batch of the most samples (:meth:`Engine.saved_sizes`)."""
         assert self.engine is not None and self._last_batch is not None
         return self.engine.saved_sizes(self._last_batch)
 
@@ -511,6 +536,11 @@ class UnifiedStrategy(CheckpointingStrategy):
                 del module.cpu
             return
         super().teardown()
+
+
+def _samples(microbatches: Sequence[tuple[Any, Any]]) -> int:
+    """The samples of a step's micro-batches (stand-ins counted: they are computed too)."""
+    return sum(rows(mb[0]) or 0 for mb in microbatches)
 
 
 StrategyRegistry.register("unified", UnifiedStrategy,

@@ -22,7 +22,8 @@ message was handed over and when each late incoming message arrived, and where t
 - :func:`outside_seconds`: per worker, a training step's time outside the engine (CPU on CPU
   workers, wall on GPUs).
 
-Steps after the first count (the first one pays for warm-up).
+Steps after the first count (the first one pays for warm-up), except an epoch's last, smaller batch
+(a record marked ``short_batch``), unless every step is one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ Records = Sequence[Mapping[str, Any]]  # per worker: {"records": [record of each
 
 def _steps(r: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     recs = [x["measured_only"] for x in r["records"] if x]
+    recs = [m for m in recs if not m.get("short_batch")] or recs  # an epoch's last, smaller batch
     return recs[1:] if len(recs) > 1 else recs
 
 

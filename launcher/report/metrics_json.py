@@ -225,7 +225,9 @@ def _per_worker(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], tl: Timeli
                 recomputed: Sequence[bool] | None, bubble_fraction: dict[str, Any]) -> dict[str, Any]:
     """The record's ``per_worker``: the programs' (or the predicted timeline's) counts beside each
     worker's last record."""
-    last = [next((x for x in reversed(r["records"]) if x), None) for r in ranks]
+    # the last step of a full batch: what the predicted message sizes are of (an epoch's last, smaller one is not)
+    last = [next((x for x in reversed(r["records"]) if x and not x["measured_only"].get("short_batch")),
+                 next((x for x in reversed(r["records"]) if x), None)) for r in ranks]
 
     def pw(key: str) -> dict[str, list]:
         return {"predicted": list(lowered.predicted[key]),

@@ -389,7 +389,7 @@ class Engine:
         return record
 
     def compute_step(self, microbatches: Sequence[Batch], items: Sequence[Count] | None = None,
-                     step: int | None = None, first_microbatch: int = 0) -> dict[str, Any]:
+                     step: int | None = None, first_microbatch: int = 0, stand_ins: int = 0) -> dict[str, Any]:
         """Every job of one step and the gradient reduction, without the optimizer step: each
         owned stage's total gradient is left in :attr:`last_grads` (see :meth:`install_grads`).
         ``items``: how many items each micro-batch's loss averages over (numbers or 0-d tensors,
@@ -398,7 +398,9 @@ class Engine:
         ``step``: the global step the random streams draw for (default: this engine's count of
         steps from 0; a resumed run passes its own). ``first_microbatch``: the random streams' index
         of micro-batch 0, when one optimizer step spans several calls (gradient accumulation over
-        batches: the ``j``-th batch of a step passes ``j * B``, so no two batches draw alike)."""
+        batches: the ``j``-th batch of a step passes ``j * B``, so no two batches draw alike).
+        ``stand_ins``: the last micro-batches only fill the schedule (a batch of fewer samples than
+        ``B``): they must count 0 items, and add nothing to BatchNorm's running statistics either."""
         self.steps += 1
         self.step_index = self.steps - 1 if step is None else int(step)
         self.first_microbatch = int(first_microbatch)
@@ -412,13 +414,13 @@ class Engine:
             check_same_batches(microbatches, self.group, self.device, self.watchdog, self.steps)
         self._recount = self.steps == 1 or self.steps % (self.check_every or CHECK_EVERY) == 0
         if self.worker is None:
-            self.stats.begin()  # idle ranks add nothing to the statistics' all-reduce, but take part
+            self.stats.begin(B - stand_ins)  # idle ranks add nothing to the statistics' all-reduce, but take part
             self.stats.end(self.group, self.device, dist.get_world_size(self.group))
             return {}
         w, lowered = self.worker, self.lowered
         meter = Meter(spans=[])  # every training step is traced; only the last one's events are kept
         self.replicas.reset()
-        self.stats.begin()
+        self.stats.begin(B - stand_ins)
         for mine, copy in self._mirrored:  # the engine's copies train as the user's modules do, submodule
             if copy.training != mine.training:  # by submodule (a frozen part in eval mode stays so)
                 copy.training = mine.training

@@ -57,6 +57,7 @@ class RunningStats:
         self.modules = [list(hs) for hs in holders]
         self.layers = [[tracked(m) for m in hs] for hs in holders]
         self.B = microbatches
+        self.n = microbatches  # the step's micro-batches that count: the first n (the rest stand in)
         self.on = any(ls and ls[0] for ls in self.layers)
         self.r0: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self.sums: dict[int, list[list[torch.Tensor]]] = {}
@@ -64,8 +65,10 @@ class RunningStats:
     def _factor(self, bn: BatchNormBase, n0: int, b: int) -> float:
         return bn.momentum if bn.momentum is not None else 1.0 / (n0 + b + 1)
 
-    def begin(self) -> None:
-        """The step's starting statistics, and empty sums."""
+    def begin(self, counted: int | None = None) -> None:
+        """The step's starting statistics, and empty sums; ``counted``: the step's first micro-batches
+        that update the statistics (default all ``B``; the others stand in for missing samples)."""
+        self.n = self.B if counted is None else counted
         if not self.on:
             return
         self.r0, self.sums = {}, {}
@@ -91,12 +94,13 @@ class RunningStats:
         """Add micro-batch ``b``'s contribution (``count``), and put the step's statistics back."""
         if s not in self.r0:
             return
+        count = count and b < self.n
         with torch.no_grad():
             for bn, (m0, v0, n0), acc in zip(self._layers_of(s, module), self.r0[s], self.sums[s]):
                 if count:
                     f = self._factor(bn, n0, b)
                     w = 1.0
-                    for k in range(b + 1, self.B):
+                    for k in range(b + 1, self.n):
                         w *= 1.0 - self._factor(bn, n0, k)
                     mean, var, _ = _running(bn)
                     acc[0].add_(mean - (1.0 - f) * m0, alpha=w)
@@ -117,7 +121,7 @@ class RunningStats:
             for s in sorted(self.sums):
                 for k, ((m0, v0, n0), bn0) in enumerate(zip(self.r0[s], self.layers[s][0])):
                     keep = 1.0
-                    for b in range(self.B):
+                    for b in range(self.n):
                         keep *= 1.0 - self._factor(bn0, n0, b)
                     new = []
                     for t0 in (m0, v0):
@@ -125,4 +129,4 @@ class RunningStats:
                         new.append((keep * t0.to(torch.float64).cpu() + flat[at : at + n].view(t0.shape)).to(t0.dtype))
                         at += n
                     for holder in self.layers[s]:
-                        _set(holder[k], new[0].to(m0.device), new[1].to(v0.device), n0 + self.B)
+                        _set(holder[k], new[0].to(m0.device), new[1].to(v0.device), n0 + self.n)

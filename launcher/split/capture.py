@@ -8,11 +8,17 @@ takes the branch the example takes and records it as a runtime assertion. An ass
 tensor that depends on no input and no parameter (a causal mask built inside forward, which
 ``nn.Transformer`` compares with its own) always holds: it is dropped. Any other assertion is a
 branch on data that the next batch or the next step may take the other way: refused.
+
+The first (batch) dimension of every input tensor is traced as a symbol (``Dim.AUTO``), so one
+graph takes micro-batches of any size, such as those of a last, smaller batch. Where the module's
+code fixes that size (a ``view(8, -1)``, an example of one sample, which export specialises), the
+graph keeps the example's size, and stage 0's input check says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import operator
@@ -33,6 +39,7 @@ from launcher.runtime.torch_private import (
     op_schema,
     parameter_dict,
     propagate_real_tensors,
+    pytree,
     runtime_assert_ops,
 )
 
@@ -49,32 +56,47 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(__file__)
 
 
-def export_graph(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> fx.GraphModule:
+def export_graph(module: nn.Module, args: tuple, kwargs: dict[str, Any], rows: bool = True) -> fx.GraphModule:
     """``module``'s forward on ``(args, kwargs)`` as an unlifted graph module.
 
     Parameters and buffers are ``get_attr`` nodes that resolve to ``module``'s own tensors (export
     never copies them), placeholders are the flattened inputs, and every node carries the
-    ``nn_module_stack`` of the modules it ran in. Shapes are those of the example.
+    ``nn_module_stack`` of the modules it ran in. Shapes are those of the example, except the first
+    dimension of each input tensor when ``rows``: a symbol wherever the code lets it be one, within
+    the guards export found (``_guards_fn``, which stage 0's input check runs).
     """
-    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = shapes_log.level
-    shapes_log.setLevel(logging.ERROR)  # it logs the partial graph at a data branch, and each branch taken
+    logs = [logging.getLogger(name) for name in ("torch.fx.experimental.symbolic_shapes",
+                                                 "torch._export.non_strict_utils")]
+    levels = [log.level for log in logs]
+    for log in logs:  # the partial graph at a data branch, each branch taken, a size of 1 kept fixed
+        log.setLevel(logging.ERROR)
+    dynamic = _row_dims((args, kwargs)) if rows else None
     try:
         try:
-            ep, data_branches = _export(module, args, kwargs), False
+            ep, data_branches = _export(module, args, kwargs, dynamic), False
         except Exception as e:
             if not _branches_on_data(e):
                 raise
             with propagate_real_tensors():
-                ep, data_branches = _export(module, args, kwargs), True
+                ep, data_branches = _export(module, args, kwargs, dynamic), True
     except Exception as e:  # an op export cannot trace, a Python construct it rejects
+        if dynamic is not None:  # a symbolic batch size the code cannot follow: the example's, fixed
+            return export_graph(module, args, kwargs, rows=False)
         raise SplitError(_failure(module, e)) from e
     finally:
-        shapes_log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
     gm = ep.module()
     _refuse_state_updates(module, gm)
     if data_branches:
-        _drop_constant_asserts(module, gm)
+        try:
+            _drop_constant_asserts(module, gm)
+        except SplitError:
+            if dynamic is None:
+                raise
+            # a branch on a tensor made from the batch size (a mask of x.shape[0] rows): at the
+            # example's size, fixed, that tensor is a constant again
+            return export_graph(module, args, kwargs, rows=False)
     return gm
 
 
@@ -88,9 +110,19 @@ def _branches_on_data(e: BaseException | None) -> bool:
     return False
 
 
-def _export(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
+def _row_dims(inputs: Any) -> Any:
+    """``dynamic_shapes`` for ``(args, kwargs)``: the first dimension of every tensor of at least
+    one dimension is a symbol (``Dim.AUTO``: export keeps it fixed where the code needs that)."""
+    args, kwargs = inputs
+    return pytree.tree_map(lambda x: {0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() else None,
+                           (tuple(args), dict(kwargs)), is_leaf=lambda x: x is None)
+
+
+def _export(module: nn.Module, args: tuple, kwargs: dict[str, Any],
+            dynamic: Any = None) -> torch.export.ExportedProgram:
     """``torch.export.export``, less the partial graph it prints to stderr when it fails (the
-    SplitError says what failed); anything else it prints goes through."""
+    SplitError says what failed); anything else it prints goes through. ``dynamic``: the
+    ``(args, kwargs)`` of :func:`_row_dims`."""
     err = io.StringIO()
     partial = ""
     try:
@@ -98,7 +130,10 @@ def _export(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.exp
             # nn.LSTM/GRU/RNN refresh their list of weights in forward: export warns that a module
             # attribute changed, though the weights are the module's registered parameters
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights\[")
-            return torch.export.export(module, args, kwargs, strict=False)
+            if dynamic is None:
+                return torch.export.export(module, args, kwargs, strict=False)
+            return torch.export.export(module, args, kwargs, strict=False,
+                                       dynamic_shapes=_named(module, args, kwargs, dynamic))
     except Exception as e:
         partial = str(getattr(e, "partial_fx_graph", "") or "")
         raise
@@ -106,6 +141,21 @@ def _export(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.exp
         text = err.getvalue().replace(partial, "") if partial else err.getvalue()
         if text.strip():
             sys.stderr.write(text)
+
+
+def _named(module: nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: Any) -> dict[str, Any]:
+    """``dynamic``'s specs by the name of the forward parameter each input binds to."""
+    bound = inspect.signature(module.forward).bind(*range(len(args)), **{k: k for k in kwargs})
+    spec_args, spec_kwargs = dynamic
+    out: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        if isinstance(value, tuple):  # *args
+            out[name] = tuple(spec_args[i] for i in value)
+        elif isinstance(value, dict):  # **kwargs
+            out[name] = {k: spec_kwargs[k] for k in value}
+        else:
+            out[name] = spec_args[value] if isinstance(value, int) else spec_kwargs[value]
+    return out
 
 
 def _refuse_state_updates(module: nn.Module, gm: fx.GraphModule) -> None:

@@ -85,9 +85,12 @@ def split_module(module: nn.Module, example_args: tuple, stages: int, points: Se
     return trace_module(module, example_args, example_kwargs).split(stages, points)
 
 
-def trace_module(module: nn.Module, example_args: tuple, example_kwargs: dict[str, Any] | None = None) -> "Traced":
+def trace_module(module: nn.Module, example_args: tuple, example_kwargs: dict[str, Any] | None = None,
+                 rows: bool = True) -> "Traced":
     """Trace ``module``'s forward on one micro-batch (``example_args``, ``example_kwargs``), to
-    split as often as wanted: tracing costs seconds, cutting milliseconds.
+    split as often as wanted: tracing costs seconds, cutting milliseconds. ``rows``: the inputs'
+    first dimension is traced as a symbol where the code allows (:func:`export_graph`), so the
+    stages take micro-batches of any size (a last, smaller batch's).
 
     The module runs once first, in train mode with the RNG state kept, so a tensor it caches on
     its first call (a positional table) is in the graph as a constant. Its modes and buffers are
@@ -100,7 +103,7 @@ def trace_module(module: nn.Module, example_args: tuple, example_kwargs: dict[st
     with kept(module):
         module.train()  # traced in train mode, so dropout is in the graph; stages switch it with their mode
         seeded(lambda: module(*args, **kwargs), args, module, grad=False)
-        gm = export_graph(module, args, kwargs)
+        gm = export_graph(module, args, kwargs, rows)
     return Traced(module, args, kwargs, _Program(gm, module))
 
 
@@ -128,6 +131,16 @@ class Traced:
         """
         if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
             raise SplitError(f"stages={stages!r}: a split needs a whole number of stages, at least 1.")
+        try:
+            return self._split(stages, points)
+        except SplitError:
+            if not self.program.rows:
+                raise
+        # a graph of any batch size that cannot be cut or does not compute what the module does on
+        # another size: the example's size, fixed (stage 0's check then names drop_last=True)
+        return trace_module(self.module, self.args, self.kwargs, rows=False).split(stages, points)
+
+    def _split(self, stages: int, points: Sequence[str] | str) -> Split:
         module, args, kwargs = self.module, self.args, self.kwargs
         cuts, starts = self.program.cuts(points, stages)
         split = self.program.build(cuts, starts)
@@ -140,7 +153,31 @@ class Traced:
                 runs = (lambda: seeded(lambda: module(*args, **kwargs), args, module),
                         lambda: seeded(lambda: split.train(mode).run(*args, **kwargs), args, module))
                 check_same(runs[0](), runs[1](), "train" if mode else "eval", module, len(split.stages), runs)
+            if self.program.rows:
+                self._check_one_row(split)
         return split.train(module.training)
+
+    def _check_one_row(self, split: Split) -> None:
+        """The stages of a graph traced with a symbolic batch size compute what the module
+        computes on a micro-batch of one sample too (the smallest a last batch gives), in train
+        mode; a module that cannot run on one sample is not asked."""
+        module = self.module
+        n = next((x.shape[0] for x in pytree.tree_leaves((self.args, self.kwargs))
+                  if isinstance(x, torch.Tensor) and x.dim()), 1)
+        if n < 2:
+            return
+        args, kwargs = pytree.tree_map(lambda x: x[:1] if isinstance(x, torch.Tensor) and x.dim() else x,
+                                       (self.args, self.kwargs))
+        module.train()
+        try:
+            want = seeded(lambda: module(*args, **kwargs), args, module)
+        except Exception:  # noqa: BLE001 - nothing to compare with
+            return
+        try:
+            got = seeded(lambda: split.train().run(*args, **kwargs), args, module)
+        except Exception as e:  # noqa: BLE001 - the graph does not take this size
+            raise SplitError(f"the stages of {type(module).__name__} do not run on one sample ({e})") from e
+        check_same(want, got, "train", module, len(split.stages))
 
 
 class _Program:
@@ -157,6 +194,8 @@ class _Program:
         self.order = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")
                       and n not in self.guards]
         self.pos = {n: i for i, n in enumerate(self.order)}
+        # whether some input's first dimension is a symbol: the graph takes micro-batches of other sizes
+        self.rows = any(_symbolic_rows(n.meta.get("val")) for n in self.inputs)
         self.first: dict[str, int] = {}  # module path -> position of the first node that runs in it
         for i, n in enumerate(self.order):
             for path, _ in (n.meta.get("nn_module_stack") or {}).values():
@@ -329,6 +368,23 @@ class _Program:
                     return name
         return attr.target
 
+    def _size(self, a: fx.Node, g: fx.Graph, env: dict[fx.Node, fx.Node], feeds: list[fx.Node],
+              lookup: Any) -> fx.Node:
+        """A size made in another stage, in this one: read off an input of this stage with a
+        dimension of that size, else computed again from sizes of its own (``s0 * 8``)."""
+        expr = a.meta["val"].node.expr
+        for v in feeds:
+            val = v.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                for d, size in enumerate(val.shape):
+                    if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                        node = g.call_function(torch.ops.aten.sym_size.int, (env[v], d))
+                        node.meta = dict(a.meta)
+                        return node
+        if a.op == "call_function" and all(_is_size(x) for x in a.all_input_nodes):
+            return g.node_copy(a, lookup)
+        raise SplitError(f"{self.name}'s graph needs the size {expr} in a stage that has no input of that size.")
+
     def build(self, cuts: list[int], starts: list[str]) -> Split:
         S = len(cuts) + 1
         stage_of: dict[fx.Node, int] = {n: 0 for n in self.inputs + self.guards}
@@ -339,7 +395,8 @@ class _Program:
         needs: list[set[fx.Node]] = [set() for _ in range(S)]
         for n, c in list(stage_of.items()) + [(self.out, S - 1)]:
             for a in n.all_input_nodes:
-                if a.op != "get_attr" and a not in self.const and stage_of[a] != c:
+                # a size (the batch's) is read off the stage's own inputs (:meth:`_size`), not sent
+                if a.op != "get_attr" and a not in self.const and stage_of[a] != c and not _is_size(a):
                     needs[c].add(a)
         index = {n: i for i, n in enumerate(self.gm.graph.nodes)}
         exports = [sorted((a for c in range(S) for a in needs[c] if stage_of[a] == p), key=index.__getitem__)
@@ -391,11 +448,17 @@ class _Program:
                 attrs[name] = _attr(self.gm, a.target)
             elif a in self.const and a not in env:  # computed where it is used
                 env[a] = g.node_copy(a, lookup)
+            elif a not in env and _is_size(a) and stage_of.get(a) != s:
+                env[a] = self._size(a, g, env, feeds, lookup)
             return env[a]
 
         seeded: set[int] = set()
         if s == 0:
-            attrs["_input_check"] = InputCheck([(name, v.meta.get("val")) for name, v in zip(names, feeds)])
+            guards = self.guards[0] if self.guards and self.rows else None
+            attrs["_input_check"] = InputCheck(
+                [(name, v.meta.get("val")) for name, v in zip(names, feeds)],
+                _attr(self.gm, guards.target) if guards is not None else None,
+                [feeds.index(a) for a in guards.args] if guards is not None else ())
             g.call_module("_input_check", tuple(env[v] for v in feeds))
         for n in self.gm.graph.nodes:
             if n.op in ("placeholder", "get_attr", "output") or n in self.guards or n in self.const or stage_of[n] != s:
@@ -433,6 +496,11 @@ class _Program:
         return stage
 
 
+def _is_size(node: fx.Node) -> bool:
+    """Whether a node's value is a symbolic size (an int the graph computes from a batch's shape)."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
 def _plain(spec: pytree.TreeSpec) -> bool:
     """Whether an output structure is tensors and constants in tuples, lists and dicts, which a
     graph can return as they are."""
@@ -454,6 +522,19 @@ def _op_name(node: fx.Node) -> str:
 
 
 def _nbytes(val: object) -> int:
+    """Bytes of a traced value, at the example's sizes where a size is a symbol."""
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        n = 1
+        for d in val.shape:
+            n *= _hint(d)
+        return n * val.element_size()
     return 8
+
+
+def _hint(d: Any) -> int:
+    """A size as an int: a symbol's value in the example."""
+    return int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
+
+
+def _symbolic_rows(val: object) -> bool:
+    return isinstance(val, torch.Tensor) and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)

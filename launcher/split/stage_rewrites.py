@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import builtins
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
@@ -20,23 +20,44 @@ _SDPA = aten.scaled_dot_product_attention.default
 
 class InputCheck(nn.Module):
     """Stage 0's check that a micro-batch has the example's shapes and dtypes (and its constants),
-    which the traced graph is specialised to."""
+    which the traced graph is specialised to, except a first dimension traced as a symbol (any
+    number of samples, within what the module's code allows: export's ``guards``, run here)."""
 
-    def __init__(self, example: Sequence[tuple[str, Any]]) -> None:
+    def __init__(self, example: Sequence[tuple[str, Any]], guards: Callable[..., Any] | None = None,
+                 guarded: Sequence[int] = ()) -> None:
         super().__init__()
-        self.example = [(name, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v) for name, v in example]
+        self.example = [(name, _spec(v)) for name, v in example]
+        self.guards, self.guarded = guards, list(guarded)  # guarded: the inputs the guards take, by position
 
     def forward(self, *inputs: Any) -> None:
         for (name, want), x in zip(self.example, inputs):
-            got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+            got = _spec(x)
+            if isinstance(want, tuple) and len(want) == 2 and isinstance(want[1], torch.dtype) and want[0] \
+                    and want[0][0] is None and isinstance(got, tuple) and len(got) == 2 and got[0]:
+                got = ((None, *got[0][1:]), got[1])  # any number of samples
             if got != want and _only_rows_differ(want, got):
-                raise ValueError(f"stage 0 was traced on micro-batches of {want[0][0]} samples and got one of "
-                                 f"{got[0][0]} (input {name!r}): a traced model takes batches of the size it was "
-                                 f"traced on, so give its DataLoaders drop_last=True (a last, smaller batch is of "
-                                 f"another size).")
+                raise ValueError(f"stage 0 takes micro-batches of {want[0][0]} samples, a size the model's code fixes, "
+                                 f"not one of {got[0][0]} (input {name!r}), so give its DataLoaders drop_last=True (a "
+                                 f"last, smaller batch is of another size).")
             if got != want:
                 raise ValueError(f"stage 0 was traced on an input {name!r} of {_describe(want)}, and got one of "
                                  f"{_describe(got)}; every micro-batch must match the example the model was split on.")
+        if self.guards is not None:
+            try:
+                self.guards(*(inputs[i] for i in self.guarded))
+            except AssertionError as e:  # a branch in the code on the number of samples
+                rows = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim()), None)
+                rule = str(e).removeprefix("Guard failed: ")
+                raise ValueError(f"stage 0 takes micro-batches of the sizes the model's code allows ({rule}), not one "
+                                 f"of {rows}, so give its DataLoaders drop_last=True (a last, smaller batch is of "
+                                 f"another size).") from None
+
+
+def _spec(v: Any) -> Any:
+    """``(shape, dtype)`` of a tensor (a symbolic first dimension as None), else the value."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    return tuple(None if isinstance(d, torch.SymInt) else int(d) for d in v.shape), v.dtype
 
 
 def _only_rows_differ(want: Any, got: Any) -> bool:
@@ -45,12 +66,13 @@ def _only_rows_differ(want: Any, got: Any) -> bool:
               for v in (want, got)]
     a, b = shapes
     return (a is not None and b is not None and len(a) == len(b) >= 1 and a[1:] == b[1:] and want[1] == got[1]
-            and a[0] != b[0])
+            and a[0] != b[0] and a[0] is not None)
 
 
 def _describe(v: Any) -> str:
     if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype):
-        return f"shape {v[0]} and dtype {v[1]}"
+        shape = "(" + ", ".join("n" if d is None else str(d) for d in v[0]) + ("," if len(v[0]) == 1 else "") + ")"
+        return f"shape {shape} and dtype {v[1]}"
     return f"value {v!r}"
 
 

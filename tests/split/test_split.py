@@ -398,6 +398,36 @@ def test_a_real_mismatch_names_the_first_op_that_differs():
     assert "differ from its output" in msg and "first at aten.mul in '2' (Counter)" in msg
 
 
+# ---- (5b) micro-batches of another size ------------------------------------------------------------
+
+
+class Reshapes(nn.Module):
+    """Reads the batch size in its first module and uses it in its last (``view(n, ...)``), as
+    Hugging Face models build a mask of the batch's size once and pass it to every layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.body, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        h = self.body(torch.tanh(self.embed(x)))
+        return self.head(h.view(n, 2, 4)).sum(1)
+
+
+def test_stages_take_micro_batches_of_any_size_and_read_sizes_off_their_inputs():
+    m = Reshapes().to(F64)
+    split = split_module(m, (torch.randn(4, 6, dtype=F64),), 3, ["body", "head"])
+    sizes = [n for st in split.stages[:-1] for n in st.graph.nodes if n.op == "output"
+             for v in n.args[0] if isinstance(v.meta.get("val"), torch.SymInt)]
+    assert sizes == [], "a size crosses stages: it is read off the stage's own input instead"
+    for rows in (1, 3, 7):
+        x = torch.randn(rows, 6, dtype=F64)
+        assert torch.equal(split.run(x), m(x))
+    with pytest.raises(ValueError, match=r"of shape \(n, 6\) and dtype torch.float64, and got one of shape \(n, 5\)"):
+        split.run(torch.randn(3, 5, dtype=F64))
+
+
 # ---- (6) what is refused -------------------------------------------------------------------------
 
 
