@@ -253,17 +253,27 @@ def _data_branch(module: nn.Module, node: fx.Node, on: str) -> str:
             f"stage modules (self.stages).")
 
 
+#: the ``nn_module_stack`` key torch.export's metadata hook gives a node one of its passes adds outside
+#: any module (a symbolic size's computation under dynamic shapes): no module path
+_NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
+
+
+def module_stack(node: fx.Node) -> list[tuple[str, Any]]:
+    """``(path, type)`` of each module a node ran in, outermost first (none for the root's own code)."""
+    return [v for k, v in (node.meta.get("nn_module_stack") or {}).items() if k != _NO_MODULE]
+
+
 def node_path(node: fx.Node) -> str:
     """The innermost module a node ran in (``""`` for the root module's own code)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else ""
+    stack = module_stack(node)
+    return stack[-1][0] if stack else ""
 
 
 def _stack_type(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
+    stack = module_stack(node)
     if not stack:
         return ""
-    kind = next(reversed(stack.values()))[1]
+    kind = stack[-1][1]
     return (kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))).rpartition(".")[2]
 
 

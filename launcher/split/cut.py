@@ -40,7 +40,7 @@ from launcher.runtime.torch_private import (
     set_pytree_codegen,
 )
 from launcher.schedule.graph import StageGraph
-from launcher.split.capture import SplitError, alias_base, export_graph, node_path, written_args
+from launcher.split.capture import SplitError, alias_base, export_graph, module_stack, node_path, written_args
 from launcher.split.cut_points import least_largest_stage
 from launcher.split.same_output import check_same, kept, seeded
 from launcher.split.stage_rewrites import InputCheck, follow_device, follow_mode
@@ -198,7 +198,7 @@ class _Program:
         self.rows = any(_symbolic_rows(n.meta.get("val")) for n in self.inputs)
         self.first: dict[str, int] = {}  # module path -> position of the first node that runs in it
         for i, n in enumerate(self.order):
-            for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+            for path, _ in module_stack(n):
                 if path:
                     self.first.setdefault(path, i)
         self.outermost: dict[int, str] = {}
@@ -271,7 +271,7 @@ class _Program:
         """Positions where stages 1.. begin, and each stage's starting module path."""
         head = ""
         if self.order:
-            head = next((p for p, _ in (self.order[0].meta.get("nn_module_stack") or {}).values() if p), "")
+            head = next((p for p, _ in module_stack(self.order[0]) if p), "")
         if isinstance(points, str) and points == "auto":
             cuts = self._auto(stages - 1)
             return cuts, [head] + [self._outermost(c) for c in cuts]
@@ -362,7 +362,7 @@ class _Program:
         the last stage), else the name the trace gave it."""
         assert isinstance(attr.target, str)  # a get_attr node's target: the attribute's dotted name
         names = self.aliases.get(id(_attr(self.gm, attr.target)), [])
-        for path, _ in reversed(list((user.meta.get("nn_module_stack") or {}).values())):
+        for path, _ in reversed(module_stack(user)):
             for name in names:
                 if name.rpartition(".")[0] == path:
                     return name
