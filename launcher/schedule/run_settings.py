@@ -3,7 +3,7 @@ values, the failure timeout, the transport between workers), typed and frozen, e
 here once.
 
 Both entry points build one and nothing else checks these values: the command line
-(:func:`launcher.config.spec.run_settings_of`, from the keys ``checkpoint.format``,
+(:func:`launcher.config.training.run_settings_of`, from the keys ``checkpoint.format``,
 ``checkpoint.async_mode``, ``nonfinite``, ``timeout`` and ``runtime.transport``, whose schema takes
 its defaults from :data:`DEFAULT_RUN`) and ``UnifiedStrategy``'s keywords. Its constructor raises
 :class:`~launcher.schedule.rules.StepError` with one sentence per broken rule, the same sentences
