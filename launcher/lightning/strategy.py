@@ -533,6 +533,9 @@ def _run_settings(run: RunSettings | None, **fields: Any) -> RunSettings:
         if given:
             raise TypeError(f"UnifiedStrategy takes the run's settings either as run=RunSettings(...) or as "
                             f"keywords, not both (got run and {', '.join(given)})")
+        if not isinstance(run, RunSettings):
+            raise TypeError(f"UnifiedStrategy's run takes a RunSettings, not {type(run).__name__}; give plain values "
+                            f"as the keywords checkpoint=, nonfinite=, timeout=, transport=")
         return run
     try:
         return RunSettings(**given)
