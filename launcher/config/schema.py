@@ -22,6 +22,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from ..schedule.run_settings import DEFAULT_RUN
 from ..schedule.settings import DEFAULT, Settings
 
 SCHEMA_NAME = "launcher_schema"
@@ -87,10 +88,19 @@ class PlanConf:
 class CheckpointConf:
     """mode=train's checkpoints: ``format`` sharded (each stage's owner writes it, a directory) |
     single (one file, gathered at rank 0) | null (the scheme's default: sharded for fsdp, gpipe and
-    fslpp); ``async_mode`` disabled | async (shards written in the background from a host copy)."""
+    fslpp); ``async_mode`` disabled | async (shards written in the background from a host copy).
+    Typed and checked as :class:`~launcher.schedule.run_settings.CheckpointSettings`."""
 
-    format: Optional[str] = None
-    async_mode: str = "disabled"
+    format: Optional[str] = DEFAULT_RUN.checkpoint.format
+    async_mode: str = DEFAULT_RUN.checkpoint.async_mode
+
+
+@dataclass
+class RuntimeConf:
+    """mode=train's workers: ``transport`` auto | gloo | shm, how activations and their gradients
+    travel between workers (:data:`launcher.schedule.run_settings.Transport`)."""
+
+    transport: str = DEFAULT_RUN.transport
 
 
 @dataclass
@@ -121,10 +131,11 @@ class LauncherConf:
     logger: Any = None
     split: Any = None  # mode=train: null (the model's self.stages) | auto | [module paths where stages begin]
     partition: str = DEFAULT.partition  # mode=train: self.stages cut balanced by params | time (profiled) | memory
-    timeout: float = 30.0  # seconds without progress, while its peers wait, after which a worker is named as hung
+    timeout: float = DEFAULT_RUN.timeout  # seconds without progress while peers wait, after which a worker is hung
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)  # mode=train: how checkpoints are written
+    runtime: RuntimeConf = field(default_factory=RuntimeConf)  # mode=train: how the workers exchange messages
     ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
-    nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run | skip the step (launcher.runtime.nonfinite)
+    nonfinite: str = DEFAULT_RUN.nonfinite  # a NaN/inf loss or gradient: stop the run | skip the step
     plan: PlanConf = field(default_factory=PlanConf)  # mode=plan (and strategy=auto)
     # what a run returns to a sweeper (hparams_search=optuna): a metric's name or a list of them
     # (launcher.hparams.METRICS), one hydra.sweeper.direction per metric

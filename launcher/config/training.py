@@ -1,5 +1,6 @@
 """The rules of ``mode=train`` on top of the step's (:mod:`.validate`): the data's batch size, the
-Trainer's keys, the model/data/logger nodes, the failure timeout, a checkpoint to resume. Each
+Trainer's keys, the model/data/logger nodes, a checkpoint to resume, and the run's settings
+(:func:`run_settings_of`: checkpoint format, non-finite values, failure timeout, transport). Each
 failure is one sentence naming the key, the value and the rule; nothing is instantiated here
 (:func:`launcher.modes.train.prepare` builds the objects and reports what fails there)."""
 
@@ -7,13 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import math
 import os
 from typing import Any, Mapping, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..schedule.rules import StepError
 from ..schedule.rules import is_size as _is_size
+from ..schedule.run_settings import RunSettings
 from ..schedule.schemes import SCHEMES
 from .validate import _get, png_errors, step_errors
 
@@ -127,6 +129,20 @@ def is_single(cfg: Any) -> bool:
     return _get(cfg, "strategy.name") == "single" and _get(cfg, "strategy.placement") is None
 
 
+#: the config key of each field of :class:`RunSettings` (the checkpoint node is read whole)
+RUN_KEYS = {"checkpoint": "checkpoint", "nonfinite": "nonfinite", "timeout": "timeout",
+            "transport": "runtime.transport"}
+_MISSING = object()
+
+
+def run_settings_of(cfg: DictConfig | Mapping[str, Any]) -> RunSettings:
+    """The run's settings of a config (``checkpoint.*``, ``nonfinite``, ``timeout``,
+    ``runtime.transport``); a key the config lacks keeps :data:`DEFAULT_RUN`'s value. Raises
+    :class:`~launcher.schedule.rules.StepError` with one sentence per broken rule."""
+    given = {f: _container(v) for f, k in RUN_KEYS.items() if (v := _get(cfg, k, _MISSING)) is not _MISSING}
+    return RunSettings(**given)
+
+
 def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     """One sentence per rule a ``mode=train`` config breaks (the step's rules included)."""
     out: list[str] = png_errors(cfg)
@@ -170,14 +186,6 @@ def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED):
         out.append(f"seed={seed} is invalid: the seed must be an integer from 0 to {MAX_SEED} (numpy's range, which "
                    f"seed_everything seeds too).")
-    timeout = _get(cfg, "timeout")
-    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
-            and timeout > 0):
-        out.append(f"timeout={timeout} is invalid: the failure timeout must be a positive number of seconds.")
-    nonfinite = _get(cfg, "nonfinite", "stop")
-    if nonfinite not in ("stop", "skip"):
-        out.append(f"nonfinite={nonfinite} is invalid: use stop (a NaN or infinite loss or gradient stops the run) "
-                   f"or skip (that step is dropped).")
     seq = _get(cfg, "data.seq_len", None)  # zero positions: the loss is an empty mean, nan from the first step
     if seq is not None and not (isinstance(seq, int) and not isinstance(seq, bool) and seq >= 1):
         out.append(f"data.seq_len={seq} is invalid: a sample needs at least one position to predict (with none the "
@@ -185,12 +193,10 @@ def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     ckpt = _get(cfg, "ckpt_path")
     if ckpt is not None and not os.path.exists(str(ckpt)):
         out.append(f"ckpt_path={ckpt} is invalid: no such checkpoint file or directory.")
-    fmt, mode = _get(cfg, "checkpoint.format", None), _get(cfg, "checkpoint.async_mode", "disabled")
-    if fmt not in (None, "sharded", "single"):
-        out.append(f"checkpoint.format={fmt} is invalid: use sharded (each stage's owner writes it), single (one "
-                   f"file) or null (the scheme's default).")
-    if mode not in ("disabled", "async"):
-        out.append(f"checkpoint.async_mode={mode} is invalid: use disabled or async.")
+    try:
+        run_settings_of(cfg)
+    except StepError as e:
+        out += e.sentences
     return out
 
 

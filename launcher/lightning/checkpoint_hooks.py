@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from ..runtime import Engine
 from ..runtime.failure import busy, current_watchdog
-from ..schedule.schemes import SCHEMES
+from ..schedule.run_settings import RunSettings
 from . import sharded
 from .process_group import ProcessGroupStrategy
 from .state import (
@@ -30,8 +30,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     ``layout`` are set up by the subclass (each worker's stages and their names), before
     Lightning restores or saves anything."""
 
-    #: ``checkpoint``'s keys (``format``: sharded | single | None = the scheme's; ``async_mode``: disabled | async)
-    checkpoint_settings: dict[str, Any]
+    run: RunSettings  # its ``checkpoint``: the format and async mode
     engine: Engine | None
     layout: Layout | None
     _pending: Callable[[], None] | None  # a background checkpoint save to finish
@@ -52,11 +51,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     def checkpoint_format(self) -> str:
         """``sharded`` (each stage's first owner writes it, :mod:`.sharded`) or ``single`` (one file
         in the single-device layout, gathered at rank 0): ``checkpoint.format``, else the scheme's
-        default (:attr:`launcher.schedule.schemes.Scheme.checkpoint`)."""
-        if self.checkpoint_settings.get("format") is not None:
-            return str(self.checkpoint_settings["format"])
-        registered = SCHEMES.get(self.scheme) if isinstance(self.scheme, str) else None
-        return registered.checkpoint if registered is not None else "single"
+        default (:meth:`launcher.schedule.run_settings.CheckpointSettings.format_for`)."""
+        return self.run.checkpoint.format_for(self.scheme)
 
     @property
     def _sharded(self) -> bool:
@@ -93,7 +89,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
             assert self.layout is not None
             self.finish_checkpoint()  # the previous background save, if any, is complete first
-            background = self.checkpoint_settings.get("async_mode", "disabled") != "disabled"
+            background = self.run.checkpoint.async_mode == "async"
             self._pending = sharded.save(checkpoint, filepath, self.layout.staged_names, self.layout.names,
                                          self.layout.aliases, self.global_rank, async_save=background)
         return None

@@ -18,6 +18,9 @@ def keyword_settings(scheme: SchemeLike, G: int | None, R: int | None, stages: i
     from omegaconf import DictConfig, OmegaConf
 
     cfg = OmegaConf.structured(LauncherConf)
+    if "runtime" in extra:  # the run's settings are UnifiedStrategy's own keywords (RunSettings)
+        raise ConfigError([f"UnifiedStrategy got runtime={extra['runtime']!r}: give the transport as "
+                           f"transport=... (the config's runtime.transport)."])
     unknown = sorted(set(extra) - set(cfg.keys()) - {"mode", "ownership"})
     if unknown:
         raise ConfigError([f"UnifiedStrategy got {unknown[0]}={extra[unknown[0]]!r}, which is not a launcher config "

@@ -112,6 +112,9 @@ class RunMetrics(Callback):
                 module_costs=[c.to_json() for c in strategy.module_costs] if strategy.module_costs else None,
                 saved_bytes=saved, recomputed=engine.recomputed())
             _predict_memory(self.metrics, strategy, gathered, stage_bytes)
+            # runtime.transport as set, and what rank 0's messages took: shared memory or the backend's own
+            self.metrics["transport"] = {"setting": strategy.run.transport,
+                                         "used": "shm" if engine.links is not None else dist.get_backend(engine.group)}
             from ..report.png import save_png, want_png
 
             if want_png(self.config.get("png", "auto"), len(tl.start)):  # the config's png, as mode=simulate reads it

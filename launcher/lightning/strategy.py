@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,15 +48,16 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from ..config import ConfigError
-from ..runtime import DEFAULT_TIMEOUT, Engine
+from ..runtime import Engine
 from ..runtime.init import empty_init, has_meta
 from ..runtime.items import rows
 from ..runtime.measure import resident_bytes
-from ..runtime.nonfinite import MODES as NONFINITE_MODES
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
 from ..runtime.streams import agreed_seed
 from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
+from ..schedule.rules import StepError
+from ..schedule.run_settings import CheckpointSettings, RunSettings
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT, OrderLike, SchemeLike, Settings
 from .checkpoint_hooks import CheckpointingStrategy
@@ -88,10 +89,17 @@ class UnifiedStrategy(CheckpointingStrategy):
     keyword. ``order`` also takes a callable ``n(s, b, d)``. ``partition="time"`` (or ``"memory"``)
     cuts ``module.stages`` by each module's cost, profiled once on the launching process (on rank 0
     under torchrun or Slurm, and broadcast), each stage within ``plan={"memory": "2GB"}`` when given.
-    ``timeout``: seconds within which every worker stops after one fails.
 
     ``settings``: the step's :class:`~launcher.schedule.settings.Settings`, checked already (the
     command line's), in place of the keywords, which build the same object.
+
+    The run's settings (:class:`~launcher.schedule.run_settings.RunSettings`): ``run=RunSettings(...)``,
+    or its fields as keywords, each left out keeping its default there: ``checkpoint`` (a mapping
+    ``{"format": "sharded" | "single" | None, "async_mode": "disabled" | "async"}`` or
+    :class:`~launcher.schedule.run_settings.CheckpointSettings`), ``nonfinite`` (stop | skip),
+    ``timeout`` (seconds within which every worker stops after one fails) and ``transport`` (auto |
+    gloo | shm). Checked here, once: :class:`~launcher.config.ConfigError` with one sentence per
+    broken rule, the command line's sentences.
     """
 
     strategy_name = "unified"
@@ -107,8 +115,11 @@ class UnifiedStrategy(CheckpointingStrategy):
         *,
         settings: Settings | None = None,
         split: Sequence[str] | str | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        nonfinite: str = "stop",
+        run: RunSettings | None = None,
+        checkpoint: CheckpointSettings | Mapping[str, Any] | None = None,
+        nonfinite: str | None = None,
+        timeout: float | None = None,
+        transport: str | None = None,
         process_group_backend: str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -117,10 +128,12 @@ class UnifiedStrategy(CheckpointingStrategy):
         precision_plugin: Any = None,
         **config: Any,
     ) -> None:
-        super().__init__(timeout, process_group_backend, accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
-        self.checkpoint_settings = dict(config.pop("checkpoint", None) or {})
+        #: the run's settings, typed and checked once here; every later reader trusts them
+        self.run = _run_settings(run, checkpoint=checkpoint, nonfinite=nonfinite, timeout=timeout,
+                                 transport=transport)
+        super().__init__(self.run.timeout, process_group_backend, accelerator=accelerator,
+                         parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         if settings is not None and (config or stages is not None or G is not None or R is not None):
             raise TypeError("UnifiedStrategy takes the step's settings either as settings=Settings(...) or as "
                             "keywords, not both")
@@ -137,11 +150,6 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.stage_durations_s: list[dict[str, float]] | None = None
         self.module_costs: list[Any] | None = None  # each module's profile, when profiled
         self.graph: Any = None  # the stage graph, when not a chain
-        if nonfinite not in NONFINITE_MODES:
-            raise ConfigError([f"nonfinite={nonfinite} is invalid: use stop (a NaN or infinite loss or gradient stops "
-                               f"the run) or skip (that step is dropped)."])
-        #: a step with a NaN or infinite loss, activation or gradient: "stop" the run, or "skip" the step
-        self.nonfinite = nonfinite
         self.step_skipped = False  # the last training step was dropped (nonfinite=skip)
         #: the step's settings: given (trusted: the command line checked them), or the keywords'
         #: once the stage count is known (here, or from the module: :meth:`_settings_for`)
@@ -255,7 +263,7 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.engine = Engine(staging.model, self.make_step(), None, prefetch=self.settings.prefetch,
                              weight_cache=self.settings.weight_cache, device=self.root_device,
                              recompute=self.settings.recompute_stages,
-                             compute_dtype=compute_dtype(self.precision_plugin))
+                             compute_dtype=compute_dtype(self.precision_plugin), transport=self.run.transport)
         # every job's values are marked, and the step's first NaN or infinity agreed, before any update;
         # under a GradScaler (16-mixed) overflowing gradients are the scaler's to skip
         self.engine.finite = Finite(S, self.B, grads=getattr(self.precision_plugin, "scaler", None) is None)
@@ -449,7 +457,7 @@ class UnifiedStrategy(CheckpointingStrategy):
         or checkpoint changes), or drop the step (no gradient is installed, so the optimizer leaves
         every parameter as it is, as a GradScaler does; running statistics go back too)."""
         step = self._attached.trainer.global_step + 1
-        if self.nonfinite == "stop":
+        if self.run.nonfinite == "stop":
             if self.engine is not None and self.engine.watchdog is not None:
                 self.engine.watchdog.set_job(f"the non-finite check of step {step}")
             raise NonFiniteError(f"step {step}: {what}, so training stopped before the step's update "
@@ -546,3 +554,20 @@ def _samples(microbatches: Sequence[tuple[Any, Any]]) -> int:
 StrategyRegistry.register("unified", UnifiedStrategy,
                           description=f"the schedule engine: {', '.join(SCHEMES)} or a custom placement",
                           override=True)
+
+
+def _run_settings(run: RunSettings | None, **fields: Any) -> RunSettings:
+    """``run``, or the run settings of the keywords given (``None``: the field's default)."""
+    given = {k: v for k, v in fields.items() if v is not None}
+    if run is not None:
+        if given:
+            raise TypeError(f"UnifiedStrategy takes the run's settings either as run=RunSettings(...) or as "
+                            f"keywords, not both (got run and {', '.join(given)})")
+        if not isinstance(run, RunSettings):
+            raise TypeError(f"UnifiedStrategy's run takes a RunSettings, not {type(run).__name__}; give plain values "
+                            f"as the keywords checkpoint=, nonfinite=, timeout=, transport=")
+        return run
+    try:
+        return RunSettings(**given)
+    except StepError as e:
+        raise ConfigError(e.sentences) from None

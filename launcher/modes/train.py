@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from .. import signals
 from ..config import ConfigError
 from ..config.sentences import one_line
-from ..config.training import is_single, train_errors
+from ..config.training import is_single, run_settings_of, train_errors
 from .common import (
     HELD,
     DirInUse,
@@ -242,10 +242,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None, checked: Built | None = None)
         strategy: Any = StreamedSingleDevice(microbatches=int(cfg.microbatches), split=split)
         devices: dict[str, Any] = {"devices": 1}
     else:
-        strategy = UnifiedStrategy(
-            settings=spec, timeout=float(cfg.timeout), nonfinite=cfg.get("nonfinite", "stop"),
-            checkpoint=OmegaConf.to_container(cfg.checkpoint) if cfg.get("checkpoint") is not None else None,
-            split=split)
+        strategy = UnifiedStrategy(settings=spec, run=run_settings_of(cfg), split=split)
         if built.checked is not None:
             strategy.adopt(built.checked)
         devices = _devices(spec.W)

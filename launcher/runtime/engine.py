@@ -52,6 +52,7 @@ from launcher.schedule.assembly import TAG_LIMIT
 from launcher.schedule.lowering import lower
 from launcher.schedule.program import ACT, GRAD, WEIGHTS, Lowered, Msg, forward_only
 from launcher.schedule.rules import StepError, value_error
+from launcher.schedule.run_settings import DEFAULT_RUN, TRANSPORTS
 from launcher.schedule.settings import DEFAULT
 from launcher.schedule.simulate import Step, Timeline, simulate
 
@@ -147,12 +148,6 @@ def _recompute(timeline: Timeline, recompute: Iterable[int] | None) -> frozenset
     return stages
 
 
-#: how the step's activations and gradients travel between workers: gloo's point-to-point, shared
-#: memory between workers on one host (:mod:`.shared_links`), or "auto": shared memory where every
-#: worker computes on the CPU of one host, else the backend's point-to-point
-TRANSPORTS = ("auto", "gloo", "shm")
-
-
 class Engine:
     """Runs this rank's share of every training step of one schedule."""
 
@@ -172,8 +167,9 @@ class Engine:
         recompute: Iterable[int] | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         compute_dtype: torch.dtype | None = None,
-        transport: str = "auto",
+        transport: str = DEFAULT_RUN.transport,
     ) -> None:
+        # ``transport``: see launcher.schedule.run_settings.Transport (the config's runtime.transport)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is invalid: use one of {', '.join(TRANSPORTS)}")
         self.lowered = _lowered(schedule, weight_cache, prefetch, frozen_stages(model.stages))

@@ -52,7 +52,9 @@ from typing import Callable, Iterator
 
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT = 30.0  # seconds: how long a silent peer may go before it is declared dead
+from ..schedule.run_settings import DEFAULT_RUN
+
+DEFAULT_TIMEOUT = DEFAULT_RUN.timeout  # seconds: how long a silent peer may go before it is declared dead
 
 ABORT_KEY = "abort"
 

@@ -28,8 +28,6 @@ import torch.distributed as dist
 from .failure import Stop
 from .torch_private import pytree
 
-#: the values of the ``nonfinite`` key
-MODES = ("stop", "skip")
 _KINDS = ("nan", "inf", "-inf")
 _NONE = 2**62  # no non-finite value on this worker
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from launcher.schedule.order import Order
+from launcher.schedule.run_settings import DEFAULT_RUN
 from launcher.schedule.settings import DEFAULT, make_step
 
 from .engine import Engine
@@ -130,7 +131,7 @@ class Case:
     placement: Callable | None = field(default=None, compare=False)
     W: int | None = None  # with a custom placement
     bucket_bytes: int | None = None  # the replicas' all-reduce buckets (None: the engine's default)
-    transport: str = "auto"  # how activations and their gradients travel (the engine's ``transport``)
+    transport: str = DEFAULT_RUN.transport  # how activations and their gradients travel (the engine's ``transport``)
 
     @property
     def name(self) -> str:
@@ -138,7 +139,7 @@ class Case:
             "-split" if self.split else "", f"-cache_{self.weight_cache}" if self.weight_cache != "step" else "",
             f"-prefetch{self.prefetch}" if self.prefetch != 1 else "",
             f"-bucket{self.bucket_bytes}" if self.bucket_bytes is not None else "",
-            f"-{self.transport}" if self.transport != "auto" else "",
+            f"-{self.transport}" if self.transport != DEFAULT_RUN.transport else "",
         ])
         order = self.order if isinstance(self.order, str) else self.order.name
         return f"{self.strategy}-G{self.G}R{self.R}-S{self.S}B{self.B}-{order}-{self.optimizer}{extra}"

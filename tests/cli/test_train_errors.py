@@ -54,7 +54,7 @@ INVALID = [
     (["data=nope"], "data=nope is not a known data; choose one of chars, custom, images"),
     (["data=custom"], "data._target_=??? is invalid"),
     (["logger=nope"], "logger=nope is not a known logger; choose one of none, wandb"),
-    (["timeout=0"], "timeout=0.0 is invalid: the failure timeout must be a positive number of seconds"),
+    (["timeout=0"], "timeout=0 is invalid: the failure timeout must be a positive number of seconds"),
     (["ckpt_path=/no/such.ckpt"], "ckpt_path=/no/such.ckpt is invalid: no such checkpoint file"),
     (["strategy=ddp", "G=2", "R=4"], "strategy=ddp needs W = microbatches"),
     (["strategy=gpipe", "stages=4", "G=2"], "strategy=gpipe needs W = stages"),

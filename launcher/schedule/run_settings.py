@@ -1,0 +1,132 @@
+""":class:`RunSettings`: how a training run behaves around its steps (checkpoints, non-finite
+values, the failure timeout, the transport between workers), typed and frozen, each default written
+here once.
+
+Both entry points build one and nothing else checks these values: the command line
+(:func:`launcher.config.training.run_settings_of`, from the keys ``checkpoint.format``,
+``checkpoint.async_mode``, ``nonfinite``, ``timeout`` and ``runtime.transport``, whose schema takes
+its defaults from :data:`DEFAULT_RUN`) and ``UnifiedStrategy``'s keywords. Its constructor raises
+:class:`~launcher.schedule.rules.StepError` with one sentence per broken rule, the same sentences
+on both paths. It lives at the bottom layer so that the config, the runtime and the Lightning
+strategy all read it without an upward import. Pure Python: no torch, no omegaconf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Mapping, get_args
+
+from .rules import StepError, is_number, shown, unknown_key
+from .schemes import SCHEMES
+
+#: ``checkpoint.format``: each stage's owner writes its share (a directory) | one file at rank 0
+CheckpointFormat = Literal["sharded", "single"]
+#: ``checkpoint.async_mode``: shards written before training goes on | in the background
+AsyncMode = Literal["disabled", "async"]
+#: ``nonfinite``: a NaN or infinite loss or gradient stops the run | drops that step
+Nonfinite = Literal["stop", "skip"]
+#: ``runtime.transport`` (the engine's ``transport``): how activations and their gradients travel
+#: between workers: gloo's point-to-point, shared memory between workers on one host
+#: (:mod:`launcher.runtime.shared_links`), or "auto" (shared memory where every worker computes on
+#: the CPU of one host, else the backend's point-to-point)
+Transport = Literal["auto", "gloo", "shm"]
+
+FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
+ASYNC_MODES: tuple[str, ...] = get_args(AsyncMode)
+NONFINITE_MODES: tuple[str, ...] = get_args(Nonfinite)
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
+
+
+def _or(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices[:-1]) + " or " + choices[-1]
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """The ``checkpoint`` node: ``format`` (``None``: the scheme's, :meth:`format_for`) and
+    ``async_mode``. Raises :class:`StepError` on a value outside its choices."""
+
+    format: CheckpointFormat | None = None
+    async_mode: AsyncMode = "disabled"
+
+    def __post_init__(self) -> None:
+        found = self.errors()
+        if found:
+            raise StepError(found)
+
+    def errors(self) -> list[str]:
+        out: list[str] = []
+        if self.format is not None and self.format not in FORMATS:
+            out.append(f"checkpoint.format={shown(self.format)} is invalid: use sharded (each stage's owner writes "
+                       f"it), single (one file) or null (the scheme's default).")
+        if self.async_mode not in ASYNC_MODES:
+            out.append(f"checkpoint.async_mode={shown(self.async_mode)} is invalid: use {_or(ASYNC_MODES)}.")
+        return out
+
+    @classmethod
+    def of(cls, value: CheckpointSettings | Mapping[str, Any] | None) -> CheckpointSettings:
+        """``value`` as checkpoint settings: a mapping's keys must be fields (a typo is refused)."""
+        if isinstance(value, CheckpointSettings):
+            return value
+        if value is None:
+            return cls()
+        if not isinstance(value, Mapping):
+            raise StepError([f"checkpoint={value!r} is invalid: use a mapping with the keys "
+                             f"{_or(tuple(f.name for f in fields(cls)))}."])
+        known = [f"checkpoint.{f.name}" for f in fields(cls)]
+        unknown = [k for k in value if f"checkpoint.{k}" not in known]
+        if unknown:  # the command line's sentence for a misspelt key
+            raise StepError([unknown_key(f"checkpoint.{k}", value[k], known) for k in unknown])
+        return cls(**value)
+
+    def format_for(self, scheme: Any) -> str:
+        """The format a run of ``scheme`` (a name, or a placement callable) writes: ``format``, else
+        the scheme's default (:attr:`launcher.schedule.schemes.Scheme.checkpoint`), else single."""
+        if self.format is not None:
+            return self.format
+        registered = SCHEMES.get(scheme) if isinstance(scheme, str) else None
+        return registered.checkpoint if registered is not None else "single"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The run's settings beside the step's (:class:`~launcher.schedule.settings.Settings`).
+
+    ``checkpoint`` may be given as a mapping (``{"format": "sharded"}``), converted here once.
+    ``timeout``: seconds a worker may go without progress while its peers wait before it is named
+    as hung, and within which every worker stops after one fails. Raises :class:`StepError` with
+    one sentence per broken rule.
+    """
+
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    nonfinite: Nonfinite = "stop"
+    timeout: float = 30.0
+    transport: Transport = "auto"
+
+    def __post_init__(self) -> None:
+        found: list[str] = []
+        try:
+            object.__setattr__(self, "checkpoint", CheckpointSettings.of(self.checkpoint))
+        except StepError as e:
+            found += e.sentences
+        if self.nonfinite not in NONFINITE_MODES:
+            found.append(f"nonfinite={shown(self.nonfinite)} is invalid: use stop (a NaN or infinite loss or gradient "
+                         f"stops the run) or skip (that step is dropped).")
+        t = self.timeout
+        if not (is_number(t) and math.isfinite(t) and t > 0):
+            # 0, not Hydra's 0.0: the value as the user typed it, on the command line and in Python
+            found.append(f"timeout={f'{t:g}' if is_number(t) else shown(t)} is invalid: the failure timeout must be "
+                         f"a positive number of seconds.")
+        else:
+            object.__setattr__(self, "timeout", float(t))
+        if self.transport not in TRANSPORTS:
+            found.append(f"runtime.transport={shown(self.transport)} is invalid: use auto (shared memory between "
+                         f"workers on one host's CPUs, else the backend's), gloo (the backend's point-to-point) or "
+                         f"shm (shared memory).")
+        if found:
+            raise StepError(found)
+
+
+#: every default, once: the config's schema, the runtime and ``UnifiedStrategy`` read them from here
+DEFAULT_RUN = RunSettings()
