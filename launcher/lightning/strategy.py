@@ -62,8 +62,11 @@ from .launcher import ForkLauncher
 from .lightning_private import train_dataloaders
 from .precision import (
     all_reduce,
+    clipped_gradients,
     compute_dtype,
     loss_dtype,
+    norm_in_step,
+    squared_norm,
     with_global_clipping,
     with_synced_scaler,
 )
@@ -138,6 +141,10 @@ class UnifiedStrategy(CheckpointingStrategy):
         #: a step with a NaN or infinite loss, activation or gradient: "stop" the run, or "skip" the step
         self.nonfinite = nonfinite
         self.step_skipped = False  # the last training step was dropped (nonfinite=skip)
+        #: the clipping norm's squared shares, summed in the training step's all-reduce, until the
+        #: clipping reads them (None: the clipping sums them itself; :func:`.precision.norm_in_step`)
+        self.fused_norm_sq: torch.Tensor | None = None
+        self._norm_in_step = False
         #: the step's settings: given (trusted: the command line checked them), or the keywords'
         #: once the stage count is known (here, or from the module: :meth:`_settings_for`)
         self._settings = settings if settings is not None or stages is None else self._from_keywords(stages)
@@ -268,6 +275,7 @@ class UnifiedStrategy(CheckpointingStrategy):
             self.setup_optimizers(trainer)
             with_global_clipping(self)
             with_synced_scaler(self.precision_plugin)
+            self._norm_in_step = norm_in_step(trainer, module, self.precision_plugin)
 
     def check_before_fork(self, module: Any, datamodule: Any = None, train_dataloaders: Any = None) -> None:
         """Stage ``module`` on this process as every worker will (in the trainer's precision), and
@@ -386,9 +394,17 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.records.append(record)
         self._last_batch = mbs
         finite = self.engine.finite
-        loss, bad = agree(record["measured_only"]["loss"] if record else 0.0, finite.first() if finite else None,
-                          self.root_device)
+        # one all-reduce for the loss, the non-finite check and the clipping norm (docs/performance.md,
+        # "Collectives per step"); the gradients are those the backward hook installs next
+        share = None
+        if self._norm_in_step:
+            grads = {s: self.engine.grad_views(s) for s in self.engine.owned}
+            share = squared_norm(clipped_gradients(self.engine, grads)[0], self.root_device)
+        loss, bad, self.fused_norm_sq = agree(record["measured_only"]["loss"] if record else 0.0,
+                                              finite.first() if finite else None, self.root_device, extra=share)
         self.step_skipped = bad is not None
+        if bad is not None:
+            self.fused_norm_sq = None  # the step's gradients are dropped, not clipped
         if bad is not None:
             self._nonfinite(finite.describe(bad))
         loss = loss.to(self.loss_dtype)

@@ -442,13 +442,21 @@ class Engine:
     def install_grads(self) -> None:
         """Point every owned parameter's ``.grad`` at its slice of the step's reduced gradient."""
         for s in self.owned:
-            total = self.last_grads[s]
-            cached = self._grad_views.get(s)
-            if cached is None or cached[0] is not total:  # the totals' buffers are kept: so are their views
-                cached = self._grad_views[s] = (total, list(self.modules[s].parameters()),
-                                                list(self.layouts[s].views(total).values()))
-            for p, g in zip(cached[1], cached[2]):
+            for p, g in zip(self._views(s)[1], self._views(s)[2]):
                 p.grad = g
+
+    def grad_views(self, s: int) -> list[torch.Tensor]:
+        """Owned stage ``s``'s parameters' slices of the last step's reduced gradient, in the order
+        of its ``parameters()``: what :meth:`install_grads` makes their ``.grad``."""
+        return self._views(s)[2]
+
+    def _views(self, s: int) -> tuple[torch.Tensor, list[torch.nn.Parameter], list[torch.Tensor]]:
+        total = self.last_grads[s]
+        cached = self._grad_views.get(s)
+        if cached is None or cached[0] is not total:  # the totals' buffers are kept: so are their views
+            cached = self._grad_views[s] = (total, list(self.modules[s].parameters()),
+                                            list(self.layouts[s].views(total).values()))
+        return cached
 
     def evaluate(self, microbatches: Sequence[Batch],
                  items: Sequence[Count] | None = None) -> tuple[float, dict[int, torch.Tensor]]:
