@@ -54,7 +54,7 @@ from ..runtime.streams import agreed_seed
 from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.schemes import SCHEMES
-from ..schedule.settings import DEFAULT, OrderLike, SchemeLike, Settings
+from ..schedule.settings import DEFAULT, SCHEME_DEFAULT, OrderLike, SchemeLike, Settings
 from .checkpoint_hooks import CheckpointingStrategy
 from .item_counts import loss_items
 from .keywords import keyword_settings
@@ -101,7 +101,7 @@ class UnifiedStrategy(CheckpointingStrategy):
         R: int | None = None,
         stages: int | None = None,
         microbatches: int = 1,
-        order: OrderLike = DEFAULT.order_name,
+        order: OrderLike = SCHEME_DEFAULT,
         *,
         settings: Settings | None = None,
         split: Sequence[str] | str | None = None,

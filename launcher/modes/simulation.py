@@ -84,7 +84,7 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     warmup = tl.step.order.warmup
     con.print(
         f"[bold]simulate[/bold] strategy={cfg.strategy.name} G={cfg.G} R={cfg.R} W={summary['workers']} "
-        f"stages={cfg.stages} microbatches={cfg.microbatches} order={cfg.order.name} (warmup {warmup})"
+        f"stages={cfg.stages} microbatches={cfg.microbatches} order={tl.step.order.name} (warmup {warmup})"
         f"{' split_backward' if cfg.split_backward else ''}"
         f"{' ownership ' + cfg.strategy.ownership if cfg.strategy.ownership != DEFAULT.ownership else ''}",
         highlight=False,
