@@ -408,8 +408,9 @@ class Engine:
         if self.watchdog is not None:
             self.watchdog.set_job("")
         end = time.perf_counter()
-        meter.end_s, meter.end_cpu_s = end - t, time.process_time() - cpu
-        meter.step_s, meter.cpu_s = end - meter.t0, time.process_time() - meter.cpu0
+        now_cpu = time.process_time()  # one reading: it sums every thread's CPU (see step_state._run_jobs)
+        meter.end_s, meter.end_cpu_s = end - t, now_cpu - cpu
+        meter.step_s, meter.cpu_s = end - meter.t0, now_cpu - meter.cpu0
         self._traced = {"step": self.steps, "start": meter.t0, "end": end, "sync": (t, end), "meter": meter,
                         "waits": st.comm.waits, "sends": st.comm.handed}
         return worker_record(w, lowered.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type)
