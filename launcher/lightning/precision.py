@@ -99,7 +99,8 @@ def norm_in_step(trainer: Any, module: Any, plugin: Any) -> bool:
     all-reduce (:meth:`UnifiedStrategy.training_step`), one collective fewer per step: clipping
     by norm is on, every step steps the optimizer (no accumulation), no GradScaler unscales the
     gradients in between, and no hook that runs in between (on the module or a callback) is
-    overridden, so the gradients the norm is taken of are those that are clipped."""
+    overridden, and Lightning runs the optimization (automatic), so the gradients the norm is taken
+    of are those that are clipped."""
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.core import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -107,6 +108,8 @@ def norm_in_step(trainer: Any, module: Any, plugin: Any) -> bool:
     if not trainer.gradient_clip_val or (trainer.gradient_clip_algorithm or "norm") != "norm":
         return False
     if trainer.accumulate_grad_batches != 1 or getattr(plugin, "scaler", None) is not None:
+        return False
+    if not getattr(module, "automatic_optimization", True):  # the module clips itself, when it likes
         return False
     hooked = [(module, LightningModule)] + [(cb, Callback) for cb in trainer.callbacks]
     return not any(is_overridden(h, obj, parent) for obj, parent in hooked for h in _BETWEEN
