@@ -74,7 +74,8 @@ class Pair:
     B: int
     order: str
     split: bool
-    #: ddp, fsdp, gpipe, 1f1b, looped_bfs, interleaved_1f1b, interleaved_zb, fsdp_looped_bfs, zbv, dualpipev
+    #: ddp, fsdp, gpipe, 1f1b, looped_bfs, interleaved_1f1b, interleaved_zb, fsdp_looped_bfs,
+    #: fsdp_interleaved_1f1b, zbv, dualpipev
     native: str
 
     @property
@@ -82,10 +83,12 @@ class Pair:
         return self.G * self.R
 
 
+#: ``order="default"``: the scheme's own default order (docs/configuration.md, "Default orders"), as
+#: a user who names none gets it; the ``*-default-*`` pairs are one per scheme at that order
 PAIRS = [
-    Pair("ddp-w4", "ddp", 4, 1, 4, 4, "1f1b", False, "ddp"),
-    Pair("ddp-w8", "ddp", 8, 1, 4, 8, "1f1b", False, "ddp"),
-    Pair("fsdp-w4", "fsdp", 4, 1, 4, 4, "1f1b", False, "fsdp"),
+    Pair("ddp-w4", "ddp", 4, 1, 4, 4, "default", False, "ddp"),
+    Pair("ddp-w8", "ddp", 8, 1, 4, 8, "default", False, "ddp"),
+    Pair("fsdp-w4", "fsdp", 4, 1, 4, 4, "default", False, "fsdp"),
     Pair("gpipe-w4", "gpipe", 1, 4, 4, 8, "breadth_first", False, "gpipe"),
     Pair("gpipe-w8", "gpipe", 1, 8, 8, 8, "breadth_first", False, "gpipe"),
     Pair("1f1b-w4", "gpipe", 1, 4, 4, 8, "1f1b", False, "1f1b"),
@@ -93,10 +96,15 @@ PAIRS = [
     Pair("interleaved-1f1b-w4", "lpp", 1, 4, 8, 8, "interleaved_1f1b", False, "interleaved_1f1b"),
     Pair("interleaved-zb-w4", "lpp", 1, 4, 8, 8, "1f1b", True, "interleaved_zb"),
     Pair("fslpp-w4", "fslpp", 2, 2, 4, 8, "breadth_first", False, "fsdp_looped_bfs"),
+    Pair("gpipe-default-w4", "gpipe", 1, 4, 4, 8, "default", False, "1f1b"),
+    Pair("lpp-default-w2", "lpp", 1, 2, 4, 8, "default", False, "interleaved_1f1b"),
+    Pair("lpp-default-w4", "lpp", 1, 4, 8, 8, "default", False, "interleaved_1f1b"),
+    Pair("fslpp-default-w4", "fslpp", 2, 2, 4, 8, "default", False, "fsdp_interleaved_1f1b"),
 ]
 NATIVE = {"ddp": "DDP", "fsdp": "FSDP2", "gpipe": "GPipe", "1f1b": "1F1B", "looped_bfs": "LoopedBFS",
           "interleaved_1f1b": "Interleaved1F1B", "interleaved_zb": "InterleavedZeroBubble",
-          "fsdp_looped_bfs": "FSDP2 + LoopedBFS", "zbv": "ZBVZeroBubble",
+          "fsdp_looped_bfs": "FSDP2 + LoopedBFS", "fsdp_interleaved_1f1b": "FSDP2 + Interleaved1F1B",
+          "zbv": "ZBVZeroBubble",
           "dualpipev": "DualPipeV"}  # DistributedDataParallel, fully_shard, Schedule*
 #: native schedules that place stages in a V (``style="v"``): two stages per rank, ours ``strategy=vshape``
 V_SHAPED = ("zbv", "dualpipev")
@@ -210,7 +218,7 @@ class Native:
                   device: torch.device) -> None:
         from torch.distributed import pipelining as pp
         n_mb, group, pp_rank, pp_size = p.B, None, self.rank, p.W
-        if p.native == "fsdp_looped_bfs":  # a (dp, pp) mesh: FSDP over dp, the loop over pp
+        if p.native.startswith("fsdp_"):  # a (dp, pp) mesh: FSDP over dp, the loop over pp
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
             mesh = init_device_mesh(device.type, (p.G, p.R), mesh_dim_names=("dp", "pp"))
@@ -233,7 +241,8 @@ class Native:
         self.stage0 = list(stages[0].parameters()) if self.first else []
         kind = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "looped_bfs": pp.ScheduleLoopedBFS,
                 "interleaved_1f1b": pp.ScheduleInterleaved1F1B, "interleaved_zb": pp.ScheduleInterleavedZeroBubble,
-                "fsdp_looped_bfs": pp.ScheduleLoopedBFS, "zbv": pp.ScheduleZBVZeroBubble,
+                "fsdp_looped_bfs": pp.ScheduleLoopedBFS, "fsdp_interleaved_1f1b": pp.ScheduleInterleaved1F1B,
+                "zbv": pp.ScheduleZBVZeroBubble,
                 "dualpipev": pp.ScheduleDualPipeV}[p.native]
         single = kind in (pp.ScheduleGPipe, pp.Schedule1F1B)
         self.sched = kind(self.stages[0] if single else self.stages, n_microbatches=n_mb, loss_fn=self.loss_fn)

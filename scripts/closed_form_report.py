@@ -622,7 +622,8 @@ def section_ownership() -> list[str]:
     ]
     rows = []
     for S, G, R in OWNERSHIP_CASES:
-        sm = {own: summarize(simulate(make_step("fslpp", S, 8, G, R, ownership=own))) for own in ("seed", "balanced")}
+        sm = {own: summarize(simulate(make_step("fslpp", S, 8, G, R, order="1f1b", ownership=own)))
+              for own in ("seed", "balanced")}
         pw = {own: sm[own]["per_worker"] for own in sm}
         rows.append([S, G, R,
                      " ".join(map(str, pw["seed"]["weights_owned"])),

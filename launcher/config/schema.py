@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ..schedule.run_settings import DEFAULT_RUN
-from ..schedule.settings import DEFAULT, Settings
+from ..schedule.settings import DEFAULT, SCHEME_DEFAULT, Settings
 
 SCHEMA_NAME = "launcher_schema"
 
@@ -48,7 +48,7 @@ class OrderConf:
     """A named tie-break order, or ``n``: a node instantiated into a callable ``n(s, b, d)``, or
     ``path``: a schedule file (``order=file``); ``export``: where to write the step's schedule."""
 
-    name: str = DEFAULT.order_name
+    name: str = SCHEME_DEFAULT  # the scheme's own (Settings.default_order)
     n: Any = None
     path: Optional[str] = None  # order=file: each worker's job sequence (our action text; torch's CSV for a .csv)
     export: Optional[str] = None  # mode=simulate writes the step's job sequences here (same two forms)

@@ -31,7 +31,8 @@ def compute_dtype(plugin: Any) -> torch.dtype | None:
     return None
 
 
-def clipped_gradients(engine: Engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def clipped_gradients(engine: Engine, grads: dict[int, dict[int, torch.Tensor]] | None = None
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """This worker's share of the global gradient norm, and the gradients it scales.
 
     ``counted``: every parameter's gradient once over all workers, as one device's module lists it:
@@ -39,38 +40,81 @@ def clipped_gradients(engine: Engine) -> tuple[list[torch.Tensor], list[torch.Te
     (tied embeddings, :attr:`Engine.ties`) only at its first use, ``min(uses)`` (every use holds the
     same summed gradient, :meth:`Engine._sum_tied`). ``scaled``: every owned parameter's gradient
     once, on every worker that holds a copy: a parameter held by two stages of this worker (DDP's
-    tied embedding) is one tensor, scaled once."""
+    tied embedding) is one tensor, scaled once. ``grads``: per owned stage, its trainable
+    parameters' gradients by ``id`` (:meth:`Engine.grad_views`, before they are installed); None:
+    their ``.grad``."""
     owners, me = engine.lowered.owners, engine.worker
     later = {use for uses in engine.ties for use in sorted(uses)[1:]}
     counted: list[torch.Tensor] = []
     scaled: dict[int, torch.Tensor] = {}
     for s in engine.owned:
         first = owners[s][0] == me
-        for i, p in enumerate(engine.modules[s].parameters()):
-            if p.grad is None:
+        for i, p in enumerate(engine.modules[s].parameters()):  # i: the index Engine.ties uses
+            g = p.grad if grads is None else grads[s].get(id(p))
+            if g is None:
                 continue
             if first and (s, i) not in later:
-                counted.append(p.grad)
-            scaled.setdefault(id(p), p.grad)
+                counted.append(g)
+            scaled.setdefault(id(p), g)
     return counted, list(scaled.values())
+
+
+def squared_norm(counted: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """This worker's share of the squared global norm (float64), summed as one device sums it."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in counted:
+        sq += torch.linalg.vector_norm(g.double()) ** 2
+    return sq
 
 
 def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Tensor:
     """Scale every owned gradient by ``max_norm / (norm + 1e-6)`` (at most 1), where ``norm`` is
     the 2-norm over every parameter's gradient counted once (:func:`clipped_gradients`), summed
-    across workers: exactly what ``clip_grad_norm_`` does on one device. Returns ``norm``."""
+    across workers: exactly what ``clip_grad_norm_`` does on one device. Returns ``norm``.
+
+    The squared norm summed across workers comes from the step's one fused all-reduce when the
+    strategy took it there (``strategy.fused_norm_sq``, see :meth:`UnifiedStrategy.training_step`);
+    else it is summed here, by an all-reduce of its own."""
     engine = strategy.engine
     assert engine is not None
     counted, scaled = clipped_gradients(engine)
-    sq = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
-    for g in counted:
-        sq += torch.linalg.vector_norm(g.double()) ** 2
-    all_reduce(sq)
+    fused, strategy.fused_norm_sq = strategy.fused_norm_sq, None
+    if fused is not None:
+        sq = fused
+    else:
+        sq = squared_norm(counted, strategy.root_device)
+        all_reduce(sq)
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in scaled:
         g.mul_(coef.to(g.dtype))
     return norm
+
+
+#: hooks between the training step and the clipping, where a module or callback may change gradients
+_BETWEEN = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+
+
+def norm_in_step(trainer: Any, module: Any, plugin: Any) -> bool:
+    """Whether the clipping norm's squared shares may be summed in the training step's own
+    all-reduce (:meth:`UnifiedStrategy.training_step`), one collective fewer per step: clipping
+    by norm is on, every step steps the optimizer (no accumulation), no GradScaler unscales the
+    gradients in between, and no hook that runs in between (on the module or a callback) is
+    overridden, and Lightning runs the optimization (automatic), so the gradients the norm is taken
+    of are those that are clipped."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.core import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not trainer.gradient_clip_val or (trainer.gradient_clip_algorithm or "norm") != "norm":
+        return False
+    if trainer.accumulate_grad_batches != 1 or getattr(plugin, "scaler", None) is not None:
+        return False
+    if not getattr(module, "automatic_optimization", True):  # the module clips itself, when it likes
+        return False
+    hooked = [(module, LightningModule)] + [(cb, Callback) for cb in trainer.callbacks]
+    return not any(is_overridden(h, obj, parent) for obj, parent in hooked for h in _BETWEEN
+                   if hasattr(parent, h))
 
 
 def process_group_up() -> bool:

@@ -59,7 +59,7 @@ from ..schedule import Step
 from ..schedule.rules import StepError
 from ..schedule.run_settings import CheckpointSettings, RunSettings
 from ..schedule.schemes import SCHEMES
-from ..schedule.settings import DEFAULT, OrderLike, SchemeLike, Settings
+from ..schedule.settings import DEFAULT, SCHEME_DEFAULT, OrderLike, SchemeLike, Settings
 from .checkpoint_hooks import CheckpointingStrategy
 from .item_counts import loss_items
 from .keywords import keyword_settings
@@ -68,8 +68,11 @@ from .lightning_private import batch_in_step, train_dataloaders
 from .loader_position import Positions
 from .precision import (
     all_reduce,
+    clipped_gradients,
     compute_dtype,
     loss_dtype,
+    norm_in_step,
+    squared_norm,
     with_global_clipping,
     with_synced_scaler,
 )
@@ -111,7 +114,7 @@ class UnifiedStrategy(CheckpointingStrategy):
         R: int | None = None,
         stages: int | None = None,
         microbatches: int = 1,
-        order: OrderLike = DEFAULT.order_name,
+        order: OrderLike = SCHEME_DEFAULT,
         *,
         settings: Settings | None = None,
         split: Sequence[str] | str | None = None,
@@ -151,6 +154,10 @@ class UnifiedStrategy(CheckpointingStrategy):
         self.module_costs: list[Any] | None = None  # each module's profile, when profiled
         self.graph: Any = None  # the stage graph, when not a chain
         self.step_skipped = False  # the last training step was dropped (nonfinite=skip)
+        #: the clipping norm's squared shares, summed in the training step's all-reduce, until the
+        #: clipping reads them (None: the clipping sums them itself; :func:`.precision.norm_in_step`)
+        self.fused_norm_sq: torch.Tensor | None = None
+        self._norm_in_step = False
         #: the step's settings: given (trusted: the command line checked them), or the keywords'
         #: once the stage count is known (here, or from the module: :meth:`_settings_for`)
         self._settings = settings if settings is not None or stages is None else self._from_keywords(stages)
@@ -281,6 +288,7 @@ class UnifiedStrategy(CheckpointingStrategy):
             self.setup_optimizers(trainer)
             with_global_clipping(self)
             with_synced_scaler(self.precision_plugin)
+            self._norm_in_step = norm_in_step(trainer, module, self.precision_plugin)
 
     def check_before_fork(self, module: Any, datamodule: Any = None, train_dataloaders: Any = None) -> None:
         """Stage ``module`` on this process as every worker will (in the trainer's precision), and
@@ -443,9 +451,17 @@ class UnifiedStrategy(CheckpointingStrategy):
         elif record:  # a last, smaller batch stands neither for the run's messages nor for its job times
             record["measured_only"]["short_batch"] = True
         finite = self.engine.finite
-        loss, bad = agree(record["measured_only"]["loss"] if record else 0.0, finite.first() if finite else None,
-                          self.root_device)
+        # one all-reduce for the loss, the non-finite check and the clipping norm (docs/performance.md,
+        # "Collectives per step"); the gradients are those the backward hook installs next
+        share = None
+        if self._norm_in_step:
+            grads = {s: self.engine.grad_views(s) for s in self.engine.owned}
+            share = squared_norm(clipped_gradients(self.engine, grads)[0], self.root_device)
+        loss, bad, self.fused_norm_sq = agree(record["measured_only"]["loss"] if record else 0.0,
+                                              finite.first() if finite else None, self.root_device, extra=share)
         self.step_skipped = bad is not None
+        if bad is not None:
+            self.fused_norm_sq = None  # the step's gradients are dropped, not clipped
         if bad is not None:
             self._nonfinite(finite.describe(bad))
         loss = loss.to(self.loss_dtype)

@@ -17,7 +17,7 @@ from ..schedule import ScheduleError, Timeline, simulate
 from ..schedule.diagram import ascii_diagram, legend
 from ..schedule.lowering import LoweringError, lower
 from ..schedule.metrics import summarize
-from ..schedule.settings import DEFAULT
+from ..schedule.settings import DEFAULT, SCHEME_DEFAULT
 from .common import clear_outcomes, console, in_sweep, output_dir, phase, point, reject, write_invalid
 
 
@@ -82,9 +82,13 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
 
     con = console()
     warmup = tl.step.order.warmup
+    if cfg.order.get("name") == SCHEME_DEFAULT and cfg.order.get("n") is None:  # no order named: say why this one
+        from ..config.validate import raw_settings
+
+        warmup = f"{warmup}; {scheme}'s default: {raw_settings(cfg).default_order()[1]}"
     con.print(
         f"[bold]simulate[/bold] strategy={cfg.strategy.name} G={cfg.G} R={cfg.R} W={summary['workers']} "
-        f"stages={cfg.stages} microbatches={cfg.microbatches} order={cfg.order.name} (warmup {warmup})"
+        f"stages={cfg.stages} microbatches={cfg.microbatches} order={tl.step.order.name} (warmup {warmup})"
         f"{' split_backward' if cfg.split_backward else ''}"
         f"{' ownership ' + cfg.strategy.ownership if cfg.strategy.ownership != DEFAULT.ownership else ''}",
         highlight=False,

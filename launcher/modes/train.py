@@ -80,11 +80,19 @@ def _build(node: Any, key: str, want: type, what: str) -> Any:
     return obj
 
 
+def _order_name(cfg: DictConfig) -> str:
+    """The order the run uses: the one named, else the scheme's default (``Settings.default_order``)."""
+    from ..config.validate import raw_settings
+    from ..schedule.settings import SCHEME_DEFAULT
+
+    return raw_settings(cfg).order_name if cfg.order.name == SCHEME_DEFAULT else str(cfg.order.name)
+
+
 def _run_info(cfg: DictConfig) -> dict[str, Any]:
     single = is_single(cfg)
     return {"scheme": "single" if single else cfg.strategy.name, "G": cfg.G, "R": cfg.R,
             "W": 1 if single else cfg.G * cfg.R, "stages": cfg.stages, "microbatches": cfg.microbatches,
-            "order": cfg.order.name, "model": cfg.model.get("_target_"), "batch_size": cfg.data.get("batch_size"),
+            "order": _order_name(cfg), "model": cfg.model.get("_target_"), "batch_size": cfg.data.get("batch_size"),
             "point": point()}
 
 

@@ -435,8 +435,9 @@ class Engine:
         if self.watchdog is not None:
             self.watchdog.set_job("")
         end = time.perf_counter()
-        meter.end_s, meter.end_cpu_s = end - t, time.process_time() - cpu
-        meter.step_s, meter.cpu_s = end - meter.t0, time.process_time() - meter.cpu0
+        now_cpu = time.process_time()  # one reading: it sums every thread's CPU (see step_state._run_jobs)
+        meter.end_s, meter.end_cpu_s = end - t, now_cpu - cpu
+        meter.step_s, meter.cpu_s = end - meter.t0, now_cpu - meter.cpu0
         self._traced = {"step": self.steps, "start": meter.t0, "end": end, "sync": (t, end), "meter": meter,
                         "waits": st.comm.waits, "sends": st.comm.handed}
         return worker_record(w, lowered.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type)
@@ -475,19 +476,29 @@ class Engine:
         call of the same optimizer step installed. Either makes ``.grad`` a tensor of its own: the
         totals' buffers are the next step's."""
         for s in self.owned:
-            total = self.last_grads[s]
-            cached = self._grad_views.get(s)
-            if cached is None or cached[0] is not total:  # the totals' buffers are kept: so are their views
-                L = self.layouts[s]
-                cached = self._grad_views[s] = (total, L.ordered(self.modules[s], trainable_only=True),
-                                                L.grad_views(total))
-            for p, g in zip(cached[1], cached[2]):
+            _, params, views = self._views(s)
+            for p, g in zip(params, views):
                 if accumulate and p.grad is not None:
                     p.grad.add_(g, alpha=scale)
                 elif accumulate or scale != 1.0:
                     p.grad = g * scale
                 else:
                     p.grad = g
+
+    def grad_views(self, s: int) -> dict[int, torch.Tensor]:
+        """Owned stage ``s``'s trainable parameters' slices of the last step's reduced gradient, by
+        the parameter's ``id`` (a frozen one has none): what :meth:`install_grads` makes their ``.grad``."""
+        _, params, views = self._views(s)
+        return {id(p): g for p, g in zip(params, views)}
+
+    def _views(self, s: int) -> tuple[torch.Tensor, list[torch.nn.Parameter], list[torch.Tensor]]:
+        total = self.last_grads[s]
+        cached = self._grad_views.get(s)
+        if cached is None or cached[0] is not total:  # the totals' buffers are kept: so are their views
+            L = self.layouts[s]
+            cached = self._grad_views[s] = (total, L.ordered(self.modules[s], trainable_only=True),
+                                            L.grad_views(total))
+        return cached
 
     def evaluate(self, microbatches: Sequence[Batch],
                  items: Sequence[Count] | None = None) -> tuple[float, dict[int, torch.Tensor]]:

@@ -11,7 +11,8 @@ not the time a job ran: the lowest micro-batch, and within it forwards by stage,
 then backwards from the last stage down (how a NaN travels), then the summed gradients. The workers
 agree on it within the step's existing loss all-reduce (:func:`agree`: one extra element, and a
 second tiny all-reduce only in a step that has a non-finite value), so every rank stops, or skips,
-together.
+together. The same all-reduce carries the gradient-clipping norm's squared shares where the
+strategy can compute them then (see docs/performance.md, "Collectives per step").
 
 Under a GradScaler (``16-mixed``) gradients are not checked: an overflow there is the scaler's
 to handle (it skips the step and lowers the scale); losses and activations still are.
@@ -111,16 +112,23 @@ class Finite:
         return f"the gradient from stage {3 * self.S - 1 - pos}'s backward on micro-batch {b} is {what}"
 
 
-def agree(share: float, code: int | None, device: torch.device, group: Any = None) -> tuple[torch.Tensor, int | None]:
-    """Every rank's loss share summed (the step's loss) and the first non-finite value any rank
-    found (the lowest code), the same on every rank; collective."""
-    t = torch.tensor([share, 0.0 if code is None else 1.0], dtype=torch.float64, device=device)
+def agree(share: float, code: int | None, device: torch.device, group: Any = None,
+          extra: torch.Tensor | None = None) -> tuple[torch.Tensor, int | None, torch.Tensor | None]:
+    """Every rank's loss share summed (the step's loss), the first non-finite value any rank
+    found (the lowest code), the same on every rank, and ``extra`` (a 0-d float64 tensor, such
+    as the clipping norm's squared share) summed in the same all-reduce; collective. One
+    all-reduce and one read back to the host; a second tiny all-reduce only in a step with a
+    non-finite value."""
+    t = torch.tensor([share, 0.0 if code is None else 1.0, 0.0], dtype=torch.float64, device=device)
+    if extra is not None:
+        t[2] = extra
     dist.all_reduce(t, group=group)
+    summed = t[2] if extra is not None else None
     if t[1].item() == 0:
-        return t[0], None
+        return t[0], None, summed
     c = torch.tensor([_NONE if code is None else code], dtype=torch.int64, device=device)
     dist.all_reduce(c, op=dist.ReduceOp.MIN, group=group)
-    return t[0], int(c.item())
+    return t[0], int(c.item()), summed
 
 
 def undo_statistics(stats: Any) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from launcher.schedule.order import Order
 from launcher.schedule.run_settings import DEFAULT_RUN
-from launcher.schedule.settings import DEFAULT, make_step
+from launcher.schedule.settings import DEFAULT, SCHEME_DEFAULT, make_step
 
 from .engine import Engine
 from .staged import Batch, StagedModel, run_stage
@@ -122,7 +122,7 @@ class Case:
     R: int
     S: int
     B: int
-    order: str | Order = DEFAULT.order_name  # a name, or an order object (a schedule file's)
+    order: str | Order = SCHEME_DEFAULT  # a name, or an order object (a schedule file's)
     optimizer: str = "sgd"
     split: bool = False
     weight_cache: str = DEFAULT.weight_cache

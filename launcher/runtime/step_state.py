@@ -396,11 +396,16 @@ def _run_jobs(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
     """The worker's jobs of ``prog`` in order, each with its messages and weight hand-overs, timed."""
     msgs, comm, meter = lowered.messages, st.comm, st.meter
     what = "step" if st.train else "evaluation step"
-    clock, cpu_clock, thread_clock = time.perf_counter, time.process_time, time.thread_time
+    clock, thread_clock = time.perf_counter, time.thread_time
     # a job's time runs from the end of the one before (the engine's own work for it included) to
-    # its end: one reading of each clock per job (the process's CPU clock sums every thread's, and
-    # costs microseconds while the communication threads run)
-    t, cpu, mine = clock(), cpu_clock(), thread_clock()
+    # its end: one reading of the wall and the thread's CPU clock per job. The process's CPU clock
+    # sums every thread's: it is read twice a step, not per job (on a loaded 2-core VM one reading
+    # cost 0.25 to 0.35 ms, 3 to 4 ms of a 28 ms ddp step; docs/performance.md, "Collectives per
+    # step"), and the communication threads' share is spread over the jobs by their wall time
+    first, walls = len(meter.jobs), []
+    cpu0 = time.process_time()
+    t, mine = clock(), thread_clock()
+    mine0 = mine
     for i, op in enumerate(prog.jobs):
         waited = comm.waited
         # the order of calls the lowering's memory prediction replays (Program.handovers, .wants)
@@ -426,12 +431,16 @@ def _run_jobs(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
         # work: what it spent blocked on a peer's data is idle time, not work; cpu: the
         # process's CPU meanwhile (its communication threads' too), what it asks of a core;
         # and the compute thread's own share of it
-        end, end_cpu, end_mine = clock(), cpu_clock(), thread_clock()
-        meter.jobs.append([op.stage, op.microbatch, op.kind, end - t - (comm.waited - waited), end_cpu - cpu,
-                           end_mine - mine])
+        end, end_mine = clock(), thread_clock()
+        meter.jobs.append([op.stage, op.microbatch, op.kind, end - t - (comm.waited - waited), 0.0, end_mine - mine])
+        walls.append(end - t)
         if meter.spans is not None:
             meter.spans.append((t, end))
-        t, cpu, mine = end, end_cpu, end_mine
+        t, mine = end, end_mine
+    others = max(0.0, time.process_time() - cpu0 - (mine - mine0))  # the other threads' CPU meanwhile
+    total = sum(walls) or 1.0
+    for job, wall in zip(meter.jobs[first:], walls):
+        job[4] = job[5] + others * wall / total
 
 
 def _spec(engine: Engine, shapes: list[Shapes], m: Msg) -> tuple:

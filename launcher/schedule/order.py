@@ -591,6 +591,8 @@ def _dualpipev_worker(w: int, P: int, M: int) -> list[tuple[int, int, str]]:
 ORDERS: dict[str, type[Order]] = {o.name: o for o in (OneFOneB, BreadthFirst, LongestWaiting, ZBH1, ZBH2, Interleaved,
                                                       ZBV, DualPipeV, AutoOrder)}
 BUILTIN = tuple(ORDERS)
+#: ``order`` when none is named: the scheme's own (:meth:`~launcher.schedule.settings.Settings.default_order`)
+SCHEME_DEFAULT = "default"
 #: built-in orders that only exist on the split backward
 SPLIT_ONLY = tuple(name for name, o in ORDERS.items() if o.split_only)
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, TypeGuard
 
 from .order import BUILTIN as ORDERS
 from .order import ORDERS as ORDER_CLASSES
-from .order import WARMUPS, too_few_microbatches
+from .order import SCHEME_DEFAULT, WARMUPS, too_few_microbatches
 from .order_file import FileOrder
 from .schemes import SCHEMES
 
@@ -77,7 +77,7 @@ def unknown_option(key: str, value: object, extra: Iterable[str] = ()) -> str:
     """The sentence for an unknown ``strategy`` or ``order`` name; ``extra``: options a user's own
     config directory adds to the built-in ones."""
     # order=file is a name of the config's (it needs order.path), not a built-in order object
-    names = sorted(set(STRATEGIES if key == "strategy" else (*ORDERS, FileOrder.name)) | set(extra))
+    names = sorted(set(STRATEGIES if key == "strategy" else (*ORDERS, FileOrder.name, SCHEME_DEFAULT)) | set(extra))
     return f"{key}={shown(value)} is not a known {key}; choose one of {', '.join(names)}, or {_CUSTOM[key]}."
 
 
@@ -160,7 +160,7 @@ def _option_errors(values: Mapping[str, Any]) -> list[str]:
     if "strategy" in values and not callable(strategy) and strategy not in SCHEMES:
         out.append(unknown_option("strategy", strategy))
     order = values.get("order")
-    if "order" in values and not callable(order) and order not in ORDERS:
+    if "order" in values and not callable(order) and order not in (*ORDERS, SCHEME_DEFAULT):
         out.append(unknown_option("order", order))
     return out
 
@@ -179,7 +179,7 @@ def _size_errors(values: Mapping[str, Any], G: int, R: int, S: int, B: int) -> l
         out.append(e)
     if e := _scheme_order_error(values.get("strategy"), values.get("order")):
         out.append(e)
-    if e := _looped_order_error(values.get("strategy"), values.get("order"), R, S):
+    if e := looped_order_error(values.get("strategy"), values.get("order"), R, S):
         out.append(e)
     if e := _order_microbatches_error(values.get("order"), S, B):
         out.append(e)
@@ -227,7 +227,7 @@ def _order_microbatches_error(order: Any, S: int, B: int) -> str | None:
     return None if cls is None else too_few_microbatches(cls, S, B)
 
 
-def _looped_order_error(strategy: Any, order: Any, R: int, S: int) -> str | None:
+def looped_order_error(strategy: Any, order: Any, R: int, S: int) -> str | None:
     """The sentence for an order made for looped pipelines (``interleaved_1f1b``) on a named scheme
     that is not one: each worker of a pipeline of ``1 < R < stages`` workers holds ``stages / R``
     stages (Megatron's warm-up counts them, so every worker holds as many)."""

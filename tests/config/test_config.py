@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from launcher.config import ConfigError, check_overrides, errors, to_step
+from launcher.config.spec import settings_of
 from launcher.config.validate import check_sweep_overrides
 from launcher.modes.simulation import simulate_config
 from launcher.schedule import make_step, simulate
@@ -26,7 +27,8 @@ ORDER_GROUP = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "con
 
 def test_defaults_compose_and_are_valid(cfg_of):
     c = cfg_of()
-    assert (c.mode, c.strategy.name, c.order.name) == ("train", "lpp", "1f1b")
+    assert (c.mode, c.strategy.name, c.order.name) == ("train", "lpp", "default")
+    assert settings_of(c).order_name == "interleaved_1f1b"  # lpp G=2 R=4 on 8 stages: a looped pipeline
     assert (c.G, c.R, c.W, c.stages, c.microbatches) == (2, 4, 8, 8, 16)
     assert dict(c.durations) == {"F": 1.0, "B": 1.0, "I": 0.5, "W": 0.5}
     assert (c.comm, c.memory_limit, c.warmup, c.split_backward, c.weight_cache, c.prefetch) == (
@@ -204,7 +206,7 @@ def test_custom_placement_and_order_by_target(cfg_of):
         "strategy.placement._partial_=false", "+strategy.placement.G=${G}", "+strategy.placement.R=${R}",
     )
     tl, summary = simulate_config(c)
-    ref = simulate(make_step("lpp", 8, 16, G=2, R=4))
+    ref = simulate(make_step("lpp", 8, 16, G=2, R=4, order="1f1b"))  # a custom placement's default order
     assert tl.finish == ref.finish and summary["latency"] == ref.latency
 
 

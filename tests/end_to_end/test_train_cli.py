@@ -37,7 +37,7 @@ def fslpp_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 def test_trains_and_prints_the_summary(fslpp_run):
     run, p = fslpp_run
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "train fslpp G=2 R=2 W=4 stages=4 microbatches=4 order=1f1b: 4 steps" in p.stdout
+    assert "train fslpp G=2 R=2 W=4 stages=4 microbatches=4 order=interleaved_1f1b: 4 steps" in p.stdout  # its default
     for row in ("step time (ms)", "throughput (samples/s)", "bubble fraction", "per worker"):
         assert row in p.stdout
     assert f"wrote {run / 'metrics.json'}" in p.stdout.replace("\n", "")
@@ -80,7 +80,7 @@ def test_wandb_offline_run_read_back(fslpp_run):
     assert len(files) == 1 and str(run / "wandb") in files[0]
     r = read_run(files[0])
     assert r.group == "run"  # a single run is its own group; a sweep's runs share the sweep's
-    assert r.tags == ["fslpp", "G=2", "R=2", "1f1b"]
+    assert r.tags == ["fslpp", "G=2", "R=2", "interleaved_1f1b"]
     assert r.config["strategy"]["name"] == "fslpp" and r.config["G"] == 2
     losses = [h["train_loss"] for h in r.history if "train_loss" in h]
     m = json.loads((run / "metrics.json").read_text())

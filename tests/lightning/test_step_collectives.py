@@ -1,0 +1,71 @@
+"""The collectives a training step makes through Lightning beyond the gradient reduction
+(docs/performance.md, "Collectives per step"): at the defaults (clipping by norm at 1.0, non-finite
+check on) the loss, the non-finite check and the clipping norm share one all-reduce; a hook that may
+change gradients between the step and the clipping puts the norm back in its own all-reduce. Both
+give the same parameters, bit for bit (W = 2: a sum of two terms has one order)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers.training import char_data, quiet_trainer, tiny_gpt
+from launcher.lightning import UnifiedStrategy
+from launcher.models import GPT
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class CountSmallAllReduces(L.Callback):
+    """Counts, per training batch, the all-reduces of at most 3 elements (the step's scalars; the
+    gradient buckets are larger) and writes the counts to ``out/rank<r>.json``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.counts, self.real = out, [], dist.all_reduce
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.counts.append(0)
+
+        def counting(t, *a, **kw):
+            if t.numel() <= 3:
+                self.counts[-1] += 1
+            return self.real(t, *a, **kw)
+
+        dist.all_reduce = counting
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        dist.all_reduce = self.real
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        (self.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(self.counts))
+
+
+class Hooked(GPT):
+    def on_after_backward(self) -> None:  # may change gradients: the norm is taken after it, apart
+        pass
+
+
+def _fit(tmp_path: Path, cls: type[GPT]) -> tuple[GPT, list[list[int]]]:
+    tmp_path.mkdir()
+    torch.manual_seed(0)
+    model = cls(seq_len=8, d_model=16, n_head=2, n_layer=2, max_steps=2)  # tiny_gpt's, as a subclass may be
+    st = UnifiedStrategy("ddp", stages=4, microbatches=2)
+    tr = quiet_trainer(st, st.W, max_steps=2, precision="64-true", gradient_clip_val=1.0,  # the launcher's default
+                       callbacks=[CountSmallAllReduces(tmp_path)])
+    tr.fit(model, datamodule=char_data())
+    return model, [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(st.W)]
+
+
+def test_one_small_all_reduce_per_step(tmp_path):
+    fused, counts = _fit(tmp_path / "fused", GPT)
+    assert counts == [[1, 1], [1, 1]]  # loss + non-finite flag + clipping norm, together
+    apart, counts = _fit(tmp_path / "apart", Hooked)
+    assert counts == [[2, 2], [2, 2]]  # the norm in its own all-reduce, after the hook
+    assert tiny_gpt().state_dict().keys() == fused.state_dict().keys()
+    for k, v in fused.state_dict().items():
+        assert torch.equal(v, apart.state_dict()[k]), k
