@@ -285,6 +285,30 @@ def test_clipping_is_active(references) -> None:
         assert check_against_single(start, want, got) > 1e-6, name
 
 
+def test_a_tied_weight_after_frozen_ones_is_clipped_once() -> None:
+    """GPT-2 fully trained, its head stage holding a frozen parameter listed before the head tied to
+    the embedding (as a frozen final norm would be where a cut puts it there): the clipping norm
+    (taken in the step's one all-reduce under ddp) counts the tied weight's gradient once, found by
+    the parameter and not by its place among the trainable ones; and the norm binds (it exceeds
+    the launcher's 1.0, checked by running without clipping)."""
+    def make() -> L.LightningModule:
+        model = lora_gpt2(lora={})
+        head = model.stages[-1]
+        head.register_parameter("frozen", torch.nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False))
+        assert next(head.parameters()) is head.frozen  # listed before the tied lm_head.weight
+        return model
+
+    start = make()
+    want = copy.deepcopy(start)
+    fit(want, StreamedSingleDevice(microbatches=B), 1)
+    got, unclipped = copy.deepcopy(start), copy.deepcopy(start)
+    fit(got, UnifiedStrategy("ddp", stages=4, microbatches=B), B)
+    assert check_against_single(start, want, got) < TOL
+    quiet_trainer(UnifiedStrategy("ddp", stages=4, microbatches=B), B, precision="64-true", max_steps=STEPS,
+                  gradient_clip_val=None, limit_val_batches=0).fit(unclipped, datamodule=char_data())
+    assert check_against_single(start, want, unclipped) > 1e-6
+
+
 def test_lora_on_a_loaded_model_keeps_its_weights(tmp_path: Path) -> None:
     """``model.pretrained`` with ``model.lora``, built on the meta device as the command builds it:
     the loaded weights stay as saved (nothing is initialised again), the adapters start as peft
