@@ -33,8 +33,10 @@ from typing import Any, Iterator
 
 import torch
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
 
 from ..models.data import EpochSampler
 from ..runtime.torch_private import skip_indices
@@ -225,6 +227,29 @@ class Positions:
     def load(self, checkpoint: dict[str, Any]) -> None:
         """Keep ``checkpoint``'s positions for the training loaders made next."""
         self.loaded = list(checkpoint.get(KEY) or [])
+
+
+class KeepsLoaderPositions(Strategy):
+    """The two hooks both of the launcher's strategies add to Lightning's: a training DataLoader
+    handed to the loop keeps its position, and a checkpoint holds it. The strategy sets
+    ``positions`` and loads them in its own ``load_checkpoint`` (the two read checkpoints apart)."""
+
+    positions: Positions
+
+    def _trainer(self) -> Any:
+        module = self.lightning_module
+        assert module is not None  # Lightning connects the module before either hook runs
+        return module.trainer
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """A training DataLoader keeps its position in checkpoints (:class:`Positions`)."""
+        return self.positions.resumable(dataloader, self._trainer())
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.positions.save(checkpoint, self._trainer())
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
 
 def _leaves(x: Any) -> list[Any]:

@@ -34,7 +34,7 @@ from ..runtime.values import as_tree, chunk
 from ..split.capture import loss_module
 from .item_counts import loss_items
 from .lightning_private import batch_in_step, train_dataloaders
-from .loader_position import Positions
+from .loader_position import KeepsLoaderPositions, Positions
 from .staging import (
     _mapping_type,
     example_microbatch,
@@ -47,7 +47,7 @@ from .staging import (
 )
 
 
-class StreamedSingleDevice(SingleDeviceStrategy):
+class StreamedSingleDevice(KeepsLoaderPositions, SingleDeviceStrategy):
     """One device, each batch as ``microbatches`` micro-batches through the random streams."""
 
     strategy_name = "single_streams"
@@ -77,17 +77,6 @@ class StreamedSingleDevice(SingleDeviceStrategy):
                       else super().load_checkpoint(checkpoint_path, *args, **kwargs))
         self.positions.load(checkpoint)  # the training loaders' positions, for the loaders made next
         return checkpoint
-
-    @override
-    def process_dataloader(self, dataloader: Any) -> Any:
-        """A training DataLoader keeps its position in checkpoints (:mod:`.loader_position`), as
-        under every scheme."""
-        return self.positions.resumable(dataloader, self._attached.trainer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self.positions.save(checkpoint, self._attached.trainer)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def setup_environment(self) -> None:

@@ -65,7 +65,7 @@ from .item_counts import loss_items
 from .keywords import keyword_settings
 from .launcher import ForkLauncher
 from .lightning_private import batch_in_step, train_dataloaders
-from .loader_position import Positions
+from .loader_position import KeepsLoaderPositions, Positions
 from .precision import (
     all_reduce,
     clipped_gradients,
@@ -82,7 +82,7 @@ from .state import Layout
 log = logging.getLogger(__name__)
 
 
-class UnifiedStrategy(CheckpointingStrategy):
+class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     """Train any LightningModule with stages under any scheme of the schedule engine.
 
     ``scheme``: ddp, fsdp, gpipe, lpp, fslpp, or a placement callable ``(s, b, d) -> (w_weights,
@@ -378,17 +378,7 @@ class UnifiedStrategy(CheckpointingStrategy):
         with empty_init():
             yield
 
-    # ---- the training loaders' positions (:mod:`.loader_position`) --------------------------
-    @override
-    def process_dataloader(self, dataloader: Any) -> Any:
-        """A training DataLoader keeps its position in checkpoints (:mod:`.loader_position`)."""
-        return self.positions.resumable(dataloader, self._attached.trainer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self.positions.save(checkpoint, self._attached.trainer)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
+    # ---- the training loaders' positions (:class:`.loader_position.KeepsLoaderPositions`) ---
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
