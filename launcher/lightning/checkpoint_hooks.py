@@ -51,17 +51,14 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     def checkpoint_format(self) -> str:
         """``sharded`` (each stage's first owner writes it, :mod:`.sharded`) or ``single`` (one file
         in the single-device layout, gathered at rank 0): ``checkpoint.format``, else the scheme's
-        default (:meth:`launcher.schedule.run_settings.CheckpointSettings.format_for`)."""
+        default (:meth:`launcher.schedule.run_settings.CheckpointSettings.format_for`). The one
+        reader of ``checkpoint.format``: the hooks below ask it."""
         return self.run.checkpoint.format_for(self.scheme)
-
-    @property
-    def _sharded(self) -> bool:
-        return self.checkpoint_format == "sharded"
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None and self.layout is not None
-        if self._sharded:  # this worker's share only: nobody gathers the model
+        if self.checkpoint_format == "sharded":  # this worker's share only: nobody gathers the model
             return local_module_state(self._attached, self.layout, self.engine.modules, self.engine.stages,
                                       self.global_rank == 0)
         return gather_module_state(self._attached, self.layout, self.engine.modules, self.engine.stages)
@@ -76,7 +73,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         assert self.layout is not None
         opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the real one
-        if self._sharded:
+        if self.checkpoint_format == "sharded":
             names = {id(p): self.layout.canonical(n) for n, p in self._attached.named_parameters()}
             return sharded.optimizer_entries(opt, names, self.layout.written)
         return gather_optimizer_state(opt, self._attached, self.layout)
@@ -85,7 +82,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         # a large model's write may take longer than the watchdog's timeout: it is work, not a hang
         with busy(current_watchdog()):
-            if not self._sharded:
+            if self.checkpoint_format != "sharded":
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
             assert self.layout is not None
             self.finish_checkpoint()  # the previous background save, if any, is complete first

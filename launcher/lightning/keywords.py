@@ -3,10 +3,48 @@ checked by the rules the command line's settings are checked by."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Mapping, Sequence
 
 from ..config import ConfigError, LauncherConf, settings_of, step_errors
+from ..config.schema import SETTING_KEYS
+from ..schedule.rules import shown, unknown_key
 from ..schedule.settings import CUSTOM, OrderLike, SchemeLike, Settings
+
+#: the step's settings ``UnifiedStrategy`` takes as keywords beyond its named parameters (``scheme``,
+#: ``G``, ``R``, ``stages``, ``microbatches``, ``order``), by their config keys: ``ownership`` is
+#: ``strategy.ownership``, ``plan`` takes ``{"memory": ...}`` (``plan.memory``)
+STEP_KEYWORDS: tuple[str, ...] = tuple(
+    f if f == "ownership" else key.split(".")[0] for f, key in SETTING_KEYS.items()
+    if f not in ("scheme", "G", "R", "stages", "microbatches", "order"))
+#: the one key of ``plan`` a training run reads (the planner's other keys are the command line's)
+PLAN_KEYS = ("plan.memory",)
+
+
+def keyword_errors(extra: Mapping[str, Any], named: Sequence[str]) -> list[str]:
+    """One sentence per keyword of ``extra`` that ``UnifiedStrategy`` does not take (``named``: its
+    own parameters), with the closest keyword when one is close: a misspelt or misplaced keyword
+    would otherwise be dropped silently."""
+    known = [*named, *STEP_KEYWORDS]
+    config_keys = {f.name for f in dataclasses.fields(LauncherConf)}
+    out: list[str] = []
+    for k, v in extra.items():
+        if k == "runtime":  # the run's settings are UnifiedStrategy's own keywords (RunSettings)
+            out.append(f"runtime={shown(v)} is invalid: UnifiedStrategy has no runtime keyword; give the transport "
+                       f"as transport=... (the config's runtime.transport).")
+        elif k == "plan" and isinstance(v, Mapping):
+            out += [unknown_key(f"plan.{p}", v[p], PLAN_KEYS, "a keyword of UnifiedStrategy's plan",
+                                "a training run reads plan.memory only")
+                    for p in v if f"plan.{p}" not in PLAN_KEYS]
+        elif k == "strategy":  # the command line's name for the scheme
+            out.append(unknown_key(k, v, (), "a keyword of UnifiedStrategy", "its keyword for the scheme is scheme"))
+        elif k in config_keys and k not in STEP_KEYWORDS:  # a close keyword would be a wrong guess (seed: scheme)
+            out.append(unknown_key(k, v, (), "a keyword of UnifiedStrategy",
+                                   f"{k} is a key of the command line's config that the strategy does not read "
+                                   f"(give it to the Trainer, the module or the data)"))
+        elif k not in STEP_KEYWORDS:
+            out.append(unknown_key(k, v, known, "a keyword of UnifiedStrategy", f"it takes {', '.join(known)}"))
+    return out
 
 
 def keyword_settings(scheme: SchemeLike, G: int | None, R: int | None, stages: int, microbatches: int,

@@ -37,6 +37,7 @@ is the model: the strategy runs the whole schedule in ``training_step`` and take
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -62,7 +63,7 @@ from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT, SCHEME_DEFAULT, OrderLike, SchemeLike, Settings
 from .checkpoint_hooks import CheckpointingStrategy
 from .item_counts import loss_items
-from .keywords import keyword_settings
+from .keywords import keyword_errors, keyword_settings
 from .launcher import ForkLauncher
 from .lightning_private import batch_in_step, train_dataloaders
 from .loader_position import KeepsLoaderPositions, Positions
@@ -87,9 +88,11 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
 
     ``scheme``: ddp, fsdp, gpipe, lpp, fslpp, or a placement callable ``(s, b, d) -> (w_weights,
     w_compute)`` (then ``G * R`` is the worker count). ``stages`` defaults to ``len(module.stages)``.
-    Any other key of the launcher config (``memory_limit``, ``split_backward``, ``weight_cache``,
-    ``prefetch``, ``warmup``, ``durations``, ``comm``, and ``ownership`` for FSLPP) may be given as a
-    keyword. ``order`` also takes a callable ``n(s, b, d)``. ``partition="time"`` (or ``"memory"``)
+    The step's other settings are keywords named as their config keys (:data:`.keywords.STEP_KEYWORDS`:
+    ``memory_limit``, ``split_backward``, ``weight_cache``, ``prefetch``, ``warmup``, ``durations``,
+    ``comm``, ``recompute``, ``partition``, ``plan={"memory": ...}``, and ``ownership`` for FSLPP); any
+    other keyword is refused (:class:`~launcher.config.ConfigError`, the closest keyword suggested).
+    ``order`` also takes a callable ``n(s, b, d)``. ``partition="time"`` (or ``"memory"``)
     cuts ``module.stages`` by each module's cost, profiled once on the launching process (on rank 0
     under torchrun or Slurm, and broadcast), each stage within ``plan={"memory": "2GB"}`` when given.
 
@@ -131,6 +134,10 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         precision_plugin: Any = None,
         **config: Any,
     ) -> None:
+        # a keyword it does not take is refused now, whether or not the stage count is known yet
+        unknown = keyword_errors(config, [p for p in inspect.signature(UnifiedStrategy).parameters if p != "config"])
+        if unknown:
+            raise ConfigError(unknown)
         #: the run's settings, typed and checked once here; every later reader trusts them
         self.run = _run_settings(run, checkpoint=checkpoint, nonfinite=nonfinite, timeout=timeout,
                                  transport=transport)

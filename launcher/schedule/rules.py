@@ -58,12 +58,13 @@ def shown(v: Any) -> str:
     return "null" if v is None else str(v)
 
 
-def unknown_key(key: str, value: Any, known: Iterable[str]) -> str:
-    """The sentence for a key that does not exist, with the closest existing one when there is one."""
+def unknown_key(key: str, value: Any, known: Iterable[str], what: str = "a known key", otherwise: str = "") -> str:
+    """The sentence for a key that does not exist (``what``: what it is not), with the closest
+    existing one when there is one, else ``otherwise`` (a clause, when given)."""
     by_lower = {k.lower(): k for k in known}
     close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
-    hint = f"; did you mean {by_lower[close[0]]}?" if close else "."
-    return f"{key}={shown(value)} is invalid: {key} is not a known key{hint}"
+    hint = f"; did you mean {by_lower[close[0]]}?" if close else f"; {otherwise}." if otherwise else "."
+    return f"{key}={shown(value)} is invalid: {key} is not {what}{hint}"
 
 
 #: what a custom strategy or order is, on the command line and from Python

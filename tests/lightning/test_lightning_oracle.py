@@ -121,10 +121,37 @@ def test_bad_keywords_are_one_sentence():
 
     with pytest.raises(ConfigError, match="W must equal|needs W = microbatches"):
         UnifiedStrategy("ddp", G=2, R=2, stages=4, microbatches=8)
-    with pytest.raises(ConfigError, match="not a launcher config key"):
-        UnifiedStrategy("lpp", G=1, R=2, stages=4, microbatches=4, memory_limt=3)
     with pytest.raises(ConfigError, match="R=8 is invalid"):
         UnifiedStrategy("lpp", G=1, R=8, stages=4, microbatches=4)
+
+
+#: keywords UnifiedStrategy does not take, and its one sentence for each (key, value, rule, a close match)
+UNKNOWN = [
+    (dict(memory_limt=3), "memory_limt=3 is invalid: memory_limt is not a keyword of UnifiedStrategy; did you "
+                          "mean memory_limit?"),
+    (dict(stage=4), "stage=4 is invalid: stage is not a keyword of UnifiedStrategy; did you mean stages?"),
+    (dict(seed=3), "seed=3 is invalid: seed is not a keyword of UnifiedStrategy; seed is a key of the command "
+                   "line's config that the strategy does not read (give it to the Trainer, the module or the data)."),
+    (dict(strategy="gpipe"), "strategy=gpipe is invalid: strategy is not a keyword of UnifiedStrategy; its keyword "
+                             "for the scheme is scheme."),
+    (dict(plan={"top": 3}), "plan.top=3 is invalid: plan.top is not a keyword of UnifiedStrategy's plan; did you "
+                            "mean plan.memory?"),
+]
+
+
+@pytest.mark.parametrize("stages", [4, None], ids=["stages", "stages-from-module"])
+@pytest.mark.parametrize("keywords,sentence", UNKNOWN, ids=[next(iter(k)) for k, _ in UNKNOWN])
+def test_an_unknown_keyword_is_refused_at_once(keywords, sentence, stages):
+    from launcher.config import ConfigError
+
+    # refused in the constructor, also when the stage count waits for the module (stages=None)
+    with pytest.raises(ConfigError) as e:
+        UnifiedStrategy("lpp", G=1, R=2, stages=stages, microbatches=4, **keywords)
+    assert isinstance(e.value, ValueError) and e.value.sentences == [sentence]
+    # the keywords it does take are not refused (plan.memory is the one key of plan a run reads)
+    st = UnifiedStrategy("lpp", G=1, R=2, stages=4, microbatches=4, weight_cache="job", plan={"memory": "1GB"},
+                         partition="time")
+    assert st.settings.weight_cache == "job" and st.settings.plan_memory == "1GB"
 
 
 def test_registered_with_lightning():
