@@ -34,8 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vs_native_transformer as vt  # noqa: E402 - the benchmark's own directory, put on the path above
 
-from launcher.runtime import Engine, StagedModel  # noqa: E402
+from launcher.runtime import Engine  # noqa: E402
 from launcher.schedule import make_step  # noqa: E402
+from launcher.torch_support.staged import StagedModel
 
 
 def _step_of_ours(size: vt.Size, S: int, B: int, split: bool) -> Callable[[], float]:

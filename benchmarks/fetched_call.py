@@ -23,7 +23,7 @@ from torch.func import functional_call
 
 from launcher.models import GPT
 from launcher.runtime.layout import StageLayout
-from launcher.runtime.staged import call_with
+from launcher.torch_support.staged import call_with
 
 
 def cpu_ms(f: Callable[[], object], n: int) -> float:

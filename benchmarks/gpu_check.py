@@ -66,9 +66,10 @@ import vs_torch_native as vn  # noqa: E402
 from scale_memory import descendants  # noqa: E402
 
 from launcher.report.measured_costs import stage_job_seconds  # noqa: E402
-from launcher.runtime import Engine, StagedModel, launch  # noqa: E402
+from launcher.runtime import Engine, launch  # noqa: E402
 from launcher.runtime.oracle import Case, run_cases  # noqa: E402
 from launcher.schedule import make_step, simulate  # noqa: E402
+from launcher.torch_support.staged import StagedModel
 
 PARTS = ("env", "flagship", "overhead", "benchmark")
 #: flagship: a run's distance (L2 over every parameter) to strategy=single in the same precision, in units

@@ -1,4 +1,4 @@
-"""What the random streams cost (:mod:`launcher.runtime.streams`): one worker's CPU per training step.
+"""What the random streams cost (:mod:`launcher.torch_support.streams`): one worker's CPU per training step.
 
     python benchmarks/streams_cost.py                       # GPT-2 d=128, 6 blocks, T=64, S=4, B=4
     python benchmarks/streams_cost.py --size 256,6,64,1 --reps 5 --steps 20
@@ -30,9 +30,10 @@ from engine_step_cpu import _cpu  # one step's CPU time, measured as that benchm
 import launcher  # noqa: F401  (before transformers: the torchvision fallback)
 from launcher.lightning.stage_groups import group_modules
 from launcher.models import HFCausalLM
-from launcher.runtime import Engine, StagedModel
-from launcher.runtime.streams import install_stages
+from launcher.runtime import Engine
 from launcher.schedule import make_step
+from launcher.torch_support.staged import StagedModel
+from launcher.torch_support.streams import install_stages
 
 VOCAB = 128
 

@@ -60,9 +60,10 @@ from rich.table import Table
 from torch import nn
 
 from launcher.report.measured_costs import stage_job_seconds
-from launcher.runtime import Engine, StagedModel, launch
+from launcher.runtime import Engine, launch
 from launcher.runtime.engine import TRANSPORTS
 from launcher.schedule import make_step, simulate
+from launcher.torch_support.staged import StagedModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # the MLP benchmark's harness

@@ -53,11 +53,12 @@ from launcher.report.measured_costs import (
     round_seconds,
     shared_cores,
 )
-from launcher.runtime import Engine, StagedModel, launch
+from launcher.runtime import Engine, launch
 from launcher.runtime.link_probe import measure as measure_link
 from launcher.schedule import make_step, simulate
 from launcher.schedule.cores import job_work, replay
 from launcher.schedule.link import Link, exchanges, partners
+from launcher.torch_support.staged import StagedModel
 
 TOLERANCE = 1e-6
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..runtime.values import as_tree, chunk
+from ..torch_support.values import as_tree, chunk
 from .staging import _mapping_type
 
 #: the LightningModule method that says how many items a micro-batch's loss averages over

@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from ..models.data import EpochSampler
-from ..runtime.torch_private import skip_indices
+from ..torch_support.torch_private import skip_indices
 from .lightning_private import continues_epoch, prefetched_batches
 
 log = logging.getLogger(__name__)

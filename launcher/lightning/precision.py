@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..runtime.engine import Engine
 from ..runtime.failure import blocked, current_watchdog
-from ..runtime.torch_private import FoundInfHookScaler, retype_grad_scaler
+from ..torch_support.torch_private import FoundInfHookScaler, retype_grad_scaler
 from .lightning_private import retype_precision_plugin
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from ..runtime.failure import Watchdog, set_current_watchdog
+from ..runtime.failure import Watchdog, blocked, current_watchdog, set_current_watchdog
 from ..runtime.processes import auto_backend
-from ..runtime.torch_private import default_store
+from ..torch_support.torch_private import default_store
 from .lightning_private import init_dist_connection, sync_ddp_if_available
 from .precision import process_group_up
 
@@ -118,3 +118,13 @@ class ProcessGroupStrategy(ParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.stop(done=True)
             self._watchdog = None
+
+
+def agreed_seed(device: torch.device) -> int:
+    """Rank 0's ``torch.initial_seed()`` on every rank (63 bits): the seed of every job's random
+    streams (:mod:`launcher.torch_support.streams`), so processes started apart agree."""
+    t = torch.tensor([torch.initial_seed() & (2**63 - 1)], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        with blocked(current_watchdog()):
+            dist.broadcast(t, 0)
+    return int(t.item())

@@ -1,17 +1,17 @@
 """``strategy=single`` as the oracle of every scheme, random draws included.
 
 Lightning's single-device strategy, except that each training batch runs as the engine runs it:
-cut into ``microbatches`` micro-batches (:func:`~launcher.runtime.values.chunk`, as the engine
+cut into ``microbatches`` micro-batches (:func:`~launcher.torch_support.values.chunk`, as the engine
 cuts them), each computing what every scheme computes for it (a model with ``self.stages``: its
 stages in turn, then ``self.loss``; any other: its ``training_step``, whole) inside the job of
-micro-batch ``b`` at global step ``t`` (:mod:`launcher.runtime.streams`: unit ``i`` draws from
+micro-batch ``b`` at global step ``t`` (:mod:`launcher.torch_support.streams`: unit ``i`` draws from
 ``(seed, t, b, i)``), and their losses weighed by their share of the step's items (:mod:`.items`,
 as the engine weighs them) into the one loss Lightning's automatic optimization takes the backward
 of, logged as ``train_loss``. Without randomness this is the whole batch's step up to rounding (the
 sum is taken in another order), and BatchNorm's statistics are per micro-batch, as under every
 scheme.
 
-The units are those the strategies use (:mod:`launcher.runtime.streams`): the modules of
+The units are those the strategies use (:mod:`launcher.torch_support.streams`): the modules of
 ``self.stages``, or, for a module without them, the segments its traced training step is cut at
 (it is traced once, on the first micro-batch, at set-up).
 """
@@ -26,12 +26,12 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from ..runtime import streams
 from ..runtime.items import rows
 from ..runtime.items import shares as item_shares
-from ..runtime.staged import run_stage
-from ..runtime.values import as_tree, chunk
 from ..split.capture import loss_module
+from ..torch_support import streams
+from ..torch_support.staged import run_stage
+from ..torch_support.values import as_tree, chunk
 from .item_counts import loss_items
 from .lightning_private import batch_in_step, train_dataloaders
 from .loader_position import KeepsLoaderPositions, Positions
@@ -90,7 +90,7 @@ class StreamedSingleDevice(KeepsLoaderPositions, SingleDeviceStrategy):
         """Trace ``module`` (one without ``self.stages``) on the first micro-batch of its first
         training batch, in the trainer's precision, as :meth:`setup` would, so that a step the
         tracer refuses is refused before training, in one sentence, as under every scheme
-        (:class:`~launcher.runtime.checks.ModelError`); the units found are kept for :meth:`setup`.
+        (:class:`~launcher.torch_support.checks.ModelError`); the units found are kept for :meth:`setup`.
         Every random state and the loaders are left as they were (:func:`~.staging.first_batch`)."""
         from .staging import training_loaders
 

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from ..plan.partition import balanced_groups
-from ..runtime.staged import run_stage
+from ..torch_support.staged import run_stage
 
 __all__ = ["Chain", "balanced_groups", "group_modules", "param_sizes"]
 

@@ -23,13 +23,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..runtime.checks import ModelError, model_errors
-from ..runtime.init import init_units
-from ..runtime.rng import kept_random_state, peek
-from ..runtime.staged import StagedModel
-from ..runtime.streams import install_stages
-from ..runtime.values import as_tree, chunk
 from ..schedule.settings import DEFAULT
+from ..torch_support.checks import ModelError, model_errors
+from ..torch_support.init import init_units
+from ..torch_support.rng import kept_random_state, peek
+from ..torch_support.staged import StagedModel
+from ..torch_support.streams import install_stages
+from ..torch_support.values import as_tree, chunk
 from .stage_groups import group_modules
 
 #: the keys of a dict batch that hold the targets, in the order looked for (Hugging Face's first)
@@ -116,7 +116,7 @@ def training_loaders(module: Any, train_dataloaders: Any = None, datamodule: Any
 def first_batch(loaders: Any) -> Any:
     """The first batch the training loop hands ``training_step`` from ``loaders`` (a loader or a
     collection of them, combined as Lightning combines them), read from a fresh iterator with
-    every random state kept (:func:`launcher.runtime.rng.peek`): the trainer's own iterator then
+    every random state kept (:func:`launcher.torch_support.rng.peek`): the trainer's own iterator then
     yields the batches, in the order, that it would have without this look. Raises
     ``StopIteration`` for an empty loader."""
     from lightning.pytorch.utilities import CombinedLoader
@@ -141,7 +141,7 @@ def own_loss(module: nn.Module) -> Callable[[Any, Any], torch.Tensor]:
 
 def unit_init(module: nn.Module, groups: list[list[int]]) -> Callable[[Sequence[int]], None]:
     """How a worker materialises the stages it owns of a module built on the meta device: the
-    units (modules of ``self.stages``) of those stages, by the rule of :mod:`launcher.runtime.init`
+    units (modules of ``self.stages``) of those stages, by the rule of :mod:`launcher.torch_support.init`
     under this process's seed (``seed_everything``), with the module's ``reset_stage`` if it has one."""
     units, seed = list(own_stages(module)), torch.initial_seed()
     reset = getattr(module, "reset_stage", None)
@@ -302,7 +302,7 @@ def ragged_errors(module: nn.Module, staging: Staging, batch: Any, sizes: Sequen
     that the step cuts into micro-batches of another size (a last, smaller batch): the sentence
     stage 0 would raise at that step, said before training (naming ``drop_last=True``)."""
     from ..runtime.items import rows
-    from ..runtime.torch_private import pytree
+    from ..torch_support.torch_private import pytree
 
     check = getattr(staging.model.stages[0], "_input_check", None) if staging.traced else None
     have = rows(batch)

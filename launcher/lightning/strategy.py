@@ -50,17 +50,16 @@ from typing_extensions import override
 
 from ..config import ConfigError
 from ..runtime import Engine
-from ..runtime.init import empty_init, has_meta
 from ..runtime.items import rows
 from ..runtime.measure import resident_bytes
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
-from ..runtime.streams import agreed_seed
-from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.rules import StepError
 from ..schedule.run_settings import CheckpointSettings, RunSettings
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT, SCHEME_DEFAULT, OrderLike, SchemeLike, Settings
+from ..torch_support.init import empty_init, has_meta
+from ..torch_support.values import chunk, joined, to_device
 from .checkpoint_hooks import CheckpointingStrategy
 from .item_counts import loss_items
 from .keywords import keyword_errors, keyword_settings
@@ -77,6 +76,7 @@ from .precision import (
     with_global_clipping,
     with_synced_scaler,
 )
+from .process_group import agreed_seed
 from .staging import example_microbatch, first_batch, keep_owned, split_batch, stage_module, uses_trace
 from .state import Layout
 
@@ -281,7 +281,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         # every job's values are marked, and the step's first NaN or infinity agreed, before any update;
         # under a GradScaler (16-mixed) overflowing gradients are the scaler's to skip
         self.engine.finite = Finite(S, self.B, grads=getattr(self.precision_plugin, "scaler", None) is None)
-        # random streams (launcher.runtime.streams): every job's draws from (seed, step, micro-batch,
+        # random streams (launcher.torch_support.streams): every job's draws from (seed, step, micro-batch,
         # unit), the seed rank 0's (seed_everything's), so processes started apart agree
         self.engine.streams = agreed_seed(self.root_device)
         owners = self.engine.lowered.owners
@@ -302,10 +302,10 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         run one micro-batch of the first training batch (of ``train_dataloaders``, else of the
         datamodule, else of the module's own ``train_dataloader``) through the stages: a module
         that cannot be trained is refused here, in one sentence per problem
-        (:class:`~launcher.runtime.checks.ModelError`), before any worker starts. The staging is
+        (:class:`~launcher.torch_support.checks.ModelError`), before any worker starts. The staging is
         kept: forked workers inherit it rather than trace the module again. Every random state
         and the trainer's loaders are left as they were (:func:`~.staging.first_batch`)."""
-        from ..runtime.checks import ModelError
+        from ..torch_support.checks import ModelError
         from .staging import check_staging, loader_batch_sizes, ragged_errors, training_loaders
 
         if self._staged is not None and self._staged[0] is module:
@@ -350,7 +350,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         profiles the modules and every rank takes its cut (collective), so no two ranks cut the
         model differently, even where their timings would differ. A failure on rank 0 is raised
         on every rank, with its sentences."""
-        from ..runtime.checks import ModelError
+        from ..torch_support.checks import ModelError
         from .staging import profiled_partition
 
         found: Any = None
@@ -381,7 +381,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     @override
     def model_sharded_context(self) -> Iterator[None]:
         """Where Lightning calls ``configure_model``: layers made there get their parameters on the
-        meta device, and each worker materialises only the stages it owns (:mod:`launcher.runtime.init`)."""
+        meta device, and each worker materialises only the stages it owns (:mod:`launcher.torch_support.init`)."""
         with empty_init():
             yield
 

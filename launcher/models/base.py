@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
-from ..runtime.init import default_reset
+from ..torch_support.init import default_reset
 
 
 def adamw_cosine(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, max_steps: int) -> Any:
@@ -33,7 +33,7 @@ class StagedLM(LightningModule):
 
     def reset_stage(self, module: torch.nn.Module) -> None:
         """Initialise one module of ``self.stages`` as its layers' constructors do (the rule a
-        model built on the meta device follows, :mod:`launcher.runtime.init`)."""
+        model built on the meta device follows, :mod:`launcher.torch_support.init`)."""
         default_reset(module)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

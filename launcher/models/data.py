@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from ..runtime.checks import fraction, positive_ints
+from ..torch_support.checks import fraction, positive_ints
 
 VOCAB = 128  # ASCII
 

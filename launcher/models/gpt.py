@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.checks import non_negative_ints, positive_ints, positive_number
+from ..torch_support.checks import non_negative_ints, positive_ints, positive_number
 from .base import StagedLM, adamw_cosine
 
 

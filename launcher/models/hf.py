@@ -34,7 +34,7 @@ from lightning.pytorch import LightningModule
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ..runtime.init import real_init
+from ..torch_support.init import real_init
 from . import hf_stages
 from .base import adamw_cosine
 from .data import VOCAB
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # transformers is imported where a model is built (it takes s
 
 #: a small model from scratch, for every key the family's config has; ``config`` overrides any of
 #: them. Dropout stays the architecture's own (GPT-2: 0.1): every scheme draws the same masks
-#: (:mod:`launcher.runtime.streams`). LayerDrop stays off: its forward skips whole layers, refused.
+#: (:mod:`launcher.torch_support.streams`). LayerDrop stays off: its forward skips whole layers, refused.
 SMALL: dict[str, Any] = {
     "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
     "num_key_value_heads": 2, "intermediate_size": 128, "layerdrop": 0.0,
@@ -355,7 +355,7 @@ class HFCausalLM(LightningModule):
 
     def reset_stage(self, module: nn.Module) -> None:
         """Initialise one module of ``self.stages`` with the library's own ``_init_weights`` (the
-        rule a model built on the meta device follows, :mod:`launcher.runtime.init`)."""
+        rule a model built on the meta device follows, :mod:`launcher.torch_support.init`)."""
         for m in module.modules():
             self.hf._init_weights(m)
         if self.lora:  # the library's rule reaches the adapters' layers too: peft's own start instead

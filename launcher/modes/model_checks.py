@@ -59,7 +59,7 @@ def check_model(strategy: Any, model: Any, data: Any, cfg: DictConfig) -> None:
     cut) and one micro-batch of the data's first batch through the stages, before any worker
     starts; the workers inherit the staging."""
     from ..lightning.single import StreamedSingleDevice
-    from ..runtime.checks import ModelError
+    from ..torch_support.checks import ModelError
 
     target = cfg.model.get("_target_")
     by = ("strategy=single (which traces it as every scheme does, for the random streams)"
@@ -104,9 +104,9 @@ def check_inputs(model: Any, data_module: Any, batch: Any, cfg: DictConfig) -> N
     """The data's output against the model: every embedding of the model's first stage (its
     ``self.stages[0]``; a traced model is left to the staging check) must have a row for each index
     the first batch gives it: the data's symbols (and at least the ``vocab_size`` a data module
-    declares) and the positions of its sequences (:func:`~launcher.runtime.checks.embedding_miss`)."""
+    declares) and the positions of its sequences (:func:`~launcher.torch_support.checks.embedding_miss`)."""
     from ..lightning.staging import split_batch
-    from ..runtime.checks import embedding_miss
+    from ..torch_support.checks import embedding_miss
 
     try:
         x, _ = split_batch(model, batch)

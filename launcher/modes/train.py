@@ -175,7 +175,7 @@ def check(cfg: DictConfig) -> Built | None:
     if key is None:
         return None
     job.built.checked = job.strategy if job.built.spec is not None else None
-    from ..runtime.rng import random_state
+    from ..torch_support.rng import random_state
 
     job.built.rng = random_state()
     job.built.key = key
@@ -208,7 +208,7 @@ def _build_job(cfg: DictConfig) -> Built:
     with _model_context(cfg.model):
         model = _build(cfg.model, "model", LightningModule, "LightningModule")
     check_data_hooks(model)
-    from ..runtime.rng import kept_random_state
+    from ..torch_support.rng import kept_random_state
 
     batch = first_training_batch(data, cfg)
     with kept_random_state():  # a preflight: training goes on from the state one device starts with
@@ -232,7 +232,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None, checked: Built | None = None)
     if built is None:
         built = _build_job(cfg)
     else:  # as if built again: the same generators' state, on the same objects
-        from ..runtime.rng import set_random_state
+        from ..torch_support.rng import set_random_state
 
         _quiet()
         set_random_state(built.rng)
@@ -272,7 +272,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None, checked: Built | None = None)
         trainer.precision_plugin.convert_module(model)
         import torch
 
-        from ..runtime.init import has_meta, init_units
+        from ..torch_support.init import has_meta, init_units
 
         if has_meta(model):  # the rule the workers follow for the stages they own, for every stage here
             init_units(list(model.stages), torch.initial_seed(), reset=model.reset_stage)
@@ -298,11 +298,11 @@ def _atomic_checkpoints(kwargs: dict[str, Any], strategy: Any) -> None:
 def _model_context(node: Any) -> Any:
     """A model that says how each of its stages starts (``reset_stage``, as the built-in and Hugging
     Face models do) is built on the meta device: the launching process never holds its weights,
-    and each worker materialises only the stages it owns (:mod:`launcher.runtime.init`)."""
+    and each worker materialises only the stages it owns (:mod:`launcher.torch_support.init`)."""
     import contextlib
 
     from ..config.hydra_private import locate  # get_class's lookup, without its error log line
-    from ..runtime.init import empty_init
+    from ..torch_support.init import empty_init
 
     try:
         cls = locate(str(node.get("_target_")))

@@ -3,8 +3,8 @@
 It runs the per-worker programs :mod:`launcher.schedule.lowering` lowers a simulated timeline
 into (pure Python, beside the simulator):
 
-- :mod:`.staged` holds staged models (:mod:`.checks` checks them, :mod:`.signatures` says what
-  their stages return), :mod:`.oracle` a small staged MLP and the single-process oracle;
+- :mod:`.oracle` holds a small staged MLP and the single-process oracle (staged models themselves,
+  and the other torch helpers that ``models/`` and ``split/`` use too, are :mod:`launcher.torch_support`);
 - :mod:`.comm` issues a step's point-to-point messages in the programs' pair order;
 - :mod:`.engine` is the :class:`Engine` that runs a worker's program, one step at a time
   (:mod:`.step_state`; its backward jobs and the autograd calls are :mod:`.backward`);
@@ -18,11 +18,10 @@ from .failure import DEFAULT_TIMEOUT, Watchdog, WorkerAborted, WorkerFailed
 from .measure import merge, mismatches
 from .oracle import mlp_batches, reference_step, staged_mlp
 from .processes import Interrupted, auto_backend, init_from_env, launch
-from .staged import StagedModel
 
 __all__ = [
     "DEFAULT_TIMEOUT", "Interrupted", "Watchdog", "WorkerAborted", "WorkerFailed", "auto_backend", "init_from_env",
     "launch",
-    "merge", "mismatches", "StagedModel", "mlp_batches", "reference_step", "staged_mlp",
+    "merge", "mismatches", "mlp_batches", "reference_step", "staged_mlp",
     "Engine",
 ]

@@ -41,8 +41,8 @@ from torch.autograd.graph import GradientEdge, Node
 
 from launcher.schedule.program import JobOp
 
-from .staged import run_stage
-from .torch_private import autograd_run_backward, foreach_add_, has_post_accumulate_hooks, pytree
+from ..torch_support.staged import run_stage
+from ..torch_support.torch_private import autograd_run_backward, foreach_add_, has_post_accumulate_hooks, pytree
 
 if TYPE_CHECKING:
     from .step_state import StepState

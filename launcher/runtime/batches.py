@@ -16,8 +16,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..torch_support.torch_private import pytree
 from .failure import Watchdog, blocked
-from .torch_private import pytree
 
 
 class BatchMismatch(ValueError):

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from launcher.schedule.program import ACT, GRAD, WGRAD, Lowered, Msg, PairIssue
 
+from ..torch_support.values import spec_bytes
 from .failure import Watchdog, WorkerAborted, blocked
 from .shared_links import SharedLinks
-from .values import spec_bytes
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 

@@ -13,16 +13,16 @@ device's on the whole batch.
 Rank ``w`` of the group is worker ``w`` of the schedule; ranks at or above ``W`` have nothing to
 do. Every rank builds every stage, then keeps real weights (and optimizer state) only for the
 stages it owns; for every stage it also keeps a skeleton (parameters on the meta device, its own
-copy of the buffers) to run fetched copies of the weights (:func:`.staged.call_with`, as
+copy of the buffers) to run fetched copies of the weights (:func:`launcher.torch_support.staged.call_with`, as
 ``torch.func.functional_call`` does), and, apart, meta-device copies that only tell what each stage
-returns (:mod:`.values`).
+returns (:mod:`launcher.torch_support.values`).
 
 Activations: ``F(s, b)`` stashes its inputs ``x_s^b`` (and, unless it recomputes, the autograd
 graph of stage ``s``) from its start to the end of ``B(s, b)`` (or ``I(s, b)``), as the simulator
 counts. A forward on fetched weights under ``weight_cache="job"`` frees its copy when it ends, so
 its backward fetches again (unless the worker owns the stage) and recomputes the stage's forward
 from the stashed input (activation checkpointing, as FSDP does); so does every forward of a stage
-in ``recompute`` (its units draw from the job's random streams, :mod:`.streams`, or without them
+in ``recompute`` (its units draw from the job's random streams, :mod:`launcher.torch_support.streams`, or without them
 on the random state the forward ran with: dropout draws the same mask);
 everything else keeps the graph and does not recompute, and its backward fetches nothing under
 ``"job"``. The meter counts a kept graph's saved tensors (:mod:`.saved`) with the input, until
@@ -56,12 +56,16 @@ from launcher.schedule.run_settings import DEFAULT_RUN, TRANSPORTS
 from launcher.schedule.settings import DEFAULT
 from launcher.schedule.simulate import Step, Timeline, simulate
 
+from ..torch_support.checks import ModelError, model_errors
+from ..torch_support.init import has_meta, init_units
+from ..torch_support.signatures import NoMeta, real_signatures, signatures
+from ..torch_support.staged import Batch, OptimizerFactory, StagedModel, as_meta, meta_copy, skeleton
+from ..torch_support.streams import kept_generators
+from ..torch_support.values import nbytes as value_bytes
 from .batches import check_same_batches
-from .checks import ModelError, model_errors
 from .comm import irecv, isend
 from .failure import Watchdog, blocked, current_watchdog
 from .groups import BUCKET_BYTES, Replicas, warm_pairs
-from .init import has_meta, init_units
 from .items import Count
 from .items import shares as item_shares
 from .layout import StageLayout
@@ -69,12 +73,8 @@ from .measure import HOST, Meter, worker_record
 from .saved import GraphCounts, stage_saved_bytes
 from .shapes import Shapes, shape_key
 from .shared_links import SharedLinks, host_identity, new_token, shared_links_possible
-from .signatures import NoMeta, real_signatures, signatures
-from .staged import Batch, OptimizerFactory, StagedModel, as_meta, meta_copy, skeleton
 from .stats import RunningStats
 from .step_state import run_program
-from .streams import kept_generators
-from .values import nbytes as value_bytes
 
 #: steps between two batch checks (after the first step's): ranks fed different data are almost
 #: always so from the start (a loader seeded by rank), and the check is a collective, so it runs on
@@ -190,7 +190,7 @@ class Engine:
         # the batch check: on the first step, then every ``check_batches`` steps (True: every
         # CHECK_EVERY; 1: every step; False or 0: never)
         self.check_every = CHECK_EVERY if check_batches is True else int(check_batches)
-        # random streams (:mod:`.streams`): the seed every job's draws are derived from, with the
+        # random streams (:mod:`launcher.torch_support.streams`): the seed every job's draws are derived from, with the
         # step and micro-batch; None: each worker draws from its own generator in the order it runs
         self.streams: int | None = None
         self.recompute = _recompute(self.timeline, recompute)
@@ -535,7 +535,7 @@ class Engine:
     # ---- state -------------------------------------------------------------------------------
     def _materialize(self) -> bool:
         """Owned stages built on the meta device get storage and their initial values here, by
-        the model's rule (:mod:`.init`: the same values single-device training starts from); no
+        the model's rule (:mod:`launcher.torch_support.init`: the same values single-device training starts from); no
         other stage of the model ever gets storage on this worker. True if any did."""
         meta = [s for s in self.owned if has_meta(self.model.stages[s])]
         if not meta:

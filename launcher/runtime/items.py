@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .torch_private import pytree
+from ..torch_support.torch_private import pytree
 
 Count = int | float | torch.Tensor
 

@@ -26,8 +26,8 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from ..torch_support.torch_private import pytree
 from .failure import Stop
-from .torch_private import pytree
 
 _KINDS = ("nan", "inf", "-inf")
 _NONE = 2**62  # no non-finite value on this worker

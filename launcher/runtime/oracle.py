@@ -22,8 +22,8 @@ from launcher.schedule.order import Order
 from launcher.schedule.run_settings import DEFAULT_RUN
 from launcher.schedule.settings import DEFAULT, SCHEME_DEFAULT, make_step
 
+from ..torch_support.staged import Batch, StagedModel, run_stage
 from .engine import Engine
-from .staged import Batch, StagedModel, run_stage
 
 # ---- a small staged MLP, for tests and examples -------------------------------------------------
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .. import signals
 from ..signals import Interrupted
+from ..torch_support.signatures import warm_up_meta
 from .failure import (
     ABORT_KEY,
     DEFAULT_TIMEOUT,
@@ -57,7 +58,6 @@ from .failure import (
     set_current_watchdog,
     transport_reason,
 )
-from .signatures import warm_up_meta
 
 #: how long a blocking collective may take before the backend itself gives up; failure detection
 #: is the watchdog's job (a slow but healthy peer keeps beating), so this is generous

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .torch_private import fake_tensor_mode, pytree, storage_key
+from ..torch_support.torch_private import fake_tensor_mode, pytree, storage_key
 
 
 def storage_id(t: torch.Tensor) -> int:
@@ -169,7 +169,7 @@ def _fake_run(model: Any, x: Any, y: Any, copies: Sequence[nn.Module], device: t
 def _real_run(model: Any, x: Any, y: Any, device: torch.device) -> list[int]:
     """One real forward with gradients, in training mode as the step runs it; the random state and
     every buffer (BatchNorm's statistics) are put back afterwards."""
-    from .values import to_device
+    from ..torch_support.values import to_device
 
     stages = list(model.stages)
     kept = [[b.detach().clone() for b in m.buffers()] for m in stages]
@@ -198,11 +198,11 @@ def _real_run(model: Any, x: Any, y: Any, device: torch.device) -> list[int]:
 
 
 def _call(m: nn.Module, state: dict | None, values: list[Any]) -> Any:
-    from .staged import run_stage
+    from ..torch_support.staged import run_stage
 
     if state is None:
         return run_stage(m, None, values)
-    from .values import arguments
+    from ..torch_support.values import arguments
 
     args, kwargs = arguments(values)
     return functional_call(m, state, tuple(args), kwargs)

@@ -8,8 +8,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .staged import StagedModel
-from .values import Signature, item_leaves, pick
+from ..torch_support.staged import StagedModel
+from ..torch_support.values import Signature, item_leaves, pick
 
 
 @dataclass

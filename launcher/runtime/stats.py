@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .torch_private import BatchNormBase
+from ..torch_support.torch_private import BatchNormBase
 
 
 def tracked(module: nn.Module) -> list[BatchNormBase]:

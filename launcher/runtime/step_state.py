@@ -14,16 +14,16 @@ import torch
 
 from launcher.schedule.program import ACT, GRAD, WEIGHTS, JobOp, Lowered, Msg, Program
 
+from ..torch_support.staged import Batch, run_stage
+from ..torch_support.streams import job as stream_job
+from ..torch_support.torch_private import pytree
+from ..torch_support.values import detach_inputs, pick, to_device
+from ..torch_support.values import nbytes as value_bytes
 from .backward import Stash, backward, rng_state, weight_grad
 from .comm import Comm
 from .measure import Meter
 from .saved import tensors as saved_tensors
 from .shapes import Shapes, leaves_key
-from .staged import Batch, run_stage
-from .streams import job as stream_job
-from .torch_private import pytree
-from .values import detach_inputs, pick, to_device
-from .values import nbytes as value_bytes
 
 if TYPE_CHECKING:
     from .engine import Engine

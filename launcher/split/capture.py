@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from launcher.runtime.torch_private import (
+from launcher.torch_support.torch_private import (
     buffer_dict,
     is_op_overload,
     non_persistent_buffers,

@@ -21,9 +21,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..runtime.staged import run_stage
-from ..runtime.torch_private import pytree
-from ..runtime.values import differentiable, nbytes
+from ..torch_support.staged import run_stage
+from ..torch_support.torch_private import pytree
+from ..torch_support.values import differentiable, nbytes
 
 #: optimizer-state bytes per parameter byte: AdamW keeps two moments of every parameter
 ADAM_STATE = 2
@@ -93,7 +93,7 @@ def _sum_output(out: Any) -> torch.Tensor:
 def _real(module: nn.Module, reset: Callable[[nn.Module], None] | None) -> nn.Module:
     """``module`` itself when its parameters are real; else a materialised, initialised copy (a
     model built on the meta device: the launching process holds one module at a time)."""
-    from ..runtime.init import has_meta, init_units
+    from ..torch_support.init import has_meta, init_units
 
     if not has_meta(module):
         return module
@@ -120,7 +120,7 @@ def profile_chain(modules: Sequence[nn.Module], example: Any, loss: Callable[[An
     values). At least ``repeat`` timed repetitions, more (up to ``max_repeat``) until they took
     ``min_seconds``: a fast module is timed often enough that a descheduled repetition does not
     move the median. A module on the meta device is profiled on a materialised copy (``reset``:
-    how the model initialises one, :func:`launcher.runtime.init.init_units`)."""
+    how the model initialises one, :func:`launcher.torch_support.init.init_units`)."""
     modules = list(modules)
     n = len(modules)
     out_costs = []

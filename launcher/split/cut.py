@@ -17,7 +17,7 @@ A stage is a ``torch.fx.GraphModule`` over the module's own parameters and buffe
 follows its own ``training`` flag; tensors that forward creates on the traced device follow the
 device of its parameters; stage 0 checks that a micro-batch has the example's shapes and dtypes.
 A stage seeds each random-stream unit (a segment from one module boundary to the next) before the
-unit's first random op (:func:`launcher.runtime.streams.seed_unit`, nothing outside a job).
+unit's first random op (:func:`launcher.torch_support.streams.seed_unit`, nothing outside a job).
 """
 
 from __future__ import annotations
@@ -31,19 +31,19 @@ from typing import Any, Sequence
 import torch
 from torch import fx, nn
 
-from launcher.runtime.streams import seed_unit
-from launcher.runtime.torch_private import (
+from launcher.schedule.graph import StageGraph
+from launcher.split.capture import SplitError, alias_base, export_graph, module_stack, node_path, written_args
+from launcher.split.cut_points import least_largest_stage
+from launcher.split.same_output import check_same, kept, seeded
+from launcher.split.stage_rewrites import InputCheck, follow_device, follow_mode
+from launcher.torch_support.streams import seed_unit
+from launcher.torch_support.torch_private import (
     is_op_overload,
     non_persistent_buffers,
     pytree,
     pytree_codegen_info,
     set_pytree_codegen,
 )
-from launcher.schedule.graph import StageGraph
-from launcher.split.capture import SplitError, alias_base, export_graph, module_stack, node_path, written_args
-from launcher.split.cut_points import least_largest_stage
-from launcher.split.same_output import check_same, kept, seeded
-from launcher.split.stage_rewrites import InputCheck, follow_device, follow_mode
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Split:
     graph: StageGraph  # preds[s]: the stages whose outputs stage s takes
     picks: dict[tuple[int, int], tuple[int, ...]]  # edge (p, c): the items of stage p's output tuple c takes
     starts: list[str]  # the module path where each stage begins
-    # random streams (:mod:`launcher.runtime.streams`): the module path that begins each unit
+    # random streams (:mod:`launcher.torch_support.streams`): the module path that begins each unit
     # holding a random op ("": the forward's head, before any submodule), and the unit's index
     units: dict[str, int] = field(default_factory=dict)
 

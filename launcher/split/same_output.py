@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from launcher.runtime.torch_private import dispatch_mode_base, pytree
 from launcher.split.capture import SplitError
+from launcher.torch_support.torch_private import dispatch_mode_base, pytree
 
 _SEED = 20240517  # both runs of a check draw the same dropout masks
 _ULPS = 16

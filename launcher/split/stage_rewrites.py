@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx, nn
 
-from launcher.runtime.torch_private import is_op_overload, op_schema
+from launcher.torch_support.torch_private import is_op_overload, op_schema
 
 aten = torch.ops.aten
 # nn.MultiheadAttention passes dropout_p=0 to it in eval mode: a stage passes p * training.

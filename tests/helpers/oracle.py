@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from launcher.lightning.single import StreamedSingleDevice
-from launcher.runtime.init import empty_init, has_meta, init_units
+from launcher.torch_support.init import empty_init, has_meta, init_units
 
 from .cli import run_launcher
 from .training import last_state, quiet_trainer

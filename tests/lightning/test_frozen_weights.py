@@ -315,7 +315,7 @@ def test_lora_on_a_loaded_model_keeps_its_weights(tmp_path: Path) -> None:
     starts them (``lora_B`` zero: the model's output is the loaded model's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from launcher.runtime.init import empty_init, has_meta
+    from launcher.torch_support.init import empty_init, has_meta
 
     torch.manual_seed(1)
     cfg = AutoConfig.for_model("gpt2", vocab_size=128, n_layer=1, n_embd=16, n_head=2, bos_token_id=0, eos_token_id=0)

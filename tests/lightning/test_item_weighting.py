@@ -29,11 +29,12 @@ from helpers.cli import run_launcher
 from helpers.training import last_state, max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.item_counts import loss_items
-from launcher.runtime import Engine, StagedModel, launch
-from launcher.runtime.init import empty_init, init_units
+from launcher.runtime import Engine, launch
 from launcher.runtime.items import shares
 from launcher.runtime.oracle import flat_params, staged_mlp
 from launcher.schedule import make_step
+from launcher.torch_support.init import empty_init, init_units
+from launcher.torch_support.staged import StagedModel
 
 ATOL = 1e-10
 

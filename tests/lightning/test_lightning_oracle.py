@@ -108,7 +108,7 @@ def test_predict_and_test_match(base, reference):
 
 
 def test_batch_that_does_not_divide_is_one_clear_error(base):
-    from launcher.runtime.checks import ModelError
+    from launcher.torch_support.checks import ModelError
 
     st = UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4)
     # found on the first batch before any worker starts

@@ -220,7 +220,7 @@ def test_a_fixed_batch_size_and_a_last_smaller_batch_are_refused_before_training
     """What the launcher checks before any worker starts (as ``python -m launcher`` does): a graph
     whose code fixes the batch size, and a DataLoader whose last batch is smaller, are refused in
     one sentence naming drop_last=True; with drop_last=True the same module is taken."""
-    from launcher.runtime.checks import ModelError
+    from launcher.torch_support.checks import ModelError
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(14, 8, generator=g), torch.randn(14, 2, generator=g))

@@ -15,7 +15,7 @@ import torch
 
 from helpers.training import run_stages
 from launcher.models import HFCausalLM
-from launcher.runtime.staged import skeleton
+from launcher.torch_support.staged import skeleton
 
 pytestmark = [pytest.mark.timeout(60),
               # the steps are called without a Trainer: self.log() has nowhere to log

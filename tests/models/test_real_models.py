@@ -134,7 +134,7 @@ def test_trainer_fit_names_a_broken_stage_before_any_worker_starts() -> None:
     raised in this process (no worker was forked, so no worker's traceback precedes it)."""
     from torch import nn
 
-    from launcher.runtime.checks import ModelError
+    from launcher.torch_support.checks import ModelError
 
     model = tiny_gpt()
     model.stages[1] = nn.Sequential(nn.Linear(16, 16), nn.Flatten(0), nn.Linear(3, 3))

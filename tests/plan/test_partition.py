@@ -201,8 +201,8 @@ def test_planner_uses_stage_durations():
 
 def test_a_model_on_the_meta_device_is_profiled_one_materialised_module_at_a_time():
     from launcher.models.gpt import GPT
-    from launcher.runtime.init import empty_init, has_meta
     from launcher.split.cost import profile_chain
+    from launcher.torch_support.init import empty_init, has_meta
 
     with empty_init():
         m = GPT(vocab_size=2048, seq_len=16, d_model=32, n_head=2, n_layer=2)

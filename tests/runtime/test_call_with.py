@@ -1,4 +1,4 @@
-"""A stage called on fetched weights (launcher.runtime.staged.call_with) computes what
+"""A stage called on fetched weights (launcher.torch_support.staged.call_with) computes what
 torch.func.functional_call computes, and leaves the module as it was."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
 
-from launcher.runtime.staged import call_with
+from launcher.torch_support.staged import call_with
 
 
 class Tied(nn.Module):

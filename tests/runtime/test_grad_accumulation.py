@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from launcher.models.gpt import GPT, Block
-from launcher.runtime import Engine, StagedModel, launch
+from launcher.runtime import Engine, launch
 from launcher.runtime.backward import stage_grads, stage_grads_into
 from launcher.runtime.oracle import reference_step
 from launcher.schedule import make_step
+from launcher.torch_support.staged import StagedModel
 
 
 def test_a_blocks_weight_gradients_are_added_into_the_given_tensors():

@@ -16,7 +16,7 @@ from helpers.training import char_data, load_checkpoint, max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.single import StreamedSingleDevice
 from launcher.models import GPT, HFCausalLM
-from launcher.runtime.init import empty_init, has_meta, init_units
+from launcher.torch_support.init import empty_init, has_meta, init_units
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""Random draws belong to the job, not to the worker (:mod:`launcher.runtime.streams`): with dropout
+"""Random draws belong to the job, not to the worker (:mod:`launcher.torch_support.streams`): with dropout
 and stochastic depth on, every scheme trains to the parameters of ``strategy=single`` (one device
 running each step's micro-batches through the same streams), float64, 3 steps, within 1e-10.
 
@@ -130,7 +130,7 @@ def test_streams_change_nothing_without_randomness() -> None:
 def test_recomputed_forward_draws_the_same_mask() -> None:
     """A unit's forward inside the same job draws the same numbers again (a recomputation), and
     another micro-batch, step or unit draws others; outside a job the user's generator is used."""
-    from launcher.runtime import streams
+    from launcher.torch_support import streams
 
     drop = torch.nn.Dropout(0.5)
     streams.install([(drop, 3)])

@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.runtime import Engine, StagedModel, WorkerFailed, launch, mlp_batches, staged_mlp
-from launcher.runtime.checks import ModelError, model_errors
+from launcher.runtime import Engine, WorkerFailed, launch, mlp_batches, staged_mlp
 from launcher.runtime.failure import hang_message
 from launcher.schedule import make_step
+from launcher.torch_support.checks import ModelError, model_errors
+from launcher.torch_support.staged import StagedModel
 
 TIMEOUT = 3.0
 #: the watchdog's timeout, its grace and the launcher's second, plus start-up and a loaded machine

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.runtime import Engine, StagedModel, launch, mlp_batches, reference_step, staged_mlp
+from launcher.runtime import Engine, launch, mlp_batches, reference_step, staged_mlp
 from launcher.schedule import make_step
+from launcher.torch_support.staged import StagedModel
 
 
 def _train_with_per_rank_seeds() -> list[dict[str, torch.Tensor]] | None:

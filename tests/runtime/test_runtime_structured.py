@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.runtime import Engine, StagedModel, launch, merge
+from launcher.runtime import Engine, launch, merge
 from launcher.runtime.oracle import flat_params, reference_step
 from launcher.schedule import make_step
 from launcher.schedule.graph import StageGraph
+from launcher.torch_support.staged import StagedModel
 
 ATOL = 1e-10
 D, V = 6, 11

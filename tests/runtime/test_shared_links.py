@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from launcher.models.gpt import GPT
-from launcher.runtime import Engine, StagedModel, launch
+from launcher.runtime import Engine, launch
 from launcher.schedule import make_step
+from launcher.torch_support.staged import StagedModel
 
 LENGTHS = [8, 16, 8, 12]  # the sequence length of each step's micro-batches: buffers grow, then suffice
 

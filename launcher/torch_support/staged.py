@@ -10,7 +10,7 @@ loss of a step is the mean over micro-batches, so every micro-batch's loss is sc
 before its backward.
 
 Stages may hold buffers: constant ones (a rotary embedding's frequencies) are present wherever the
-stage computes; BatchNorm's running statistics follow exact sequential semantics (:mod:`.stats`).
+stage computes; BatchNorm's running statistics follow exact sequential semantics (:mod:`launcher.runtime.stats`).
 A parameter shared by two stages (tied embeddings) gets the sum of both stages' gradients.
 """
 
@@ -49,7 +49,7 @@ class StagedModel:
     picks: Picks | None = None
     #: stages built on the meta device: ``init(indices)`` materialises and initialises those
     #: stages by the model's rule (:mod:`.init`); None: each stage is a unit of
-    #: :func:`~launcher.runtime.init.init_units` under ``torch.initial_seed()``
+    #: :func:`~launcher.torch_support.init.init_units` under ``torch.initial_seed()``
     init: Callable[[Sequence[int]], None] | None = None
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""What every stage of a staged model returns (its :class:`~launcher.runtime.values.Signature`),
+"""What every stage of a staged model returns (its :class:`~launcher.torch_support.values.Signature`),
 found by running the stages on the meta device, or once on real data where a stage cannot run there.
 """
 

@@ -29,10 +29,7 @@ import weakref
 from typing import Iterable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
-
-from .failure import blocked, current_watchdog
 
 _MASK = (1 << 64) - 1
 
@@ -142,12 +139,3 @@ def install_stages(stages: Iterable[nn.Module]) -> None:
     """Units of a model with ``self.stages``: module ``i`` of the list is unit ``i``."""
     install([(m, i) for i, m in enumerate(stages)])
 
-
-def agreed_seed(device: torch.device) -> int:
-    """Rank 0's ``torch.initial_seed()`` on every rank (63 bits): the seed of every job's draws, so
-    processes started apart agree."""
-    t = torch.tensor([torch.initial_seed() & (2**63 - 1)], dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        with blocked(current_watchdog()):
-            dist.broadcast(t, 0)
-    return int(t.item())
