@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from typing_extensions import override
 
@@ -88,8 +89,18 @@ class CheckpointingStrategy(ProcessGroupStrategy):
             self.finish_checkpoint()  # the previous background save, if any, is complete first
             background = self.run.checkpoint.async_mode == "async"
             self._pending = sharded.save(checkpoint, filepath, self.layout.staged_names, self.layout.names,
-                                         self.layout.aliases, self.global_rank, async_save=background)
+                                         self.layout.aliases, self.global_rank, async_save=background,
+                                         group=self._save_group() if background else None)
         return None
+
+    def _save_group(self) -> Any:
+        """A gloo group for background saves' collectives (as torchtitan does), apart from the
+        training's own traffic: made by every rank together at the first such save, and kept by this
+        strategy (not the process: a later run's process group is a new one)."""
+        group = getattr(self, "_save_pg", None)
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = self._save_pg = dist.new_group(backend="gloo")
+        return group
 
     def finish_checkpoint(self) -> None:
         """Wait for a background save (``checkpoint.async_mode=async``) and put it in place."""

@@ -33,6 +33,8 @@ SHIFTED = ("ForCausalLM", "ForConditionalGeneration")
 #: loss types that average over every label that is not IGNORE, unshifted
 UNSHIFTED = ("ForMaskedLM", "ForTokenClassification")
 
+# each module's label-counting rule, found once: keyed weakly by the module, so an entry lives and dies
+# with it (no run's modules are kept alive, and the table does not grow across runs)
 _rules: weakref.WeakKeyDictionary[nn.Module, Callable[[torch.Tensor], torch.Tensor] | None] = \
     weakref.WeakKeyDictionary()
 

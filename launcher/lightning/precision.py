@@ -6,6 +6,7 @@ Lightning clips and scales in its precision plugin, so the strategy retypes that
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -152,7 +153,10 @@ def with_synced_scaler(plugin: Any) -> None:
         retype_grad_scaler(scaler, _SyncedScaler)
 
 
-_CLIPPING: dict[type, type] = {}
+@functools.lru_cache(maxsize=32)  # one subclass per precision plugin class, the same one each time
+def _global_norm_class(cls: type) -> type:
+    """``cls`` with :func:`clip_by_global_norm` as its ``clip_grad_by_norm``."""
+    return type(f"GlobalNorm{cls.__name__}", (cls,), {"clip_grad_by_norm": _clip_grad_by_norm, "_global_norm": True})
 
 
 def _clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float) -> None:
@@ -176,9 +180,7 @@ def with_global_clipping(strategy: UnifiedStrategy) -> None:
     the precision, so its class gets a subclass that overrides that one method; clipping by value
     is elementwise and stays as it is."""
     plugin = strategy.precision_plugin
-    cls = type(plugin)
-    if cls not in _CLIPPING.values():
-        if cls not in _CLIPPING:
-            _CLIPPING[cls] = type(f"GlobalNorm{cls.__name__}", (cls,), {"clip_grad_by_norm": _clip_grad_by_norm})
-        retype_precision_plugin(plugin, _CLIPPING[cls])
+    cls: Any = type(plugin)  # a class is hashable (mypy reads Precision's __hash__ as an instance's)
+    if not getattr(cls, "_global_norm", False):  # not retyped already (a second setup of the same plugin)
+        retype_precision_plugin(plugin, _global_norm_class(cls))
     setattr(plugin, "unified_strategy", strategy)  # read by _clip_grad_by_norm (the subclass is made at run time)

@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 #: the HPC checkpoints Lightning writes and resumes from (``hpc_ckpt_<N>.ckpt``)
 HPC = re.compile(r"hpc_ckpt_(\d+)\.ckpt$")
 
-_received: list[int] = []  # the warning signals this process got (a forked worker has its own copy)
+# the warning signals this process got (a forked worker has its own copy). Module state on purpose: a
+# signal handler is process-wide and takes no context, and the callback in each forked worker reads it
+_received: list[int] = []
 
 
 def in_slurm_job() -> bool:

@@ -72,14 +72,15 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, names: dict[int, str],
 
 
 def save(checkpoint: dict[str, Any], path: str | os.PathLike, staged: set[str], names: list[str],
-         aliases: dict[str, str], rank: int, async_save: bool = False) -> Any:
+         aliases: dict[str, str], rank: int, async_save: bool = False, group: Any = None) -> Any:
     """Write this worker's part of ``checkpoint`` into the directory ``path`` (collective: every rank
     calls it). ``checkpoint["state_dict"]``: the tensors this worker writes (and, on rank 0, the
     module's entries outside the stages); ``checkpoint["optimizer_states"]``: per optimizer, this
     worker's :func:`optimizer_entries`. ``staged``: every key that belongs to a stage; ``names``:
     the full module's parameter names in order; ``aliases``: other name -> first name of a tied
     parameter. With ``async_save`` the shards are written in the background from a host copy, and
-    the returned callable finishes the save (waits, then swaps the directory in)."""
+    the returned callable finishes the save (waits, then swaps the directory in); ``group``: the
+    process group of its collectives under a process group (the caller's, apart from training's)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -131,7 +132,7 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, staged: set[str], 
         return None
     with _said(path, tmp, rank):
         future: Any = dcp.async_save(shards, storage_writer=writer, no_dist=not distributed,
-                                     process_group=_async_group() if distributed else None)
+                                     process_group=group if distributed else None)
     blocked = time.perf_counter() - started
 
     def finish() -> None:
@@ -140,20 +141,6 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, staged: set[str], 
             _finish(meta, tmp, path, started, blocked)
 
     return finish
-
-
-_GROUP: Any = None
-
-
-def _async_group() -> Any:
-    """A gloo group for the background save's collectives (as torchtitan does), apart from the
-    training's own traffic; made once per process, by every rank together."""
-    global _GROUP
-    import torch.distributed as dist
-
-    if _GROUP is None:
-        _GROUP = dist.new_group(backend="gloo")
-    return _GROUP
 
 
 def _finish(meta: dict[str, Any] | None, tmp: Path, path: Path, started: float, blocked: float | None) -> None:

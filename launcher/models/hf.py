@@ -62,7 +62,7 @@ def _plain(config: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(config)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=128)  # one default instance per config class a run builds
 def _default(cls: type) -> Any:
     return cls()
 

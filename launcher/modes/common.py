@@ -172,7 +172,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-#: the directories this process holds, by absolute path
+#: the directories this process holds, by absolute path. Process-wide on purpose: a run directory's
+#: lock belongs to the process (flock), and hold() is re-entrant across the command's phases
 HELD: dict[Path, RunLock] = {}
 
 

@@ -83,7 +83,9 @@ def run_stage(module: nn.Module, params: Mapping[str, torch.Tensor] | None, valu
 
 
 #: per module, where each of its parameters sits: ``(submodule._parameters, attribute, name, tied)``,
-#: ``tied`` the first name of a parameter the module holds under several names
+#: ``tied`` the first name of a parameter the module holds under several names. A cache keyed weakly
+#: by the module it describes: an entry lives and dies with its module, so it neither grows with runs
+#: nor outlives them
 _BINDINGS: weakref.WeakKeyDictionary[nn.Module, list[tuple[dict, str, str, str]]] = weakref.WeakKeyDictionary()
 
 

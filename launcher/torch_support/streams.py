@@ -25,6 +25,7 @@ owns is not covered: its draws follow that generator, whichever job runs it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from typing import Iterable, Iterator, Sequence
 
@@ -58,13 +59,14 @@ class _Job:
         self.seeded: set[int] = set()  # the units seeded so far in this job
 
 
-_current: _Job | None = None
+#: the running job (a context variable, not a global: a job set in one thread or task is not another's)
+_current: contextvars.ContextVar[_Job | None] = contextvars.ContextVar("launcher_stream_job", default=None)
 
 
 def seed_unit(unit: int) -> None:
     """Seed torch's generator (and the current GPU's) for ``unit`` in the running job, once per
     job; nothing outside a job. A traced stage's graph calls this before a unit's first random op."""
-    job = _current
+    job = _current.get()
     if job is None or unit in job.seeded:
         return
     job.seeded.add(unit)
@@ -83,12 +85,11 @@ def _cuda_generator(device: torch.device | None) -> torch.Generator | None:
 @contextlib.contextmanager
 def job(seed: int, step: int, microbatch: int, device: torch.device | None = None) -> Iterator[None]:
     """Run one job's forward: unit ``i`` starting inside draws from ``mix(seed, step, microbatch, i)``."""
-    global _current
-    outer, _current = _current, _Job(mix(seed, step, microbatch), _cuda_generator(device))
+    token = _current.set(_Job(mix(seed, step, microbatch), _cuda_generator(device)))
     try:
         yield
     finally:
-        _current = outer
+        _current.reset(token)
 
 
 @contextlib.contextmanager
@@ -120,6 +121,8 @@ class UnitHook:
         seed_unit(self.unit)
 
 
+# each module's hook, keyed weakly by the module it is installed on: an entry lives and dies with its
+# module (what a hook is installed on is the module's state, not the run's; install() replaces it)
 _installed: weakref.WeakKeyDictionary[nn.Module, tuple[int, torch.utils.hooks.RemovableHandle]] = \
     weakref.WeakKeyDictionary()
 

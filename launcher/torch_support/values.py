@@ -17,6 +17,7 @@ bytes that cross.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -267,13 +268,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-_SIZES: dict[torch.dtype, int] = {}
-
-
+@functools.lru_cache(maxsize=64)  # a pure function of the dtype; torch has a few dozen
 def _itemsize(dtype: torch.dtype) -> int:
-    if dtype not in _SIZES:
-        _SIZES[dtype] = torch.empty((), dtype=dtype).element_size()
-    return _SIZES[dtype]
+    return torch.empty((), dtype=dtype).element_size()
 
 
 #: every packed leaf starts at a multiple of this many bytes, so its bytes view back as its dtype
