@@ -21,7 +21,6 @@ Exit status 1 when the two sides' first-step losses differ by more than 1e-5 rel
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,13 +28,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import vs_native_transformer as vt
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import vs_native_transformer as vt  # noqa: E402 - the benchmark's own directory, put on the path above
-
-from launcher.runtime import Engine  # noqa: E402
-from launcher.schedule import make_step  # noqa: E402
+from launcher.runtime import Engine
+from launcher.schedule import make_step
 from launcher.torch_support.staged import StagedModel
 
 

@@ -35,40 +35,35 @@ initialised CUDA cannot use it. Exit status 1 when a part failed, 2 when no GPU 
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
+import copy
+import gc
+import importlib
+import json
 import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
-# before torch is imported: torch.cuda.is_available() asks NVML, so nothing here initialises CUDA before a fork
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# first, before torch: torch.cuda.is_available() asks NVML, so nothing here initialises CUDA before a fork
+import nvml_first  # noqa: F401
+import torch
+import torch.distributed as dist
+import vs_native_transformer as vt
+import vs_torch_native as vn
+from scale_memory import descendants
 
-import argparse  # noqa: E402
-import concurrent.futures  # noqa: E402
-import copy  # noqa: E402
-import gc  # noqa: E402
-import importlib  # noqa: E402
-import json  # noqa: E402
-import signal  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import vs_native_transformer as vt  # noqa: E402 - the benchmarks' own directory, put on the path above
-import vs_torch_native as vn  # noqa: E402
-from scale_memory import descendants  # noqa: E402
-
-from launcher.report.measured_costs import stage_job_seconds  # noqa: E402
-from launcher.runtime import Engine, launch  # noqa: E402
-from launcher.runtime.oracle import Case, run_cases  # noqa: E402
-from launcher.schedule import make_step, simulate  # noqa: E402
+from launcher.report.measured_costs import stage_job_seconds
+from launcher.runtime import Engine, launch
+from launcher.runtime.oracle import Case, run_cases
+from launcher.schedule import make_step, simulate
 from launcher.torch_support.staged import StagedModel
 
 PARTS = ("env", "flagship", "overhead", "benchmark")

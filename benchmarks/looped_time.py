@@ -21,23 +21,19 @@ one PyTorch's schedule runs) and PyTorch's ``ScheduleInterleaved1F1B``, on the s
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
+import vs_native_transformer as vt
+from vs_torch_native import Pair, alternate, pair_device, pair_link
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import vs_native_transformer as vt  # noqa: E402 - the benchmark's own directory, put on the path above
-from vs_torch_native import Pair, alternate, pair_device, pair_link  # noqa: E402
-
-from launcher.report.measured_costs import shared_cores, stage_job_seconds  # noqa: E402
-from launcher.runtime import launch  # noqa: E402
-from launcher.schedule import make_step, simulate  # noqa: E402
-from launcher.schedule.cores import replay  # noqa: E402
+from launcher.report.measured_costs import shared_cores, stage_job_seconds
+from launcher.runtime import launch
+from launcher.schedule import make_step, simulate
+from launcher.schedule.cores import replay
 
 ORDERS = ("1f1b", "interleaved_1f1b")
 

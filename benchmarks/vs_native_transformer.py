@@ -58,16 +58,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 from torch import nn
-
-from launcher.report.measured_costs import stage_job_seconds
-from launcher.runtime import Engine, launch
-from launcher.runtime.engine import TRANSPORTS
-from launcher.schedule import make_step, simulate
-from launcher.torch_support.staged import StagedModel
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# the MLP benchmark's harness
-from vs_torch_native import (  # noqa: E402
+from vs_torch_native import (
     NATIVE,
     Native,
     Ours,
@@ -80,6 +71,12 @@ from vs_torch_native import (  # noqa: E402
     ratio_interval,
     replayed,
 )
+
+from launcher.report.measured_costs import stage_job_seconds
+from launcher.runtime import Engine, launch
+from launcher.runtime.engine import TRANSPORTS
+from launcher.schedule import make_step, simulate
+from launcher.torch_support.staged import StagedModel
 
 #: as vs_torch_native's: the losses come out bit for bit equal; the stage-0 gradient sums differ by
 #: at most about 1e-9 relative (DDP's buckets and FSDP's reduce-scatter add in another order)

@@ -21,19 +21,25 @@ read from there so that the table and the tests cannot drift apart.
 from __future__ import annotations
 
 import argparse
-import sys
+import importlib.util
 import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from rich.console import Console
+from rich.table import Table
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from launcher.schedule import unchecked_step
+from launcher.schedule.auto_order import auto_sequences, paper_peaks, run_sequences, span
 
-from launcher.schedule import unchecked_step  # noqa: E402
-from launcher.schedule.auto_order import auto_sequences, paper_peaks, run_sequences, span  # noqa: E402
-from schedule.test_zb_h1 import ROWS, ZB_1P, ZB_2P, w_share  # noqa: E402
+#: the Zero Bubble paper's Table 4 and the helpers the tests check it with (tests/schedule/test_zb_h1.py),
+#: read from that file rather than copied here
+_spec = importlib.util.spec_from_file_location("test_zb_h1", Path(__file__).resolve().parents[1] / "tests" /
+                                               "schedule" / "test_zb_h1.py")
+assert _spec is not None and _spec.loader is not None
+_paper = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_paper)
+ROWS, ZB_1P, ZB_2P, w_share = _paper.ROWS, _paper.ZB_1P, _paper.ZB_2P, _paper.w_share
 
 
 def rate(cost: float, work: float) -> float:
