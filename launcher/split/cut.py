@@ -104,14 +104,14 @@ def trace_module(module: nn.Module, example_args: tuple, example_kwargs: dict[st
         module.train()  # traced in train mode, so dropout is in the graph; stages switch it with their mode
         seeded(lambda: module(*args, **kwargs), args, module, grad=False)
         gm = export_graph(module, args, kwargs, rows)
-    return Traced(module, args, kwargs, _Program(gm, module))
+    return Traced(module, args, kwargs, _ExportedGraph(gm, module))
 
 
 class Traced:
     """A module's forward traced on one example, ready to cut."""
 
-    def __init__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], program: "_Program") -> None:
-        self.module, self.args, self.kwargs, self.program = module, args, kwargs, program
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], exported: "_ExportedGraph") -> None:
+        self.module, self.args, self.kwargs, self.exported = module, args, kwargs, exported
 
     def split(self, stages: int, points: Sequence[str] | str = "auto") -> Split:
         """Cut into ``stages`` stage modules.
@@ -134,7 +134,7 @@ class Traced:
         try:
             return self._split(stages, points)
         except SplitError:
-            if not self.program.rows:
+            if not self.exported.rows:
                 raise
         # a graph of any batch size that cannot be cut or does not compute what the module does on
         # another size: the example's size, fixed (stage 0's check then names drop_last=True)
@@ -142,8 +142,8 @@ class Traced:
 
     def _split(self, stages: int, points: Sequence[str] | str) -> Split:
         module, args, kwargs = self.module, self.args, self.kwargs
-        cuts, starts = self.program.cuts(points, stages)
-        split = self.program.build(cuts, starts)
+        cuts, starts = self.exported.cuts(points, stages)
+        split = self.exported.build(cuts, starts)
         with kept(module):
             for mode in (True, False):
                 # each mode's two runs seeded alike: dropout draws the same masks, and a step that
@@ -153,7 +153,7 @@ class Traced:
                 runs = (lambda: seeded(lambda: module(*args, **kwargs), args, module),
                         lambda: seeded(lambda: split.train(mode).run(*args, **kwargs), args, module))
                 check_same(runs[0](), runs[1](), "train" if mode else "eval", module, len(split.stages), runs)
-            if self.program.rows:
+            if self.exported.rows:
                 self._check_one_row(split)
         return split.train(module.training)
 
@@ -180,8 +180,10 @@ class Traced:
         check_same(want, got, "train", module, len(split.stages))
 
 
-class _Program:
-    """The traced graph's nodes in execution order, and what cutting needs to know about them."""
+class _ExportedGraph:
+    """The module's graph as ``torch.export`` traced it (``gm``): its nodes in execution order, and
+    what cutting needs to know about them (not the stage graph, :class:`StageGraph`, nor a
+    worker's program of the schedule, :class:`launcher.schedule.program.Program`)."""
 
     def __init__(self, gm: fx.GraphModule, module: nn.Module) -> None:
         self.gm, self.module, self.name = gm, module, type(module).__name__

@@ -18,7 +18,7 @@ from launcher.checkpoint import consolidate, load
 from launcher.lightning import sharded
 
 
-class Staged(nn.Module):
+class LinearStages(nn.Module):
     def __init__(self, stages: int, width: int) -> None:
         super().__init__()
         self.stages = nn.ModuleList(nn.Linear(width, width) for _ in range(stages))
@@ -26,9 +26,9 @@ class Staged(nn.Module):
 
 
 def _sharded(path: Path, stages: int, width: int, dtype: torch.dtype = torch.float32) -> int:
-    """A sharded checkpoint of a trained :class:`Staged` written by one process; its stages' bytes."""
+    """A sharded checkpoint of a trained :class:`LinearStages` written by one process; its stages' bytes."""
     torch.manual_seed(0)
-    model = Staged(stages, width).to(dtype)
+    model = LinearStages(stages, width).to(dtype)
     opt = torch.optim.AdamW(model.parameters())
     sum(m.weight.sum() + m.bias.sum() for m in model.stages).backward()
     opt.step()
