@@ -27,6 +27,8 @@ SIZES = ("G", "R", "stages", "microbatches")
 STRATEGIES = tuple(sorted(SCHEMES))
 DURATION_KINDS = ("F", "B", "I", "W")
 WEIGHT_CACHES = ("step", "job")
+#: how one step's end meets the next's start (:mod:`launcher.schedule.overlap`)
+STEP_OVERLAPS = ("none", "post_validation")
 #: ``recompute``: which stages' backward recomputes their forward (activation checkpointing)
 RECOMPUTE = ("none", "full")
 RECOMPUTE_RULE = "use none, full (every stage) or a list of stage indices"
@@ -100,6 +102,10 @@ def value_error(key: str, v: Any) -> str | None:
     elif key == "weight_cache":
         if v not in WEIGHT_CACHES:
             return f"weight_cache={shown(v)} is invalid: use {' or '.join(WEIGHT_CACHES)}."
+    elif key == "step_overlap":
+        if v not in STEP_OVERLAPS:
+            return (f"step_overlap={shown(v)} is invalid: use none (every step ends on every worker before the next "
+                    f"begins) or post_validation (each stage steps as soon as its own gradients are final).")
     elif key == "prefetch":
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             return f"prefetch={shown(v)} is invalid: the prefetch lookahead must be an integer >= 0."
@@ -143,7 +149,7 @@ def step_errors(values: Mapping[str, Any]) -> list[str]:
     out += _own_errors(values, ("comm", "memory_limit"))
     if e := _memory_limit_length_error(values.get("memory_limit"), workers):
         out.append(e)
-    out += _own_errors(values, ("warmup", "weight_cache", "prefetch", "split_backward"))
+    out += _own_errors(values, ("warmup", "weight_cache", "prefetch", "split_backward", "step_overlap"))
     out += _recompute_errors(values, S)
     return out
 

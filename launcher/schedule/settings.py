@@ -62,6 +62,10 @@ class Settings:
     recompute: str | tuple[int, ...] = "none"  # none | full | stage indices
     partition: str = "params"  # how a model's self.stages are cut: params | time | memory
     plan_memory: str | None = None  # the bytes a stage may hold under partition=time (plan.memory)
+    #: how one step's end meets the next step's start (:mod:`.overlap`): none (a barrier: a step
+    #: costs its makespan, what the runtime does) | post_validation (the zero-bubble paper's section
+    #: 4: each stage steps as soon as its own gradients are final; priced by the simulator only)
+    step_overlap: str = "none"
     #: per stage, its own time per job kind (profiled stages differ); ``None``: ``durations``
     stage_durations: tuple[Mapping[str, float], ...] | None = field(default=None, compare=False)
 
@@ -137,6 +141,11 @@ class Settings:
         return "interleaved_1f1b", f"the fastest measured order of a looped pipeline ({self.name} R={self.R})"
 
     @property
+    def overlapped(self) -> bool:
+        """Whether consecutive steps overlap (``step_overlap`` is not ``none``)."""
+        return self.step_overlap != "none"
+
+    @property
     def recompute_stages(self) -> frozenset[int]:
         from .rules import recompute_stages
 
@@ -209,7 +218,8 @@ class Settings:
                     list(self.stage_durations) if self.stage_durations is not None else None,
                     self.recompute_stages)
         if isinstance(o, AutoOrder) and o.seqs is None:  # search the sequences for this step's own profile
-            step.order = replace(o, seqs=auto_sequences(step))
+            # overlapping steps pay the longest worker span (its steady state, :mod:`.overlap`), else the makespan
+            step.order = replace(o, seqs=auto_sequences(step, "span" if self.overlapped else "makespan"))
             if step.order.in_sequence:
                 step.memory_limit = None  # the sequences keep to it themselves, counted from F to W
         return step
