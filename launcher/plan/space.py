@@ -98,6 +98,7 @@ class Point:
     comm: float = DEFAULT.comm
     partition: str | None = None  # how self.stages are cut (searched when the profile has modules)
     recompute: str = DEFAULT.recompute  # type: ignore[assignment]  # none | full: every backward recomputes its forward (searched under a byte budget)
+    step_overlap: str = DEFAULT.step_overlap  # the rule its step time was priced under (launcher.schedule.overlap)
 
     def settings(self) -> dict[str, Any]:
         """Dotted config keys and values (what :func:`overrides` spells out)."""
@@ -115,6 +116,8 @@ class Point:
             out["partition"] = self.partition
         if self.recompute != "none":
             out["recompute"] = self.recompute
+        if self.step_overlap != DEFAULT.step_overlap:
+            out["step_overlap"] = self.step_overlap
         return out
 
     def overrides(self) -> list[str]:

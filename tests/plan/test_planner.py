@@ -305,3 +305,27 @@ def test_the_v_shape_is_planned_and_reproduces(cfg_of):
     orders = {c.point.order for c in search(4, [8], 2, prof, Budget(), top=100).candidates
               if c.point.scheme.name == "vshape"}
     assert "zbv" in orders
+
+
+@pytest.mark.parametrize("budget", ["plan.max_activations=3", "plan.max_activations=8"])
+def test_overlapped_steps_are_ranked_by_their_steady_state(cfg_of, budget):
+    """``step_overlap=post_validation``: candidates are ranked by the steady state's step cost
+    (:mod:`launcher.schedule.overlap`); the best's overrides carry the rule and reproduce its cost
+    under mode=simulate; it is never slower than the barrier's best priced the same way (its
+    makespan plus the step's all-reduce: mode=simulate's step cost under step_overlap=none), nor
+    faster than the busiest worker's work (the bound left when steps overlap)."""
+    common = ["mode=plan", "stages=4", "microbatches=8", "plan.workers=4", budget, "comm=0.25"]
+    over = plan_of(cfg_of([*common, "step_overlap=post_validation"])).best
+    barrier = plan_of(cfg_of(common)).best
+    assert over is not None and barrier is not None
+    assert "step_overlap=post_validation" in over.overrides
+    again = cfg_of(["mode=simulate", *over.overrides])
+    assert errors(again) == []
+    _, summary = simulate_config(again)
+    assert summary["step_cost"] == pytest.approx(over.step_time, rel=1e-12)
+    _, behind = simulate_config(cfg_of(["mode=simulate", *barrier.overrides]))
+    assert behind["step_overlap"] == "none" and over.step_time < behind["step_cost"]
+    p = over.point
+    split = p.split
+    d = dict(p.durations)
+    assert over.step_time >= time_bound(4, 8, p.G, p.R, split, d, 0.25, work_only=True) - 1e-9
