@@ -116,6 +116,7 @@ class LauncherConf:
     durations: DurationsConf = field(default_factory=DurationsConf)
     comm: float = DEFAULT.comm
     memory_limit: Any = DEFAULT.memory_limit  # null | int | list of ints, one per worker
+    graph_share: Any = DEFAULT.graph_share  # of a stage's micro-batch activations, the graph's part (held to W)
     warmup: Optional[str] = DEFAULT.warmup  # null = the order's default; classic | none
     split_backward: bool = DEFAULT.split_backward
     weight_cache: str = DEFAULT.weight_cache  # step | job

@@ -14,6 +14,7 @@ from ..config.validate import errors as config_errors
 from ..report.png import AUTO_MAX_JOBS as PNG_AUTO_MAX_JOBS
 from ..report.png import want_png
 from ..schedule import ScheduleError, Timeline, simulate
+from ..schedule.activations import unit_peaks
 from ..schedule.diagram import ascii_diagram, legend
 from ..schedule.lowering import LoweringError, lower
 from ..schedule.metrics import summarize
@@ -46,6 +47,9 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
     with phase("summarizing", tl.step.space.N):
         summary = summarize(tl, cfg.weight_cache)
         summary.update(priced(tl, cfg.get("step_overlap", DEFAULT.step_overlap)))
+        units = unit_peaks(tl)  # what memory_limit bounds: the one memory model's units
+        summary["per_worker"]["peak_activation_units"] = units
+        summary["total"]["peak_activation_units"] = sum(units)
     if cfg.weight_cache == "job":
         with phase(f"predicting the runtime's resident weights for prefetch={cfg.prefetch}", tl.step.space.N):
             runtime_peaks(tl, summary, cfg.prefetch)

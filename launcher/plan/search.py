@@ -28,8 +28,11 @@ the top ``top``:
   one copy when it fetches at all). A scheme whose bound exceeds the budget is never evaluated,
   and a simulation none of whose schemes can fit is skipped.
 - **the activation limit** ``memory_limit = M`` (the budget in activations, or per worker the
-  activations that fit beside the weights) guarantees peak activations ``<= M``: the simulator
-  admits a micro-batch on a worker only when everything it will hold there fits.
+  activations that fit beside the weights) guarantees peak activation units ``<= M``: the simulator
+  admits a micro-batch on a worker only when everything it will hold there fits. Activations are
+  counted by the one memory model (:mod:`launcher.schedule.activations`): a stage's micro-batch is a
+  unit, its input freed at ``I`` and its graph at ``W``, split by the profile's ``activation`` and
+  ``saved`` bytes (:func:`graph_shares`); a byte budget's limit counts a unit as both.
 - **a step that reaches its bound** ``max(work, chain)`` under some limit cannot be beaten by
   another limit of the same step, so the remaining limits are skipped.
 - **cache job after cache step**: with a core per worker, cache ``job`` adds a forward to
@@ -51,7 +54,7 @@ each of its steps costs that search (about a second at 16 stages and 32 micro-ba
 named order costs one simulation. It is therefore tried after the named orders, and only at the
 placements (``B``, ``G``, ``R``, the V shape apart) of the ``auto_top`` best candidates they found,
 under the limits tried first there and those the listed candidates there use (its sequences keep
-to a limit themselves, counted from ``F`` to ``W``, the stricter count, so no upward scan). That
+to a limit themselves, counted as the simulator counts them, so no upward scan). That
 restriction is a heuristic: auto may beat the named orders at a placement none of whose named
 candidates ranked high. It only adds candidates, so the best is never slower than the named
 orders' best.
@@ -66,15 +69,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from ..schedule import ScheduleError, make_step, simulate
+from ..schedule.activations import unit_peaks
 from ..schedule.cores import job_work, replay, with_weight_messages
 from ..schedule.link import end_of_step, exchanges
 from ..schedule.link import step_time as link_step_time
 from ..schedule.lowering import weight_arrivals
-from ..schedule.metrics import _job_cache, traffic
-from ..schedule.overlap import steady_state  # _job_cache: the cache "job" counts of per_worker
+from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
+from ..schedule.overlap import steady_state
 from ..schedule.schemes import named
 from ..schedule.settings import DEFAULT
-from ..schedule.simulate import Timeline, place_all
+from ..schedule.simulate import GRAPH_SHARE, Timeline, place_all
 from . import memory
 from .partition import PARTITIONS, PartitionError, cut, group_sums, stage_durations
 from .profile import Profile
@@ -232,6 +236,19 @@ def _traffic_bytes(t: dict[str, list[int]], fetch: list[int], prof: Profile, S: 
             + mean["grads"] * (sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])))
 
 
+def graph_shares(prof: Profile, S: int) -> float | tuple[float, ...]:
+    """Per stage, the share of a micro-batch's activation bytes that is its forward's graph (the
+    profile's ``saved`` over ``activation`` plus ``saved``: the one memory model's split,
+    :mod:`launcher.schedule.activations`); without profiled bytes, the default."""
+    if not prof.bytes:
+        return GRAPH_SHARE
+    out: list[float] = []
+    for s in range(S):
+        a, g = prof.stage_bytes("activation", s), prof.stage_bytes("saved", s)
+        out.append(g / (a + g) if a + g > 0 else GRAPH_SHARE)
+    return out[0] if len(set(out)) == 1 else tuple(out)
+
+
 def _limits(budget: Budget, prof: Profile, owned: list[set[int]], fetched: list[set[int]],
             S: int) -> int | tuple[int, ...] | None:
     """Per worker, the most activations that fit beside its weights under cache ``step``
@@ -240,7 +257,8 @@ def _limits(budget: Budget, prof: Profile, owned: list[set[int]], fetched: list[
         return None
     base = memory.static_bytes(owned, fetched, prof)
     copies = [sum(prof.stage_bytes("params", s) for s in f) for f in fetched]
-    a = max(prof.stage_bytes("activation", s) for s in range(S)) or 1.0
+    # a unit of the one memory model: a stage's micro-batch input plus its graph
+    a = max(prof.stage_bytes("activation", s) + prof.stage_bytes("saved", s) for s in range(S)) or 1.0
     # at least 1: a limit is a positive count (the rules refuse 0); a step whose peak then breaks the
     # byte budget is not kept (the fit is checked on the simulated peaks)
     lim = tuple(max(1, int((budget.bytes - b - c) // a)) for b, c in zip(base, copies))
@@ -302,6 +320,7 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
             top: int = 20, auto_top: int = AUTO_TOP, step_overlap: str = DEFAULT.step_overlap) -> Ranking:
     """:func:`search` for one cut of the model into stages (the profile's)."""
     plan = Ranking([])
+    graph_share = graph_shares(prof, S)
     kept: list[list] = []  # a max-heap of [negated key, serial, candidate]: the top ``top`` candidates
     listed: dict[tuple, list] = {}  # schedule -> its entry in ``kept``
     serial = itertools.count()
@@ -349,7 +368,7 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
                 tl = simulate(make_step("vshape" if v else "lpp", S, B, G, R, order=order, warmup=warmup,
                                         durations=d, comm=prof.comm, memory_limit=ml, split_backward=split,
                                         stage_durations=prof.stage_table(S), recompute=rc,
-                                        step_overlap=step_overlap))
+                                        step_overlap=step_overlap, graph_share=graph_share))
             except ScheduleError:
                 continue  # this limit cannot finish the step (order=auto: it found no schedule within it)
             plan.simulated += 1
@@ -383,7 +402,7 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
 
     # order=auto costs a search per step: only at the placements of the best candidates so far,
     # under the limits tried first there and those the listed candidates there use (its sequences
-    # keep to a limit themselves, counted from F to W, so no upward scan)
+    # keep to a limit themselves, so no upward scan)
     if auto_top > 0 and prof.can_split:
         best_first = sorted((c for _, _, c in kept), key=Candidate.key)
         at: dict[tuple[int, int, int, bool, str], list[Any]] = {}  # placement -> its limits
@@ -493,7 +512,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     busy = sum(tl.step.duration_table(d)) * B  # every kind of every stage, each stage its own time
     bubble = max(0.0, 1.0 - busy / (tl.step.workers * latency))  # no bubble: 0, not -1e-16 (shown -0.000)
     peak_act = list(tl.peak_activations)
-    if budget.activations is not None and max(peak_act) > budget.activations:
+    if budget.activations is not None and max(unit_peaks(tl)) > budget.activations + 1e-9:  # the one memory model
         plan.did_not_fit += len(per_scheme) * len(CACHES)
         return []
     act = memory.activation_bytes(tl, prof) if prof.bytes else None
@@ -510,6 +529,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     # run only, the same for every scheme here; the weight messages on who owns what (below)
     work = job_work(tl, d, prof.message_cpu) if prof.cores is not None else None
     mlt = tuple(ml) if isinstance(ml, (list, tuple)) else ml
+    g = tl.step.graph_share
+    share = float(g) if isinstance(g, (int, float)) else tuple(g)
     for sch, weights, owned, fetched in per_scheme:
         view = Timeline(tl.step, tl.compute, weights * tl.step.space.K, tl.start, tl.finish, tl.program,
                         tl.peak_activations)
@@ -556,7 +577,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             msgs = sum(t["act_recv"]) + sum(t["grad_recv"]) + sum(t["stash_recv"]) + sum(fetch) \
                 + sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])
             point = Point(sch, G, R, S, B, order, warmup, split, mlt, cache, d, prof.comm, recompute=rc,
-                          step_overlap=step_overlap)
+                          step_overlap=step_overlap, graph_share=share)
             # what runs: each worker's jobs in order (the runtime runs them as soon as they can
             # start, whatever waits chose that order) and who owns which weights; FSLPP's two ownerships
             # coincide when R = 1, and DDP is LPP at G = B

@@ -102,6 +102,14 @@ def value_error(key: str, v: Any) -> str | None:
     elif key == "weight_cache":
         if v not in WEIGHT_CACHES:
             return f"weight_cache={shown(v)} is invalid: use {' or '.join(WEIGHT_CACHES)}."
+    elif key == "graph_share":
+        rule = ("it is the part of a stage's micro-batch activations that its graph holds until W: a number from 0 "
+                "to 1, or a list of such numbers, one per stage")
+        if isinstance(v, (list, tuple)):
+            if not v or any(not (is_number(x) and 0 <= x <= 1) for x in v):
+                return f"graph_share={list(v)} is invalid: {rule}."
+        elif not (is_number(v) and 0 <= v <= 1):
+            return f"graph_share={shown(v)} is invalid: {rule}."
     elif key == "step_overlap":
         if v not in STEP_OVERLAPS:
             return (f"step_overlap={shown(v)} is invalid: use none (every step ends on every worker before the next "
@@ -146,9 +154,13 @@ def step_errors(values: Mapping[str, Any]) -> list[str]:
         workers = G * R
         out += _size_errors(values, G, R, S, B)
     out += _duration_errors(values)
-    out += _own_errors(values, ("comm", "memory_limit"))
+    out += _own_errors(values, ("comm", "memory_limit", "graph_share"))
     if e := _memory_limit_length_error(values.get("memory_limit"), workers):
         out.append(e)
+    g = values.get("graph_share")
+    if isinstance(g, (list, tuple)) and is_size(S) and not value_error("graph_share", g) and len(g) != S:
+        out.append(f"graph_share={list(g)} is invalid: it has {len(g)} entries but there are stages={S} stages "
+                   f"(one number for all, or one per stage).")
     out += _own_errors(values, ("warmup", "weight_cache", "prefetch", "split_backward", "step_overlap"))
     out += _recompute_errors(values, S)
     return out
