@@ -37,7 +37,7 @@ from typing import Any
 from .rules import STEP_OVERLAPS
 from .simulate import Timeline
 
-__all__ = ["STEADY_STEPS", "STEP_OVERLAPS", "SteadyState", "priced", "steady_state"]
+__all__ = ["STEADY_STEPS", "STEP_OVERLAPS", "SteadyState", "last_two_steps", "priced", "steady_state"]
 
 #: steps replayed: enough for the steady state of the orders here (the replay is linear in max-plus
 #: algebra; on every step tried, its step cost had settled by the second step)
@@ -47,12 +47,14 @@ STEADY_STEPS = 4
 @dataclass(frozen=True)
 class SteadyState:
     """Consecutive steps under one rule: ``ends[t]`` is step ``t``'s end (the first step starts at 0),
-    ``optimizer[t][s]`` stage ``s``'s optimizer step in step ``t``."""
+    ``optimizer[t][s]`` stage ``s``'s optimizer step in step ``t``, ``starts[t][j]`` job ``j``'s start
+    in step ``t`` (it takes as long as in the timeline)."""
 
     rule: str
     makespan: float  # one isolated step (the simulated timeline's latency)
     ends: tuple[float, ...]
     optimizer: tuple[tuple[float, ...], ...]
+    starts: tuple[tuple[float, ...], ...] = ()
 
     @property
     def step_cost(self) -> float:
@@ -101,6 +103,7 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
     stage_preds, stage_succs = space.stage_preds, space.graph.succs
     sinks = [s for s in range(S) if space.is_sink[s]]
     fin_prev: list[float] | None = None
+    starts: list[tuple[float, ...]] = []
     opt_prev: list[float] | None = None
     val_prev: list[float] = [0.0] * S
     barrier = 0.0
@@ -136,8 +139,26 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
             opt = [barrier] * S
         ends.append(max(max(fin), max(opt)))
         optimizer.append(tuple(opt))
+        starts.append(tuple(f - d for f, d in zip(fin, dur)))
         fin_prev, opt_prev = fin, opt
-    return SteadyState(rule, tl.latency, tuple(ends), tuple(optimizer))
+    return SteadyState(rule, tl.latency, tuple(ends), tuple(optimizer), tuple(starts))
+
+
+def last_two_steps(tl: Timeline, ss: SteadyState) -> list[tuple[int, int, int, str, int, float, float]]:
+    """The steady state's last two steps, interleaved as they run: per job ``(worker, stage,
+    micro-batch, kind, step (0 or 1), start, end)``, times from the earlier step's first start."""
+    if len(ss.starts) < 2:
+        raise ValueError("two steps need a steady state of at least two replayed steps")
+    space = tl.step.space
+    a, b = ss.starts[-2], ss.starts[-1]
+    t0 = min(a)
+    out = []
+    for k, st in enumerate((a, b)):
+        for j in range(space.N):
+            s, mb, kind = space.job(j)
+            d = tl.finish[j] - tl.start[j]
+            out.append((tl.compute[j], s, mb, kind, k, st[j] - t0, st[j] - t0 + d))
+    return out
 
 
 def priced(tl: Timeline, rule: str, steps: int = STEADY_STEPS) -> dict[str, Any]:

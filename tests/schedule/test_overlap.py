@@ -15,7 +15,7 @@ from test_zb_h2 import ZB_H2
 from launcher.modes.simulation import simulate_config
 from launcher.schedule import make_step, simulate
 from launcher.schedule.auto_order import span
-from launcher.schedule.overlap import STEADY_STEPS, priced, steady_state
+from launcher.schedule.overlap import STEADY_STEPS, last_two_steps, priced, steady_state
 
 UNIT = {"F": 1.0, "I": 1.0, "W": 1.0}
 
@@ -147,3 +147,20 @@ def test_table5_zb_2p_from_the_command_line(cfg_of, row, zb2):
     if row is ROWS[0]:
         assert round(rates[w_share(model)], 4) == zb2
     assert rates[1.0] > rates[w_share(model)]
+
+
+def test_two_steps_interleave_without_a_gap_on_zb_h2():
+    """The last two steps as they run (what the comparison page draws): every job twice, no two on
+    one worker at once, and at unit times each worker's second step follows its first without a gap
+    (ZB-H2's parallelogram, ``3m`` a step), while the steps overlap across workers."""
+    p, m = 4, 8
+    tl = simulate(make_step("gpipe", p, m, 1, p, order="zb_h2", split_backward=True, durations=UNIT))
+    jobs = last_two_steps(tl, steady_state(tl))
+    assert len(jobs) == 2 * tl.step.space.N
+    for w in range(p):
+        mine = sorted((j[5], j[6], j[4]) for j in jobs if j[0] == w)
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(mine, mine[1:]))  # one job at a time
+        first = [x for x in mine if x[2] == 0]
+        second = [x for x in mine if x[2] == 1]
+        assert second[0][0] == first[-1][1] and second[-1][1] - second[0][0] == 3 * m
+    assert max(j[6] for j in jobs if j[4] == 0) > min(j[5] for j in jobs if j[4] == 1)  # they overlap
