@@ -8,8 +8,9 @@ Per row: the bubble rate ``(cost - m (T_F + T_B + T_W)) / cost`` of the paper's 
 ``order=auto`` at the same limits, two ways:
 
 - under the paper's rules: the cost is the longest worker's span (``auto_order.span``, the
-  paper's formula 3, what a step costs once the optimizer-step synchronisation is bypassed) and an
-  ``I`` gives back all but ``M_W / M_B`` of its micro-batch's activations (the paper's Table 1);
+  paper's formula 3, what a step costs once the optimizer-step synchronisation is bypassed: the
+  steady state of ``step_overlap=post_validation``) and an ``I`` gives back all but ``M_W / M_B``
+  of its micro-batch's activations (the paper's Table 1; ``graph_share`` in the one memory model);
 - under this runtime's: the cost is the makespan (a step ends on every worker before the next
   begins) and a micro-batch's whole unit lives from its ``F`` to its ``W``; the column "bound" is
   the least makespan any schedule has, ``(p-1)(T_F + comm) + m (T_F + T_B + T_W)``.
@@ -30,7 +31,8 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher.schedule import unchecked_step
-from launcher.schedule.auto_order import auto_sequences, paper_peaks, run_sequences, span
+from launcher.schedule.activations import unit_peaks
+from launcher.schedule.auto_order import auto_sequences, run_sequences, span
 
 #: the Zero Bubble paper's Table 4 and the helpers the tests check it with (tests/schedule/test_zb_h1.py),
 #: read from that file rather than copied here
@@ -62,9 +64,9 @@ def main() -> None:
                               durations={"F": tf, "I": tb, "W": tw}, comm=comm)
         cells = []
         for limit in (p, 2 * p):
-            step = replace(base, memory_limit=limit)
-            tl = run_sequences(step, auto_sequences(step, objective="span", w_share=w_share(model)))
-            assert max(paper_peaks(tl, w_share(model))) <= limit + 1e-9
+            step = replace(base, memory_limit=limit, graph_share=w_share(model))
+            tl = run_sequences(step, auto_sequences(step, objective="span"))
+            assert max(unit_peaks(tl)) <= limit + 1e-9
             cells.append(f"{rate(span(tl), work):.5f}")
         ours = run_sequences(base, auto_sequences(replace(base, memory_limit=2 * p)))
         bound = (p - 1) * (tf + comm) + work

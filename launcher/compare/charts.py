@@ -453,3 +453,40 @@ def _timeline_layout(fig: Any, run: Run, W: int, xmax: float) -> Any:
                              y=1 - 33 / height, yanchor="top", font=dict(size=14)))
     fig.update_layout(margin=dict(t=100))
     return fig
+
+
+#: the two steps' colours (the earlier, the later) in :func:`two_steps`
+STEP_COLOURS = ("#6baed6", "#fd8d3c")
+
+
+def two_steps(run: Run) -> Any | None:
+    """The run's predicted steady state under ``step_overlap=post_validation`` (``metrics.json``'s
+    ``step_cost_s.two_steps_post_validation``): two consecutive steps as they interleave, a bar
+    per job on its worker's row (colour: the step), a dashed line at each step's end; ``None``
+    when the run has none."""
+    two = ((run.metrics or {}).get("step_cost_s") or {}).get("two_steps_post_validation")
+    if not two or not two.get("jobs"):
+        return None
+    go, _ = _go()
+    fig = go.Figure()
+    W = 1 + max(int(j[0]) for j in two["jobs"])
+    for k, colour in enumerate(STEP_COLOURS):
+        jobs = [j for j in two["jobs"] if j[4] == k]
+        fig.add_trace(go.Bar(
+            orientation="h", y=[j[0] for j in jobs], base=[j[5] * 1e3 for j in jobs],
+            x=[(j[6] - j[5]) * 1e3 for j in jobs], width=0.8, name=f"step {k + 1}",
+            marker=dict(color=colour, line=dict(width=0.5, color="rgba(0,0,0,0.45)")),
+            text=[f"{j[3].lower()}{j[1]}" for j in jobs], textposition="inside", insidetextanchor="middle",
+            textangle=0, textfont=dict(size=9, color="#111"),
+            customdata=[[f"{j[3]}({j[1]},{j[2]})", j[5] * 1e3, (j[6] - j[5]) * 1e3] for j in jobs],
+            hovertemplate="<b>%{customdata[0]}</b> on w%{y}<br>start %{customdata[1]:.3f} ms, duration"
+                          f" %{{customdata[2]:.3f}} ms<extra>step {k + 1}</extra>"))
+    for k, end in enumerate(two.get("ends") or []):
+        fig.add_vline(x=end * 1e3, line=dict(dash="dash", color=STEP_COLOURS[k], width=1.5))
+    ticks = list(range(W)) if W <= 32 else list(range(0, W, max(1, W // 16)))
+    fig.update_xaxes(title_text="time from the earlier step's first job (ms)", showgrid=True)
+    fig.update_yaxes(autorange="reversed", tickvals=ticks, ticktext=[f"w{w}" for w in ticks], fixedrange=True,
+                     showgrid=False, zeroline=False)
+    return _layout(fig, (22 if W > 4 else 30) * W + 170, barmode="overlay", bargap=0,
+                   uniformtext=dict(minsize=8, mode="hide"),
+                   title=dict(text=f"<b>{run.label}</b>", x=0.01, xanchor="left", font=dict(size=14)))

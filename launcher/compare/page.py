@@ -192,6 +192,16 @@ def _timeline_caption(r: Run, tr: charts.Trace) -> str:
     return " ".join(parts)
 
 
+def _two_steps_note(r: Run) -> str:
+    cost = (r.metrics or {}).get("step_cost_s") or {}
+    over, barrier = cost.get("predicted_post_validation"), cost.get("predicted")
+    return ("The run ended every step on every worker before the next began; this is the same programs, at the"
+            " times its workers measured, if each stage took its optimizer step as soon as its own gradients"
+            " were final (the zero-bubble paper's post-validation): the next step's forwards fill the last"
+            f" one's drain. Step cost {_fmt(over and over * 1e3)} ms so, against {_fmt(barrier and barrier * 1e3)} ms"
+            " behind the barrier (predicted); dashed lines: each step's end.")
+
+
 def _pipeline_caption(r: Run) -> str:
     m = r.metrics or {}
     pred = (m.get("latency_s") or {}).get("predicted")
@@ -230,6 +240,11 @@ def build(paths: list[str | Path], out: str | Path, title: str = "launcher: runs
         fig = charts.traffic(trained)
         if fig is not None:
             figures.append(("Traffic per message kind (received)", _div(fig, "traffic"), traffic_note))
+        for i, r in enumerate(trained):  # issue 49: what the same programs would cost back to back
+            fig = charts.two_steps(r)
+            if fig is not None:
+                figures.append((f"Two steps back to back, predicted with step_overlap=post_validation: {r.label}",
+                                _div(fig, f"two-steps-{i}"), _two_steps_note(r)))
         for i, r in enumerate(trained):
             why = ""
             try:

@@ -116,10 +116,12 @@ class LauncherConf:
     durations: DurationsConf = field(default_factory=DurationsConf)
     comm: float = DEFAULT.comm
     memory_limit: Any = DEFAULT.memory_limit  # null | int | list of ints, one per worker
+    graph_share: Any = DEFAULT.graph_share  # of a stage's micro-batch activations, the graph's part (held to W)
     warmup: Optional[str] = DEFAULT.warmup  # null = the order's default; classic | none
     split_backward: bool = DEFAULT.split_backward
     weight_cache: str = DEFAULT.weight_cache  # step | job
     recompute: Any = DEFAULT.recompute  # none | full | [stage indices]: their backward recomputes the forward
+    step_overlap: str = DEFAULT.step_overlap  # none | post_validation: how a step's end meets the next's start
     prefetch: int = DEFAULT.prefetch  # jobs of lookahead of the runtime; mode=simulate reports its resident weights
     seed: int = 0  # mode=train: seed_everything(seed) before the model and data are built
     png: Any = "auto"  # pipeline.png: true | false | auto (drawn up to report.png.AUTO_MAX_JOBS jobs)

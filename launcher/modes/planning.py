@@ -17,6 +17,7 @@ from ..plan.from_config import budget_of, microbatches_of, plan, profile_of
 from ..plan.profile import ProfileError
 from ..plan.search import Candidate, Ranking
 from ..plan.table import candidates_table, describe, plan_record, write_plan
+from ..schedule.settings import DEFAULT
 from .common import clear_outcomes, console, in_sweep, output_dir, point, reject, write_invalid
 from .trials import fastest, run_trials, trials_record, trials_table
 
@@ -109,7 +110,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     con.print(
         f"[bold]plan[/bold] workers={workers} stages={cfg.stages} microbatches={microbatches_of(cfg)} "
         f"budget {_budget_text(cfg)}; {'profile ' + str(cfg.plan.profile) if cfg.plan.profile else 'unit costs'}"
-        + (f" (workers share {prof.cores} cores)" if prof.cores else ""),
+        + (f" (workers share {prof.cores} cores)" if prof.cores else "")
+        + f"; steps priced under step_overlap={cfg.get('step_overlap', DEFAULT.step_overlap)}",
         highlight=False)
     con.print(f"simulated {result.simulated} steps; pruned {result.pruned_time} by the time bound and "
               f"{result.pruned_memory} by the memory bound; {result.did_not_fit} evaluated candidates did not fit; "

@@ -14,9 +14,11 @@ from ..config.validate import errors as config_errors
 from ..report.png import AUTO_MAX_JOBS as PNG_AUTO_MAX_JOBS
 from ..report.png import want_png
 from ..schedule import ScheduleError, Timeline, simulate
+from ..schedule.activations import unit_peaks
 from ..schedule.diagram import ascii_diagram, legend
 from ..schedule.lowering import LoweringError, lower
 from ..schedule.metrics import summarize
+from ..schedule.overlap import priced
 from ..schedule.settings import DEFAULT, SCHEME_DEFAULT
 from .common import clear_outcomes, console, in_sweep, output_dir, phase, point, reject, write_invalid
 
@@ -44,6 +46,10 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
         ) from e
     with phase("summarizing", tl.step.space.N):
         summary = summarize(tl, cfg.weight_cache)
+        summary.update(priced(tl, cfg.get("step_overlap", DEFAULT.step_overlap)))
+        units = unit_peaks(tl)  # what memory_limit bounds: the one memory model's units
+        summary["per_worker"]["peak_activation_units"] = units
+        summary["total"]["peak_activation_units"] = sum(units)
     if cfg.weight_cache == "job":
         with phase(f"predicting the runtime's resident weights for prefetch={cfg.prefetch}", tl.step.space.N):
             runtime_peaks(tl, summary, cfg.prefetch)
@@ -99,6 +105,7 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
         f"rho {summary['rho']:.3f}",
         highlight=False,
     )
+    con.print(step_cost_line(summary), highlight=False)
     con.print(per_worker_table(summary))
     con.print(closed_form_table(rec))
     con.print(f"pipeline ({legend('both')}):", highlight=False)
@@ -116,6 +123,16 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
                else f"{jobs:,} jobs > {PNG_AUTO_MAX_JOBS:,}; png=true draws it anyway")
         con.print(f"wrote {json_path} (pipeline.png skipped: {why})", highlight=False, soft_wrap=True)
     return rec
+
+
+def step_cost_line(summary: dict[str, Any]) -> str:
+    """What a step costs back to back, and under which rule (``step_overlap``)."""
+    if summary["step_overlap"] == "none":
+        return (f"step cost {summary['step_cost']:g} under step_overlap=none (every step ends on every worker with an "
+                f"all-reduce before any optimizer step: the makespan {summary['latency']:g} plus that all-reduce)")
+    return (f"step cost {summary['step_cost']:g} under step_overlap={summary['step_overlap']} (the steady state of "
+            f"{summary['steady_steps']} consecutive steps; one isolated step's makespan {summary['latency']:g}), "
+            f"bubble fraction {max(0.0, summary['step_bubble_fraction']):.4f}")
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def plan(cfg: Mapping[str, Any]) -> Ranking:
     """Search the space the config's ``plan.*`` keys describe (the config must be valid)."""
     workers = _get(cfg, "plan.workers") or int(_get(cfg, "G")) * int(_get(cfg, "R"))
     return search(int(_get(cfg, "stages")), microbatches_of(cfg), int(workers), profile_of(cfg), budget_of(cfg),
-                  top=int(_get(cfg, "plan.top", 20)))
+                  top=int(_get(cfg, "plan.top", 20)), step_overlap=_get(cfg, "step_overlap", DEFAULT.step_overlap))
 
 
 def choose(cfg: Mapping[str, Any]) -> Candidate | None:

@@ -28,8 +28,11 @@ the top ``top``:
   one copy when it fetches at all). A scheme whose bound exceeds the budget is never evaluated,
   and a simulation none of whose schemes can fit is skipped.
 - **the activation limit** ``memory_limit = M`` (the budget in activations, or per worker the
-  activations that fit beside the weights) guarantees peak activations ``<= M``: the simulator
-  admits a micro-batch on a worker only when everything it will hold there fits.
+  activations that fit beside the weights) guarantees peak activation units ``<= M``: the simulator
+  admits a micro-batch on a worker only when everything it will hold there fits. Activations are
+  counted by the one memory model (:mod:`launcher.schedule.activations`): a stage's micro-batch is a
+  unit, its input freed at ``I`` and its graph at ``W``, split by the profile's ``activation`` and
+  ``saved`` bytes (:func:`graph_shares`); a byte budget's limit counts a unit as both.
 - **a step that reaches its bound** ``max(work, chain)`` under some limit cannot be beaten by
   another limit of the same step, so the remaining limits are skipped.
 - **cache job after cache step**: with a core per worker, cache ``job`` adds a forward to
@@ -51,7 +54,7 @@ each of its steps costs that search (about a second at 16 stages and 32 micro-ba
 named order costs one simulation. It is therefore tried after the named orders, and only at the
 placements (``B``, ``G``, ``R``, the V shape apart) of the ``auto_top`` best candidates they found,
 under the limits tried first there and those the listed candidates there use (its sequences keep
-to a limit themselves, counted from ``F`` to ``W``, the stricter count, so no upward scan). That
+to a limit themselves, counted as the simulator counts them, so no upward scan). That
 restriction is a heuristic: auto may beat the named orders at a placement none of whose named
 candidates ranked high. It only adds candidates, so the best is never slower than the named
 orders' best.
@@ -66,14 +69,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from ..schedule import ScheduleError, make_step, simulate
+from ..schedule.activations import unit_peaks
 from ..schedule.cores import job_work, replay, with_weight_messages
 from ..schedule.link import end_of_step, exchanges
 from ..schedule.link import step_time as link_step_time
 from ..schedule.lowering import weight_arrivals
 from ..schedule.metrics import _job_cache, traffic  # _job_cache: the cache "job" counts of per_worker
+from ..schedule.overlap import steady_state
 from ..schedule.schemes import named
 from ..schedule.settings import DEFAULT
-from ..schedule.simulate import Timeline, place_all
+from ..schedule.simulate import GRAPH_SHARE, Timeline, place_all
 from . import memory
 from .partition import PARTITIONS, PartitionError, cut, group_sums, stage_durations
 from .profile import Profile
@@ -173,11 +178,16 @@ def _durations(prof: Profile, split: bool) -> dict[str, float]:
 
 
 def time_bound(S: int, B: int, G: int, R: int, split: bool, d: dict[str, float], comm: float,
-               stages: Sequence[Mapping[str, float]] | None = None, vshape: bool = False) -> float:
+               stages: Sequence[Mapping[str, float]] | None = None, vshape: bool = False,
+               work_only: bool = False) -> float:
     """``max(work, chain)`` of the module docstring: no schedule of this step is shorter.
     ``stages``: per stage its own durations (then ``work`` is the busiest worker's, whose stages
     are ``s = r (mod R)``, and ``chain`` sums the stages' own times). ``vshape``: the V shape's
-    placement instead (worker ``min(s, S - 1 - s)`` runs stage ``s`` of every micro-batch)."""
+    placement instead (worker ``min(s, S - 1 - s)`` runs stage ``s`` of every micro-batch).
+    ``work_only``: ``work`` alone, the bound of a step that overlaps the next (its chain does not
+    bind: the next step's forwards fill its drain)."""
+    if work_only:
+        return _work_bound(S, B, G, R, split, d, stages, vshape)
     if vshape:
         return _vshape_bound(S, B, split, d, comm, stages)
     if stages is not None:
@@ -191,6 +201,16 @@ def time_bound(S: int, B: int, G: int, R: int, split: bool, d: dict[str, float],
     chain = S * d["F"] + S * (d["I"] if split else d["B"]) + (d["W"] if split else 0.0)
     chain += 2 * (S - 1) * comm if R > 1 else 0.0
     return max(work, chain)
+
+
+def _work_bound(S: int, B: int, G: int, R: int, split: bool, d: dict[str, float],
+                stages: Sequence[Mapping[str, float]] | None, vshape: bool) -> float:
+    """The busiest worker's total job time: ``work`` of :func:`time_bound`."""
+    t = [{k: float((stages[s] if stages else {}).get(k, d[k])) for k in ("F", "B", "I", "W")} for s in range(S)]
+    job = [x["F"] + (x["I"] + x["W"] if split else x["B"]) for x in t]
+    if vshape:
+        return B * max(job[w] + job[S - 1 - w] for w in range(S // 2))
+    return math.ceil(B / G) * max(sum(job[s] for s in range(r, S, R)) for r in range(R))
 
 
 def _vshape_bound(S: int, B: int, split: bool, d: dict[str, float], comm: float,
@@ -216,6 +236,19 @@ def _traffic_bytes(t: dict[str, list[int]], fetch: list[int], prof: Profile, S: 
             + mean["grads"] * (sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])))
 
 
+def graph_shares(prof: Profile, S: int) -> float | tuple[float, ...]:
+    """Per stage, the share of a micro-batch's activation bytes that is its forward's graph (the
+    profile's ``saved`` over ``activation`` plus ``saved``: the one memory model's split,
+    :mod:`launcher.schedule.activations`); without profiled bytes, the default."""
+    if not prof.bytes:
+        return GRAPH_SHARE
+    out: list[float] = []
+    for s in range(S):
+        a, g = prof.stage_bytes("activation", s), prof.stage_bytes("saved", s)
+        out.append(g / (a + g) if a + g > 0 else GRAPH_SHARE)
+    return out[0] if len(set(out)) == 1 else tuple(out)
+
+
 def _limits(budget: Budget, prof: Profile, owned: list[set[int]], fetched: list[set[int]],
             S: int) -> int | tuple[int, ...] | None:
     """Per worker, the most activations that fit beside its weights under cache ``step``
@@ -224,7 +257,8 @@ def _limits(budget: Budget, prof: Profile, owned: list[set[int]], fetched: list[
         return None
     base = memory.static_bytes(owned, fetched, prof)
     copies = [sum(prof.stage_bytes("params", s) for s in f) for f in fetched]
-    a = max(prof.stage_bytes("activation", s) for s in range(S)) or 1.0
+    # a unit of the one memory model: a stage's micro-batch input plus its graph
+    a = max(prof.stage_bytes("activation", s) + prof.stage_bytes("saved", s) for s in range(S)) or 1.0
     # at least 1: a limit is a positive count (the rules refuse 0); a step whose peak then breaks the
     # byte budget is not kept (the fit is checked on the simulated peaks)
     lim = tuple(max(1, int((budget.bytes - b - c) // a)) for b, c in zip(base, copies))
@@ -232,21 +266,22 @@ def _limits(budget: Budget, prof: Profile, owned: list[set[int]], fetched: list[
 
 
 def search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, budget: Budget,
-           top: int = 20, auto_top: int = AUTO_TOP) -> Ranking:
+           top: int = 20, auto_top: int = AUTO_TOP, step_overlap: str = DEFAULT.step_overlap) -> Ranking:
     """The fastest fitting points of the space, best first (see the module docstring). With a
     profile of the model's modules (``prof.modules``) the cut of the modules into ``S`` stages is
     searched too: each partition (:mod:`launcher.plan.partition`) gives its stages their own
     durations and bytes, and its candidates carry ``partition=...``. ``auto_top``: at how many of
-    the best candidates' placements ``order=auto`` is searched (0: never)."""
+    the best candidates' placements ``order=auto`` is searched (0: never). ``step_overlap``: the
+    rule a step's time is priced under (:mod:`launcher.schedule.overlap`; module docstring)."""
     if not prof.modules:
-        return _search(S, microbatches, workers, prof, budget, top, auto_top)
+        return _search(S, microbatches, workers, prof, budget, top, auto_top, step_overlap)
     merged = Ranking([])
     seen: list[list[list[int]]] = []
     for by, staged in partitioned(prof, S, max(microbatches), budget.bytes):
         if staged[0] in seen:
             continue  # the same cut as a partition searched already
         seen.append(staged[0])
-        found = _search(S, microbatches, workers, staged[1], budget, top, auto_top)
+        found = _search(S, microbatches, workers, staged[1], budget, top, auto_top, step_overlap)
         for c in found.candidates:
             c.point = replace(c.point, partition=by)
             c.same_as = (by,) + tuple(c.same_as)
@@ -282,9 +317,10 @@ def partitioned(prof: Profile, S: int, inflight: int,
 
 
 def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, budget: Budget,
-            top: int = 20, auto_top: int = AUTO_TOP) -> Ranking:
+            top: int = 20, auto_top: int = AUTO_TOP, step_overlap: str = DEFAULT.step_overlap) -> Ranking:
     """:func:`search` for one cut of the model into stages (the profile's)."""
     plan = Ranking([])
+    graph_share = graph_shares(prof, S)
     kept: list[list] = []  # a max-heap of [negated key, serial, candidate]: the top ``top`` candidates
     listed: dict[tuple, list] = {}  # schedule -> its entry in ``kept``
     serial = itertools.count()
@@ -302,7 +338,7 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
                 if split and not prof.can_split:
                     continue
                 for rc in recomputes:
-                    lb = _bound(S, B, G, R, v, split, rc, prof)
+                    lb = _bound(S, B, G, R, v, split, rc, prof, step_overlap)
                     for order, warmup in VSHAPE_ORDERS if v else ORDERS:
                         if not order_fits(order, R, S, split, v, B):
                             continue  # split-only orders, interleaving only when looped, ZB-V on the V shape
@@ -331,12 +367,13 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
             try:
                 tl = simulate(make_step("vshape" if v else "lpp", S, B, G, R, order=order, warmup=warmup,
                                         durations=d, comm=prof.comm, memory_limit=ml, split_backward=split,
-                                        stage_durations=prof.stage_table(S), recompute=rc))
+                                        stage_durations=prof.stage_table(S), recompute=rc,
+                                        step_overlap=step_overlap, graph_share=graph_share))
             except ScheduleError:
                 continue  # this limit cannot finish the step (order=auto: it found no schedule within it)
             plan.simulated += 1
             found = _evaluate(tl, per_scheme, B, G, R, order, warmup, split, ml, d, prof, budget, plan,
-                              traffic_of.setdefault((B, G, R, v, split, rc), {}), worst() * B)
+                              traffic_of.setdefault((B, G, R, v, split, rc), {}), worst() * B, step_overlap)
             if scan and ml is None and not found and (budget.activations is not None or budget.bytes is not None):
                 # The unlimited step does not fit: scan uniform limits upward from the least that
                 # can finish. The greedy scheduler is not monotone in the limit (a limit above the
@@ -365,7 +402,7 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
 
     # order=auto costs a search per step: only at the placements of the best candidates so far,
     # under the limits tried first there and those the listed candidates there use (its sequences
-    # keep to a limit themselves, counted from F to W, so no upward scan)
+    # keep to a limit themselves, so no upward scan)
     if auto_top > 0 and prof.can_split:
         best_first = sorted((c for _, _, c in kept), key=Candidate.key)
         at: dict[tuple[int, int, int, bool, str], list[Any]] = {}  # placement -> its limits
@@ -378,7 +415,7 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
             if p.memory_limit not in lims:
                 lims.append(p.memory_limit)
         for (B, G, R, v, rc), lims in at.items():
-            lb = _bound(S, B, G, R, v, True, rc, prof) / B
+            lb = _bound(S, B, G, R, v, True, rc, prof, step_overlap) / B
             if lb > worst():
                 plan.pruned_time += 1
                 continue
@@ -388,12 +425,14 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
     return plan
 
 
-def _bound(S: int, B: int, G: int, R: int, v: bool, split: bool, rc: str, prof: Profile) -> float:
+def _bound(S: int, B: int, G: int, R: int, v: bool, split: bool, rc: str, prof: Profile,
+           step_overlap: str = DEFAULT.step_overlap) -> float:
     """:func:`time_bound` of one step of the search (its recomputation charged), plus the time
-    outside the engine."""
+    outside the engine; overlapping steps fill and drain each other, so only the work binds them."""
     d = _durations(prof, split)
     table = prof.stage_table(S) if rc == "none" else _recomputed_table(S, split, d, prof.stage_table(S))
-    return time_bound(S, B, G, R, split, d, prof.comm, table, vshape=v) + prof.outside
+    overlap = step_overlap != DEFAULT.step_overlap
+    return time_bound(S, B, G, R, split, d, prof.comm, table, vshape=v, work_only=overlap) + prof.outside
 
 
 def _keep(kept: list[list], listed: dict[tuple, list], cand: Candidate, top: int, serial: int, plan: Ranking) -> None:
@@ -458,18 +497,22 @@ def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget,
 
 def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str, warmup: str, split: bool,
               ml: Any, d: dict[str, float], prof: Profile, budget: Budget, plan: Ranking,
-              moves: dict, worst: float = math.inf) -> list[Candidate]:
+              moves: dict, worst: float = math.inf, step_overlap: str = DEFAULT.step_overlap) -> list[Candidate]:
     """Every scheme, ownership and cache on one simulated timeline, keeping those that fit.
+    Under an overlap (``step_overlap``), a step's time is its steady state's step cost
+    (:func:`~launcher.schedule.overlap.steady_state`, a core per worker, no link model) and its
+    bubble the idle share of that.
     ``moves`` caches each scheme's traffic and gradient exchange tails: they depend on the placement
     and the split only.
     ``worst``: the step time a candidate must beat to enter the top (cache ``job``, never faster than
     cache ``step`` when every worker has a core, is then timed only when that beats it)."""
     S = tl.step.S
-    latency = tl.latency
+    overlap = step_overlap != DEFAULT.step_overlap
+    latency = steady_state(tl, step_overlap).step_cost if overlap else tl.latency
     busy = sum(tl.step.duration_table(d)) * B  # every kind of every stage, each stage its own time
     bubble = max(0.0, 1.0 - busy / (tl.step.workers * latency))  # no bubble: 0, not -1e-16 (shown -0.000)
     peak_act = list(tl.peak_activations)
-    if budget.activations is not None and max(peak_act) > budget.activations:
+    if budget.activations is not None and max(unit_peaks(tl)) > budget.activations + 1e-9:  # the one memory model
         plan.did_not_fit += len(per_scheme) * len(CACHES)
         return []
     act = memory.activation_bytes(tl, prof) if prof.bytes else None
@@ -486,6 +529,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     # run only, the same for every scheme here; the weight messages on who owns what (below)
     work = job_work(tl, d, prof.message_cpu) if prof.cores is not None else None
     mlt = tuple(ml) if isinstance(ml, (list, tuple)) else ml
+    g = tl.step.graph_share
+    share = float(g) if isinstance(g, (int, float)) else tuple(g)
     for sch, weights, owned, fetched in per_scheme:
         view = Timeline(tl.step, tl.compute, weights * tl.step.space.K, tl.start, tl.finish, tl.program,
                         tl.peak_activations)
@@ -495,7 +540,9 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             tails = end_of_step(view, grads, link) if grads and link is not None else None
             cached = moves[sch] = (traffic(view), tails)
         t, tails = cached
-        if prof.cores is not None:  # CPU workers: they share the cores
+        if overlap:  # who owns what decides when each stage steps, and so the next step's start
+            step_time[sch] = steady_state(view, step_overlap).step_cost + prof.outside
+        elif prof.cores is not None:  # CPU workers: they share the cores
             step_time[sch] = shared_cores_time(view, prof, grads, _weight_work(work, view, "step", prof))
         else:
             step_time[sch] = ((link_step_time(view, grads, link, tails) if grads and link is not None else latency)
@@ -503,7 +550,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
         recompute = step_time[sch]
         # cache "job" (backwards on fetched weights recompute their forward) lasts at least as long
         # where every worker has a core; on shared cores more work can reorder who waits for whom
-        if any(fetched) and (not monotone or step_time[sch] <= worst):
+        if any(fetched) and not overlap and (not monotone or step_time[sch] <= worst):
             recompute = job_cache_time(view, prof, grads, d, step_time[sch], tails,
                                        _weight_work(work, view, "job", prof))
         step_fits = False
@@ -511,6 +558,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             seconds = recompute if cache == "job" else step_time[sch]
             if cache == "job" and monotone and step_fits and seconds > worst:
                 continue  # slower than the whole top, and cache step fits: the scan learns nothing more
+            if cache == "job" and overlap and any(fetched):
+                continue  # its recomputing backwards are not priced under an overlap: cache step only
             if cache == "job" and not any(fetched):
                 fetch, resident = [0] * len(owned), t["weights_owned"]
             elif cache == "job":
@@ -527,7 +576,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
                 continue
             msgs = sum(t["act_recv"]) + sum(t["grad_recv"]) + sum(t["stash_recv"]) + sum(fetch) \
                 + sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])
-            point = Point(sch, G, R, S, B, order, warmup, split, mlt, cache, d, prof.comm, recompute=rc)
+            point = Point(sch, G, R, S, B, order, warmup, split, mlt, cache, d, prof.comm, recompute=rc,
+                          step_overlap=step_overlap, graph_share=share)
             # what runs: each worker's jobs in order (the runtime runs them as soon as they can
             # start, whatever waits chose that order) and who owns which weights; FSLPP's two ownerships
             # coincide when R = 1, and DDP is LPP at G = B

@@ -98,6 +98,9 @@ class Point:
     comm: float = DEFAULT.comm
     partition: str | None = None  # how self.stages are cut (searched when the profile has modules)
     recompute: str = DEFAULT.recompute  # type: ignore[assignment]  # none | full: every backward recomputes its forward (searched under a byte budget)
+    step_overlap: str = DEFAULT.step_overlap  # the rule its step time was priced under (launcher.schedule.overlap)
+    #: its activation units' graph share (launcher.schedule.activations), from the profile's bytes
+    graph_share: float | tuple[float, ...] = DEFAULT.graph_share
 
     def settings(self) -> dict[str, Any]:
         """Dotted config keys and values (what :func:`overrides` spells out)."""
@@ -115,6 +118,10 @@ class Point:
             out["partition"] = self.partition
         if self.recompute != "none":
             out["recompute"] = self.recompute
+        if self.step_overlap != DEFAULT.step_overlap:
+            out["step_overlap"] = self.step_overlap
+        if self.graph_share != DEFAULT.graph_share:
+            out["graph_share"] = list(self.graph_share) if isinstance(self.graph_share, tuple) else self.graph_share
         return out
 
     def overrides(self) -> list[str]:

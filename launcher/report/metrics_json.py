@@ -17,6 +17,14 @@ Keys (the comparison dashboard reads them):
   validation ``step`` and ``val_loss``;
 - ``latency_s``, ``throughput_samples_per_s``, ``bubble_fraction``: ``{"predicted", "measured"}``
   (measured = the median over the steps after the first);
+- ``step_cost_s``: what a step costs back to back (:mod:`launcher.schedule.overlap`):
+  ``step_overlap`` (the rule the run followed: ``none``), ``predicted`` and ``measured`` (as
+  ``latency_s``: behind the barrier a step costs the replayed step, its end-of-step exchange and
+  the time outside the engine), and ``predicted_post_validation``: the same programs and measured
+  times if each stage stepped as soon as its own gradients were final (issue 49; the runtime does
+  not yet); ``two_steps_post_validation``: that steady state's last two steps as they interleave,
+  ``{"ends": [s, s], "jobs": [[worker, stage, microbatch, kind, step, start_s, end_s], ...]}``
+  (null past :data:`TWO_STEPS_MAX_JOBS` jobs a step), which the comparison page draws;
 - ``profile``: ``durations_s`` per job kind (the compute thread's CPU seconds on CPU workers),
   ``stage_durations_s`` (per stage, the same of its own jobs: the prediction uses these),
   ``modules`` (each module's profiled cost when ``partition`` cut the stages by it, else null),
@@ -47,6 +55,7 @@ from ..schedule import Timeline, activations
 from ..schedule.cores import Replayed, job_work, replay
 from ..schedule.link import Link, exchanges
 from ..schedule.lowering import weight_arrivals
+from ..schedule.overlap import last_two_steps, steady_state
 from ..schedule.program import KINDS, Lowered
 from ..schedule.simulate import Step
 from .measured_costs import (
@@ -127,6 +136,7 @@ def build(
         "throughput_samples_per_s": {"predicted": samples_per_step / predicted_s if predicted_s else None,
                                      "measured": samples_per_step / measured_s if measured_s else None},
         "bubble_fraction": bubble,
+        "step_cost_s": _step_costs(tl, measured, predicted_s, measured_s),
         "profile": _profile(measured, module_costs, stage_bytes),
         "per_worker": _per_worker(lowered, ranks, tl, msg_bytes, act_bytes, saved_bytes, recomputed, bubble_per_worker),
         "memory_kind": ranks[0]["memory_kind"] if ranks else None,
@@ -183,6 +193,25 @@ def _predict(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Me
                       durations=job_work(tl, timed, measured.message_cpu, lowered.weight_cache),
                       comm=measured.comm_s, fetched=weight_arrivals(tl, lowered.weight_cache, lowered.prefetch))
     return replayed, replayed.timeline(tl)
+
+
+#: the most jobs a step may have for ``two_steps_post_validation`` to be written (it lists every job twice)
+TWO_STEPS_MAX_JOBS = 2000
+
+
+def _step_costs(tl: Timeline, measured: _Measured, predicted_s: float, measured_s: float) -> dict[str, Any]:
+    """``step_cost_s`` of the module docstring: the replayed timeline (in seconds, ``comm`` the
+    measured message time) stepped back to back under each rule, plus the most time a worker spends
+    outside the engine per step (serial with its jobs under either rule)."""
+    timed = replace(tl, step=replace(tl.step, comm=measured.comm_s))
+    outside = max(measured.outside_s, default=0.0)
+    ss = steady_state(timed, "post_validation")
+    two = None
+    if tl.step.space.N <= TWO_STEPS_MAX_JOBS:
+        t0 = min(ss.starts[-2])
+        two = {"ends": [e - t0 for e in ss.ends[-2:]], "jobs": [list(x) for x in last_two_steps(timed, ss)]}
+    return {"step_overlap": "none", "predicted": predicted_s, "measured": measured_s,
+            "predicted_post_validation": ss.step_cost + outside, "two_steps_post_validation": two}
 
 
 def _measured_bubbles(ranks: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]]) -> list[float | None]:

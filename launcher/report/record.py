@@ -25,6 +25,10 @@ def comparison(summary: Mapping[str, Any], scheme: str, S: int, B: int, G: int, 
     return {"closed_form": cf, "simulated": simulated_counterparts(dict(summary))}
 
 
+#: what a step costs back to back and under which rule (:func:`launcher.schedule.overlap.priced`)
+STEP_COST_KEYS = ("step_overlap", "step_cost", "step_bubble_fraction", "steady_steps")
+
+
 def record(config: Mapping[str, Any], summary: Mapping[str, Any], scheme: str) -> dict[str, Any]:
     """The JSON-ready record of one simulated step."""
     c = config
@@ -36,6 +40,7 @@ def record(config: Mapping[str, Any], summary: Mapping[str, Any], scheme: str) -
         "utilization": summary["utilization"],
         "bubble_fraction": summary["bubble_fraction"],
         "rho": summary["rho"],
+        **{k: summary[k] for k in STEP_COST_KEYS if k in summary},
         "workers": summary["workers"],
         "jobs": summary["jobs"],
         "per_worker": summary["per_worker"],

@@ -17,6 +17,7 @@ COLUMNS = (
     ("weight_fetch_stages", "fetch stages"),
     ("weight_fetch_jobs", "fetch jobs"),
     ("peak_activations", "peak act"),
+    ("peak_activation_units", "peak units"),  # what memory_limit bounds (schedule.activations); simulate only
     ("weights_owned", "owned"),
     ("weights_peak_resident", "peak resident"),
 )
@@ -45,16 +46,17 @@ def fmt(x: Any) -> str:
 def per_worker_table(summary: Mapping[str, Any], title: str = "per worker") -> Table:
     pw, total = summary["per_worker"], summary["total"]
     latency = summary["latency"]
+    columns = [(k, header) for k, header in COLUMNS if k in pw]
     t = Table(title=title, title_justify="left")
     t.add_column("worker", justify="right")
-    for _, header in COLUMNS:
+    for _, header in columns:
         t.add_column(header, justify="right")
     t.add_column("util", justify="right")
     for w in range(summary["workers"]):
         util = pw["busy"][w] / latency if latency else 0.0
-        t.add_row(f"w{w}", *(fmt(pw[k][w]) for k, _ in COLUMNS), f"{util:.2f}")
+        t.add_row(f"w{w}", *(fmt(pw[k][w]) for k, _ in columns), f"{util:.2f}")
     t.add_section()
-    t.add_row("total", *(fmt(total[k]) for k, _ in COLUMNS), f"{summary['utilization']:.2f}", style="bold")
+    t.add_row("total", *(fmt(total[k]) for k, _ in columns), f"{summary['utilization']:.2f}", style="bold")
     return t
 
 

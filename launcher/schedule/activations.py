@@ -1,6 +1,8 @@
-"""Live activation bytes per worker, swept exactly over a simulated timeline: the one sweep the
-run report's prediction (:mod:`launcher.report.metrics_json`) and the planner's memory model
-(:mod:`launcher.plan.memory`) share, and that the runtime's meter reproduces.
+"""The one memory model of activations: live activation bytes per worker, swept exactly over a
+simulated timeline. The run report's prediction (:mod:`launcher.report.metrics_json`), the
+planner's memory model (:mod:`launcher.plan.memory`) and every activation limit (the simulator's
+admission control, ``order=auto``'s search, named orders under ``memory_limit``, the planner's
+budget in activations) count this way, and the runtime's meter measures it.
 
 For each micro-batch ``b`` of stage ``s``, on the worker of ``F(s,b)``:
 
@@ -10,17 +12,26 @@ For each micro-batch ``b`` of stage ``s``, on the worker of ``F(s,b)``:
   the forward recomputes (activation checkpointing), from the start of that backward, which
   rebuilds it; to the end of ``B``, or of ``W`` when split (``I``'s graph is kept for ``W``).
 
-A release at time t comes before an acquisition at t. Pure Python.
+A release at time t comes before an acquisition at t.
+
+An activation limit (``memory_limit``, ``plan.max_activations``) counts the same bytes in units of
+one stage's micro-batch (its input plus its graph): stage ``s`` holds ``1 - g_s`` of a unit (its
+input) from ``F`` to ``I`` and ``g_s`` (its graph) from ``F`` to ``W``, where ``g_s``, the graph's
+share (``graph_share``; per stage from a profile's bytes, :func:`graph_shares`), defaults to 1: a
+transformer stage's graph is nearly all of it, and the whole unit until ``W`` is the strict count
+(a schedule within a limit under it is within the limit under any smaller share).
+:func:`unit_releases` is what the simulator's admission control and ``order=auto``'s
+construction free at each job's end, and :func:`unit_peaks` the peak they keep under. Pure Python.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from .settings import DEFAULT
-from .simulate import Timeline
+if TYPE_CHECKING:
+    from .simulate import Step, Timeline
 
 Bytes = Callable[[int, int], float]
 
@@ -58,10 +69,43 @@ def _peak(events: list[tuple[float, int, float]]) -> float:
     return peak
 
 
-def recomputed_forwards(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> list[bool]:
+def graph_shares(step: Step) -> list[float]:
+    """Per stage, the share ``g_s`` of one micro-batch's activations that is its forward's graph,
+    kept until ``W`` (``step.graph_share``: one for every stage, or one per stage)."""
+    g = step.graph_share
+    return [float(g)] * step.S if isinstance(g, (int, float)) else [float(x) for x in g]
+
+
+def unit_releases(step: Step) -> tuple[list[float], list[float]]:
+    """Per stage, the units of one micro-batch's activations freed at the end of its backward
+    (``I``; ``B`` frees the whole unit) and at the end of its ``W``: the one rule the simulator's
+    admission control and ``order=auto``'s construction free memory by."""
+    if not step.space.split_backward:
+        return [1.0] * step.S, [0.0] * step.S
+    g = graph_shares(step)
+    return [1.0 - x for x in g], g
+
+
+def unit_peaks(tl: Timeline) -> list[float]:
+    """Peak live activation units per worker (module docstring): :func:`activation_peaks` with
+    each stage's input and graph in units, its recomputing stages' graphs rebuilt by the backward.
+    What ``memory_limit`` bounds."""
+    g = graph_shares(tl.step)
+    space, rc = tl.step.space, tl.step.recompute
+    recomputed = [j // space.B in rc for j in range(space.S * space.B)] if rc else None
+    peaks = activation_peaks(tl, lambda s, b: 1.0 - g[s], lambda s, b: g[s], recomputed)
+    return [round(p, 9) for p in peaks]
+
+
+def recomputed_forwards(tl: Timeline, weight_cache: str | None = None) -> list[bool]:
     """Per forward job ``j = s * B + b``: whether it keeps only its input, its backward
     recomputing it: its stage is in ``step.recompute``, or, under ``weight_cache="job"``, it runs
-    on a fetched copy that it frees when it ends (the runtime's rule)."""
+    on a fetched copy that it frees when it ends (the runtime's rule). ``weight_cache``: the
+    setting's default when ``None``."""
+    if weight_cache is None:
+        from .settings import DEFAULT
+
+        weight_cache = DEFAULT.weight_cache
     space, rc = tl.step.space, tl.step.recompute
     B = space.B
     return [j // B in rc or (weight_cache == "job" and tl.compute[j] != tl.weights[j])

@@ -2,12 +2,11 @@
 
 Seed 004 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), section 3: given ``T_F``,
 ``T_I``, ``T_W`` per stage, ``comm`` and a per-worker activation limit, find each worker's job
-sequence, ``W`` jobs included, with the shortest step. Activations are counted in units of one
-stage's micro-batch, taken at its ``F``'s start. The ``I`` frees the stage's input, but the graph
-lives on for ``W``: this runtime counts the whole unit until the ``W``'s end (``w_share=1``); the
-paper counts ``M_W / M_B`` of it from the ``I`` to the ``W`` (``w_share``, its Table 1). The
-simulator's own ``memory_limit`` counts from ``F`` to ``I`` only, so these counts are stricter: a
-sequence that meets one meets the simulator's.
+sequence, ``W`` jobs included, with the shortest step. Activations are counted by the one memory
+model (:mod:`launcher.schedule.activations`), as the simulator's admission control and the planner
+count them: a stage's micro-batch is one unit, taken at its ``F``'s start; the ``I`` frees its input
+(``1 - graph_share`` of it), the ``W`` its graph (``graph_share``: all of it by default, this
+runtime's strict count; the paper's ``M_W / M_B``, its Table 1, gives the paper's count).
 
 The search (:func:`auto_sequences`) is a portfolio, each candidate run by the real simulator:
 
@@ -37,6 +36,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from .activations import unit_peaks, unit_releases
 from .order import AutoOrder, make_order
 
 if TYPE_CHECKING:
@@ -60,32 +60,6 @@ def worker_cap(step: Step) -> list[float]:
     if ml is None:
         return [math.inf] * step.workers
     return [float(ml)] * step.workers if isinstance(ml, int) else [float(x) for x in ml]
-
-
-def paper_peaks(tl: Timeline, w_share: float = 1.0) -> list[float]:
-    """Peak live units per worker, a unit taken at each ``F``'s start; on the split backward the ``I``'s
-    end gives back ``1 - w_share`` of it and the ``W``'s end the rest (``w_share`` = 1: the whole unit
-    lives until ``W``, this runtime's count; the paper's ``M_W / M_B`` for its own). A release at time
-    t comes before an acquisition at t."""
-    space = tl.step.space
-    SB = space.S * space.B
-    events: list[list[tuple[float, float]]] = [[] for _ in range(tl.step.workers)]
-    for j in range(SB):
-        ev = events[tl.compute[j]]
-        ev.append((tl.start[j], 1.0))
-        if space.split_backward:
-            ev.append((tl.finish[SB + j], -(1.0 - w_share)))
-            ev.append((tl.finish[2 * SB + j], -w_share))
-        else:
-            ev.append((tl.finish[SB + j], -1.0))
-    out = []
-    for ev in events:
-        live = peak = 0.0
-        for _, n in sorted(ev):
-            live += n
-            peak = max(peak, live)
-        out.append(round(peak, 9))
-    return out
 
 
 def _topological(preds: list[list[tuple[int, float]]]) -> list[int]:
@@ -174,15 +148,16 @@ def span(tl: Timeline, above: float = math.inf) -> float:
 
 
 def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: bool,
-           depth: Sequence[float] | None = None, w_share: float = 1.0) -> list[list[int]]:
+           depth: Sequence[float] | None = None) -> list[list[int]]:
     """The greedy construction (module docstring): each worker's sequence. ``caps[w]``: the most
-    live units worker ``w`` keeps (counted as :func:`paper_peaks` counts them, with ``w_share``);
+    live units worker ``w`` keeps (:func:`launcher.schedule.activations.unit_peaks`' count);
     ``fit_w``: a ``W`` starts only if no ``I`` or ``F`` it could run becomes ready before the ``W``
     would end; ``depth[w]``: the most micro-batches worker ``w`` keeps between an ``F`` and its ``I``
     (its warm-up depth; ``None``: only memory bounds it)."""
     space = step.space
     N, B, SB, W = space.N, space.B, space.S * space.B, step.workers
     dur = step.duration_table()
+    at_i, at_w = unit_releases(step)
     npred = [len(space.pred(j)) for j in range(N)]
     ready = [0.0] * N
     # per worker: released jobs by kind, each a heap of (ready time, micro-batch, job)
@@ -256,10 +231,10 @@ def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: boo
             live[w] += 1
             inflight[w] += 1
         elif kind == 1:
-            live[w] -= 1 if space.K == 2 else 1 - w_share
+            live[w] -= at_i[(j // B) % space.S]
             inflight[w] -= 1
         else:
-            live[w] -= w_share
+            live[w] -= at_w[(j // B) % space.S]
         touched = {w}
         for k in space.succ(j):
             npred[k] -= 1
@@ -319,7 +294,7 @@ def _binds(depth: Sequence[int], caps: Sequence[float]) -> bool:
     return any(d < math.floor(c) for d, c in zip(depth, caps))
 
 
-def _candidates(step: Step, compute: Sequence[int], w_share: float, grid: bool) -> list[list[list[int]]]:
+def _candidates(step: Step, compute: Sequence[int], grid: bool) -> list[list[list[int]]]:
     """Every candidate's sequences: the greedy variants, then the named orders' schedules."""
     from .simulate import ScheduleError, simulate
 
@@ -353,7 +328,7 @@ def _candidates(step: Step, compute: Sequence[int], w_share: float, grid: bool) 
     for c, d in variants:
         for fit in (False, True):
             try:
-                out.append(greedy(step, compute, c, fit, d, w_share))
+                out.append(greedy(step, compute, c, fit, d))
             except ValueError:
                 pass
     for name in ("zb_h1", "zb_h2", "1f1b"):
@@ -370,8 +345,9 @@ def _key(step: Step) -> tuple:
     sd = tuple(tuple(sorted(d.items())) for d in step.stage_durations) if step.stage_durations else None
     ml = step.memory_limit if step.memory_limit is None or isinstance(step.memory_limit, int) \
         else tuple(step.memory_limit)
+    g = step.graph_share if isinstance(step.graph_share, (int, float)) else tuple(step.graph_share)
     return (step.space.graph, step.space.B, step.space.split_backward, pl, step.workers,
-            tuple(sorted(step.durations.items())), step.comm, ml, sd, step.recompute)
+            tuple(sorted(step.durations.items())), step.comm, ml, sd, step.recompute, g)
 
 
 #: searched sequences by profile, the most recently used kept: the planner asks for a few dozen
@@ -384,20 +360,19 @@ _CACHE_SIZE = 128
 OBJECTIVES = ("makespan", "span")
 
 
-def auto_sequences(step: Step, objective: str = "makespan", w_share: float = 1.0) -> Seqs:
+def auto_sequences(step: Step, objective: str = "makespan") -> Seqs:
     """The best sequences the search finds for ``step`` (module docstring): the shortest step,
-    simulated strictly, whose activations stay within the step's limit, counted with ``w_share``
-    (:func:`paper_peaks`); shortest by ``objective`` (:data:`OBJECTIVES`). Cached by profile."""
+    simulated strictly, whose activations stay within the step's limit (the one memory model's
+    units, :func:`launcher.schedule.activations.unit_peaks`); shortest by ``objective``
+    (:data:`OBJECTIVES`). Cached by profile."""
     from .simulate import ScheduleError, place_all
 
     if not step.space.split_backward:
         raise ValueError("order=auto schedules the split backward (F, I, W), so it needs split_backward=True")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is invalid: it must be one of {', '.join(OBJECTIVES)}")
-    if not 0.0 <= w_share <= 1.0:
-        raise ValueError(f"w_share={w_share} is invalid: it is a part of one activation unit, from 0 to 1")
     try:
-        key: tuple | None = (*_key(step), objective, w_share)
+        key: tuple | None = (*_key(step), objective)
         hash(key)
     except TypeError:  # a user's placement callable that does not hash: no cache
         key = None
@@ -414,12 +389,12 @@ def auto_sequences(step: Step, objective: str = "makespan", w_share: float = 1.0
             tl = run_sequences(step, seqs)
         except ScheduleError:
             return None
-        if any(p > c + 1e-9 for p, c in zip(paper_peaks(tl, w_share), caps)):
+        if any(p > c + 1e-9 for p, c in zip(unit_peaks(tl), caps)):
             return None
         return (tl.latency if objective == "makespan" else span(tl, above)), tl
 
     best: tuple[float, Timeline, Seqs] | None = None
-    for seqs in _candidates(step, compute, w_share, grid=objective == "span"):
+    for seqs in _candidates(step, compute, grid=objective == "span"):
         frozen = tuple(tuple(s) for s in seqs)
         c = cost(frozen, best[0] if best else math.inf)
         if c is not None and (best is None or c[0] < best[0] - 1e-9):

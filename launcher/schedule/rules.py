@@ -27,6 +27,8 @@ SIZES = ("G", "R", "stages", "microbatches")
 STRATEGIES = tuple(sorted(SCHEMES))
 DURATION_KINDS = ("F", "B", "I", "W")
 WEIGHT_CACHES = ("step", "job")
+#: how one step's end meets the next's start (:mod:`launcher.schedule.overlap`)
+STEP_OVERLAPS = ("none", "post_validation")
 #: ``recompute``: which stages' backward recomputes their forward (activation checkpointing)
 RECOMPUTE = ("none", "full")
 RECOMPUTE_RULE = "use none, full (every stage) or a list of stage indices"
@@ -101,6 +103,18 @@ def value_error(key: str, v: Any) -> str | None:
     elif key == "weight_cache":
         if v not in WEIGHT_CACHES:
             return f"weight_cache={shown(v)} is invalid: use {' or '.join(WEIGHT_CACHES)}."
+    elif key == "graph_share":
+        rule = ("it is the part of a stage's micro-batch activations that its graph holds until W: a number from 0 "
+                "to 1, or a list of such numbers, one per stage")
+        if isinstance(v, (list, tuple)):
+            if not v or any(not (is_number(x) and 0 <= x <= 1) for x in v):
+                return f"graph_share={list(v)} is invalid: {rule}."
+        elif not (is_number(v) and 0 <= v <= 1):
+            return f"graph_share={shown(v)} is invalid: {rule}."
+    elif key == "step_overlap":
+        if v not in STEP_OVERLAPS:
+            return (f"step_overlap={shown(v)} is invalid: use none (every step ends on every worker before the next "
+                    f"begins) or post_validation (each stage steps as soon as its own gradients are final).")
     elif key == "prefetch":
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             return f"prefetch={shown(v)} is invalid: the prefetch lookahead must be an integer >= 0."
@@ -141,10 +155,14 @@ def step_errors(values: Mapping[str, Any]) -> list[str]:
         workers = G * R
         out += _size_errors(values, G, R, S, B)
     out += _duration_errors(values)
-    out += _own_errors(values, ("comm", "memory_limit"))
+    out += _own_errors(values, ("comm", "memory_limit", "graph_share"))
     if e := _memory_limit_length_error(values.get("memory_limit"), workers):
         out.append(e)
-    out += _own_errors(values, ("warmup", "weight_cache", "prefetch", "split_backward"))
+    g = values.get("graph_share")
+    if isinstance(g, (list, tuple)) and is_size(S) and not value_error("graph_share", g) and len(g) != S:
+        out.append(f"graph_share={list(g)} is invalid: it has {len(g)} entries but there are stages={S} stages "
+                   f"(one number for all, or one per stage).")
+    out += _own_errors(values, ("warmup", "weight_cache", "prefetch", "split_backward", "step_overlap"))
     out += _recompute_errors(values, S)
     return out
 

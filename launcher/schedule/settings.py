@@ -19,7 +19,7 @@ from .order import SCHEME_DEFAULT, AutoOrder, Order, make_order
 from .placement import Placement
 from .rules import StepError, looped_order_error, step_errors
 from .schemes import SCHEMES, named
-from .simulate import Step
+from .simulate import GRAPH_SHARE, Step
 
 #: ``scheme`` and ``order`` as a config names a placement or order callable of the user's
 CUSTOM = "custom"
@@ -54,7 +54,10 @@ class Settings:
     #: a partial mapping is completed from :data:`DEFAULT_DURATIONS`
     durations: Mapping[str, float] = field(default_factory=lambda: DEFAULT_DURATIONS)
     comm: float = 0.0  # delay added when a dependency crosses workers
-    memory_limit: int | tuple[int, ...] | None = None  # live activations per worker
+    memory_limit: int | tuple[int, ...] | None = None  # live activation units per worker (schedule.activations)
+    #: the share of a stage's micro-batch activations that is its forward's graph, held from F to W;
+    #: the rest, its input, from F to I (:mod:`.activations`, the one memory model)
+    graph_share: float | tuple[float, ...] = GRAPH_SHARE  # one for every stage, or one per stage
     split_backward: bool = False
     weight_cache: str = "step"  # fetched weights kept for the step | for one job
     prefetch: int = 1  # jobs of lookahead for inputs and weights on the workers
@@ -62,6 +65,10 @@ class Settings:
     recompute: str | tuple[int, ...] = "none"  # none | full | stage indices
     partition: str = "params"  # how a model's self.stages are cut: params | time | memory
     plan_memory: str | None = None  # the bytes a stage may hold under partition=time (plan.memory)
+    #: how one step's end meets the next step's start (:mod:`.overlap`): none (a barrier: a step
+    #: costs its makespan, what the runtime does) | post_validation (the zero-bubble paper's section
+    #: 4: each stage steps as soon as its own gradients are final; priced by the simulator only)
+    step_overlap: str = "none"
     #: per stage, its own time per job kind (profiled stages differ); ``None``: ``durations``
     stage_durations: tuple[Mapping[str, float], ...] | None = field(default=None, compare=False)
 
@@ -70,7 +77,7 @@ class Settings:
         d = self.durations
         if isinstance(d, Mapping):
             object.__setattr__(self, "durations", MappingProxyType({**DEFAULT_DURATIONS, **d}))
-        for k in ("memory_limit", "recompute", "stage_durations"):
+        for k in ("memory_limit", "recompute", "stage_durations", "graph_share"):
             if isinstance(v := getattr(self, k), list):
                 object.__setattr__(self, k, tuple(v))
 
@@ -137,6 +144,11 @@ class Settings:
         return "interleaved_1f1b", f"the fastest measured order of a looped pipeline ({self.name} R={self.R})"
 
     @property
+    def overlapped(self) -> bool:
+        """Whether consecutive steps overlap (``step_overlap`` is not ``none``)."""
+        return self.step_overlap != "none"
+
+    @property
     def recompute_stages(self) -> frozenset[int]:
         from .rules import recompute_stages
 
@@ -150,7 +162,7 @@ class Settings:
         out["strategy"] = self.scheme
         if not isinstance(self.order, Order):
             out["order"] = self.resolved_order
-        for k in ("recompute", "memory_limit"):
+        for k in ("recompute", "memory_limit", "graph_share"):
             if isinstance(out[k], tuple):
                 out[k] = list(out[k])
         out["durations"] = dict(self.durations) if isinstance(self.durations, Mapping) else self.durations
@@ -207,11 +219,12 @@ class Settings:
         step = Step(JobSpace(graph, self.microbatches, self.split_backward), placement, self.W, o,
                     dict(self.durations), self.comm, self.memory_limit, self.name,
                     list(self.stage_durations) if self.stage_durations is not None else None,
-                    self.recompute_stages)
+                    self.recompute_stages, graph_share=self.graph_share)
         if isinstance(o, AutoOrder) and o.seqs is None:  # search the sequences for this step's own profile
-            step.order = replace(o, seqs=auto_sequences(step))
+            # overlapping steps pay the longest worker span (its steady state, :mod:`.overlap`), else the makespan
+            step.order = replace(o, seqs=auto_sequences(step, "span" if self.overlapped else "makespan"))
             if step.order.in_sequence:
-                step.memory_limit = None  # the sequences keep to it themselves, counted from F to W
+                step.memory_limit = None  # the sequences keep to it themselves, counted the same way
         return step
 
 

@@ -8,11 +8,15 @@ points from a heap in time order. Each worker keeps a heap of jobs waiting for t
 (keyed by ready time) and heaps of jobs already available (keyed by ``n``), one per memory class,
 so a step costs ``O(log)`` per job, not a scan of the frontier.
 
-Memory: ``x_s^b`` is live on the worker of ``F(s,b)`` from that job's start to the end of the
-backward that consumes it (``B``, or ``I`` when split). A per-worker ``memory_limit`` M keeps a
-worker from starting a forward that would hold more than M live activations; the 1F1B warm-up
-keeps a worker whose lowest stage is ``s`` to at most ``height(s)`` (``S - s`` on a chain)
-micro-batches in flight.
+Memory (:mod:`launcher.schedule.activations`, the one memory model): a micro-batch's stage is one
+unit of activations on the worker of ``F(s,b)`` from that job's start; its input's part is freed
+at the end of the backward that consumes it (``B``, or ``I`` when split), its graph's part
+(``graph_share``; all of it by default) at the end of ``W``. A per-worker ``memory_limit`` M keeps
+a worker from starting a forward that would hold more than M units; the 1F1B warm-up keeps a
+worker whose lowest stage is ``s`` to at most ``height(s)`` (``S - s`` on a chain) micro-batches
+in flight (from ``F`` to ``I``). ``peak_activations`` counts live inputs (``x_s^b`` from ``F`` to
+``B`` or ``I``), as the runtime's meter counts them; :func:`launcher.schedule.activations.unit_peaks`
+gives the units a limit bounds.
 
 Deferred weight gradients (``order=zb_h1``, split backward only): ready ``W`` jobs wait in their own
 per-worker heap. A worker runs the oldest one first when more than its slack are waiting (slack
@@ -36,6 +40,10 @@ from .graph import JobSpace
 from .order import Order
 from .placement import Placement
 from .rules import StepError, value_error
+
+#: the share of a stage's micro-batch activations that is its forward's graph, kept until ``W``
+#: (:mod:`launcher.schedule.activations`): the whole unit, the strict count
+GRAPH_SHARE = 1.0
 
 
 class ScheduleError(ValueError):
@@ -64,6 +72,9 @@ class Step:
     #: stages with no trainable parameter (every one ``requires_grad=False``): no weight gradient
     #: leaves them, so no partial sum is sent to their owners and their replicas all-reduce nothing
     frozen: frozenset[int] = frozenset()
+    #: per stage (or one for all), the share of a micro-batch's activation unit that is its forward's
+    #: graph, freed at ``W``; the rest, its input, is freed at ``I`` (:mod:`launcher.schedule.activations`)
+    graph_share: float | Sequence[float] = GRAPH_SHARE
 
     @property
     def S(self) -> int:
@@ -353,16 +364,22 @@ def simulate(step: Step) -> Timeline:
     mb_left = list(need)  # forwards of b on w whose stash is still live
     admitted = bytearray(len(need))
     C = 3 if limited else 1
+    # what a stage's unit gives back at its backward's end (I, or B: all) and at its W's end
+    from .activations import unit_releases
+
+    at_i, at_w = unit_releases(step) if limited else ([1.0] * S, [0.0] * S)
+    frees_at_w = limited and any(at_w)
 
     ready_at = [0.0] * N
     start = [0.0] * N
     finish = [0.0] * N
     program: list[list[int]] = [[] for _ in range(W)]
     avail: list[list[list]] = [[[] for _ in range(C)] for _ in range(W)]  # (n, job) per class
-    releases: list[list] = [[] for _ in range(W)]  # (time, key, last forward of b here) from other workers
+    # (time, key, last forward of b here, units, inputs) given back to a worker by another one
+    releases: list[list] = [[] for _ in range(W)]
     free_at = [0.0] * W
     live = [0] * W
-    held = [0] * W
+    held = [0.0] * W
     live_mb = [0] * W
     peak = [0] * W
     pend, wake, events = _first_events(npred, compute, W)  # pend: (ready time, job) per worker
@@ -378,9 +395,9 @@ def simulate(step: Step) -> Timeline:
         wake[w] = math.inf
         rel = releases[w]
         while rel and rel[0][0] <= T:
-            _, key, last = heappop(rel)
-            live[w] -= 1
-            held[w] -= 1
+            _, key, last, units, inputs = heappop(rel)
+            live[w] -= inputs
+            held[w] -= units
             if last:
                 live_mb[w] -= 1
                 admitted[key] = 0
@@ -398,6 +415,7 @@ def simulate(step: Step) -> Timeline:
         best = None
         bc = 0
         forced = False
+        blocked = False  # a forward waits for memory here
         if defer and wq[w] and (len(wq[w]) > slack[w] or fi_left[w] == 0):
             best, forced = wq[w][0], True  # too many deferred, or nothing else will come: W now
         elif C == 1:
@@ -415,12 +433,15 @@ def simulate(step: Step) -> Timeline:
                 if hc and (best is None or hc[0] < best):
                     if c == 2:  # admit a micro-batch only if all it will hold here fits
                         j = hc[0] % N if packed else hc[0][-1]
-                        if held[w] + need[(j % B) * W + w] > act_limit[w] or live_mb[w] >= mb_limit[w]:
+                        if held[w] + need[(j % B) * W + w] > act_limit[w] + 1e-9 or live_mb[w] >= mb_limit[w]:
+                            blocked = True
                             continue
                     best = hc[0]
                     bc = c
         if strict and best is not None and best // N != turn[w]:
             best = None  # the next job of the sequence is not ready: wait for it
+        if best is None and blocked and defer and wq[w] and frees_at_w:
+            best, forced = wq[w][0], True  # a forward waits for memory that a deferred W gives back
         if best is None:
             nxt = pw[0][0] if pw else math.inf
             if rel and rel[0][0] < nxt:
@@ -458,22 +479,26 @@ def simulate(step: Step) -> Timeline:
             live[w] += 1
             if live[w] > peak[w]:
                 peak[w] = live[w]
-        elif j // SB == 1:  # the backward that consumes x_s^b frees it on F(s,b)'s worker
-            jf = j - SB
+        elif j // SB == 1 or (frees_at_w and j // SB == 2):
+            # the backward that consumes x_s^b frees it on F(s,b)'s worker (and the unit's input
+            # part); a W frees the unit's graph part there
+            jf = j % SB
             wf = compute[jf]
             key = (jf % B) * W + wf
             last = 0
-            if limited:
+            inputs = 1 if j < 2 * SB else 0
+            units = at_i[jf // B] if inputs else at_w[jf // B]
+            if limited and inputs:
                 mb_left[key] -= 1
                 last = 1 if mb_left[key] == 0 else 0
             if wf == w:  # nothing on w can start before fin anyway
-                live[w] -= 1
-                held[w] -= 1
+                live[w] -= inputs
+                held[w] -= units
                 if last:
                     live_mb[w] -= 1
                     admitted[key] = 0
             else:
-                heappush(releases[wf], (fin, key, last))
+                heappush(releases[wf], (fin, key, last, units, inputs))
                 # a busy holder sees the release when it is next free, not mid-job
                 t = fin if fin > free_at[wf] else free_at[wf]
                 if t < wake[wf]:

@@ -66,6 +66,7 @@ INVALID = [
     (["G=2.5"], "G=2.5 is invalid"),
     (["mode=fly"], "mode=fly"),
     (["png=maybe"], "png=maybe is invalid: use true, false or auto."),
+    (["step_overlap=post_validation"], "step_overlap=post_validation is invalid with mode=train: the runtime ends"),
 ]
 
 

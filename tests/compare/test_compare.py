@@ -175,7 +175,9 @@ def test_page_has_the_table_charts_and_diagrams(page, sweep):
     # interactive: plotly.js inline once, no script from the network, one plot per chart
     assert html.count("<script>/**\n* plotly.js v") == 1
     assert not re.search(r"<script[^>]*\bsrc=", html), "the page must work offline"
-    assert len(re.findall(r"Plotly\.newPlot\(", html)) == 3 + html.count('class="timeline"')
+    # each trained run's two steps back to back, as the same programs would run them overlapped (issue 49)
+    assert html.count("<h2>Two steps back to back, predicted with step_overlap=post_validation: ") == 2
+    assert len(re.findall(r"Plotly\.newPlot\(", html)) == 3 + 2 + html.count('class="timeline"')
     for better in ("lower", "higher"):  # the best bars' hover (in the figures' JSON, "★" escaped)
         assert json.dumps(f"★ best ({better} is better)") in html
     # gpipe and fslpp compute the same thing: their loss curves coincide, and the page says so

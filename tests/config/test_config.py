@@ -261,7 +261,7 @@ def test_the_strategy_keywords_build_the_settings_the_command_line_does(cfg_of):
 
 
 def test_order_auto_composes_validates_and_searches_under_the_limit(cfg_of):
-    from launcher.schedule.auto_order import paper_peaks
+    from launcher.schedule.activations import unit_peaks
 
     c = cfg_of("order=auto", "memory_limit=8", "strategy=gpipe", "stages=4", "microbatches=8")
     assert (c.order.name, c.split_backward, c.memory_limit) == ("auto", True, 8)
@@ -269,5 +269,5 @@ def test_order_auto_composes_validates_and_searches_under_the_limit(cfg_of):
     step = to_step(c)
     assert step.order.seqs is not None
     tl = simulate(step)
-    assert max(paper_peaks(tl)) <= 8
+    assert max(unit_peaks(tl)) <= 8
     assert errors(cfg_of("order=auto", "split_backward=false", "strategy=gpipe")) != []

@@ -18,8 +18,9 @@ from launcher.modes.simulation import simulate_config
 from launcher.plan import Budget, ProfileError, load, memory, parse_bytes, search, unit
 from launcher.plan.from_config import plan as plan_of
 from launcher.plan.profile import from_dict
-from launcher.plan.search import job_cache_time, shared_cores_time, time_bound
+from launcher.plan.search import graph_shares, job_cache_time, shared_cores_time, time_bound
 from launcher.schedule import ScheduleError, make_step, simulate
+from launcher.schedule.activations import unit_peaks
 from launcher.schedule.link import step_time as link_step_time
 from launcher.schedule.metrics import per_worker
 
@@ -36,8 +37,8 @@ def fits(tl, prof, budget: Budget, caches=("step", "job")) -> bool:
 
 
 def fitting(tl, prof, budget: Budget, caches=("step", "job")) -> list[str]:
-    """The weight caches under which the step fits the budget."""
-    if budget.activations is not None and max(tl.peak_activations) > budget.activations:
+    """The weight caches under which the step fits the budget (activations: the one memory model's units)."""
+    if budget.activations is not None and max(unit_peaks(tl)) > budget.activations + 1e-9:
         return []
     if budget.bytes is None:
         return list(caches)
@@ -49,7 +50,8 @@ def fitting(tl, prof, budget: Budget, caches=("step", "job")) -> list[str]:
 
 def brute_force(S: int, B: int, workers: int, prof, budget: Budget) -> float:
     """The fastest fitting step over every named scheme, G, R, named order (the V shape: 1F1B, ZB-V
-    and DualPipeV), split, ownership and memory limit (none, or any uniform limit), simulated one by one."""
+    and DualPipeV), split, ownership and memory limit (none, or any uniform limit), simulated one by one,
+    activations counted as the planner counts them (the profile's graph shares)."""
     best = float("inf")
     for scheme in ("ddp", "fsdp", "gpipe", "lpp", "fslpp", "vshape"):
         grs = {"ddp": [(B, 1)], "fsdp": [(B, 1)], "gpipe": [(1, S)], "vshape": [(1, S // 2)] if S % 2 == 0 else []}.get(
@@ -64,7 +66,8 @@ def brute_force(S: int, B: int, workers: int, prof, budget: Budget) -> float:
             for ml in [None, *range(1, S * B + 1)]:
                 try:
                     tl = simulate(make_step(scheme, S, B, G, R, order=order, warmup=warmup, durations=dict(
-                        prof.durations), comm=prof.comm, memory_limit=ml, split_backward=split, ownership=own))
+                        prof.durations), comm=prof.comm, memory_limit=ml, split_backward=split, ownership=own,
+                        graph_share=graph_shares(prof, S)))
                 except ScheduleError:
                     continue
                 for cache in fitting(tl, prof, budget):
@@ -260,21 +263,25 @@ def test_time_bound_is_a_lower_bound_for_every_searched_order():
     assert want <= checked
 
 
-def test_auto_is_the_best_where_it_is_fastest_and_zb_h2_among_the_named_orders(cfg_of):
-    """The default durations on 4 workers, 4 stages, 8 micro-batches, 3 activations: order=auto's
-    search finds a step of 18 units, ZB-H2 the best of the named orders at 19.5. The plan lists
-    auto first, and its overrides reproduce it under mode=simulate within the budget."""
+def test_auto_is_the_best_where_it_is_fastest(cfg_of):
+    """The default durations on 4 workers, 4 stages, 8 micro-batches, 3 activation units: order=auto's
+    search finds a step of 18 units, the named orders 22.5 at best (1F1B on the split backward).
+    ZB-H2 (19 units without a limit) holds every micro-batch's graph until its tail of W jobs: 8
+    units on every worker, by the one memory model, so it does not fit. The plan lists auto first,
+    and its overrides reproduce it under mode=simulate within the budget."""
     cfg = cfg_of(["mode=plan", "stages=4", "microbatches=8", "plan.workers=4", "plan.max_activations=3"])
     found = plan_of(cfg)
     best = found.best
     assert best is not None and best.point.order == "auto" and best.step_time == 18.0
     assert found.auto_searched > 0
     named = search(4, [8], 4, unit(UNIT, 0.0), Budget(activations=3), auto_top=0).best
-    assert named is not None and named.point.order == "zb_h2" and named.step_time == 19.5
+    assert named is not None and named.point.order == "1f1b" and named.step_time == 22.5
+    zb_h2 = simulate(make_step("gpipe", 4, 8, 1, 4, order="zb_h2", split_backward=True))
+    assert zb_h2.latency == 19.0 and unit_peaks(zb_h2) == [8.0] * 4
     again = cfg_of(["mode=simulate", *best.overrides])
     assert errors(again) == []
     tl, summary = simulate_config(again)
-    assert tl.latency == best.step_time and max(summary["per_worker"]["peak_activations"]) <= 3
+    assert tl.latency == best.step_time and max(summary["per_worker"]["peak_activation_units"]) <= 3
 
 
 @pytest.mark.parametrize("S, B, workers, profile, budget", [
@@ -290,18 +297,47 @@ def test_the_plan_is_never_slower_than_the_named_orders(S, B, workers, profile, 
 
 
 def test_the_v_shape_is_planned_and_reproduces(cfg_of):
-    """On S / 2 workers with 2 activations each the V shape (worker w holds stages w and S - 1 - w)
-    is the fastest; its overrides (strategy=vshape G=1 R=S/2) reproduce it within the budget, and
-    ZB-V is among the candidates where the budget allows its warm-up."""
-    prof = unit(UNIT, 0.0)
+    """On S / 2 workers with 2 activation units each, from a profile whose stages keep no graph
+    beyond their inputs (graph_share 0: an input freed at I frees the whole unit), the V shape
+    (worker w holds stages w and S - 1 - w) is the fastest; its overrides (strategy=vshape G=1 R=S/2,
+    with the profile's graph_share) reproduce it within the budget, and ZB-V is among the candidates
+    where the budget allows its warm-up. (Under the default count, every graph kept until W, the
+    looped pipeline wins at this budget.)"""
+    prof = from_dict({"durations_s": UNIT, "comm_s": 0.0,
+                      "bytes": {k: [1] * 4 for k in ("params", "grads", "optimizer", "activation")}})
     best = search(4, [4], 2, prof, Budget(activations=2)).best
     assert best is not None and (best.point.scheme.name, best.point.G, best.point.R) == ("vshape", 1, 2)
+    assert "graph_share=0.0" in best.overrides
     cfg = cfg_of(["mode=simulate", *best.overrides])
     assert errors(cfg) == []
     tl, summary = simulate_config(cfg)
-    assert tl.latency == best.step_time and max(summary["per_worker"]["peak_activations"]) <= 2
+    assert tl.latency == best.step_time and max(summary["per_worker"]["peak_activation_units"]) <= 2
     lpp = search(4, [4], 2, prof, Budget(activations=2), top=50).candidates
     assert best.step_time < min(c.step_time for c in lpp if c.point.scheme.name != "vshape")
     orders = {c.point.order for c in search(4, [8], 2, prof, Budget(), top=100).candidates
               if c.point.scheme.name == "vshape"}
     assert "zbv" in orders
+
+
+@pytest.mark.parametrize("budget", ["plan.max_activations=3", "plan.max_activations=8"])
+def test_overlapped_steps_are_ranked_by_their_steady_state(cfg_of, budget):
+    """``step_overlap=post_validation``: candidates are ranked by the steady state's step cost
+    (:mod:`launcher.schedule.overlap`); the best's overrides carry the rule and reproduce its cost
+    under mode=simulate; it is never slower than the barrier's best priced the same way (its
+    makespan plus the step's all-reduce: mode=simulate's step cost under step_overlap=none), nor
+    faster than the busiest worker's work (the bound left when steps overlap)."""
+    common = ["mode=plan", "stages=4", "microbatches=8", "plan.workers=4", budget, "comm=0.25"]
+    over = plan_of(cfg_of([*common, "step_overlap=post_validation"])).best
+    barrier = plan_of(cfg_of(common)).best
+    assert over is not None and barrier is not None
+    assert "step_overlap=post_validation" in over.overrides
+    again = cfg_of(["mode=simulate", *over.overrides])
+    assert errors(again) == []
+    _, summary = simulate_config(again)
+    assert summary["step_cost"] == pytest.approx(over.step_time, rel=1e-12)
+    _, behind = simulate_config(cfg_of(["mode=simulate", *barrier.overrides]))
+    assert behind["step_overlap"] == "none" and over.step_time < behind["step_cost"]
+    p = over.point
+    split = p.split
+    d = dict(p.durations)
+    assert over.step_time >= time_bound(4, 8, p.G, p.R, split, d, 0.25, work_only=True) - 1e-9

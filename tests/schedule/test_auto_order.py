@@ -1,7 +1,8 @@
 """``order=auto`` (:mod:`launcher.schedule.auto_order`): the searched schedule against the paper's
 Table 5 (from its profiled durations, as ``test_zb_h1.py`` reads them), the named orders on random
-profiles, and a brute force over every sequence on tiny steps. Activations are counted from each
-``F``'s start to its ``W``'s end (:func:`paper_peaks`), and the limit is never exceeded."""
+profiles, and a brute force over every sequence on tiny steps. Activations are counted by the one
+memory model (:func:`unit_peaks`: by default each unit from its ``F``'s start to its ``W``'s end,
+as the simulator's admission control counts them), and the limit is never exceeded."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 from test_zb_h1 import ROWS, ZB_1P, ZB_2P, w_share
 
 from launcher.schedule import ScheduleError, make_step, simulate, unchecked_step
+from launcher.schedule.activations import unit_peaks
 from launcher.schedule.auto_order import (
     AutoOrder,
     auto_sequences,
     greedy,
-    paper_peaks,
     round_trips,
     run_sequences,
     span,
@@ -48,9 +49,9 @@ def test_table5_at_the_papers_two_limits(row):
     d = {"F": tf, "I": tb, "W": tw}
     one = auto(p, m, d, comm, p)
     assert rate(one, m, d) < zb1 + 5e-5
-    assert max(paper_peaks(one)) <= p
+    assert max(unit_peaks(one)) <= p
     two = auto(p, m, d, comm, 2 * p)
-    assert max(paper_peaks(two)) <= 2 * p
+    assert max(unit_peaks(two)) <= 2 * p
     bound = (p - 1) * (tf + comm) + m * (tf + tb + tw)
     assert bound - 1e-6 <= two.latency <= one.latency
     assert two.latency <= bound * 1.0005 or rate(two, m, d) < rate(one, m, d) - 0.01
@@ -60,8 +61,8 @@ def by_paper(p: int, m: int, d: dict, comm: float, limit: int, model: str):
     """``auto`` under the paper's own rules: the cost is the longest worker's span (:func:`span`) and
     an ``I`` gives back all but ``M_W / M_B`` of its micro-batch's unit."""
     step = replace(unchecked_step("gpipe", p, m, 1, p, order="zb_h1", split_backward=True, durations=d, comm=comm),
-                   memory_limit=limit)
-    return run_sequences(step, auto_sequences(step, objective="span", w_share=w_share(model)))
+                   memory_limit=limit, graph_share=w_share(model))
+    return run_sequences(step, auto_sequences(step, objective="span"))
 
 
 PAPER = [(r, one, two) for r, one, two in zip(ROWS, ZB_1P, ZB_2P) if r[1] <= 8]  # p=16, 32: docs/configuration.md
@@ -76,7 +77,7 @@ def test_table5_under_the_papers_rules_reaches_zb_1p_and_zb_2p(row, zb1, zb2):
     work = m * (tf + tb + tw)
     for limit, paper in ((p, zb1), (2 * p, zb2)):
         tl = by_paper(p, m, d, comm, limit, model)
-        assert max(paper_peaks(tl, w_share(model))) <= limit + 1e-9
+        assert max(unit_peaks(tl)) <= limit + 1e-9
         cost = span(tl)
         assert round((cost - work) / cost, 4) <= paper, (limit, (cost - work) / cost)
         assert cost <= tl.latency + 1e-9
@@ -105,9 +106,10 @@ def test_a_warm_up_depth_at_the_cap_changes_nothing():
         compute = place_all(step)[0]
         caps = [float(rng.randint(p, 2 * p))] * p
         for fit, share in ((False, 1.0), (True, 0.4)):
-            capped = greedy(step, compute, caps, fit, None, share)
-            assert greedy(step, compute, caps, fit, [int(c) for c in caps], share) == capped
-            assert greedy(step, compute, caps, fit, [1] * p, share) != capped  # a depth below it does bind
+            shared = replace(step, graph_share=share)
+            capped = greedy(shared, compute, caps, fit, None)
+            assert greedy(shared, compute, caps, fit, [int(c) for c in caps]) == capped
+            assert greedy(shared, compute, caps, fit, [1] * p) != capped  # a depth below it does bind
 
 
 def test_span_is_the_least_cost_of_the_papers_linear_program():
@@ -160,13 +162,13 @@ def test_random_profiles_never_lose_to_the_named_orders(seed):
     limit = rng.choice([p, p + p // 2, 2 * p])
     kw = dict(split_backward=True, comm=comm, memory_limit=limit, stage_durations=per)
     tl = simulate(make_step("gpipe", p, m, 1, p, order="auto", **kw))
-    assert max(paper_peaks(tl)) <= limit
+    assert max(unit_peaks(tl)) <= limit
     for name, ml in itertools.product(("1f1b", "zb_h1", "zb_h2"), (limit, None)):
         try:  # the named order under the simulator's limit, and as it runs without one
             other = simulate(make_step("gpipe", p, m, 1, p, order=name, **{**kw, "memory_limit": ml}))
         except ScheduleError:
             continue  # it cannot finish under this limit: no rival
-        if max(paper_peaks(other)) <= limit:
+        if max(unit_peaks(other)) <= limit:
             assert tl.latency <= other.latency + 1e-9, (name, ml)
 
 
@@ -195,9 +197,9 @@ def test_brute_force_on_tiny_steps(p, m, limit):
             t = simulate(replace(base, order=AutoOrder(warmup="classic", seqs=tuple(combo))))
         except ScheduleError:
             continue
-        if max(paper_peaks(t)) <= limit:
+        if max(unit_peaks(t)) <= limit:
             best = min(best, t.latency)
-    assert max(paper_peaks(tl)) <= limit
+    assert max(unit_peaks(tl)) <= limit
     assert tl.latency == pytest.approx(best)
 
 
@@ -213,4 +215,4 @@ def test_auto_on_every_named_scheme_finishes_within_the_limit():
     for scheme, G, R in (("gpipe", 1, 4), ("lpp", 2, 2), ("fslpp", 2, 2), ("ddp", 4, 1)):
         tl = simulate(make_step(scheme, 4, 4, G, R, order="auto", split_backward=True, memory_limit=4))
         assert sorted(j for prog in tl.program for j in prog) == list(range(tl.step.space.N))
-        assert max(paper_peaks(tl)) <= 4
+        assert max(unit_peaks(tl)) <= 4
