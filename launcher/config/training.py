@@ -13,7 +13,7 @@ from typing import Any, Mapping, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..schedule.rules import STEP_OVERLAPS, StepError
+from ..schedule.rules import StepError, overlap_training_errors
 from ..schedule.rules import is_size as _is_size
 from ..schedule.run_settings import RunSettings
 from ..schedule.schemes import SCHEMES
@@ -182,12 +182,7 @@ def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
 
     out += _trainer_errors(cfg, single)
     out += _split_errors(cfg)
-    overlap = _get(cfg, "step_overlap", DEFAULT.step_overlap)
-    # the simulator prices an overlap; the workers still end every step together (an unknown value:
-    # step_errors says why)
-    if overlap != DEFAULT.step_overlap and overlap in STEP_OVERLAPS:
-        out.append(f"step_overlap={overlap} is invalid with mode=train: the runtime ends every step on every worker "
-                   f"before the next begins; price the overlap with mode=simulate or mode=plan.")
+    out += overlap_training_errors(_get(cfg, "step_overlap", DEFAULT.step_overlap))
 
     seed = _get(cfg, "seed")
     if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED):

@@ -54,7 +54,7 @@ from ..runtime.items import rows
 from ..runtime.measure import resident_bytes
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
 from ..schedule import Step
-from ..schedule.rules import StepError
+from ..schedule.rules import StepError, overlap_training_errors
 from ..schedule.run_settings import CheckpointSettings, RunSettings
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT, SCHEME_DEFAULT, OrderLike, SchemeLike, Settings
@@ -138,6 +138,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         unknown = keyword_errors(config, [p for p in inspect.signature(UnifiedStrategy).parameters if p != "config"])
         if unknown:
             raise ConfigError(unknown)
+        overlap = overlap_training_errors(settings.step_overlap if settings is not None else config.get("step_overlap"))
+        if overlap:
+            raise ConfigError(overlap)
         #: the run's settings, typed and checked once here; every later reader trusts them
         self.run = _run_settings(run, checkpoint=checkpoint, nonfinite=nonfinite, timeout=timeout,
                                  transport=transport)

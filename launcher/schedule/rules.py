@@ -31,6 +31,17 @@ WEIGHT_CACHES = ("step", "job")
 STEP_OVERLAPS = ("none", "post_validation")
 #: ``recompute``: which stages' backward recomputes their forward (activation checkpointing)
 RECOMPUTE = ("none", "full")
+
+
+def overlap_training_errors(overlap: object) -> list[str]:
+    """The sentence for a valid ``step_overlap`` other than ``none`` when training (the command line's
+    check and ``UnifiedStrategy``'s): the simulator prices an overlap, the workers still end every
+    step together. An unknown value is not this check's to name (the step's own checks say why)."""
+    if overlap == "none" or overlap not in STEP_OVERLAPS:
+        return []
+    return [f"step_overlap={overlap} is invalid with mode=train: the runtime ends every step on every worker "
+            f"before the next begins; price the overlap with mode=simulate or mode=plan."]
+
 RECOMPUTE_RULE = "use none, full (every stage) or a list of stage indices"
 #: the most jobs (stages * microbatches * kinds) a step may have. The simulator holds about
 #: 250 bytes per job and the reports several times that (the 1,048,576-job step of the README
