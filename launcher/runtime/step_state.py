@@ -1,6 +1,6 @@
 """One step of one worker: what it holds while the step runs (:class:`StepState`), its forward jobs,
-the end of step's gradient reduction, and the loop that runs its program (:func:`run_program`) with
-prefetch and just-in-time weight hand-over. The backward jobs are :mod:`.backward`'s."""
+the end of step's gradient reduction, and the loop that runs its program's operations as printed
+(:func:`run_program`). The backward jobs are :mod:`.backward`'s."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from launcher.schedule.actions import AFTER, FREE_WGRAD, JOBS, RECV_WGRAD, REDUCE, SEND_WEIGHTS, SEND_WGRAD
 from launcher.schedule.program import ACT, GRAD, WEIGHTS, JobOp, Lowered, Msg, Program
 
 from .backward import Stash, backward, rng_state, weight_grad
@@ -362,8 +363,10 @@ class StepState:
 
 def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch], meter: Meter, train: bool,
                 shares: list[float] | None = None) -> StepState:
-    """Run ``engine``'s worker's jobs of ``lowered`` in order, with prefetch and just-in-time weight hand-over;
-    ``shares``: each micro-batch's weight in the loss (None: ``1 / B`` each)."""
+    """Run ``engine``'s worker's program of ``lowered``: its operations in order, as printed
+    (:mod:`launcher.schedule.actions`); ``shares``: each micro-batch's weight in the loss (None:
+    ``1 / B`` each). What follows the last job's own operations (:attr:`Program.tail`) is the end of
+    the step: the owner's last hand-overs here, the partial sums and reductions in :meth:`StepState.reduce`."""
     w = engine.worker
     assert w is not None  # ranks past the schedule's workers run no program
     prog, msgs = lowered.programs[w], lowered.messages
@@ -371,7 +374,6 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
     comm = Comm(lowered, w, functools.partial(_spec, engine, shapes), engine.device, engine.watchdog, engine.group,
                 engine.ranks, on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
                 timed=train and engine.steps <= TIMED_STEPS, traced=meter.spans is not None, links=engine.links)
-    # owners hand weights over just in time (the program's release points, ``prefetch`` jobs early)
     packed: dict[int, torch.Tensor] = {}
 
     def hand_over(mid: int) -> None:
@@ -383,17 +385,19 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
 
     st = StepState(engine, comm, meter, microbatches, shapes, train, shares)
     try:
-        _run_jobs(engine, lowered, prog, st, hand_over)
+        _run_ops(engine, lowered, prog, st, hand_over)
     finally:
         st.unbind()
-    for mid in prog.handovers(len(prog.jobs), engine.prefetch):
-        hand_over(mid)
+    for kind, mid in prog.ops[prog.tail :]:
+        if kind == SEND_WEIGHTS:
+            hand_over(mid)
     return st
 
 
-def _run_jobs(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
-              hand_over: Callable[[int], None]) -> None:
-    """The worker's jobs of ``prog`` in order, each with its messages and weight hand-overs, timed."""
+def _run_ops(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
+             hand_over: Callable[[int], None]) -> None:
+    """The worker's operations of ``prog`` up to its end of step, in order, each job timed with
+    its own operations."""
     msgs, comm, meter = lowered.messages, st.comm, st.meter
     what = "step" if st.train else "evaluation step"
     clock, thread_clock = time.perf_counter, time.thread_time
@@ -406,28 +410,16 @@ def _run_jobs(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
     cpu0 = time.process_time()
     t, mine = clock(), thread_clock()
     mine0 = mine
-    for i, op in enumerate(prog.jobs):
-        waited = comm.waited
-        # the order of calls the lowering's memory prediction replays (Program.handovers, .wants)
-        for mid in prog.handovers(i, engine.prefetch):
-            hand_over(mid)
-        for mid in prog.wants(i, engine.prefetch):  # the next jobs' inputs and weights, partial sums to take in
-            comm.want(mid)
-        st.incoming += prog.wgrad_post.get(i, ())
-        for mid in prog.wgrad_deliver.get(i, ()):  # sums sent earlier, received by now: free them
-            comm.deliver(mid)
-        if engine.watchdog is not None:
-            engine.watchdog.check()
-            engine.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of {what} {engine.steps}")
-        st.run(op)
-        for mid in op.wgrad_send:  # this worker's sum for that owner is complete: send it now
-            key = (op.stage, msgs[mid].dst)
-            comm.send(mid, st.acc.pop(key) if lowered.weight_cache == "job" else st.acc[key])
-            st.views.pop(key, None)  # cache "job": the send holds the sum, and frees it once delivered
-            st.into.pop(key, None)
+    op: JobOp | None = None  # the job whose own operations (AFTER kinds) run now
+    i = -1  # the job the operations run after
+    waited = comm.waited
+    job_cache = lowered.weight_cache == "job"
+
+    def close() -> None:
+        """The job's own operations are done: add in the partial sums posted before it, time it."""
+        nonlocal t, mine, op
+        assert op is not None
         st.absorb()
-        if st.train:  # buckets of replicated stages whose share is complete start their all-reduce
-            engine.replicas.launch_ready(i)
         # work: what it spent blocked on a peer's data is idle time, not work; cpu: the
         # process's CPU meanwhile (its communication threads' too), what it asks of a core;
         # and the compute thread's own share of it
@@ -436,11 +428,43 @@ def _run_jobs(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
         walls.append(end - t)
         if meter.spans is not None:
             meter.spans.append((t, end))
-        t, mine = end, end_mine
+        t, mine, op = end, end_mine, None
+
+    for kind, arg in prog.ops[: prog.tail]:
+        if op is not None and kind not in _AFTER:
+            close()
+            waited = comm.waited
+        if kind in JOBS:
+            i, op = arg, prog.jobs[arg]
+            if engine.watchdog is not None:
+                engine.watchdog.check()
+                engine.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of {what} {engine.steps}")
+            st.run(op)
+        elif kind == SEND_WEIGHTS:
+            hand_over(arg)
+        elif kind == SEND_WGRAD:  # this worker's sum for that owner is complete: send it now
+            key = (msgs[arg].stage, msgs[arg].dst)
+            comm.send(arg, st.acc.pop(key) if job_cache else st.acc[key])
+            st.views.pop(key, None)  # cache "job": the send holds the sum, and frees it once delivered
+            st.into.pop(key, None)
+        elif kind == REDUCE:
+            if st.train:  # buckets of replicated stages whose share is complete start their all-reduce
+                engine.replicas.launch_ready(i)
+        elif kind == FREE_WGRAD:  # a sum sent earlier, received by now: free it
+            comm.deliver(arg)
+        else:  # a receive posted ahead of the job that needs it
+            comm.want(arg)
+            if kind == RECV_WGRAD:  # a partial sum, added in once the next job is done
+                st.incoming.append(arg)
+    if op is not None:
+        close()
     others = max(0.0, time.process_time() - cpu0 - (mine - mine0))  # the other threads' CPU meanwhile
     total = sum(walls) or 1.0
     for job, wall in zip(meter.jobs[first:], walls):
         job[4] = job[5] + others * wall / total
+
+
+_AFTER = frozenset(AFTER)
 
 
 def _spec(engine: Engine, shapes: list[Shapes], m: Msg) -> tuple:
