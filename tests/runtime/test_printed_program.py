@@ -66,3 +66,15 @@ def test_a_parsed_program_trains_bit_equal_to_the_lowered_one():
         assert sorted(owned) == list(range(S))
         # and training changed every stage: the comparison is not between two untouched models
         assert all(not torch.equal(owned[s][0], next(start.stages[s].parameters())) for s in range(S))
+
+
+def test_mode_simulate_writes_and_prints_the_program_the_workers_run(tmp_path, capsys):
+    from rich.console import Console
+
+    from launcher.modes.simulation import print_program
+
+    tl = _timeline()
+    print_program(tl, "job", PREFETCH, tmp_path, Console())
+    text = (tmp_path / "actions.txt").read_text()
+    assert text.strip() in capsys.readouterr().out
+    assert assemble(tl, parse_programs(text), "job", PREFETCH).programs == lower(tl, "job", PREFETCH).programs
