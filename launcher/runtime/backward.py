@@ -337,13 +337,13 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
     views = stash.views
     if stash.out is None:  # recompute the stage's forward on freshly fetched weights
         mod, params, targets = st.fetch(op)
-        views = None if params is None else list(params.values())[: st.e.layouts[s].trainable]
-        st.e.stats.before(s, b, mod)
-        with torch.enable_grad(), replayed_rng(stash.rng, st.e.device), st.in_streams(b), \
+        views = None if params is None else list(params.values())[: st.engine.layouts[s].trainable]
+        st.engine.stats.before(s, b, mod)
+        with torch.enable_grad(), replayed_rng(stash.rng, st.engine.device), st.in_streams(b), \
                 st.counting(False, op, mod, targets, stash.values, True) as graph:
             out = run_stage(mod, params, stash.values)
             loss = st.loss(op, out)
-        st.e.stats.after(s, b, mod, count=False)  # counted by the forward already
+        st.engine.stats.after(s, b, mod, count=False)  # counted by the forward already
         stash.saved = graph.nbytes
         st.meter.hold_bytes(stash.saved)  # the recomputed graph, until this job (or W) ends
     else:
@@ -352,7 +352,7 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
             st.fetch(op)  # cache "step" only: the copy F used; counted as a job on fetched weights
     if loss is not None:
         roots: list[torch.Tensor] = [] if st.weightless(s, b) else [loss]  # none: zero gradients
-        scale = st.e.loss_scale  # 16-mixed: the GradScaler's scale (the owners' optimizer step unscales)
+        scale = st.engine.loss_scale  # 16-mixed: the GradScaler's scale (the owners' optimizer step unscales)
         grads: list[torch.Tensor] | None = None if scale == 1.0 else [torch.full_like(loss, scale)]
     else:
         roots, grads = _output_grads(st, op, out)
@@ -369,8 +369,8 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
         res = stage_grads_into(roots, stash.leaves, targets, into, grads, bound=own)
     else:
         res = stage_grads(roots, stash.leaves + targets, grads)
-    if st.e.finite is not None:
-        st.e.finite.backward(s, b, res)
+    if st.engine.finite is not None:
+        st.engine.finite.backward(s, b, res)
     _route_input_grads(st, op, stash, res[: len(stash.leaves)])
     if not split and into is None:
         accumulate(st, op, targets, res[len(stash.leaves) :])
@@ -393,7 +393,7 @@ def _output_grads(st: StepState, op: JobOp, out: Any) -> tuple[list[torch.Tensor
     edges = st.shapes[b].edges
     if isinstance(out, torch.Tensor):  # the common case: one tensor, one gradient per successor
         g = None
-        for c in st.e.space.stage_succs[s]:
+        for c in st.engine.space.stage_succs[s]:
             if c in op.recv:
                 gc = edges[(s, c)].sig.unpack_grads(st.comm.wait(op.recv[c]))
                 st.comm.drop(op.recv[c])
@@ -405,7 +405,7 @@ def _output_grads(st: StepState, op: JobOp, out: Any) -> tuple[list[torch.Tensor
         return ([out], [g]) if g is not None else ([], [])
     flat = pytree.tree_leaves(out)
     total: dict[int, torch.Tensor] = {}
-    for c in st.e.space.stage_succs[s]:
+    for c in st.engine.space.stage_succs[s]:
         edge = edges[(s, c)]
         if c in op.recv:
             gc = edge.sig.unpack_grads(st.comm.wait(op.recv[c]))
@@ -427,8 +427,8 @@ def weight_grad(st: StepState, op: JobOp) -> None:
         # gradient itself comes from I's graph (under "job" the program sends W no copy at all)
         st.fetch(op)
     wgrads = deferred.weight_grads()
-    if st.e.finite is not None:
-        st.e.finite.backward(op.stage, op.microbatch, wgrads)
+    if st.engine.finite is not None:
+        st.engine.finite.backward(op.stage, op.microbatch, wgrads)
     accumulate(st, op, targets, wgrads)
     st.meter.drop_bytes(saved)  # I's graph, kept for this job, is freed now
     if hold is not None:
@@ -438,7 +438,7 @@ def weight_grad(st: StepState, op: JobOp) -> None:
 def _route_input_grads(st: StepState, op: JobOp, stash: Stash, grads: Sequence[torch.Tensor | None]) -> None:
     """The inputs' gradients to each predecessor: sent to another worker, or kept for a local one."""
     s, b = op.stage, op.microbatch
-    preds = st.e.space.stage_preds[s]
+    preds = st.engine.space.stage_preds[s]
     if not preds:
         return
     to = {st.msgs[mid].stage: mid for mid in op.send}
@@ -450,7 +450,7 @@ def _route_input_grads(st: StepState, op: JobOp, stash: Stash, grads: Sequence[t
               for g, leaf in zip(grads[at : at + n], stash.leaves[at : at + n])]
         at += n
         if p in to:
-            st.comm.send(to[p], edges[(p, s)].sig.pack_grads(gl, st.e.device))
+            st.outbox[to[p]] = edges[(p, s)].sig.pack_grads(gl, st.engine.device)  # for its SEND_GRAD
         else:
             st.grads[(p, b)][s] = gl
 
@@ -462,7 +462,7 @@ def _into(st: StepState, op: JobOp, targets: list[torch.Tensor]) -> list[torch.T
     once per total in a step: hooks and dtypes do not change while it runs."""
     key = (op.stage, op.owner)
     total = st.acc.get(key)
-    if total is None or not targets or (st.e.finite is not None and st.e.finite.grads):
+    if total is None or not targets or (st.engine.finite is not None and st.engine.finite.grads):
         return None
     if key in st.into:  # decided for this total (a sent one leaves with its entry)
         return st.into[key]
@@ -478,7 +478,7 @@ def _views(st: StepState, key: tuple[int, int], total: torch.Tensor) -> list[tor
     """Each parameter's view of the stage's total ``total`` (made once per total)."""
     views = st.views.get(key)
     if views is None:
-        views = st.views[key] = st.e.layouts[key[0]].grad_views(total)
+        views = st.views[key] = st.engine.layouts[key[0]].grad_views(total)
     return views
 
 
@@ -486,7 +486,7 @@ def accumulate(st: StepState, op: JobOp, targets: list[torch.Tensor], grads: Seq
     """Add a job's weight gradients into its stage's total (started by the first job that adds)."""
     gs = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
     key = (op.stage, op.owner)
-    layout = st.e.layouts[op.stage]
+    layout = st.engine.layouts[op.stage]
     total = st.acc.get(key)
     if total is not None:  # add each gradient into its view of the total: no packed copy
         if not gs:  # nothing of the stage trains: its (empty) total stays as it is
@@ -496,16 +496,16 @@ def accumulate(st: StepState, op: JobOp, targets: list[torch.Tensor], grads: Seq
         else:
             foreach_add_(_views(st, key, total), gs)
         return
-    total = st.e.replicas.buffer(op.stage) if op.owner == st.e.worker else None
+    total = st.engine.replicas.buffer(op.stage) if op.owner == st.engine.worker else None
     if total is not None:  # a replicated stage: the total lives in its bucket's buffer
-        st.e.replicas.fill(op.stage)
-    elif op.owner != st.e.worker and st.e.lowered.weight_cache == "job":
+        st.engine.replicas.fill(op.stage)
+    elif op.owner != st.engine.worker and st.engine.lowered.weight_cache == "job":
         # cache "job": a fetched stage's sum lives only until it is delivered (freed, not kept)
-        total = torch.empty(layout.grad_numel, dtype=layout.dtype, device=st.e.device)
+        total = torch.empty(layout.grad_numel, dtype=layout.dtype, device=st.engine.device)
     else:
-        total = st.e.totals.get(key)
+        total = st.engine.totals.get(key)
         if total is None:
-            total = st.e.totals[key] = torch.empty(layout.grad_numel, dtype=layout.dtype, device=st.e.device)
+            total = st.engine.totals[key] = torch.empty(layout.grad_numel, dtype=layout.dtype, device=st.engine.device)
     # written in place into a buffer kept from step to step (a fresh megabyte a step costs a
     # page fault per 4 KiB); the engine's sends of it are done before the next step starts
     layout.pack(gs, out=total)

@@ -45,6 +45,8 @@ SEND_WGRAD, RECV_WGRAD = "SEND_WGRAD", "RECV_WGRAD"  # a worker's weight-gradien
 FREE_WGRAD = "FREE_WGRAD"  # wait until that sum is delivered and free it
 REDUCE = "REDUCE"  # this worker's share of a replicated stage is complete: its all-reduce may start
 
+#: every send: the one operation that hands a message's data over (:meth:`launcher.runtime.step_state.StepState.send`)
+SENDS = frozenset((SEND_ACT, SEND_GRAD, SEND_WEIGHTS, SEND_WGRAD))
 #: receives posted ahead of the job that needs them (by the engine's lookahead), which that job waits for
 POSTED = frozenset((RECV_ACT, RECV_GRAD, RECV_WEIGHTS))
 

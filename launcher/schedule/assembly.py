@@ -32,6 +32,7 @@ from .actions import (
     SEND_GRAD,
     SEND_WEIGHTS,
     SEND_WGRAD,
+    SENDS,
     Action,
     format_programs,
 )
@@ -49,6 +50,7 @@ from .program import (
     StageReduce,
     reduce_rounds,
     resident_peaks,
+    tail_of,
 )
 from .settings import DEFAULT
 from .simulate import Timeline
@@ -112,14 +114,12 @@ Edge = tuple[int, tuple, str, int, int, int, int, int, int, int]
 _RECEIVES: dict[str, tuple[str, str] | None] = {
     RECV_ACT: (SEND_ACT, ACT), RECV_GRAD: (SEND_GRAD, GRAD), RECV_WEIGHTS: (SEND_WEIGHTS, WEIGHTS),
     RECV_WGRAD: (SEND_WGRAD, WGRAD), FREE_WGRAD: None}
-_SENDS = frozenset((SEND_ACT, SEND_GRAD, SEND_WEIGHTS, SEND_WGRAD))
 _WEIGHT_SENDS = frozenset((SEND_WEIGHTS, SEND_WGRAD))  # the sends and receives left once the edges are known
 _WEIGHT_RECEIVES = frozenset((RECV_WEIGHTS, RECV_WGRAD, FREE_WGRAD))
 _AFTER = frozenset(AFTER)
 # kinds about the job beside them -> the job kinds that may be (a gradient sum goes after B or W)
 _OF_JOB = {SEND_ACT: "F", RECV_ACT: "F", SEND_GRAD: "BI", RECV_GRAD: "BI", RECV_WEIGHTS: "FBIW",
            FREE_WEIGHTS: "FBIW", SEND_WGRAD: "BW"}
-_BY_JOB = frozenset((SEND_ACT, SEND_GRAD, FREE_WEIGHTS))  # what a job does itself when it ends
 _AT_END = frozenset((SEND_WEIGHTS, RECV_WGRAD, REDUCE))  # what may follow a worker's last job's own actions
 _EDGE = frozenset((SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD))  # messages along an edge of one micro-batch
 _JOB_OR_EDGE = JOBS | _EDGE
@@ -191,7 +191,7 @@ def _check_actions(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> N
                               "an action belongs to the job before it (sends, frees, REDUCE) or the one after it "
                               "(the rest); one about a job needs a job of its kind, stage and micro-batch; REDUCE "
                               "needs a replicated stage the worker owns")
-            if (a.op in _SENDS or a.op in _RECEIVES) and not (0 <= a.peer < W and a.peer != w):
+            if (a.op in SENDS or a.op in _RECEIVES) and not (0 <= a.peer < W and a.peer != w):
                 raise marked_error(progs, (w, n), f"worker {w}'s {a!r} names worker {a.peer}, not another of the {W}")
 
 
@@ -224,7 +224,7 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]], edge_msgs:
     grad_place = [{c: k for k, c in enumerate(cs)} for cs in space.stage_succs]
     base_weights = 2 * N * S  # numbering order as one int: act/grad by consumer job and place, then ...
     base_wgrad = base_weights + W * (N + 1)  # ... weights by worker and job, then wgrad by stage, sender, owner
-    sends, receives = (_SENDS, _RECEIVES) if edge_msgs is None else (_WEIGHT_SENDS, _WEIGHT_RECEIVES)
+    sends, receives = (SENDS, _RECEIVES) if edge_msgs is None else (_WEIGHT_SENDS, _WEIGHT_RECEIVES)
     # each worker's sends by action (the k-th send of an action matches the k-th receive of its mirror)
     sent: list[dict[tuple, list[int]]] = []
     for prog in progs:
@@ -366,7 +366,7 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
     for mid, (_, _, kind, ws, wr, stage, _, peer, ns, nr) in enumerate(edge_msgs):  # each job's messages in id order
         jobs[wr][nr].recv[stage if kind == ACT else peer] = mid
         jobs[ws][ns].send.append(mid)
-    programs = [_program(w, progs[w], jobs[w], belongs[w], mids[w], owners, pair[w], tl.step.frozen)
+    programs = [_program(w, progs[w], jobs[w], belongs[w], mids[w], msgs, owners, pair[w], tl.step.frozen)
                 for w in range(W)]
     lowered = Lowered(tl, weight_cache, msgs, programs, owners, per_worker(tl, weight_cache), prefetch,
                       _reduce_order(tl, programs, owners))
@@ -376,7 +376,7 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
     return lowered
 
 
-def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mids: list[int],
+def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mids: list[int], msgs: list[Msg],
              owners: list[list[int]], pair: dict[int, list[int]], frozen: frozenset[int] = frozenset()) -> Program:
     """Worker ``w``'s :class:`~launcher.schedule.program.Program` from its actions (``bound``: per
     action, the job it belongs to, a receive's the job it feeds; ``mids``: per action, its
@@ -388,7 +388,6 @@ def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mi
     held: dict[int, int] = {}  # stage -> the fetched copy its jobs here run on
     copy_for: dict[int, int] = {}  # job index -> the copy received for it
     ops: list[Op] = []
-    last = -1  # the operation of the last job
     for n, a in enumerate(prog):
         kind, i = a.op, bound[n]
         if kind in JOBS:
@@ -397,14 +396,15 @@ def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mi
                 held[a.stage] = copy_for.pop(i)
             if job.owner != w:
                 job.weights = held.get(a.stage)
-            last = len(ops)
             ops.append((kind, i))
-        elif kind in _BY_JOB:  # done by the job itself (its ``send``, its ``free_weights``)
-            if kind == FREE_WEIGHTS:
-                jobs[i].free_weights = True
-                held.pop(a.stage, None)
+        elif kind == FREE_WEIGHTS:  # done by the job itself, as it ends
+            jobs[i].free_weights = True
+            held.pop(a.stage, None)
         elif kind == RECV_ACT or kind == RECV_GRAD:
             ops.append((kind, jobs[i].recv[a.peer_stage]))
+        elif kind == SEND_ACT or kind == SEND_GRAD:  # which of the job's outputs: by receiver and its stage
+            ops.append((kind, next(mid for mid in jobs[i].send if msgs[mid].dst == a.peer and
+                                   (msgs[mid].peer_stage if kind == SEND_ACT else msgs[mid].stage) == a.peer_stage)))
         elif kind == REDUCE:
             ops.append((kind, a.stage))
         else:
@@ -418,11 +418,8 @@ def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mi
                 jobs[i].wgrad_send.append(mid)
                 reduces.setdefault(a.stage, StageReduce(a.stage)).send_to_owner[a.peer] = mid
     _in_id_order(jobs, reduces.values())
-    tail = last + 1
-    while tail < len(ops) and ops[tail][0] in _AFTER:
-        tail += 1
     return Program(w, jobs, [reduces[s] for s in sorted(reduces)], [s for s, o in enumerate(owners) if w in o], pair,
-                   ops, tail)
+                   ops, tail_of(ops))
 
 
 def _in_id_order(jobs: list[JobOp], reduces: Iterable[StageReduce]) -> None:

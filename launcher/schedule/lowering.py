@@ -17,7 +17,7 @@ order (the engine runs them as they stand). :func:`lower_actions` gives the list
 :func:`~launcher.schedule.actions.format_programs` prints them, one line per worker, and
 :func:`assemble` of what :func:`~launcher.schedule.actions.parse_programs` reads back is the
 same lowered step. :func:`lower` takes the ``act``/``grad`` messages (most of a step's) straight
-from :func:`edges` rather than writing out their sends and pairing them again.
+from :func:`edges` rather than pairing their sends and receives again.
 """
 
 from __future__ import annotations
@@ -124,20 +124,16 @@ def edges(tl: Timeline) -> list[Edge]:
     return out
 
 
-def add_act_grad(tl: Timeline, progs: Programs, weight_cache: str, sends: bool = True,
-                 found: list[Edge] | None = None) -> Programs:
-    """The ``act`` and ``grad`` messages of :func:`edges`, each sent after the job that produces it
-    and received before the job that consumes it (``sends=False``: the receives only, for
-    :func:`lower`, which pairs these messages from the edges themselves)."""
+def add_act_grad(tl: Timeline, progs: Programs, weight_cache: str, found: list[Edge] | None = None) -> Programs:
+    """The ``act`` and ``grad`` messages of :func:`edges` (``found``: those, already known), each
+    sent after the job that produces it and received before the job that consumes it."""
     before, after = _slots(tl)
     for _, _, kind, pw, cw, x, b, y, ip, ic in edges(tl) if found is None else found:
         if kind == ACT:
-            if sends:
-                after[pw][ip].append(Action(SEND_ACT, x, b, cw, y))
+            after[pw][ip].append(Action(SEND_ACT, x, b, cw, y))
             before[cw][ic].append(Action(RECV_ACT, y, b, pw, x))
         else:  # ``x`` receives the gradient of its output from ``y``
-            if sends:
-                after[pw][ip].append(Action(SEND_GRAD, y, b, cw, x))
+            after[pw][ip].append(Action(SEND_GRAD, y, b, cw, x))
             before[cw][ic].append(Action(RECV_GRAD, x, b, pw, y))
     return weave(progs, before, after)
 
@@ -344,10 +340,9 @@ def lower_actions(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefet
 def lower(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int = DEFAULT.prefetch) -> Lowered:
     """Lower ``tl`` into per-worker programs; identical on every worker.
 
-    The same as :func:`assemble` of :func:`lower_actions`, without writing out the ``act`` and
-    ``grad`` sends only to pair them with their receives again: the programs take those messages
-    from :func:`edges` (a step has one per edge that crosses workers; the other passes add a few per
-    stage). Their receives are written out, since the workers post them where they stand.
+    The same as :func:`assemble` of :func:`lower_actions`, without pairing the ``act`` and ``grad``
+    actions again: the programs take those messages from :func:`edges` (a step has one per edge
+    that crosses workers; the other passes add a few per stage).
 
     ``lowered.predicted`` is the simulator's :func:`~launcher.schedule.metrics.per_worker`, except
     ``weights_peak_resident`` under ``weight_cache="job"``: the exact peak of the engine running
@@ -357,7 +352,7 @@ def lower(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int 
     check_options(weight_cache, prefetch)
     with _collector_paused():
         found = edges(tl)
-        progs = add_act_grad(tl, job_actions(tl), weight_cache, sends=False, found=found)
+        progs = add_act_grad(tl, job_actions(tl), weight_cache, found)
         for add in PASSES:
             if add is not add_act_grad:
                 progs = add(tl, progs, weight_cache)

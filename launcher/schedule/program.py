@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
-from .actions import JOBS, POSTED, RECV_WGRAD, REDUCE, SEND_WEIGHTS, SEND_WGRAD
+from .actions import AFTER, JOBS, POSTED, RECV_WGRAD, REDUCE, SENDS
 from .settings import DEFAULT
 from .simulate import Timeline
 
@@ -81,9 +81,8 @@ Op = tuple[str, int]
 class Program:
     """Everything one worker does in a step, in order: :attr:`ops` are its actions
     (:mod:`launcher.schedule.actions`) one for one, as printed, with each message's id resolved;
-    the engine runs them as they stand. The sends and frees a job does when it ends
-    (``SEND_ACT``, ``SEND_GRAD``, ``FREE_WEIGHTS``) are its :class:`JobOp`'s ``send`` and
-    ``free_weights``, done by the job itself."""
+    the engine runs them as they stand. A fetched copy's free when its job ends (``FREE_WEIGHTS``)
+    is the :class:`JobOp`'s ``free_weights``, done by the job itself."""
 
     worker: int
     jobs: list[JobOp]
@@ -106,6 +105,18 @@ class Program:
             elif op == REDUCE:
                 out[arg] = len(self.jobs) if n >= self.tail else i
         return out
+
+
+def tail_of(ops: list[Op]) -> int:
+    """Where the end of the step's operations start: after the last job and its own operations
+    (the kinds of :data:`~launcher.schedule.actions.AFTER`), or after the leading ones if no job."""
+    tail = next((n + 1 for n in range(len(ops) - 1, -1, -1) if ops[n][0] in JOBS), 0)
+    while tail < len(ops) and ops[tail][0] in _AFTER:
+        tail += 1
+    return tail
+
+
+_AFTER = frozenset(AFTER)
 
 
 @dataclass
@@ -235,8 +246,6 @@ def resident_peaks(lowered: Lowered, prefetch: int) -> list[int]:
         for n, (kind, arg) in enumerate(prog.ops):
             if kind in JOBS:
                 op = prog.jobs[arg]
-                for mid in op.send:
-                    posted(issue.ready(mid))
                 if op.kind == "I" and op.free_weights:
                     kept.add((op.stage, op.microbatch))
                 elif op.free_weights:
@@ -244,7 +253,7 @@ def resident_peaks(lowered: Lowered, prefetch: int) -> list[int]:
                 if op.kind == "W" and (op.stage, op.microbatch) in kept:
                     kept.discard((op.stage, op.microbatch))
                     held -= 1
-            elif kind == SEND_WEIGHTS or kind == SEND_WGRAD:
+            elif kind in SENDS:
                 posted(issue.ready(arg))
             elif kind in POSTED or kind == RECV_WGRAD and n < prog.tail:
                 posted(issue.want(arg))
@@ -280,21 +289,16 @@ def forward_only(lowered: Lowered) -> Lowered:
                     keep.add(op.weights)
     programs: list[Program] = []
     for old in lowered.programs:
-        index: dict[int, int] = {}  # old job index -> new
         jobs: list[JobOp] = []
         ops: list[Op] = []
-        tail = 0
         for kind, arg in old.ops:
-            if kind in JOBS:
-                if kind != "F":
-                    continue
-                index[arg] = len(jobs)
+            if kind == "F":
+                ops.append((kind, len(jobs)))
                 jobs.append(old.jobs[arg])
-                ops.append((kind, index[arg]))
-                tail = len(ops)
-            elif (kind in POSTED or kind == SEND_WEIGHTS) and arg in keep:
+            elif (kind in POSTED or kind in SENDS) and arg in keep:
                 ops.append((kind, arg))
         pair = {p: [m for m in q if m in keep] for p, q in old.pair_order.items()}
-        programs.append(Program(old.worker, jobs, [], old.owned, {p: q for p, q in pair.items() if q}, ops, tail))
+        programs.append(Program(old.worker, jobs, [], old.owned, {p: q for p, q in pair.items() if q}, ops,
+                                tail_of(ops)))
     return Lowered(lowered.timeline, lowered.weight_cache, lowered.messages, programs, lowered.owners,
                    lowered.predicted, lowered.prefetch)

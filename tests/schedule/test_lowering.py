@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from launcher.schedule import ScheduleError, make_step, simulate
-from launcher.schedule.actions import COMPUTE, RECV_ACT, RECV_GRAD, RECV_WEIGHTS, SEND_WEIGHTS, SEND_WGRAD
+from launcher.schedule.actions import COMPUTE, RECV_ACT, RECV_GRAD, RECV_WEIGHTS, SEND_WEIGHTS, SENDS
 from launcher.schedule.lowering import LoweringError, early, lower, weight_messages
 from launcher.schedule.metrics import per_worker
 from launcher.schedule.program import ACT, GRAD, WEIGHTS, WGRAD, Lowered, predicted_receives, resident_peaks
@@ -48,8 +48,7 @@ def execute_abstract(plan: Lowered) -> None:
                 ops += [("wait", m) for m in op.recv.values()]
                 if op.weights is not None:
                     ops.append(("wait", op.weights))
-                ops += [("send", m) for m in op.send]
-            elif kind in (SEND_WEIGHTS, SEND_WGRAD):
+            elif kind in SENDS:
                 ops.append(("send", arg))
         flat.append(ops + _end_phase(plan, w))
     ready: list[set[int]] = [set() for _ in range(W)]
