@@ -5,7 +5,8 @@ now (``I``) and the weights' later (``W``), and a worker's backward jobs.
 - :func:`input_grads` and :class:`Deferred` split it: ``I`` then ``W``;
 - :func:`backward` and :func:`weight_grad` are those jobs as a worker's step runs them
   (:class:`~launcher.runtime.step_state.StepState`): the output's gradient from the successors,
-  the inputs' sent back, the weights' added into the stage's total (:func:`accumulate`).
+  the inputs' sent back, the weights' added into the stage's total
+  (:meth:`~launcher.runtime.grad_totals.GradTotals.accumulate`).
 
 The split backward: ``I`` takes the gradient of a stage's inputs, ``W`` its weights' later,
 without ``W`` going over the part of the graph ``I`` already went over.
@@ -42,7 +43,7 @@ from torch.autograd.graph import GradientEdge, Node
 from launcher.schedule.program import JobOp
 
 from .staged import run_stage
-from .torch_private import autograd_run_backward, foreach_add_, has_post_accumulate_hooks, pytree
+from .torch_private import autograd_run_backward, pytree
 
 if TYPE_CHECKING:
     from .step_state import StepState
@@ -356,7 +357,8 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
         grads: list[torch.Tensor] | None = None if scale == 1.0 else [torch.full_like(loss, scale)]
     else:
         roots, grads = _output_grads(st, op, out)
-    into = None if split else _into(st, op, targets)
+    finite = st.engine.finite
+    into = None if split else st.totals.into(s, op.owner, targets, apart=finite is not None and finite.grads)
     if split:  # I: the inputs' gradient now, the weights' (per parameter) at W from where I left off
         weights = targets if views is None else views
         res, deferred = input_grads(roots, grads, stash.leaves, weights)
@@ -365,7 +367,7 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
         # only during the call (held until the step's end, it would outlive its job)
         own = op.weights is None
         if own:
-            st.bind(targets, into)
+            st.totals.bind(targets, into)
         res = stage_grads_into(roots, stash.leaves, targets, into, grads, bound=own)
     else:
         res = stage_grads(roots, stash.leaves + targets, grads)
@@ -373,7 +375,7 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
         st.engine.finite.backward(s, b, res)
     _route_input_grads(st, op, stash, res[: len(stash.leaves)])
     if not split and into is None:
-        accumulate(st, op, targets, res[len(stash.leaves) :])
+        st.totals.accumulate(s, op.owner, targets, res[len(stash.leaves) :])
     st.meter.release(stash.nbytes)  # x_s^b dies with the job that consumes it
     if not split:
         st.meter.drop_bytes(stash.saved)  # and the graph with it
@@ -429,7 +431,7 @@ def weight_grad(st: StepState, op: JobOp) -> None:
     wgrads = deferred.weight_grads()
     if st.engine.finite is not None:
         st.engine.finite.backward(op.stage, op.microbatch, wgrads)
-    accumulate(st, op, targets, wgrads)
+    st.totals.accumulate(op.stage, op.owner, targets, wgrads)
     st.meter.drop_bytes(saved)  # I's graph, kept for this job, is freed now
     if hold is not None:
         st.meter.free_weights()
@@ -453,60 +455,3 @@ def _route_input_grads(st: StepState, op: JobOp, stash: Stash, grads: Sequence[t
             st.outbox[to[p]] = edges[(p, s)].sig.pack_grads(gl, st.engine.device)  # for its SEND_GRAD
         else:
             st.grads[(p, b)][s] = gl
-
-
-def _into(st: StepState, op: JobOp, targets: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Where a backward adds ``targets``'s gradients in place: the views of the stage's total once
-    a micro-batch has started it; None where the job's gradients are needed apart (the first,
-    a non-finite check of each job's gradients) or a target has hooks run on accumulation. Decided
-    once per total in a step: hooks and dtypes do not change while it runs."""
-    key = (op.stage, op.owner)
-    total = st.acc.get(key)
-    if total is None or not targets or (st.engine.finite is not None and st.engine.finite.grads):
-        return None
-    if key in st.into:  # decided for this total (a sent one leaves with its entry)
-        return st.into[key]
-    views: list[torch.Tensor] | None = None
-    # mixed precision (a low-precision copy's gradient, added up in fp32) or hooks: added apart
-    if total.dtype == targets[0].dtype and not any(has_post_accumulate_hooks(t) for t in targets):
-        views = [total.view_as(targets[0])] if len(targets) == 1 else _views(st, key, total)
-    st.into[key] = views
-    return views
-
-
-def _views(st: StepState, key: tuple[int, int], total: torch.Tensor) -> list[torch.Tensor]:
-    """Each parameter's view of the stage's total ``total`` (made once per total)."""
-    views = st.views.get(key)
-    if views is None:
-        views = st.views[key] = st.engine.layouts[key[0]].grad_views(total)
-    return views
-
-
-def accumulate(st: StepState, op: JobOp, targets: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Add a job's weight gradients into its stage's total (started by the first job that adds)."""
-    gs = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
-    key = (op.stage, op.owner)
-    layout = st.engine.layouts[op.stage]
-    total = st.acc.get(key)
-    if total is not None:  # add each gradient into its view of the total: no packed copy
-        if not gs:  # nothing of the stage trains: its (empty) total stays as it is
-            return
-        if len(gs) == 1:
-            total += gs[0].reshape(-1)
-        else:
-            foreach_add_(_views(st, key, total), gs)
-        return
-    total = st.engine.replicas.buffer(op.stage) if op.owner == st.engine.worker else None
-    if total is not None:  # a replicated stage: the total lives in its bucket's buffer
-        st.engine.replicas.fill(op.stage)
-    elif op.owner != st.engine.worker and st.engine.lowered.weight_cache == "job":
-        # cache "job": a fetched stage's sum lives only until it is delivered (freed, not kept)
-        total = torch.empty(layout.grad_numel, dtype=layout.dtype, device=st.engine.device)
-    else:
-        total = st.engine.totals.get(key)
-        if total is None:
-            total = st.engine.totals[key] = torch.empty(layout.grad_numel, dtype=layout.dtype, device=st.engine.device)
-    # written in place into a buffer kept from step to step (a fresh megabyte a step costs a
-    # page fault per 4 KiB); the engine's sends of it are done before the next step starts
-    layout.pack(gs, out=total)
-    st.acc[key] = total

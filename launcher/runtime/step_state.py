@@ -1,6 +1,7 @@
 """One step of one worker: what it holds while the step runs (:class:`StepState`), its forward jobs,
-the end of step's gradient reduction, and the loop that runs its program's operations as printed
-(:func:`run_program`). The backward jobs are :mod:`.backward`'s."""
+the one place a message of the step starts (:meth:`StepState.send`), and the loop that runs its
+program's operations as printed (:func:`run_program`). The backward jobs are :mod:`.backward`'s;
+the gradient sums :class:`~launcher.runtime.grad_totals.GradTotals`'."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from .values import nbytes as value_bytes
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .grad_totals import GradTotals
 
 #: steps whose messages are timed (what a message takes, :class:`~launcher.runtime.comm.Clock`):
 #: enough for a profile, and a long run's records do not grow with every message of every step
@@ -42,9 +44,10 @@ def _detached(value: Any) -> Any:
 class StepState:
     """Everything a worker holds during one step."""
 
-    def __init__(self, engine: Engine, comm: Comm, meter: Meter, microbatches: Sequence[Batch], shapes: list[Shapes],
-                 train: bool = True, shares: list[float] | None = None) -> None:
+    def __init__(self, engine: Engine, comm: Comm, meter: Meter, totals: GradTotals, microbatches: Sequence[Batch],
+                 shapes: list[Shapes], train: bool = True, shares: list[float] | None = None) -> None:
         self.engine, self.comm, self.meter, self.mb, self.train = engine, comm, meter, microbatches, train
+        self.totals = totals  # the worker's gradient sums (the backward jobs add into them)
         self.shares = shares  # micro-batch -> its weight in the step's loss (None: 1 / B each)
         self.shapes = shapes
         self.predictions: dict[int, Any] = {}  # evaluation: micro-batch -> loss stage output
@@ -55,17 +58,11 @@ class StepState:
         self.stash: dict[tuple[int, int], Stash] = {}
         self.ys: dict[int, Any] = {}  # micro-batch -> its target on the device (loss stages)
         self.wstash: dict[tuple[int, int], tuple] = {}  # split backward: I's graph kept for W
-        self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (stage, owner) -> summed weight gradient
         # weights message -> (fetched flat copy, the leaf its gradient is taken against: the copy
         # itself, its trainable prefix, or None when nothing of the stage trains)
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
-        self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # acc key -> per-parameter views of the total
-        self.into: dict[tuple[int, int], list[torch.Tensor] | None] = {}  # acc key -> where a backward adds in place
-        self.unbound: dict[int, tuple[torch.Tensor, Any]] = {}  # weight id -> (weight, its .grad before the step)
         self.static_keys: dict[tuple[int, bool], tuple] = {}  # (stage, own weights) -> its forwards' fixed key part
-        self.incoming: list[int] = []  # partial sums asked for before this job (cache "job"), not yet added
-        self.absorbed: set[int] = set()  # partial sums already added into an owned stage's total
         self.outbox: dict[int, torch.Tensor] = {}  # act/grad message -> its data, packed by its job, until sent
         self.packed: dict[int, torch.Tensor] = {}  # owned stage -> its weights packed for sending, once a step
 
@@ -102,23 +99,6 @@ class StepState:
     def free(self, mid: int | None) -> None:
         if mid is not None and self.weights.pop(mid, None) is not None:
             self.meter.free_weights()
-
-    def bind(self, targets: Sequence[torch.Tensor], into: Sequence[torch.Tensor]) -> None:
-        """Point each weight's ``.grad`` at its tensor of ``into`` (where autograd adds it in place)
-        until :meth:`unbind`: once for a stage's backwards in a step, not around each (another
-        stage sharing a weight points it at its own total before its backward)."""
-        if all(t.grad is g for t, g in zip(targets, into)):
-            return
-        for t, g in zip(targets, into):
-            if id(t) not in self.unbound:
-                self.unbound[id(t)] = (t, t.grad)
-            t.grad = g
-
-    def unbind(self) -> None:
-        """Give every weight :meth:`bind` pointed elsewhere its ``.grad`` from before the step."""
-        for t, g in self.unbound.values():
-            t.grad = g
-        self.unbound.clear()
 
     # ---- jobs --------------------------------------------------------------------------------
     def run(self, op: JobOp) -> None:
@@ -190,10 +170,7 @@ class StepState:
             if data is None:  # mixed precision: cast once, sent to all
                 data = self.packed[s] = engine.layouts[s].pack_module(engine.modules[s]).to(engine.wire_dtype(s))
         elif kind == SEND_WGRAD:
-            key = (self.msgs[mid].stage, self.msgs[mid].dst)
-            data = self.acc.pop(key) if self.engine.lowered.weight_cache == "job" else self.acc[key]
-            self.views.pop(key, None)
-            self.into.pop(key, None)
+            data = self.totals.take(self.msgs[mid].stage, self.msgs[mid].dst)
         else:
             data = self.outbox.pop(mid)
         self.comm.send(mid, data)
@@ -263,7 +240,7 @@ class StepState:
                  and self.engine.split else None)
         self.stash[(s, b)] = Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
                                     [] if recompute else targets, nbytes, saved, rng, views)
-        n = self.engine._local_succ[s * self.engine.space.B + b]
+        n = self.engine.local_succ[s * self.engine.space.B + b]
         if n:
             self.outs[(s, b)] = [out.detach() if isinstance(out, torch.Tensor) else _detached(out), n]
         self._send_output(op, out)
@@ -285,7 +262,7 @@ class StepState:
             return [*targets, *mod.buffers(), *saved_tensors(values), *y]
 
         return self.engine.graph_counts.counter(self._graph_key(op, mod, targets, values, sink, recomputing),
-                                           self.engine._recount, skip)
+                                           self.engine.recount, skip)
 
     def _graph_key(self, op: JobOp, mod: torch.nn.Module, targets: list[torch.Tensor], values: list[Any],
                    sink: bool, recomputing: bool) -> Any:
@@ -316,74 +293,12 @@ class StepState:
         if loss is not None:
             self.meter.add_loss(loss)
             self.predictions[b] = out
-        n = self.engine._local_succ[s * self.engine.space.B + b]
+        n = self.engine.local_succ[s * self.engine.space.B + b]
         if n:
             self.outs[(s, b)] = [out, n]
         self._send_output(op, out)
         if op.free_weights:
             self.free(op.weights)
-
-
-    def absorb(self) -> None:
-        """Add the partial sums asked for before this job into their owned stage's total (cache
-        ``job``): each sender's copy is freed once delivered, not at the end of the step."""
-        if not self.incoming:
-            return
-        e, w = self.engine, self.engine.worker
-        assert w is not None  # only a worker runs a step
-        for mid in self.incoming:
-            part = self.comm.wait(mid)
-            self.comm.drop(mid)
-            s = self.msgs[mid].stage
-            total = self.acc.get((s, w))
-            if total is None:  # before this worker's own share: the sum starts from this part
-                layout = e.layouts[s]
-                total = e.totals.get((s, w))
-                if total is None:
-                    total = e.totals[(s, w)] = torch.empty(layout.grad_numel, dtype=layout.dtype, device=e.device)
-                total.copy_(part)
-                self.acc[(s, w)] = total
-            else:
-                total += part
-            self.absorbed.add(mid)
-        self.incoming = []
-
-    # ---- end of step -------------------------------------------------------------------------
-    def reduce(self, prog: Program) -> dict[int, torch.Tensor]:
-        """Each owned stage's total gradient: this worker's own sum plus the sums other workers
-        sent (they went out during the backward), all-reduced across the stage's replicas."""
-        e, comm, w = self.engine, self.comm, self.engine.worker
-        assert w is not None  # only a worker runs a step
-        totals: dict[int, torch.Tensor] = {}
-        for red in prog.reduces:
-            s = red.stage
-            if s not in e.owned:
-                continue
-            if e.watchdog is not None:
-                e.watchdog.check()
-                e.watchdog.set_job(f"gradient reduction of stage {s} in step {e.steps}")
-            total = self.acc.get((s, w))
-            if total is None:
-                total = e.replicas.buffer(s)
-                if total is None:
-                    total = torch.zeros(e.layouts[s].grad_numel, dtype=e.layouts[s].dtype, device=e.device)
-                elif red.recv_from and e.replicas.fill(s):  # not launched yet: it waits for these sums
-                    total.zero_()
-            for mid in red.recv_from:
-                if mid in self.absorbed:
-                    continue
-                total += comm.wait(mid)
-                comm.drop(mid)
-            totals[s] = total
-            if red.replicas:
-                self.meter.allreduce += 1
-        if e.replicas.buckets:
-            if e.watchdog is not None:
-                e.watchdog.set_job(f"all-reduce of replicated stages in step {e.steps}")
-            began = time.perf_counter()
-            e.replicas.finish(e.watchdog, comm.clock)
-            self.meter.allreduce_span = (began, time.perf_counter())
-        return totals
 
 
 def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch], meter: Meter, train: bool,
@@ -399,11 +314,11 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
     comm = Comm(lowered, w, functools.partial(_spec, engine, shapes), engine.device, engine.watchdog, engine.group,
                 engine.ranks, on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
                 timed=train and engine.steps <= TIMED_STEPS, traced=meter.spans is not None, links=engine.links)
-    st = StepState(engine, comm, meter, microbatches, shapes, train, shares)
+    st = StepState(engine, comm, meter, engine.grad_totals, microbatches, shapes, train, shares)
     try:
         _run_ops(engine, lowered, prog, st)
     finally:
-        st.unbind()
+        st.totals.unbind()
     for kind, mid in prog.ops[prog.tail :]:
         if kind == SEND_WEIGHTS:  # the owner's last hand-overs
             st.send(kind, mid)
@@ -433,7 +348,7 @@ def _run_ops(engine: Engine, lowered: Lowered, prog: Program, st: StepState) -> 
         """The job's own operations are done: add in the partial sums posted before it, time it."""
         nonlocal t, mine, op
         assert op is not None
-        st.absorb()
+        st.totals.absorb(comm, lowered.messages)
         # work: what it spent blocked on a peer's data is idle time, not work; cpu: the
         # process's CPU meanwhile (its communication threads' too), what it asks of a core;
         # and the compute thread's own share of it
@@ -458,13 +373,13 @@ def _run_ops(engine: Engine, lowered: Lowered, prog: Program, st: StepState) -> 
             st.send(kind, arg)
         elif kind == REDUCE:
             if st.train:  # buckets of replicated stages whose share is complete start their all-reduce
-                engine.replicas.launch_ready(i)
+                st.totals.replicas.launch_ready(i)
         elif kind == FREE_WGRAD:  # a sum sent earlier, received by now: free it
             comm.deliver(arg)
         else:  # a receive posted ahead of the job that needs it
             comm.want(arg)
             if kind == RECV_WGRAD:  # a partial sum, added in once the next job is done
-                st.incoming.append(arg)
+                st.totals.incoming.append(arg)
     if op is not None:
         close()
     others = max(0.0, time.process_time() - cpu0 - (mine - mine0))  # the other threads' CPU meanwhile
