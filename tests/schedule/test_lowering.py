@@ -7,10 +7,19 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from launcher.schedule import ScheduleError, make_step, simulate
-from launcher.schedule.actions import COMPUTE, RECV_ACT, RECV_GRAD, RECV_WEIGHTS, SEND_WEIGHTS, SENDS
+from launcher.schedule.actions import COMPUTE, RECV_ACT, RECV_GRAD, RECV_WEIGHTS, RECV_WGRAD, SEND_WEIGHTS, SENDS
 from launcher.schedule.lowering import LoweringError, early, lower, weight_messages
 from launcher.schedule.metrics import per_worker
-from launcher.schedule.program import ACT, GRAD, WEIGHTS, WGRAD, Lowered, predicted_receives, resident_peaks
+from launcher.schedule.program import (
+    ACT,
+    GRAD,
+    WEIGHTS,
+    WGRAD,
+    Lowered,
+    PairIssue,
+    predicted_receives,
+    resident_peaks,
+)
 
 SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("lpp", 2, 2, 4, 4),
            ("fslpp", 2, 2, 4, 4), ("lpp", 2, 2, 8, 8), ("fslpp", 4, 2, 8, 8)]
@@ -335,3 +344,21 @@ def test_frozen_stages_send_no_gradient(scheme: str, G: int, R: int, split: bool
         assert some.predicted["weight_allreduce"][w] == sum(1 for r in prog.reduces if r.replicas)
     assert set(some.reduce_order) == set(every.reduce_order) - {0, 3}
     assert [m.kind for m in some.messages if m.kind != WGRAD] == [m.kind for m in every.messages if m.kind != WGRAD]
+
+
+@pytest.mark.parametrize("cache", ["step", "job"])
+@pytest.mark.parametrize("name,G,R,S,B", SCHEMES)
+def test_a_send_starts_only_at_a_send(name, G, R, S, B, cache):
+    """Walking a worker's operations as the engine does (PairIssue, the rule its communication
+    follows), asking for a receive never starts a send: every send goes out at a send of the
+    program (its own, or one held behind it in the pair's order), and all of them by the end."""
+    plan = lower(simulate(make_step(name, S, B, G=G, R=R, order="1f1b")), cache, 2)
+    for prog in plan.programs:
+        issue = PairIssue(plan.messages, prog.worker, prog.pair_order)
+        started: set[int] = set()
+        for n, (kind, arg) in enumerate(prog.ops):
+            if kind in SENDS:
+                started |= {m for m in issue.ready(arg) if plan.messages[m].src == prog.worker}
+            elif kind in (RECV_ACT, RECV_GRAD, RECV_WEIGHTS) or kind == RECV_WGRAD and n < prog.tail:
+                assert all(plan.messages[m].dst == prog.worker for m in issue.want(arg))
+        assert started == {m.mid for m in plan.messages if m.src == prog.worker}
