@@ -39,7 +39,7 @@ def clipped_gradients(engine: Engine, grads: dict[int, dict[int, torch.Tensor]] 
     ``counted``: every parameter's gradient once over all workers, as one device's module lists it:
     by its stage's first owner (replicas hold equal copies), and a parameter several stages share
     (tied embeddings, :attr:`Engine.ties`) only at its first use, ``min(uses)`` (every use holds the
-    same summed gradient, :meth:`Engine._sum_tied`). ``scaled``: every owned parameter's gradient
+    same summed gradient, :meth:`GradTotals.sum_tied`). ``scaled``: every owned parameter's gradient
     once, on every worker that holds a copy: a parameter held by two stages of this worker (DDP's
     tied embedding) is one tensor, scaled once. ``grads``: per owned stage, its trainable
     parameters' gradients by ``id`` (:meth:`Engine.grad_views`, before they are installed); None:

@@ -70,6 +70,31 @@ def runtime_peaks(tl: Timeline, summary: dict[str, Any], prefetch: int) -> None:
     summary["total"]["weights_peak_resident"] = sum(peaks)
 
 
+#: steps of at most this many jobs print their workers' action lists; larger ones only write them
+PRINT_ACTIONS_MAX_JOBS = 256
+
+
+def print_program(tl: Timeline, weight_cache: str, prefetch: int, out_dir: Path, con: Any) -> None:
+    """The action lists the workers run (:func:`~launcher.schedule.lowering.lower_actions`, the
+    lookahead resolved): written to ``actions.txt``, printed for a small step. A placement the
+    runtime cannot lower has none."""
+    from ..schedule.actions import format_programs
+    from ..schedule.lowering import lower_actions
+
+    try:
+        text = format_programs(lower_actions(tl, weight_cache, prefetch))
+    except LoweringError:
+        return
+    from ..atomic import write_text
+
+    path = write_text(out_dir / "actions.txt", text + "\n")
+    if tl.step.space.N <= PRINT_ACTIONS_MAX_JOBS:
+        con.print(f"program (what each worker runs, weight_cache={weight_cache} prefetch={prefetch}):",
+                  highlight=False)
+        print(text, flush=True)
+    con.print(f"wrote the workers' action lists to {path}", highlight=False, soft_wrap=True)
+
+
 def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Print the tables and the text diagram; write ``simulation.json`` and ``pipeline.png``."""
     from ..report import closed_form_table, per_worker_table, record, write_record
@@ -110,6 +135,7 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     con.print(closed_form_table(rec))
     con.print(f"pipeline ({legend('both')}):", highlight=False)
     print(ascii_diagram(tl, cells="both"), flush=True)
+    print_program(tl, cfg.weight_cache, cfg.prefetch, out_dir, con)
     export = cfg.order.get("export")
     if export:  # the step's job sequences, for order=file here or torch's _load_csv (a .csv)
         from ..schedule.order_file import write_schedule

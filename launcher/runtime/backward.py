@@ -5,7 +5,8 @@ now (``I``) and the weights' later (``W``), and a worker's backward jobs.
 - :func:`input_grads` and :class:`Deferred` split it: ``I`` then ``W``;
 - :func:`backward` and :func:`weight_grad` are those jobs as a worker's step runs them
   (:class:`~launcher.runtime.step_state.StepState`): the output's gradient from the successors,
-  the inputs' sent back, the weights' added into the stage's total (:func:`accumulate`).
+  the inputs' sent back, the weights' added into the stage's total
+  (:meth:`~launcher.runtime.grad_totals.GradTotals.accumulate`).
 
 The split backward: ``I`` takes the gradient of a stage's inputs, ``W`` its weights' later,
 without ``W`` going over the part of the graph ``I`` already went over.
@@ -42,7 +43,7 @@ from torch.autograd.graph import GradientEdge, Node
 from launcher.schedule.program import JobOp
 
 from ..torch_support.staged import run_stage
-from ..torch_support.torch_private import autograd_run_backward, foreach_add_, has_post_accumulate_hooks, pytree
+from ..torch_support.torch_private import autograd_run_backward, pytree
 
 if TYPE_CHECKING:
     from .step_state import StepState
@@ -337,13 +338,13 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
     views = stash.views
     if stash.out is None:  # recompute the stage's forward on freshly fetched weights
         mod, params, targets = st.fetch(op)
-        views = None if params is None else list(params.values())[: st.e.layouts[s].trainable]
-        st.e.stats.before(s, b, mod)
-        with torch.enable_grad(), replayed_rng(stash.rng, st.e.device), st.in_streams(b), \
+        views = None if params is None else list(params.values())[: st.engine.layouts[s].trainable]
+        st.engine.stats.before(s, b, mod)
+        with torch.enable_grad(), replayed_rng(stash.rng, st.engine.device), st.in_streams(b), \
                 st.counting(False, op, mod, targets, stash.values, True) as graph:
             out = run_stage(mod, params, stash.values)
             loss = st.loss(op, out)
-        st.e.stats.after(s, b, mod, count=False)  # counted by the forward already
+        st.engine.stats.after(s, b, mod, count=False)  # counted by the forward already
         stash.saved = graph.nbytes
         st.meter.hold_bytes(stash.saved)  # the recomputed graph, until this job (or W) ends
     else:
@@ -352,11 +353,12 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
             st.fetch(op)  # cache "step" only: the copy F used; counted as a job on fetched weights
     if loss is not None:
         roots: list[torch.Tensor] = [] if st.weightless(s, b) else [loss]  # none: zero gradients
-        scale = st.e.loss_scale  # 16-mixed: the GradScaler's scale (the owners' optimizer step unscales)
+        scale = st.engine.loss_scale  # 16-mixed: the GradScaler's scale (the owners' optimizer step unscales)
         grads: list[torch.Tensor] | None = None if scale == 1.0 else [torch.full_like(loss, scale)]
     else:
         roots, grads = _output_grads(st, op, out)
-    into = None if split else _into(st, op, targets)
+    finite = st.engine.finite
+    into = None if split else st.totals.into(s, op.owner, targets, apart=finite is not None and finite.grads)
     if split:  # I: the inputs' gradient now, the weights' (per parameter) at W from where I left off
         weights = targets if views is None else views
         res, deferred = input_grads(roots, grads, stash.leaves, weights)
@@ -365,15 +367,15 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
         # only during the call (held until the step's end, it would outlive its job)
         own = op.weights is None
         if own:
-            st.bind(targets, into)
+            st.totals.bind(targets, into)
         res = stage_grads_into(roots, stash.leaves, targets, into, grads, bound=own)
     else:
         res = stage_grads(roots, stash.leaves + targets, grads)
-    if st.e.finite is not None:
-        st.e.finite.backward(s, b, res)
+    if st.engine.finite is not None:
+        st.engine.finite.backward(s, b, res)
     _route_input_grads(st, op, stash, res[: len(stash.leaves)])
     if not split and into is None:
-        accumulate(st, op, targets, res[len(stash.leaves) :])
+        st.totals.accumulate(s, op.owner, targets, res[len(stash.leaves) :])
     st.meter.release(stash.nbytes)  # x_s^b dies with the job that consumes it
     if not split:
         st.meter.drop_bytes(stash.saved)  # and the graph with it
@@ -393,7 +395,7 @@ def _output_grads(st: StepState, op: JobOp, out: Any) -> tuple[list[torch.Tensor
     edges = st.shapes[b].edges
     if isinstance(out, torch.Tensor):  # the common case: one tensor, one gradient per successor
         g = None
-        for c in st.e.space.stage_succs[s]:
+        for c in st.engine.space.stage_succs[s]:
             if c in op.recv:
                 gc = edges[(s, c)].sig.unpack_grads(st.comm.wait(op.recv[c]))
                 st.comm.drop(op.recv[c])
@@ -405,7 +407,7 @@ def _output_grads(st: StepState, op: JobOp, out: Any) -> tuple[list[torch.Tensor
         return ([out], [g]) if g is not None else ([], [])
     flat = pytree.tree_leaves(out)
     total: dict[int, torch.Tensor] = {}
-    for c in st.e.space.stage_succs[s]:
+    for c in st.engine.space.stage_succs[s]:
         edge = edges[(s, c)]
         if c in op.recv:
             gc = edge.sig.unpack_grads(st.comm.wait(op.recv[c]))
@@ -427,9 +429,9 @@ def weight_grad(st: StepState, op: JobOp) -> None:
         # gradient itself comes from I's graph (under "job" the program sends W no copy at all)
         st.fetch(op)
     wgrads = deferred.weight_grads()
-    if st.e.finite is not None:
-        st.e.finite.backward(op.stage, op.microbatch, wgrads)
-    accumulate(st, op, targets, wgrads)
+    if st.engine.finite is not None:
+        st.engine.finite.backward(op.stage, op.microbatch, wgrads)
+    st.totals.accumulate(op.stage, op.owner, targets, wgrads)
     st.meter.drop_bytes(saved)  # I's graph, kept for this job, is freed now
     if hold is not None:
         st.meter.free_weights()
@@ -438,7 +440,7 @@ def weight_grad(st: StepState, op: JobOp) -> None:
 def _route_input_grads(st: StepState, op: JobOp, stash: Stash, grads: Sequence[torch.Tensor | None]) -> None:
     """The inputs' gradients to each predecessor: sent to another worker, or kept for a local one."""
     s, b = op.stage, op.microbatch
-    preds = st.e.space.stage_preds[s]
+    preds = st.engine.space.stage_preds[s]
     if not preds:
         return
     to = {st.msgs[mid].stage: mid for mid in op.send}
@@ -450,63 +452,6 @@ def _route_input_grads(st: StepState, op: JobOp, stash: Stash, grads: Sequence[t
               for g, leaf in zip(grads[at : at + n], stash.leaves[at : at + n])]
         at += n
         if p in to:
-            st.comm.send(to[p], edges[(p, s)].sig.pack_grads(gl, st.e.device))
+            st.outbox[to[p]] = edges[(p, s)].sig.pack_grads(gl, st.engine.device)  # for its SEND_GRAD
         else:
             st.grads[(p, b)][s] = gl
-
-
-def _into(st: StepState, op: JobOp, targets: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Where a backward adds ``targets``'s gradients in place: the views of the stage's total once
-    a micro-batch has started it; None where the job's gradients are needed apart (the first,
-    a non-finite check of each job's gradients) or a target has hooks run on accumulation. Decided
-    once per total in a step: hooks and dtypes do not change while it runs."""
-    key = (op.stage, op.owner)
-    total = st.acc.get(key)
-    if total is None or not targets or (st.e.finite is not None and st.e.finite.grads):
-        return None
-    if key in st.into:  # decided for this total (a sent one leaves with its entry)
-        return st.into[key]
-    views: list[torch.Tensor] | None = None
-    # mixed precision (a low-precision copy's gradient, added up in fp32) or hooks: added apart
-    if total.dtype == targets[0].dtype and not any(has_post_accumulate_hooks(t) for t in targets):
-        views = [total.view_as(targets[0])] if len(targets) == 1 else _views(st, key, total)
-    st.into[key] = views
-    return views
-
-
-def _views(st: StepState, key: tuple[int, int], total: torch.Tensor) -> list[torch.Tensor]:
-    """Each parameter's view of the stage's total ``total`` (made once per total)."""
-    views = st.views.get(key)
-    if views is None:
-        views = st.views[key] = st.e.layouts[key[0]].grad_views(total)
-    return views
-
-
-def accumulate(st: StepState, op: JobOp, targets: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Add a job's weight gradients into its stage's total (started by the first job that adds)."""
-    gs = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
-    key = (op.stage, op.owner)
-    layout = st.e.layouts[op.stage]
-    total = st.acc.get(key)
-    if total is not None:  # add each gradient into its view of the total: no packed copy
-        if not gs:  # nothing of the stage trains: its (empty) total stays as it is
-            return
-        if len(gs) == 1:
-            total += gs[0].reshape(-1)
-        else:
-            foreach_add_(_views(st, key, total), gs)
-        return
-    total = st.e.replicas.buffer(op.stage) if op.owner == st.e.worker else None
-    if total is not None:  # a replicated stage: the total lives in its bucket's buffer
-        st.e.replicas.fill(op.stage)
-    elif op.owner != st.e.worker and st.e.lowered.weight_cache == "job":
-        # cache "job": a fetched stage's sum lives only until it is delivered (freed, not kept)
-        total = torch.empty(layout.grad_numel, dtype=layout.dtype, device=st.e.device)
-    else:
-        total = st.e.totals.get(key)
-        if total is None:
-            total = st.e.totals[key] = torch.empty(layout.grad_numel, dtype=layout.dtype, device=st.e.device)
-    # written in place into a buffer kept from step to step (a fresh megabyte a step costs a
-    # page fault per 4 KiB); the engine's sends of it are done before the next step starts
-    layout.pack(gs, out=total)
-    st.acc[key] = total

@@ -65,6 +65,7 @@ from ..torch_support.values import nbytes as value_bytes
 from .batches import check_same_batches
 from .comm import irecv, isend
 from .failure import Watchdog, blocked, current_watchdog
+from .grad_totals import GradTotals
 from .groups import BUCKET_BYTES, Replicas, warm_pairs
 from .items import Count
 from .items import shares as item_shares
@@ -195,6 +196,9 @@ class Engine:
         self.streams: int | None = None
         self.recompute = _recompute(self.timeline, recompute)
         self.replicas = Replicas(self.lowered, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes)
+        # every gradient sum of this worker, from a job's share to the parameters' .grad
+        self.grad_totals = GradTotals(self.worker, self.layouts, self.device, self.owned, self.lowered.owners,
+                                      self.replicas, self.lowered.weight_cache)
         if dist.get_backend(group) == "nccl":
             warm_pairs(self.lowered, self.worker, self.ranks, group, self.device)
         self.links = self._links(transport)
@@ -258,12 +262,6 @@ class Engine:
     def _step_state(self, compute_dtype: torch.dtype | None) -> None:
         """What the engine keeps from step to step, and what it derives once from the schedule."""
         space = self.space
-        self.last_grads: dict[int, torch.Tensor] = {}  # owned stage -> reduced flat gradient of the last step
-        # (stage, owner) -> this worker's gradient sum, a buffer reused every step (replicated
-        # stages sum into their all-reduce bucket instead): the last step's totals are valid until
-        # the next step starts, as DistributedDataParallel's gradient buckets are
-        self.totals: dict[tuple[int, int], torch.Tensor] = {}
-        self._grad_views: dict[int, tuple] = {}  # owned stage -> (its total, its parameters, their views of it)
         self.steps = 0
         self.step_index = 0  # the global step of the current step (:meth:`compute_step`'s ``step``)
         self.first_microbatch = 0  # the streams' index of this call's micro-batch 0 (:meth:`compute_step`)
@@ -274,10 +272,10 @@ class Engine:
         # what the forwards' graphs saved, measured: hooked only for new keys and on check steps
         # (step 1, then every ``check_every`` steps, CHECK_EVERY when the batch check is off)
         self.graph_counts = GraphCounts()
-        self._recount = True
+        self.recount = True  # this step counts what the forwards' graphs save (GraphCounts)
         comp, B, SB = self.timeline.compute, space.B, space.S * space.B
         # F(s, b)'s output feeds how many forwards on the same worker
-        self._local_succ = [
+        self.local_succ = [
             sum(1 for c in space.stage_succs[j // B] if comp[c * B + j % B] == comp[j]) for j in range(SB)
         ]
         self._grad_kind = space.K - 1
@@ -408,14 +406,14 @@ class Engine:
         shares = item_shares(microbatches, items)
         if self.check_every and (self.steps == 1 or self.steps % self.check_every == 0):  # every rank takes part
             check_same_batches(microbatches, self.group, self.device, self.watchdog, self.steps)
-        self._recount = self.steps == 1 or self.steps % (self.check_every or CHECK_EVERY) == 0
+        self.recount = self.steps == 1 or self.steps % (self.check_every or CHECK_EVERY) == 0
         if self.worker is None:
             self.stats.begin(B - stand_ins)  # idle ranks add nothing to the statistics' all-reduce, but take part
             self.stats.end(self.group, self.device, dist.get_world_size(self.group))
             return {}
         w, lowered = self.worker, self.lowered
         meter = Meter(spans=[])  # every training step is traced; only the last one's events are kept
-        self.replicas.reset()
+        self.grad_totals.begin()
         self.stats.begin(B - stand_ins)
         for mine, copy in self._mirrored:  # the engine's copies train as the user's modules do, submodule
             if copy.training != mine.training:  # by submodule (a frozen part in eval mode stays so)
@@ -423,15 +421,15 @@ class Engine:
         with kept_generators(self.device) if self.streams is not None else contextlib.nullcontext():
             st = run_program(self, lowered, microbatches, meter, train=True, shares=shares)
         t, cpu = time.perf_counter(), time.process_time()
-        totals = st.reduce(lowered.programs[w])
+        sums = self.grad_totals
+        sums.reduce(lowered.programs[w], st.comm, meter, self.watchdog, self.steps)
         st.comm.finish()
-        self._sum_tied(totals)
+        sums.sum_tied(self.ties, self.space.S, self.ranks, self.group, self.watchdog)
         if self.finite is not None:  # each owned stage's gradient, summed, before any optimizer step
-            self.finite.reduced(totals)
+            self.finite.reduced(sums.last)
         self.stats.end(self.group, self.device, dist.get_world_size(self.group))
         for mid in list(st.weights):
             st.free(mid)
-        self.last_grads = totals
         if self.watchdog is not None:
             self.watchdog.set_job("")
         end = time.perf_counter()
@@ -475,30 +473,17 @@ class Engine:
         divides each batch's loss by ``k``); ``accumulate`` adds it into the ``.grad`` an earlier
         call of the same optimizer step installed. Either makes ``.grad`` a tensor of its own: the
         totals' buffers are the next step's."""
-        for s in self.owned:
-            _, params, views = self._views(s)
-            for p, g in zip(params, views):
-                if accumulate and p.grad is not None:
-                    p.grad.add_(g, alpha=scale)
-                elif accumulate or scale != 1.0:
-                    p.grad = g * scale
-                else:
-                    p.grad = g
+        self.grad_totals.install(self.modules, scale, accumulate)
 
     def grad_views(self, s: int) -> dict[int, torch.Tensor]:
         """Owned stage ``s``'s trainable parameters' slices of the last step's reduced gradient, by
         the parameter's ``id`` (a frozen one has none): what :meth:`install_grads` makes their ``.grad``."""
-        _, params, views = self._views(s)
-        return {id(p): g for p, g in zip(params, views)}
+        return self.grad_totals.grad_views(s, self.modules)
 
-    def _views(self, s: int) -> tuple[torch.Tensor, list[torch.nn.Parameter], list[torch.Tensor]]:
-        total = self.last_grads[s]
-        cached = self._grad_views.get(s)
-        if cached is None or cached[0] is not total:  # the totals' buffers are kept: so are their views
-            L = self.layouts[s]
-            cached = self._grad_views[s] = (total, L.ordered(self.modules[s], trainable_only=True),
-                                            L.grad_views(total))
-        return cached
+    @property
+    def last_grads(self) -> dict[int, torch.Tensor]:
+        """Owned stage -> its reduced flat gradient of the last step (valid until the next starts)."""
+        return self.grad_totals.last
 
     def evaluate(self, microbatches: Sequence[Batch],
                  items: Sequence[Count] | None = None) -> tuple[float, dict[int, torch.Tensor]]:
@@ -603,45 +588,6 @@ class Engine:
         with torch.no_grad():
             for param, value in into:
                 param.copy_(value)
-
-    def _sum_tied(self, totals: dict[int, torch.Tensor]) -> None:
-        """Give every use of a shared parameter the sum of all its uses' gradients, as one process
-        would (the parameter is one tensor there). Each stage's first owner sends its use's
-        gradient to the other owners of the tie that do not own that stage; every one of them
-        adds the uses in the same order, so every copy gets the same sum and the same update."""
-        w, owners = self.worker, self.lowered.owners
-        for g, uses in enumerate(self.ties):
-            union = sorted({o for s, _ in uses for o in owners[s]})
-            s0, i0 = uses[0]
-            if w not in union or not self.layouts[s0].is_trainable(i0):  # a frozen one has no gradient
-                continue
-            works, parts = [], []
-            for k, (s, i) in enumerate(uses):
-                tag = TAG_LIMIT - 1 - (g * self.space.S + s)  # far above the step's own tags
-                root = owners[s][0]
-                if w in owners[s]:
-                    view = self._param_view(totals[s], s, i)
-                    parts.append(view)
-                    if w == root:
-                        works += [isend(view.contiguous(), self.ranks[o], group=self.group, tag=tag)
-                                  for o in union if o not in owners[s]]
-                else:
-                    L = self.layouts[s]
-                    buf = torch.empty(L.shapes[L.index[i]], dtype=L.dtype, device=self.device)
-                    works.append(irecv(buf, self.ranks[root], group=self.group, tag=tag))
-                    parts.append(buf)
-            with blocked(self.watchdog):
-                for work in works:
-                    work.wait()
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total += part
-            for (s, i) in uses:
-                if w in owners[s]:
-                    self._param_view(totals[s], s, i).copy_(total)
-
-    def _param_view(self, flat: torch.Tensor, s: int, i: int) -> torch.Tensor:
-        return self.layouts[s].param_view(flat, i)
 
     def gather_state(self, dst: int = 0) -> list[dict[str, torch.Tensor]] | None:
         """Every stage's parameters at worker ``dst`` (each from its lowest-ranked owner); None elsewhere."""

@@ -5,8 +5,9 @@ themselves. Stages of one owner set are merged, in the step's
 :attr:`~launcher.schedule.program.Lowered.reduce_order`, into buckets (DistributedDataParallel's sizes:
 the first closes at 1 MiB so it starts early, the others at 25 MiB so they are few); the gradient
 is accumulated straight into its bucket's buffer (allocated once, as DDP's), so a bucket costs no
-copy. Every owner launches a bucket's all-reduce as soon as its own share is complete
-(``Program.reduce_ready``), so the transfer of the last stages overlaps the backward of the first
+copy. Every owner launches a bucket's all-reduce as soon as its own share is complete (its
+``REDUCE`` action, :meth:`~launcher.schedule.program.Program.reduce_points`), so the transfer of the
+last stages overlaps the backward of the first
 ones. The order, the buckets, their members and their algorithm follow from the program and the
 stages' sizes, so they are the same on every worker and the collectives match.
 
@@ -102,10 +103,10 @@ def plan_buckets(lowered: Lowered, nbytes: Sequence[int], numels: Sequence[int],
             open_[key] = (b, size)
     every += [b for b, _ in open_.values()]
     every.sort(key=lambda b: order[b.stages[-1]])  # launch order: when its last stage is ready
+    points = {o: lowered.programs[o].reduce_points() for b in every for o in b.owners}
     for i, b in enumerate(every):
         b.index = i
-        b.at_end = all(max(lowered.programs[o].reduce_ready[s] for s in b.stages) >= len(lowered.programs[o].jobs) - 1
-                       for o in b.owners)
+        b.at_end = all(max(points[o][s] for s in b.stages) >= len(lowered.programs[o].jobs) - 1 for o in b.owners)
     return every
 
 
@@ -121,8 +122,9 @@ class Replicas:
         every = plan_buckets(lowered, nbytes, [L.grad_numel for L in layouts], [L.dtype for L in layouts], bucket_bytes)
         self.buckets = [b for b in every if worker in b.owners]
         if worker is not None:  # a rank that is no worker has no buckets
+            points = lowered.programs[worker].reduce_points()
             for b in self.buckets:
-                b.ready = max(lowered.programs[worker].reduce_ready[s] for s in b.stages)
+                b.ready = max(points[s] for s in b.stages)
         self.flats = [torch.empty(b.numel, dtype=layouts[b.stages[0]].dtype, device=device) for b in self.buckets]
         self.slices: dict[int, torch.Tensor] = {}  # stage -> its slice of its bucket's buffer
         for b, flat in zip(self.buckets, self.flats):
@@ -192,8 +194,8 @@ class Replicas:
 
     def launch_ready(self, done: int) -> None:
         """Launch, in order, every bucket reduced during the step whose shares are complete once
-        job ``done`` has ended (those reduced at the end are :meth:`finish`'s, whatever their
-        place: the two kinds never wait on each other)."""
+        job ``done`` has ended (at a ``REDUCE`` of the program; those reduced at the end are
+        :meth:`finish`'s, whatever their place: the two kinds never wait on each other)."""
         while self.next < len(self.buckets):
             b = self.buckets[self.next]
             if self._overlaps(b):

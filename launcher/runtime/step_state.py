@@ -1,6 +1,7 @@
 """One step of one worker: what it holds while the step runs (:class:`StepState`), its forward jobs,
-the end of step's gradient reduction, and the loop that runs its program (:func:`run_program`) with
-prefetch and just-in-time weight hand-over. The backward jobs are :mod:`.backward`'s."""
+the one place a message of the step starts (:meth:`StepState.send`), and the loop that runs its
+program's operations as printed (:func:`run_program`). The backward jobs are :mod:`.backward`'s;
+the gradient sums :class:`~launcher.runtime.grad_totals.GradTotals`'."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import contextlib
 import functools
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from launcher.schedule.actions import AFTER, FREE_WGRAD, JOBS, RECV_WGRAD, REDUCE, SEND_WEIGHTS, SEND_WGRAD, SENDS
 from launcher.schedule.program import ACT, GRAD, WEIGHTS, JobOp, Lowered, Msg, Program
 
 from ..torch_support.staged import Batch, run_stage
@@ -27,6 +29,7 @@ from .shapes import Shapes, leaves_key
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .grad_totals import GradTotals
 
 #: steps whose messages are timed (what a message takes, :class:`~launcher.runtime.comm.Clock`):
 #: enough for a profile, and a long run's records do not grow with every message of every step
@@ -41,9 +44,10 @@ def _detached(value: Any) -> Any:
 class StepState:
     """Everything a worker holds during one step."""
 
-    def __init__(self, engine: Engine, comm: Comm, meter: Meter, microbatches: Sequence[Batch], shapes: list[Shapes],
-                 train: bool = True, shares: list[float] | None = None) -> None:
-        self.e, self.comm, self.meter, self.mb, self.train = engine, comm, meter, microbatches, train
+    def __init__(self, engine: Engine, comm: Comm, meter: Meter, totals: GradTotals, microbatches: Sequence[Batch],
+                 shapes: list[Shapes], train: bool = True, shares: list[float] | None = None) -> None:
+        self.engine, self.comm, self.meter, self.mb, self.train = engine, comm, meter, microbatches, train
+        self.totals = totals  # the worker's gradient sums (the backward jobs add into them)
         self.shares = shares  # micro-batch -> its weight in the step's loss (None: 1 / B each)
         self.shapes = shapes
         self.predictions: dict[int, Any] = {}  # evaluation: micro-batch -> loss stage output
@@ -54,17 +58,13 @@ class StepState:
         self.stash: dict[tuple[int, int], Stash] = {}
         self.ys: dict[int, Any] = {}  # micro-batch -> its target on the device (loss stages)
         self.wstash: dict[tuple[int, int], tuple] = {}  # split backward: I's graph kept for W
-        self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (stage, owner) -> summed weight gradient
         # weights message -> (fetched flat copy, the leaf its gradient is taken against: the copy
         # itself, its trainable prefix, or None when nothing of the stage trains)
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
-        self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # acc key -> per-parameter views of the total
-        self.into: dict[tuple[int, int], list[torch.Tensor] | None] = {}  # acc key -> where a backward adds in place
-        self.unbound: dict[int, tuple[torch.Tensor, Any]] = {}  # weight id -> (weight, its .grad before the step)
         self.static_keys: dict[tuple[int, bool], tuple] = {}  # (stage, own weights) -> its forwards' fixed key part
-        self.incoming: list[int] = []  # partial sums asked for before this job (cache "job"), not yet added
-        self.absorbed: set[int] = set()  # partial sums already added into an owned stage's total
+        self.outbox: dict[int, torch.Tensor] = {}  # act/grad message -> its data, packed by its job, until sent
+        self.packed: dict[int, torch.Tensor] = {}  # owned stage -> its weights packed for sending, once a step
 
     # ---- weights -----------------------------------------------------------------------------
     def fetch(self, op: JobOp) -> tuple[torch.nn.Module, dict | None, list[torch.Tensor]]:
@@ -73,13 +73,13 @@ class StepState:
         the copy is computed with, never differentiated)."""
         s = op.stage
         if op.weights is None:
-            mod = self.e.modules[s]
+            mod = self.engine.modules[s]
             params = self.params.get(s)
             if params is None:
-                params = self.params[s] = self.e.layouts[s].ordered(mod, trainable_only=True)
+                params = self.params[s] = self.engine.layouts[s].ordered(mod, trainable_only=True)
             return mod, None, params
         mid = op.weights
-        L = self.e.layouts[s]
+        L = self.engine.layouts[s]
         if mid not in self.weights:
             flat = self.comm.wait(mid)
             self.comm.drop(mid)
@@ -93,29 +93,12 @@ class StepState:
         self.meter.fetched_jobs += 1
         self.meter.fetched_stages.add(s)
         if grad is flat:
-            return self.e.skeletons[s], L.views(flat), [flat]
-        return self.e.skeletons[s], L.views(flat, grad), [] if grad is None else [grad]
+            return self.engine.skeletons[s], L.views(flat), [flat]
+        return self.engine.skeletons[s], L.views(flat, grad), [] if grad is None else [grad]
 
     def free(self, mid: int | None) -> None:
         if mid is not None and self.weights.pop(mid, None) is not None:
             self.meter.free_weights()
-
-    def bind(self, targets: Sequence[torch.Tensor], into: Sequence[torch.Tensor]) -> None:
-        """Point each weight's ``.grad`` at its tensor of ``into`` (where autograd adds it in place)
-        until :meth:`unbind`: once for a stage's backwards in a step, not around each (another
-        stage sharing a weight points it at its own total before its backward)."""
-        if all(t.grad is g for t, g in zip(targets, into)):
-            return
-        for t, g in zip(targets, into):
-            if id(t) not in self.unbound:
-                self.unbound[id(t)] = (t, t.grad)
-            t.grad = g
-
-    def unbind(self) -> None:
-        """Give every weight :meth:`bind` pointed elsewhere its ``.grad`` from before the step."""
-        for t, g in self.unbound.values():
-            t.grad = g
-        self.unbound.clear()
 
     # ---- jobs --------------------------------------------------------------------------------
     def run(self, op: JobOp) -> None:
@@ -130,8 +113,8 @@ class StepState:
         """The values stage ``s`` is called with, their differentiable leaves (each a leaf of its
         own, so the stage's backward stops at its inputs) and how many came from each predecessor."""
         s, b = op.stage, op.microbatch
-        preds = self.e.space.stage_preds[s]
-        device = self.e.device
+        preds = self.engine.space.stage_preds[s]
+        device = self.engine.device
         if not preds:
             x = self.mb[b][0]
             return [x.to(device) if isinstance(x, torch.Tensor) else to_device(x, device)], [], []
@@ -144,7 +127,7 @@ class StepState:
                 self.comm.drop(op.recv[p])
             else:
                 entry = self.outs[(p, b)]
-                v = pick(entry[0], self.e.model.edge(p, s))
+                v = pick(entry[0], self.engine.model.edge(p, s))
                 entry[1] -= 1
                 if entry[1] == 0:
                     del self.outs[(p, b)]
@@ -166,21 +149,41 @@ class StepState:
         return values, leaves, counts
 
     def _send_output(self, op: JobOp, out: Any) -> None:
+        """What each consumer stage on another worker receives, packed for its ``SEND_ACT``."""
         s, b = op.stage, op.microbatch
-        for mid in op.send:  # activations: what each consumer stage receives
+        for mid in op.send:
             c = self.msgs[mid].peer_stage
             edge = self.shapes[b].edges[(s, c)]
-            self.comm.send(mid, edge.sig.pack(pick(out, self.e.model.edge(s, c)), self.e.device))
+            self.outbox[mid] = edge.sig.pack(pick(out, self.engine.model.edge(s, c)), self.engine.device)
+
+    # ---- sends -------------------------------------------------------------------------------
+    def send(self, kind: str, mid: int) -> None:
+        """Hand message ``mid`` over to the communication (a send of the program, ``kind``): the one
+        place a message of the step starts. Its data: a job's output or input gradient, packed by
+        the job (``SEND_ACT``, ``SEND_GRAD``); the owner's copy of a stage, packed once a step and
+        sent to every worker that fetches it (``SEND_WEIGHTS``); this worker's sum of a stage's
+        weight gradient for its owner (``SEND_WGRAD``; cache ``job``: the send holds the sum and
+        frees it once delivered)."""
+        if kind == SEND_WEIGHTS:
+            engine, s = self.engine, self.msgs[mid].stage
+            data = self.packed.get(s)
+            if data is None:  # mixed precision: cast once, sent to all
+                data = self.packed[s] = engine.layouts[s].pack_module(engine.modules[s]).to(engine.wire_dtype(s))
+        elif kind == SEND_WGRAD:
+            data = self.totals.take(self.msgs[mid].stage, self.msgs[mid].dst)
+        else:
+            data = self.outbox.pop(mid)
+        self.comm.send(mid, data)
 
     def loss(self, op: JobOp, out: Any) -> torch.Tensor | None:
         """A loss stage's share of the step's loss: its loss over ``B``, or weighted by the
         micro-batch's share of the step's items (:mod:`.items`); a micro-batch with no item adds
         a constant zero (its mean over nothing is left out, and its backward gives no gradient)."""
-        if not self.e.space.is_sink[op.stage]:
+        if not self.engine.space.is_sink[op.stage]:
             return None
-        loss = self.e.model.loss(out, self._target(op.microbatch))
+        loss = self.engine.model.loss(out, self._target(op.microbatch))
         if self.shares is None:
-            return loss / self.e.space.B
+            return loss / self.engine.space.B
         share = self.shares[op.microbatch]
         if share == 0:
             return torch.zeros((), dtype=loss.dtype, device=loss.device)
@@ -188,22 +191,22 @@ class StepState:
 
     def in_streams(self, b: int) -> Any:
         """A training job's forward on micro-batch ``b``: its units draw from their streams."""
-        e = self.e
+        e = self.engine
         if e.streams is None or not self.train:
             return contextlib.nullcontext()
         return stream_job(e.streams, e.step_index, e.first_microbatch + b, e.device)
 
     def weightless(self, s: int, b: int) -> bool:
         """Whether stage ``s`` is a loss stage and micro-batch ``b`` has no item to average over."""
-        return self.shares is not None and self.shares[b] == 0 and self.e.space.is_sink[s]
+        return self.shares is not None and self.shares[b] == 0 and self.engine.space.is_sink[s]
 
     def _target(self, b: int) -> Any:
         """Micro-batch ``b``'s target on the device, moved once (the forward and a recomputing
         backward share it, and the graph's count can leave it out: it is data, not activation)."""
         y = self.ys.get(b)
         if y is None:
-            y = self.mb[b][1]
-            y = self.ys[b] = y.to(self.e.device) if isinstance(y, torch.Tensor) else to_device(y, self.e.device)
+            y, device = self.mb[b][1], self.engine.device
+            y = self.ys[b] = y.to(device) if isinstance(y, torch.Tensor) else to_device(y, device)
         return y
 
     def forward(self, op: JobOp) -> None:
@@ -215,11 +218,11 @@ class StepState:
         self.meter.take(nbytes)  # x_s^b is live from the start of F(s, b)
         mod, params, targets = self.fetch(op)
         # keep only the input when the copy goes away after this job, or when the stage recomputes
-        recompute = op.free_weights or s in self.e.recompute
-        stats = self.e.stats
+        recompute = op.free_weights or s in self.engine.recompute
+        stats = self.engine.stats
         stats.before(s, b, mod)
         # without streams, a recomputing backward replays the state this forward started from
-        rng = rng_state(self.e.device) if recompute and self.e.streams is None else None
+        rng = rng_state(self.engine.device) if recompute and self.engine.streams is None else None
         with torch.set_grad_enabled(not recompute), self.in_streams(b), \
                 self.counting(recompute, op, mod, targets, values, False) as graph:
             out = run_stage(mod, params, values)
@@ -229,15 +232,15 @@ class StepState:
         self.meter.hold_bytes(saved)  # the graph lives until the backward that frees it
         if loss is not None:
             self.meter.add_loss(loss)
-        if self.e.finite is not None:  # a weightless loss stage's output may be its (NaN) mean over nothing
-            self.e.finite.forward(s, b, None if self.weightless(s, b) else out, loss)
+        if self.engine.finite is not None:  # a weightless loss stage's output may be its (NaN) mean over nothing
+            self.engine.finite.forward(s, b, None if self.weightless(s, b) else out, loss)
         # a recomputing backward fetches the weights again: keeping ``targets`` (a fetched copy)
         # here would hold every fetched stage's weights until its backward
-        views = (list(params.values())[: self.e.layouts[s].trainable] if params is not None and not recompute
-                 and self.e.split else None)
+        views = (list(params.values())[: self.engine.layouts[s].trainable] if params is not None and not recompute
+                 and self.engine.split else None)
         self.stash[(s, b)] = Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
                                     [] if recompute else targets, nbytes, saved, rng, views)
-        n = self.e._local_succ[s * self.e.space.B + b]
+        n = self.engine.local_succ[s * self.engine.space.B + b]
         if n:
             self.outs[(s, b)] = [out.detach() if isinstance(out, torch.Tensor) else _detached(out), n]
         self._send_output(op, out)
@@ -252,14 +255,14 @@ class StepState:
         on check steps (:class:`~launcher.runtime.saved.GraphCounts`): equal shapes save equal bytes."""
         if off:
             return contextlib.nullcontext()
-        sink = self.e.space.is_sink[op.stage]
+        sink = self.engine.space.is_sink[op.stage]
 
         def skip() -> list[torch.Tensor]:
             y = saved_tensors(self._target(op.microbatch)) if sink else []
             return [*targets, *mod.buffers(), *saved_tensors(values), *y]
 
-        return self.e.graph_counts.counter(self._graph_key(op, mod, targets, values, sink, recomputing),
-                                           self.e._recount, skip)
+        return self.engine.graph_counts.counter(self._graph_key(op, mod, targets, values, sink, recomputing),
+                                           self.engine.recount, skip)
 
     def _graph_key(self, op: JobOp, mod: torch.nn.Module, targets: list[torch.Tensor], values: list[Any],
                    sink: bool, recomputing: bool) -> Any:
@@ -269,7 +272,7 @@ class StepState:
         try:
             fixed = self.static_keys.get((op.stage, op.weights is None))
             if fixed is None:  # training mode, autocast and the weights' requires_grad hold for the step
-                dev = self.e.device.type
+                dev = self.engine.device.type
                 fixed = self.static_keys[(op.stage, op.weights is None)] = (
                     mod.training, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
                     tuple(t.requires_grad for t in targets))
@@ -290,7 +293,7 @@ class StepState:
         if loss is not None:
             self.meter.add_loss(loss)
             self.predictions[b] = out
-        n = self.e._local_succ[s * self.e.space.B + b]
+        n = self.engine.local_succ[s * self.engine.space.B + b]
         if n:
             self.outs[(s, b)] = [out, n]
         self._send_output(op, out)
@@ -298,103 +301,34 @@ class StepState:
             self.free(op.weights)
 
 
-    def absorb(self) -> None:
-        """Add the partial sums asked for before this job into their owned stage's total (cache
-        ``job``): each sender's copy is freed once delivered, not at the end of the step."""
-        if not self.incoming:
-            return
-        e, w = self.e, self.e.worker
-        assert w is not None  # only a worker runs a step
-        for mid in self.incoming:
-            part = self.comm.wait(mid)
-            self.comm.drop(mid)
-            s = self.msgs[mid].stage
-            total = self.acc.get((s, w))
-            if total is None:  # before this worker's own share: the sum starts from this part
-                layout = e.layouts[s]
-                total = e.totals.get((s, w))
-                if total is None:
-                    total = e.totals[(s, w)] = torch.empty(layout.grad_numel, dtype=layout.dtype, device=e.device)
-                total.copy_(part)
-                self.acc[(s, w)] = total
-            else:
-                total += part
-            self.absorbed.add(mid)
-        self.incoming = []
-
-    # ---- end of step -------------------------------------------------------------------------
-    def reduce(self, prog: Program) -> dict[int, torch.Tensor]:
-        """Each owned stage's total gradient: this worker's own sum plus the sums other workers
-        sent (they went out during the backward), all-reduced across the stage's replicas."""
-        e, comm, w = self.e, self.comm, self.e.worker
-        assert w is not None  # only a worker runs a step
-        totals: dict[int, torch.Tensor] = {}
-        for red in prog.reduces:
-            s = red.stage
-            if s not in e.owned:
-                continue
-            if e.watchdog is not None:
-                e.watchdog.check()
-                e.watchdog.set_job(f"gradient reduction of stage {s} in step {e.steps}")
-            total = self.acc.get((s, w))
-            if total is None:
-                total = e.replicas.buffer(s)
-                if total is None:
-                    total = torch.zeros(e.layouts[s].grad_numel, dtype=e.layouts[s].dtype, device=e.device)
-                elif red.recv_from and e.replicas.fill(s):  # not launched yet: it waits for these sums
-                    total.zero_()
-            for mid in red.recv_from:
-                if mid in self.absorbed:
-                    continue
-                total += comm.wait(mid)
-                comm.drop(mid)
-            totals[s] = total
-            if red.replicas:
-                self.meter.allreduce += 1
-        if e.replicas.buckets:
-            if e.watchdog is not None:
-                e.watchdog.set_job(f"all-reduce of replicated stages in step {e.steps}")
-            began = time.perf_counter()
-            e.replicas.finish(e.watchdog, comm.clock)
-            self.meter.allreduce_span = (began, time.perf_counter())
-        return totals
-
-
 def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch], meter: Meter, train: bool,
                 shares: list[float] | None = None) -> StepState:
-    """Run ``engine``'s worker's jobs of ``lowered`` in order, with prefetch and just-in-time weight hand-over;
-    ``shares``: each micro-batch's weight in the loss (None: ``1 / B`` each)."""
+    """Run ``engine``'s worker's program of ``lowered``: its operations in order, as printed
+    (:mod:`launcher.schedule.actions`); ``shares``: each micro-batch's weight in the loss (None:
+    ``1 / B`` each). What follows the last job's own operations (:attr:`Program.tail`) is the end of
+    the step: the owner's last hand-overs here, the partial sums and reductions in :meth:`StepState.reduce`."""
     w = engine.worker
     assert w is not None  # ranks past the schedule's workers run no program
-    prog, msgs = lowered.programs[w], lowered.messages
+    prog = lowered.programs[w]
     shapes = engine.shapes(microbatches)
     comm = Comm(lowered, w, functools.partial(_spec, engine, shapes), engine.device, engine.watchdog, engine.group,
                 engine.ranks, on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
                 timed=train and engine.steps <= TIMED_STEPS, traced=meter.spans is not None, links=engine.links)
-    # owners hand weights over just in time (the program's release points, ``prefetch`` jobs early)
-    packed: dict[int, torch.Tensor] = {}
-
-    def hand_over(mid: int) -> None:
-        s = msgs[mid].stage
-        if s not in packed:
-            flat = engine.layouts[s].pack_module(engine.modules[s])
-            packed[s] = flat.to(engine.wire_dtype(s))  # mixed precision: cast once, sent to all
-        comm.send(mid, packed[s])
-
-    st = StepState(engine, comm, meter, microbatches, shapes, train, shares)
+    st = StepState(engine, comm, meter, engine.grad_totals, microbatches, shapes, train, shares)
     try:
-        _run_jobs(engine, lowered, prog, st, hand_over)
+        _run_ops(engine, lowered, prog, st)
     finally:
-        st.unbind()
-    for mid in prog.handovers(len(prog.jobs), engine.prefetch):
-        hand_over(mid)
+        st.totals.unbind()
+    for kind, mid in prog.ops[prog.tail :]:
+        if kind == SEND_WEIGHTS:  # the owner's last hand-overs
+            st.send(kind, mid)
     return st
 
 
-def _run_jobs(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
-              hand_over: Callable[[int], None]) -> None:
-    """The worker's jobs of ``prog`` in order, each with its messages and weight hand-overs, timed."""
-    msgs, comm, meter = lowered.messages, st.comm, st.meter
+def _run_ops(engine: Engine, lowered: Lowered, prog: Program, st: StepState) -> None:
+    """The worker's operations of ``prog`` up to its end of step, in order, each job timed with
+    its own operations."""
+    comm, meter = st.comm, st.meter
     what = "step" if st.train else "evaluation step"
     clock, thread_clock = time.perf_counter, time.thread_time
     # a job's time runs from the end of the one before (the engine's own work for it included) to
@@ -406,28 +340,15 @@ def _run_jobs(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
     cpu0 = time.process_time()
     t, mine = clock(), thread_clock()
     mine0 = mine
-    for i, op in enumerate(prog.jobs):
-        waited = comm.waited
-        # the order of calls the lowering's memory prediction replays (Program.handovers, .wants)
-        for mid in prog.handovers(i, engine.prefetch):
-            hand_over(mid)
-        for mid in prog.wants(i, engine.prefetch):  # the next jobs' inputs and weights, partial sums to take in
-            comm.want(mid)
-        st.incoming += prog.wgrad_post.get(i, ())
-        for mid in prog.wgrad_deliver.get(i, ()):  # sums sent earlier, received by now: free them
-            comm.deliver(mid)
-        if engine.watchdog is not None:
-            engine.watchdog.check()
-            engine.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of {what} {engine.steps}")
-        st.run(op)
-        for mid in op.wgrad_send:  # this worker's sum for that owner is complete: send it now
-            key = (op.stage, msgs[mid].dst)
-            comm.send(mid, st.acc.pop(key) if lowered.weight_cache == "job" else st.acc[key])
-            st.views.pop(key, None)  # cache "job": the send holds the sum, and frees it once delivered
-            st.into.pop(key, None)
-        st.absorb()
-        if st.train:  # buckets of replicated stages whose share is complete start their all-reduce
-            engine.replicas.launch_ready(i)
+    op: JobOp | None = None  # the job whose own operations (AFTER kinds) run now
+    i = -1  # the job the operations run after
+    waited = comm.waited
+
+    def close() -> None:
+        """The job's own operations are done: add in the partial sums posted before it, time it."""
+        nonlocal t, mine, op
+        assert op is not None
+        st.totals.absorb(comm, lowered.messages)
         # work: what it spent blocked on a peer's data is idle time, not work; cpu: the
         # process's CPU meanwhile (its communication threads' too), what it asks of a core;
         # and the compute thread's own share of it
@@ -436,11 +357,38 @@ def _run_jobs(engine: Engine, lowered: Lowered, prog: Program, st: StepState,
         walls.append(end - t)
         if meter.spans is not None:
             meter.spans.append((t, end))
-        t, mine = end, end_mine
+        t, mine, op = end, end_mine, None
+
+    for kind, arg in prog.ops[: prog.tail]:
+        if op is not None and kind not in _AFTER:
+            close()
+            waited = comm.waited
+        if kind in JOBS:
+            i, op = arg, prog.jobs[arg]
+            if engine.watchdog is not None:
+                engine.watchdog.check()
+                engine.watchdog.set_job(f"{op.kind}({op.stage},{op.microbatch}) of {what} {engine.steps}")
+            st.run(op)
+        elif kind in SENDS:
+            st.send(kind, arg)
+        elif kind == REDUCE:
+            if st.train:  # buckets of replicated stages whose share is complete start their all-reduce
+                st.totals.replicas.launch_ready(i)
+        elif kind == FREE_WGRAD:  # a sum sent earlier, received by now: free it
+            comm.deliver(arg)
+        else:  # a receive posted ahead of the job that needs it
+            comm.want(arg)
+            if kind == RECV_WGRAD:  # a partial sum, added in once the next job is done
+                st.totals.incoming.append(arg)
+    if op is not None:
+        close()
     others = max(0.0, time.process_time() - cpu0 - (mine - mine0))  # the other threads' CPU meanwhile
     total = sum(walls) or 1.0
     for job, wall in zip(meter.jobs[first:], walls):
         job[4] = job[5] + others * wall / total
+
+
+_AFTER = frozenset(AFTER)
 
 
 def _spec(engine: Engine, shapes: list[Shapes], m: Msg) -> tuple:

@@ -11,12 +11,21 @@ one micro-batch::
     w1: RECV_ACT s1.b0 <-w0.s0  F1.b0  B1.b0  SEND_GRAD s1.b0 ->w0.s0
 
 ``SEND_ACT s0.b0 ->w1.s1``: after its job of stage 0, micro-batch 0, this worker sends the
-activation to worker 1's job of stage 1; a weight kind names only the stage and the other worker
-(``RECV_WEIGHTS s3 <-w0``).
+activation to worker 1's job of stage 1. A weight copy names the stage, the micro-batch of the job
+it is for and the other worker (``RECV_WEIGHTS s3.b1 <-w0``: the copy for the next job of stage 3,
+micro-batch 1, that runs on another worker's weights); a partial sum names the stage and the other
+worker (``SEND_WGRAD s1 ->w0``).
 
-An action that is not a job belongs to the job beside it: the kinds in :data:`AFTER` to the job
-before them (what it sends or frees when it ends), the kinds in :data:`BEFORE` to the job after
-them (what is handed over or received before it runs; after the last job: at the end of the step).
+This is the form the workers run: each action happens where it stands, in order. The kinds in
+:data:`AFTER` belong to the job before them (what it sends or frees when it ends, and ``REDUCE``:
+its share of a replicated stage is complete); the rest happen before the job after them (after the
+last job: at the end of the step). A receive (``RECV_ACT``, ``RECV_GRAD``, ``RECV_WEIGHTS``) is
+*posted* where it stands, which lowering puts ``prefetch`` jobs ahead of the job that needs it
+(:func:`launcher.schedule.lowering.post_early`); that job waits for the data. An owner's
+``SEND_WEIGHTS`` stands where it hands the copy over, ``prefetch`` jobs ahead of its release point.
+A ``RECV_WGRAD`` before a job is posted there and added into the owner's total once that job and
+its own actions are done; at the end of the step, once every job is. ``FREE_WGRAD`` waits until the
+sum it names is delivered and frees it.
 """
 
 from __future__ import annotations
@@ -36,6 +45,11 @@ SEND_WGRAD, RECV_WGRAD = "SEND_WGRAD", "RECV_WGRAD"  # a worker's weight-gradien
 FREE_WGRAD = "FREE_WGRAD"  # wait until that sum is delivered and free it
 REDUCE = "REDUCE"  # this worker's share of a replicated stage is complete: its all-reduce may start
 
+#: every send: the one operation that hands a message's data over (:meth:`launcher.runtime.step_state.StepState.send`)
+SENDS = frozenset((SEND_ACT, SEND_GRAD, SEND_WEIGHTS, SEND_WGRAD))
+#: receives posted ahead of the job that needs them (by the engine's lookahead), which that job waits for
+POSTED = frozenset((RECV_ACT, RECV_GRAD, RECV_WEIGHTS))
+
 #: kinds that belong to the job before them ...
 AFTER = (SEND_ACT, SEND_GRAD, FREE_WEIGHTS, SEND_WGRAD, REDUCE)
 #: ... and kinds that belong to the job after them (or to the end of the step)
@@ -47,7 +61,8 @@ _RANK = {op: n for n, op in enumerate(AFTER[:-1] + BEFORE + (REDUCE,))}
 # which fields each kind's text carries: micro-batch, peer worker, peer stage
 _SHAPE = {
     **{op: (True, True, True) for op in (SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD)},
-    **{op: (False, True, False) for op in (SEND_WEIGHTS, RECV_WEIGHTS, SEND_WGRAD, RECV_WGRAD, FREE_WGRAD)},
+    **{op: (True, True, False) for op in (SEND_WEIGHTS, RECV_WEIGHTS)},
+    **{op: (False, True, False) for op in (SEND_WGRAD, RECV_WGRAD, FREE_WGRAD)},
     FREE_WEIGHTS: (False, False, False),
     REDUCE: (False, False, False),
 }
@@ -97,7 +112,7 @@ class Action(NamedTuple):
         if m is None or shape is None or shape != (m[3] is not None, m[5] is not None, m[6] is not None) or \
                 (m[4] is not None and (m[4] == "->") != (m[1] in OUTGOING)):
             raise ValueError(f"{text!r} is not an action: write a job as F3.b1, a message as SEND_ACT s3.b1 ->w2.s4, "
-                             f"RECV_WEIGHTS s3 <-w0 or REDUCE s3 (kinds: {', '.join(COMPUTE + tuple(_SHAPE))})")
+                             f"RECV_WEIGHTS s3.b1 <-w0 or REDUCE s3 (kinds: {', '.join(COMPUTE + tuple(_SHAPE))})")
         return Action(m[1], int(m[2]), *(int(g) if g is not None else -1 for g in (m[3], m[5], m[6])))
 
 

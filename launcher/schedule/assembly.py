@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from functools import partial
 from itertools import accumulate, compress
-from operator import attrgetter, itemgetter, not_, sub
+from operator import attrgetter, itemgetter, sub
 from textwrap import indent
 from typing import Iterable
 
@@ -22,6 +22,7 @@ from .actions import (
     FREE_WEIGHTS,
     FREE_WGRAD,
     JOBS,
+    POSTED,
     RECV_ACT,
     RECV_GRAD,
     RECV_WEIGHTS,
@@ -31,11 +32,26 @@ from .actions import (
     SEND_GRAD,
     SEND_WEIGHTS,
     SEND_WGRAD,
+    SENDS,
     Action,
     format_programs,
 )
 from .metrics import WEIGHT_CACHES, per_worker
-from .program import ACT, GRAD, WEIGHTS, WGRAD, JobOp, Lowered, Msg, Program, StageReduce, reduce_rounds, resident_peaks
+from .program import (
+    ACT,
+    GRAD,
+    WEIGHTS,
+    WGRAD,
+    JobOp,
+    Lowered,
+    Msg,
+    Op,
+    Program,
+    StageReduce,
+    reduce_rounds,
+    resident_peaks,
+    tail_of,
+)
 from .settings import DEFAULT
 from .simulate import Timeline
 
@@ -98,7 +114,6 @@ Edge = tuple[int, tuple, str, int, int, int, int, int, int, int]
 _RECEIVES: dict[str, tuple[str, str] | None] = {
     RECV_ACT: (SEND_ACT, ACT), RECV_GRAD: (SEND_GRAD, GRAD), RECV_WEIGHTS: (SEND_WEIGHTS, WEIGHTS),
     RECV_WGRAD: (SEND_WGRAD, WGRAD), FREE_WGRAD: None}
-_SENDS = frozenset((SEND_ACT, SEND_GRAD, SEND_WEIGHTS, SEND_WGRAD))
 _WEIGHT_SENDS = frozenset((SEND_WEIGHTS, SEND_WGRAD))  # the sends and receives left once the edges are known
 _WEIGHT_RECEIVES = frozenset((RECV_WEIGHTS, RECV_WGRAD, FREE_WGRAD))
 _AFTER = frozenset(AFTER)
@@ -116,6 +131,35 @@ def _belongs(prog: list[Action]) -> list[int]:
     ops = list(map(OP, prog))
     jobs_before = accumulate(map(JOBS.__contains__, ops), initial=0)  # at each action, the jobs before it
     return list(map(sub, jobs_before, map(_AFTER.__contains__, ops)))
+
+
+def _bound(prog: list[Action], belongs: list[int], owner: list[int], w: int) -> list[int]:
+    """``belongs`` with each receive of :data:`~launcher.schedule.actions.POSTED` bound to the job
+    it feeds, the first after it of its stage and micro-batch that takes it: ``RECV_ACT`` a
+    forward, ``RECV_GRAD`` a backward (``B`` or ``I``), ``RECV_WEIGHTS`` a job on another worker's
+    weights (``owner``: per job, its ``w_weights``), one copy per job, in order. A receive that
+    feeds no job is bound past the last job (:func:`_check_actions` refuses it)."""
+    if not any(a.op in POSTED for a in prog):
+        return belongs
+    out = list(belongs)
+    pending: dict[tuple[str, int, int], list[int]] = {}
+    i = 0
+    for n, a in enumerate(prog):
+        op = a.op
+        if op in POSTED:
+            pending.setdefault((op, a.stage, a.microbatch), []).append(n)
+        elif op in JOBS:
+            key = (RECV_ACT if op == "F" else RECV_GRAD, a.stage, a.microbatch)
+            for k in pending.pop(key, ()) if op != "W" else ():
+                out[k] = i
+            copies = pending.get((RECV_WEIGHTS, a.stage, a.microbatch)) if i >= len(owner) or owner[i] != w else None
+            if copies:
+                out[copies.pop(0)] = i
+            i += 1
+    for left in pending.values():
+        for k in left:
+            out[k] = i
+    return out
 
 
 def _check_actions(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> None:
@@ -147,7 +191,7 @@ def _check_actions(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> N
                               "an action belongs to the job before it (sends, frees, REDUCE) or the one after it "
                               "(the rest); one about a job needs a job of its kind, stage and micro-batch; REDUCE "
                               "needs a replicated stage the worker owns")
-            if (a.op in _SENDS or a.op in _RECEIVES) and not (0 <= a.peer < W and a.peer != w):
+            if (a.op in SENDS or a.op in _RECEIVES) and not (0 <= a.peer < W and a.peer != w):
                 raise marked_error(progs, (w, n), f"worker {w}'s {a!r} names worker {a.peer}, not another of the {W}")
 
 
@@ -168,7 +212,7 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]], edge_msgs:
     (``act``/``grad``: the producing job's finish; ``wgrad``: the finish of the last job whose
     gradient it sums; ``weights``: the consuming job's start, since owners hold weights all step). An
     owner hands a weights message over just before its first job that starts at or after that key
-    (``Program.weight_release``). Both ends issue a pair's operations in key order. A worker only
+    (:func:`~launcher.schedule.lowering.add_weights`). Both ends issue a pair's operations in key order. A worker only
     ever waits for data whose key is earlier than the simulated start of the job that waits, so
     issuing in key order cannot deadlock (the simulated timeline is a witness).
     """
@@ -180,7 +224,7 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]], edge_msgs:
     grad_place = [{c: k for k, c in enumerate(cs)} for cs in space.stage_succs]
     base_weights = 2 * N * S  # numbering order as one int: act/grad by consumer job and place, then ...
     base_wgrad = base_weights + W * (N + 1)  # ... weights by worker and job, then wgrad by stage, sender, owner
-    sends, receives = (_SENDS, _RECEIVES) if edge_msgs is None else (_WEIGHT_SENDS, _WEIGHT_RECEIVES)
+    sends, receives = (SENDS, _RECEIVES) if edge_msgs is None else (_WEIGHT_SENDS, _WEIGHT_RECEIVES)
     # each worker's sends by action (the k-th send of an action matches the k-th receive of its mirror)
     sent: list[dict[tuple, list[int]]] = []
     for prog in progs:
@@ -283,15 +327,25 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = DEFAULT.weight_c
     programs fit by construction)."""
     check_options(weight_cache, prefetch)
     if check:
-        _check_actions(tl, progs, [_belongs(prog) for prog in progs])
+        if len(progs) != tl.step.workers:
+            raise LoweringError(f"the step has {tl.step.workers} workers but {len(progs)} programs")
+        _check_actions(tl, progs, _bindings(tl, progs))
     return assemble_with(tl, progs, None, weight_cache, prefetch)
+
+
+def _bindings(tl: Timeline, progs: Programs) -> list[list[int]]:
+    """Per worker and action, the job it belongs to (:func:`_belongs`), a receive's the job it feeds
+    (:func:`_bound`)."""
+    weights = tl.weights
+    return [_bound(prog, _belongs(prog), [weights[j] for j in tl.program[w]] if w < len(tl.program) else [], w)
+            for w, prog in enumerate(progs)]
 
 
 def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, weight_cache: str,
               prefetch: int) -> Lowered:
     """:func:`assemble`, the ``act``/``grad`` messages given (:func:`edges`) or read from ``progs``."""
     S, W = tl.step.space.S, tl.step.workers
-    belongs = [_belongs(prog) for prog in progs]
+    belongs = _bindings(tl, progs)
     msgs, mids, edge_msgs = messages(tl, progs, belongs, edge_msgs)
     if len(msgs) + 2 * S + S * reduce_rounds(W) > TAG_LIMIT:  # the step's tags, then the engine's ranges
         raise LoweringError(
@@ -322,51 +376,50 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
     return lowered
 
 
-def _program(w: int, prog: list[Action], jobs: list[JobOp], belongs: list[int], mids: list[int], msgs: list[Msg],
+def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mids: list[int], msgs: list[Msg],
              owners: list[list[int]], pair: dict[int, list[int]], frozen: frozenset[int] = frozenset()) -> Program:
-    """Worker ``w``'s :class:`~launcher.schedule.program.Program` from its actions (``mids``: per
-    action, its message's id; -1: none) and its jobs, their activations and gradients filled in;
-    a stage in ``frozen`` (nothing to train) has no all-reduce."""
+    """Worker ``w``'s :class:`~launcher.schedule.program.Program` from its actions (``bound``: per
+    action, the job it belongs to, a receive's the job it feeds; ``mids``: per action, its
+    message's id, -1: none or ``act``/``grad``) and its jobs, their activations and gradients filled
+    in: its operations are the actions one for one. A stage in ``frozen`` (nothing to train) has no
+    all-reduce."""
     reduces = {s: StageReduce(s, replicas=tuple(o) if len(o) > 1 and s not in frozen else ())
                for s, o in enumerate(owners) if w in o}
     held: dict[int, int] = {}  # stage -> the fetched copy its jobs here run on
-    at: dict[str, dict[int, list[int]]] = {SEND_WEIGHTS: {}, RECV_WGRAD: {}, FREE_WGRAD: {}}  # job index -> mids
-    ready: dict[int, int] = {}
-    # a job on fetched weights runs on the copy received before it: the jobs matter only with fetches
-    ops = list(map(OP, prog))
-    every = range(len(ops))
-    for n in every if RECV_WEIGHTS in ops else compress(every, map(not_, map(_JOB_OR_EDGE.__contains__, ops))):
-        a, i, mid = prog[n], belongs[n], mids[n]
-        kind = a.op
+    copy_for: dict[int, int] = {}  # job index -> the copy received for it
+    ops: list[Op] = []
+    for n, a in enumerate(prog):
+        kind, i = a.op, bound[n]
         if kind in JOBS:
             job = jobs[i]
+            if i in copy_for:
+                held[a.stage] = copy_for.pop(i)
             if job.owner != w:
                 job.weights = held.get(a.stage)
-        elif kind in _EDGE:  # filled in from the messages
-            continue
-        elif kind in at:
-            if kind == RECV_WGRAD:
-                reduces.setdefault(a.stage, StageReduce(a.stage)).recv_from.append(mid)
-            if i < len(jobs) or kind == SEND_WEIGHTS:  # a sum received at the end is not posted
-                at[kind].setdefault(i, []).append(mid)
-        elif kind == REDUCE:
-            ready[a.stage] = i
-        elif kind == RECV_WEIGHTS:
-            held[a.stage] = mid
-        elif kind == FREE_WEIGHTS:
+            ops.append((kind, i))
+        elif kind == FREE_WEIGHTS:  # done by the job itself, as it ends
             jobs[i].free_weights = True
             held.pop(a.stage, None)
-        elif kind == SEND_WGRAD:
-            jobs[i].wgrad_send.append(mid)
-            reduces.setdefault(a.stage, StageReduce(a.stage)).send_to_owner[a.peer] = mid
+        elif kind == RECV_ACT or kind == RECV_GRAD:
+            ops.append((kind, jobs[i].recv[a.peer_stage]))
+        elif kind == SEND_ACT or kind == SEND_GRAD:  # which of the job's outputs: by receiver and its stage
+            ops.append((kind, next(mid for mid in jobs[i].send if msgs[mid].dst == a.peer and
+                                   (msgs[mid].peer_stage if kind == SEND_ACT else msgs[mid].stage) == a.peer_stage)))
+        elif kind == REDUCE:
+            ops.append((kind, a.stage))
+        else:
+            mid = mids[n]
+            ops.append((kind, mid))
+            if kind == RECV_WEIGHTS:
+                copy_for[i] = mid
+            elif kind == RECV_WGRAD:
+                reduces.setdefault(a.stage, StageReduce(a.stage)).recv_from.append(mid)
+            elif kind == SEND_WGRAD:
+                jobs[i].wgrad_send.append(mid)
+                reduces.setdefault(a.stage, StageReduce(a.stage)).send_to_owner[a.peer] = mid
     _in_id_order(jobs, reduces.values())
-
-    def keyed(by_job: dict[int, list[int]]) -> dict[int, list[int]]:
-        return {i: sorted(v, key=lambda mid: msgs[mid].key) for i, v in sorted(by_job.items())}
-
     return Program(w, jobs, [reduces[s] for s in sorted(reduces)], [s for s, o in enumerate(owners) if w in o], pair,
-                   keyed(at[SEND_WEIGHTS]), {s: len(jobs) if reduces[s].recv_from else i for s, i in ready.items()},
-                   keyed(at[RECV_WGRAD]), keyed(at[FREE_WGRAD]))
+                   ops, tail_of(ops))
 
 
 def _in_id_order(jobs: list[JobOp], reduces: Iterable[StageReduce]) -> None:
@@ -384,7 +437,7 @@ def _reduce_order(tl: Timeline, programs: list[Program], owners: list[list[int]]
     last owner's share is complete on the simulated timeline (then owner set, stage)."""
     ready_time: dict[int, float] = {}
     for prog in programs:
-        for s, i in prog.reduce_ready.items():
+        for s, i in prog.reduce_points().items():
             t = tl.finish[prog.jobs[i].job] if 0 <= i < len(prog.jobs) else (0.0 if i < 0 else tl.latency)
             ready_time[s] = max(ready_time.get(s, 0.0), t)
     return sorted(ready_time, key=lambda s: (ready_time[s], tuple(owners[s]), s))

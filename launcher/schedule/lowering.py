@@ -9,13 +9,15 @@ over one list of :class:`~launcher.schedule.actions.Action` per worker, each pas
 traffic it adds: the jobs in timeline order (:func:`job_actions`), then :data:`PASSES`: ``act``
 and ``grad`` messages (:func:`add_act_grad`, one per edge of :func:`edges`), ``weights`` under the
 weight cache policy (:func:`add_weights`), ``wgrad`` (:func:`add_wgrad`), the replicas'
-all-reduces (:func:`add_reduces`). :func:`~launcher.schedule.assembly.assemble` then pairs every send with its
+all-reduces (:func:`add_reduces`), and last the engine's lookahead, resolved to positions
+(:func:`post_early`). :func:`~launcher.schedule.assembly.assemble` then pairs every send with its
 receive, keys and numbers the messages in the order NCCL needs and fills each worker's
-:class:`~launcher.schedule.program.Program`. :func:`lower_actions` gives the lists themselves:
+:class:`~launcher.schedule.program.Program`, whose operations are those actions one for one, in
+order (the engine runs them as they stand). :func:`lower_actions` gives the lists themselves:
 :func:`~launcher.schedule.actions.format_programs` prints them, one line per worker, and
 :func:`assemble` of what :func:`~launcher.schedule.actions.parse_programs` reads back is the
 same lowered step. :func:`lower` takes the ``act``/``grad`` messages (most of a step's) straight
-from :func:`edges` rather than writing them out as actions and pairing them again.
+from :func:`edges` rather than pairing their sends and receives again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Iterator
 from .actions import (
     FREE_WEIGHTS,
     FREE_WGRAD,
+    JOBS,
+    POSTED,
     RECV_ACT,
     RECV_GRAD,
     RECV_WEIGHTS,
@@ -53,7 +57,7 @@ from .assembly import (
     timeline_jobs,
 )
 from .assembly import LoweringError as LoweringError  # what lowering raises, with it: callers catch it here
-from .program import ACT, GRAD, Lowered, Program
+from .program import ACT, GRAD, Lowered
 from .settings import DEFAULT
 from .simulate import Timeline
 
@@ -120,11 +124,11 @@ def edges(tl: Timeline) -> list[Edge]:
     return out
 
 
-def add_act_grad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
-    """The ``act`` and ``grad`` messages of :func:`edges`, each sent after the job that produces it
-    and received before the job that consumes it."""
+def add_act_grad(tl: Timeline, progs: Programs, weight_cache: str, found: list[Edge] | None = None) -> Programs:
+    """The ``act`` and ``grad`` messages of :func:`edges` (``found``: those, already known), each
+    sent after the job that produces it and received before the job that consumes it."""
     before, after = _slots(tl)
-    for _, _, kind, pw, cw, x, b, y, ip, ic in edges(tl):
+    for _, _, kind, pw, cw, x, b, y, ip, ic in edges(tl) if found is None else found:
         if kind == ACT:
             after[pw][ip].append(Action(SEND_ACT, x, b, cw, y))
             before[cw][ic].append(Action(RECV_ACT, y, b, pw, x))
@@ -168,9 +172,10 @@ def add_weights(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     this worker's own weights backpropagates through that forward's graph (no copy), and a ``W``
     takes its gradient from its ``I``'s graph, on the copy ``I`` kept until then (no copy either).
 
-    An owner hands a copy over just before its first job that starts at or after the consuming
-    job's start (owners hold weights all step): just in time, so a consumer is never made to post a
-    receive for weights it needs much later (``Program.weight_release``)."""
+    An owner's release point for a copy is just before its first job that starts at or after the
+    consuming job's start (owners hold weights all step): just in time, so a consumer is never made
+    to post a receive for weights it needs much later; :func:`post_early` then moves the hand-over
+    ``prefetch`` jobs ahead of it. A copy names the micro-batch of the job it is for."""
     if _all_on_own_weights(tl):
         return progs
     before, after = _slots(tl)
@@ -179,21 +184,56 @@ def add_weights(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
         j = tl.program[w][i]
         if weight_cache == "job":
             after[w][i].append(Action(FREE_WEIGHTS, s))
-        before[w][i].append(Action(RECV_WEIGHTS, s, peer=o))
-        hand.append((o, oi, tl.start[j], j, Action(SEND_WEIGHTS, s, peer=w)))
+        b = tl.step.space.job(j)[1]
+        before[w][i].append(Action(RECV_WEIGHTS, s, b, peer=o))
+        hand.append((o, oi, tl.start[j], j, Action(SEND_WEIGHTS, s, b, peer=w)))
     for o, i, *_, send in sorted(hand, key=lambda h: h[:4]):  # in key order at each release point
         before[o][i].append(send)
     return weave(progs, before, after)
 
 
+def early(i: int, prefetch: int) -> int:
+    """The job before which an action that belongs before job ``i`` happens with lookahead
+    ``prefetch``: ``prefetch`` jobs ahead, at the start of the step at the earliest. The one place
+    the lookahead is applied (:func:`post_early`)."""
+    return max(0, i - prefetch)
+
+
+def post_early(tl: Timeline, progs: Programs, prefetch: int) -> Programs:
+    """The lookahead, resolved: every receive of :data:`~launcher.schedule.actions.POSTED` moves
+    from just before the job that needs it to :func:`early` of that job (where the worker posts
+    it; the job waits for it where it stood), and every ``SEND_WEIGHTS`` from its owner's release
+    point to :func:`early` of it (where the owner hands the copy over). The rest stays where it is."""
+    if prefetch == 0:
+        return progs
+    moved = POSTED | {SEND_WEIGHTS}
+    before: Slots = [defaultdict(list) for _ in progs]
+    out: Programs = []
+    for w, prog in enumerate(progs):
+        if not any(a.op in moved for a in prog):
+            out.append(prog)
+            continue
+        kept: list[Action] = []
+        i = 0  # the job the next action before a job belongs to
+        for a in prog:
+            if a.op in JOBS:
+                i += 1
+            elif a.op in moved:
+                before[w][early(i, prefetch)].append(a)
+                continue
+            kept.append(a)
+        out.append(kept)
+    return weave(out, before, [{} for _ in progs])
+
+
 def weight_arrivals(tl: Timeline, weight_cache: str, prefetch: int) -> dict[int, int]:
     """Per job that receives a weight copy before it (:func:`weight_fetches`), the owner's job after
     which the copy is handed over, ``-1`` for the start of the step: an owner hands release point
-    ``r`` over ``prefetch`` jobs ahead (:meth:`~launcher.schedule.program.Program.handovers`), so the
-    copy arrives a message's time after that, not before the consumer needs it."""
+    ``r`` over ``prefetch`` jobs ahead (:func:`early`), so the copy arrives a message's time after
+    that, not before the consumer needs it."""
     out = {}
     for w, i, _s, o, oi in weight_fetches(tl, weight_cache):
-        k = Program.handed_over_before(oi, prefetch) - 1  # after the owner's job k, or at the start
+        k = early(oi, prefetch) - 1  # after the owner's job k, or at the start
         out[tl.program[w][i]] = tl.program[o][k] if k >= 0 else -1
     return out
 
@@ -264,9 +304,9 @@ def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     their own subgroup (a collective, not a message: :mod:`launcher.runtime.groups`) once their
     partial sums are in; then each owner steps its optimizer for the stages it owns.
 
-    An owner's share is complete (``REDUCE``, ``Program.reduce_ready``) after its last gradient job
-    of the stage that it owns itself, at once if it computes nothing of it, or at the end of its
-    program if others send it partial sums."""
+    An owner's share is complete (``REDUCE``, :meth:`~launcher.schedule.program.Program.reduce_points`)
+    after its last gradient job of the stage that it owns itself, at once if it computes nothing of
+    it, or at the end of its program if others send it partial sums."""
     space = tl.step.space
     S, B, SB = space.S, space.B, space.S * space.B
     owners = stage_owners(tl)
@@ -283,25 +323,26 @@ def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     return weave(progs, before, after)
 
 
-#: the passes of :func:`lower_actions`, in order, after :func:`job_actions`
+#: the passes of :func:`lower_actions`, in order, after :func:`job_actions` (then :func:`post_early`)
 PASSES = (add_act_grad, add_weights, add_wgrad, add_reduces)
 
 
-def lower_actions(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> Programs:
-    """Every worker's actions for ``tl``: its jobs, then what each pass of :data:`PASSES` adds."""
-    check_options(weight_cache)
+def lower_actions(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int = DEFAULT.prefetch) -> Programs:
+    """Every worker's actions for ``tl``, as the workers run them: its jobs, what each pass of
+    :data:`PASSES` adds, and the lookahead ``prefetch`` resolved (:func:`post_early`)."""
+    check_options(weight_cache, prefetch)
     progs = job_actions(tl)
     for add in PASSES:
         progs = add(tl, progs, weight_cache)
-    return progs
+    return post_early(tl, progs, prefetch)
 
 
 def lower(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int = DEFAULT.prefetch) -> Lowered:
     """Lower ``tl`` into per-worker programs; identical on every worker.
 
-    The same as :func:`assemble` of :func:`lower_actions`, without writing out the ``act`` and
-    ``grad`` actions only to pair them again: the programs take those messages from :func:`edges`
-    (a step has one per edge that crosses workers; the other passes add a few per stage).
+    The same as :func:`assemble` of :func:`lower_actions`, without pairing the ``act`` and ``grad``
+    actions again: the programs take those messages from :func:`edges` (a step has one per edge
+    that crosses workers; the other passes add a few per stage).
 
     ``lowered.predicted`` is the simulator's :func:`~launcher.schedule.metrics.per_worker`, except
     ``weights_peak_resident`` under ``weight_cache="job"``: the exact peak of the engine running
@@ -310,11 +351,12 @@ def lower(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int 
     """
     check_options(weight_cache, prefetch)
     with _collector_paused():
-        progs = job_actions(tl)
+        found = edges(tl)
+        progs = add_act_grad(tl, job_actions(tl), weight_cache, found)
         for add in PASSES:
             if add is not add_act_grad:
                 progs = add(tl, progs, weight_cache)
-        return assemble_with(tl, progs, edges(tl), weight_cache, prefetch)
+        return assemble_with(tl, post_early(tl, progs, prefetch), found, weight_cache, prefetch)
 
 
 @contextmanager

@@ -1,18 +1,19 @@
 """What each worker runs in a step (its :class:`Program`), and the one rule for when its messages go out.
 
 Pure Python, no torch. :mod:`launcher.schedule.lowering` builds a :class:`Lowered` step (every
-worker's program and the messages between them); the runtime's engine walks a program in the
-order :meth:`Program.handovers` and :meth:`Program.wants` give, and its communication
+worker's program and the messages between them); a program's operations are its worker's actions
+(:mod:`launcher.schedule.actions`) one for one, the engine runs them in order, and its communication
 (:mod:`launcher.runtime.comm`) issues each peer's operations by :class:`PairIssue`.
-:func:`resident_peaks` replays the same two rules without torch, so the weight copies the engine
-holds are predicted by the code that decides them, not by a copy of it.
+:func:`resident_peaks` walks the same operations through the same rule without torch, so the
+weight copies the engine holds are predicted by the code that decides them, not by a copy of it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
+from .actions import AFTER, JOBS, POSTED, RECV_WGRAD, REDUCE, SENDS
 from .settings import DEFAULT
 from .simulate import Timeline
 
@@ -71,54 +72,51 @@ class StageReduce:
     replicas: tuple[int, ...] = ()  # the owners that all-reduce this stage (empty: one owner)
 
 
+#: one operation of a worker's program: an action's kind and its argument (a job: its index in
+#: ``Program.jobs``; a message: its id; ``REDUCE``: the stage)
+Op = tuple[str, int]
+
+
 @dataclass
 class Program:
-    """Everything one worker does in a step, in order."""
+    """Everything one worker does in a step, in order: :attr:`ops` are its actions
+    (:mod:`launcher.schedule.actions`) one for one, as printed, with each message's id resolved;
+    the engine runs them as they stand. A fetched copy's free when its job ends (``FREE_WEIGHTS``)
+    is the :class:`JobOp`'s ``free_weights``, done by the job itself."""
 
     worker: int
     jobs: list[JobOp]
     reduces: list[StageReduce]
     owned: list[int]  # stages this worker is a source of truth for
     pair_order: dict[int, list[int]]  # peer -> mids to or from that peer, in issue order
-    # job index -> weights this owner hands over before that job (index len(jobs): at the end);
-    # just in time, so a consumer is never made to post a receive for weights it needs much later
-    weight_release: dict[int, list[int]] = field(default_factory=dict)
-    # replicated stage this worker owns -> index of the job after which its own share of the
-    # stage's gradient is complete (len(jobs): at the end, when partial sums come in from others;
-    # -1: at once, when it computes nothing of the stage)
-    reduce_ready: dict[int, int] = field(default_factory=dict)
-    # cache "job": job index -> partial sums of a stage this worker alone owns that it receives
-    # before that job and adds into its total after it, instead of all at the end of the step ...
-    wgrad_post: dict[int, list[int]] = field(default_factory=dict)
-    # ... and job index -> partial sums this worker sent that are received by then (the owner's
-    # job that takes them in started earlier on the timeline): it waits for their delivery and
-    # frees them, so no worker holds every fetched stage's sum to the end of the step
-    wgrad_deliver: dict[int, list[int]] = field(default_factory=dict)
+    ops: list[Op] = field(default_factory=list)
+    # where the end of the step's operations start (after the last job's own): the owner's last
+    # hand-overs, the partial sums it takes in and the reductions that wait for them
+    tail: int = 0
 
-    # ---- the engine's order of calls, before each job ----------------------------------------
-    @staticmethod
-    def handed_over_before(release: int, prefetch: int) -> int:
-        """The job before which :meth:`handovers` hands release point ``release`` over: ``prefetch``
-        jobs ahead of it, and at the start of the step for the first ``prefetch + 1`` points."""
-        return max(0, release - prefetch)
+    def reduce_points(self) -> dict[int, int]:
+        """Per replicated stage this worker owns, the job after which its share of the stage's
+        gradient is complete (its ``REDUCE``): -1 at once (it computes nothing of the stage),
+        ``len(jobs)`` at the end of the step (partial sums come in from others)."""
+        out, i = {}, -1
+        for n, (op, arg) in enumerate(self.ops):
+            if op in JOBS:
+                i = arg
+            elif op == REDUCE:
+                out[arg] = len(self.jobs) if n >= self.tail else i
+        return out
 
-    def handovers(self, i: int, prefetch: int) -> Iterator[int]:
-        """The weights messages this owner hands over before job ``i`` (``i = len(jobs)``: at the
-        end of the step): its release points up to ``prefetch`` jobs ahead that it had not reached
-        before job ``i - 1``."""
-        lo = 0 if i == 0 else i + prefetch
-        hi = i + prefetch if i < len(self.jobs) else len(self.jobs)
-        for r in range(lo, hi + 1):
-            yield from self.weight_release.get(r, ())
 
-    def wants(self, i: int, prefetch: int) -> Iterator[int]:
-        """The incoming messages the engine asks for before job ``i``: the inputs and weights of
-        jobs ``i`` to ``i + prefetch``, then the partial sums it takes in after job ``i``."""
-        for op in self.jobs[i : i + 1 + prefetch]:
-            yield from op.recv.values()
-            if op.weights is not None:
-                yield op.weights
-        yield from self.wgrad_post.get(i, ())
+def tail_of(ops: list[Op]) -> int:
+    """Where the end of the step's operations start: after the last job and its own operations
+    (the kinds of :data:`~launcher.schedule.actions.AFTER`), or after the leading ones if no job."""
+    tail = next((n + 1 for n in range(len(ops) - 1, -1, -1) if ops[n][0] in JOBS), 0)
+    while tail < len(ops) and ops[tail][0] in _AFTER:
+        tail += 1
+    return tail
+
+
+_AFTER = frozenset(AFTER)
 
 
 @dataclass
@@ -223,14 +221,14 @@ class PairIssue:
 
 
 def resident_peaks(lowered: Lowered, prefetch: int) -> list[int]:
-    """Most fetched weight copies each worker's engine holds at once, with lookahead ``prefetch``.
+    """Most fetched weight copies each worker's engine holds at once, with lookahead ``prefetch``
+    (the one its programs were lowered for).
 
     A copy is resident from the moment its receive buffer is posted until the engine frees it: at
     the end of its job (``F``/``B``), at the end of the ``W`` after an ``I``, or at the end of the
     step (cache ``step``). When a receive is posted depends only on the worker's own program, so
-    this walks it as the engine does (before each job :meth:`Program.handovers` and
-    :meth:`Program.wants`; in the job its sends, its frees; after it its partial sums for owners)
-    through the same :class:`PairIssue` its communication follows.
+    this walks its operations as the engine runs them (:attr:`Program.ops`) through the same
+    :class:`PairIssue` its communication follows.
     """
     msgs, out = lowered.messages, []
     for prog in lowered.programs:
@@ -245,22 +243,20 @@ def resident_peaks(lowered: Lowered, prefetch: int) -> list[int]:
                     peak = max(peak, held)
 
         kept: set[tuple[int, int]] = set()
-        for i, op in enumerate(prog.jobs):
-            for mid in prog.handovers(i, prefetch):
-                posted(issue.ready(mid))
-            for mid in prog.wants(i, prefetch):
-                posted(issue.want(mid))
-            for mid in op.send:
-                posted(issue.ready(mid))
-            if op.kind == "I" and op.free_weights:
-                kept.add((op.stage, op.microbatch))
-            elif op.free_weights:
-                held -= 1
-            if op.kind == "W" and (op.stage, op.microbatch) in kept:
-                kept.discard((op.stage, op.microbatch))
-                held -= 1
-            for mid in op.wgrad_send:  # after the job, as the engine sends them
-                posted(issue.ready(mid))
+        for n, (kind, arg) in enumerate(prog.ops):
+            if kind in JOBS:
+                op = prog.jobs[arg]
+                if op.kind == "I" and op.free_weights:
+                    kept.add((op.stage, op.microbatch))
+                elif op.free_weights:
+                    held -= 1
+                if op.kind == "W" and (op.stage, op.microbatch) in kept:
+                    kept.discard((op.stage, op.microbatch))
+                    held -= 1
+            elif kind in SENDS:
+                posted(issue.ready(arg))
+            elif kind in POSTED or kind == RECV_WGRAD and n < prog.tail:
+                posted(issue.want(arg))
         out.append(peak)
     return out
 
@@ -278,32 +274,31 @@ def predicted_receives(lowered: Lowered) -> dict[str, list[int]]:
 
 
 def forward_only(lowered: Lowered) -> Lowered:
-    """The forward half of ``lowered``, for evaluation: each worker's ``F`` jobs in the same order,
-    the activation messages between them and the weights they run on; no gradients, no
-    reduction. A subsequence of a deadlock-free pair order is deadlock-free (every wait is still
-    for data keyed before the waiting job's simulated start), so this needs no new schedule."""
+    """The forward half of ``lowered``, for evaluation: each worker's ``F`` jobs and their
+    operations in the same order (the activation messages between them and the weights they run
+    on); no gradients, no reduction. A subsequence of a deadlock-free pair order is deadlock-free
+    (every wait is still for data keyed before the waiting job's simulated start), so this needs no
+    new schedule."""
     keep: set[int] = set()
-    programs: list[Program] = []
     for prog in lowered.programs:
-        jobs = [op for op in prog.jobs if op.kind == "F"]
-        for op in jobs:
-            keep.update(op.recv.values())
-            keep.update(op.send)
-            if op.weights is not None:
-                keep.add(op.weights)
-        programs.append(Program(prog.worker, jobs, [], prog.owned, {}, {}))
-    for prog, old in zip(programs, lowered.programs):
-        prog.pair_order = {p: [m for m in q if m in keep] for p, q in old.pair_order.items()}
-        prog.pair_order = {p: q for p, q in prog.pair_order.items() if q}
-        # release points move with the jobs: index i of the old program -> forwards before it
-        new_index, n = [], 0
-        for job in old.jobs:
-            new_index.append(n)
-            n += job.kind == "F"
-        new_index.append(n)
-        for i, mids in old.weight_release.items():
-            kept = [m for m in mids if m in keep]
-            if kept:
-                prog.weight_release.setdefault(new_index[i], []).extend(kept)
+        for op in prog.jobs:
+            if op.kind == "F":
+                keep.update(op.recv.values())
+                keep.update(op.send)
+                if op.weights is not None:
+                    keep.add(op.weights)
+    programs: list[Program] = []
+    for old in lowered.programs:
+        jobs: list[JobOp] = []
+        ops: list[Op] = []
+        for kind, arg in old.ops:
+            if kind == "F":
+                ops.append((kind, len(jobs)))
+                jobs.append(old.jobs[arg])
+            elif (kind in POSTED or kind in SENDS) and arg in keep:
+                ops.append((kind, arg))
+        pair = {p: [m for m in q if m in keep] for p, q in old.pair_order.items()}
+        programs.append(Program(old.worker, jobs, [], old.owned, {p: q for p, q in pair.items() if q}, ops,
+                                tail_of(ops)))
     return Lowered(lowered.timeline, lowered.weight_cache, lowered.messages, programs, lowered.owners,
                    lowered.predicted, lowered.prefetch)

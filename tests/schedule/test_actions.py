@@ -62,7 +62,7 @@ def _same(a: Lowered, b: Lowered) -> None:
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-{c[5]}-{'split' if c[6] else 'joint'}")
 def test_programs_print_parse_back_and_give_the_same_plan(config, cache):
     tl = _timeline(*config)
-    progs = lower_actions(tl, cache)
+    progs = lower_actions(tl, cache, 2)
     for prog in progs:
         for a in prog:
             assert Action.from_str(repr(a)) == a and str(a) == repr(a)
@@ -86,14 +86,14 @@ def test_every_kind_is_met_and_round_trips():
 
 
 @pytest.mark.parametrize("text", ["F3.b1", "W0.b12", "SEND_ACT s3.b1 ->w2.s4", "RECV_GRAD s0.b7 <-w3.s1",
-                                  "SEND_WEIGHTS s2 ->w0", "RECV_WEIGHTS s3 <-w1", "FREE_WEIGHTS s3",
+                                  "SEND_WEIGHTS s2.b0 ->w0", "RECV_WEIGHTS s3.b1 <-w1", "FREE_WEIGHTS s3",
                                   "SEND_WGRAD s1 ->w0", "RECV_WGRAD s1 <-w2", "FREE_WGRAD s1 ->w0", "REDUCE s5"])
 def test_each_form_reads_back(text):
     assert repr(Action.from_str(text)) == text
 
 
 @pytest.mark.parametrize("text", ["F3", "X3.b1", "SEND_ACT s3 ->w2", "SEND_ACT s3.b1 <-w2.s4", "REDUCE s3 ->w1",
-                                  "RECV_WEIGHTS s3.b1 <-w0", "FREE_WEIGHTS", "send_act s3.b1 ->w2.s4"])
+                                  "RECV_WEIGHTS s3 <-w0", "FREE_WEIGHTS", "send_act s3.b1 ->w2.s4"])
 def test_malformed_actions_are_refused(text):
     with pytest.raises(ValueError, match="is not an action"):
         Action.from_str(text)

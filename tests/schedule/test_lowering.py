@@ -7,9 +7,19 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from launcher.schedule import ScheduleError, make_step, simulate
-from launcher.schedule.lowering import LoweringError, lower, weight_messages
+from launcher.schedule.actions import COMPUTE, RECV_ACT, RECV_GRAD, RECV_WEIGHTS, RECV_WGRAD, SEND_WEIGHTS, SENDS
+from launcher.schedule.lowering import LoweringError, early, lower, weight_messages
 from launcher.schedule.metrics import per_worker
-from launcher.schedule.program import ACT, GRAD, WEIGHTS, WGRAD, Lowered, predicted_receives, resident_peaks
+from launcher.schedule.program import (
+    ACT,
+    GRAD,
+    WEIGHTS,
+    WGRAD,
+    Lowered,
+    PairIssue,
+    predicted_receives,
+    resident_peaks,
+)
 
 SCHEMES = [("ddp", 4, 1, 3, 4), ("fsdp", 4, 1, 4, 4), ("gpipe", 1, 4, 4, 6), ("lpp", 2, 2, 4, 4),
            ("fslpp", 2, 2, 4, 4), ("lpp", 2, 2, 8, 8), ("fslpp", 4, 2, 8, 8)]
@@ -41,14 +51,14 @@ def execute_abstract(plan: Lowered) -> None:
     flat: list[list[tuple[str, int]]] = []
     for w, prog in enumerate(plan.programs):
         ops: list[tuple[str, int]] = []
-        for i, op in enumerate(prog.jobs):
-            ops += [("send", m) for m in prog.weight_release.get(i, ())]
-            ops += [("wait", m) for m in op.recv.values()]
-            if op.weights is not None:
-                ops.append(("wait", op.weights))
-            ops += [("send", m) for m in op.send]
-            ops += [("send", m) for m in op.wgrad_send]
-        ops += [("send", m) for m in prog.weight_release.get(len(prog.jobs), ())]
+        for kind, arg in prog.ops:  # as the engine runs them; a job waits for its inputs and weights
+            if kind in COMPUTE:
+                op = prog.jobs[arg]
+                ops += [("wait", m) for m in op.recv.values()]
+                if op.weights is not None:
+                    ops.append(("wait", op.weights))
+            elif kind in SENDS:
+                ops.append(("send", arg))
         flat.append(ops + _end_phase(plan, w))
     ready: list[set[int]] = [set() for _ in range(W)]
     wanted: list[set[int]] = [set() for _ in range(W)]
@@ -270,7 +280,7 @@ def test_weight_messages_are_the_lowered_programs_weight_traffic(name, G, R, S, 
     is what the lowered programs move at it: a copy received before it, a copy its owner hands
     over before it (after the owner's last job: at that job), a partial sum sent after it."""
     tl = simulate(make_step(name, S, B, G=G, R=R, order="1f1b"))
-    plan = lower(tl, weight_cache=cache)
+    plan = lower(tl, weight_cache=cache, prefetch=0)  # no lookahead: each hand-over at its release point
     want = [0] * tl.step.space.N
     for prog in plan.programs:
         seen: set[int] = set()
@@ -279,23 +289,39 @@ def test_weight_messages_are_the_lowered_programs_weight_traffic(name, G, R, S, 
                 seen.add(op.weights)
                 want[op.job] += 1
             want[op.job] += len(op.wgrad_send)
-        for i, mids in prog.weight_release.items():
-            want[prog.jobs[min(i, len(prog.jobs) - 1)].job] += len(mids)
+        for (kind, _), i in zip(prog.ops, _gaps(prog)):
+            if kind == SEND_WEIGHTS:
+                want[prog.jobs[min(i, len(prog.jobs) - 1)].job] += 1
     assert want == weight_messages(tl, cache)
     assert any(want) == (name in ("fsdp", "fslpp"))
 
 
+def _gaps(prog) -> list[int]:
+    """Per operation, the job it stands before (a job: itself; after the last job: the job count)."""
+    out, i = [], 0
+    for kind, arg in prog.ops:
+        out.append(arg if kind in COMPUTE else i)
+        i = arg + 1 if kind in COMPUTE else i
+    return out
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
-def test_a_release_point_is_handed_over_before_the_job_handed_over_before_says(prefetch):
-    """The replay's weight arrivals (lowering.weight_arrivals) read the engine's hand-over rule
-    from Program.handed_over_before: it names the job whose handovers() yield each release point."""
-    plan = lower(simulate(make_step("fsdp", 4, 4, G=4, R=1)))
-    for prog in plan.programs:
-        at = {mid: i for i in range(len(prog.jobs) + 1) for mid in prog.handovers(i, prefetch)}
-        assert at, "fsdp hands weights over"
-        for r, mids in prog.weight_release.items():
-            for mid in mids:
-                assert at[mid] == min(prog.handed_over_before(r, prefetch), len(prog.jobs))
+@pytest.mark.parametrize("cache", ["step", "job"])
+def test_the_lookahead_is_resolved_to_positions_in_the_program(prefetch, cache):
+    """With lookahead ``prefetch`` a receive stands ``prefetch`` jobs ahead of the job it feeds and
+    an owner's hand-over ``prefetch`` jobs ahead of its release point (at the start at the
+    earliest): what the replay's weight arrivals (lowering.weight_arrivals) read from ``early``."""
+    tl = simulate(make_step("fslpp", 4, 4, G=2, R=2, order="zb_h1", split_backward=True))
+    plain, ahead = lower(tl, cache, 0), lower(tl, cache, prefetch)
+    assert plain.messages == ahead.messages
+    moved = (RECV_ACT, RECV_GRAD, RECV_WEIGHTS, SEND_WEIGHTS)
+    assert any(k == SEND_WEIGHTS for p in plain.programs for k, _ in p.ops)
+    for p0, p in zip(plain.programs, ahead.programs):
+        at0 = {(k, a): g for (k, a), g in zip(p0.ops, _gaps(p0)) if k in moved}
+        at = {(k, a): g for (k, a), g in zip(p.ops, _gaps(p)) if k in moved}
+        assert at.keys() == at0.keys()
+        assert all(at[key] == early(g, prefetch) for key, g in at0.items())
+        assert [op for op in p.ops if op[0] not in moved] == [op for op in p0.ops if op[0] not in moved]
 
 
 @pytest.mark.parametrize("scheme,G,R,split,cache", [("ddp", 4, 1, False, "step"), ("fsdp", 4, 1, True, "job"),
@@ -318,3 +344,21 @@ def test_frozen_stages_send_no_gradient(scheme: str, G: int, R: int, split: bool
         assert some.predicted["weight_allreduce"][w] == sum(1 for r in prog.reduces if r.replicas)
     assert set(some.reduce_order) == set(every.reduce_order) - {0, 3}
     assert [m.kind for m in some.messages if m.kind != WGRAD] == [m.kind for m in every.messages if m.kind != WGRAD]
+
+
+@pytest.mark.parametrize("cache", ["step", "job"])
+@pytest.mark.parametrize("name,G,R,S,B", SCHEMES)
+def test_a_send_starts_only_at_a_send(name, G, R, S, B, cache):
+    """Walking a worker's operations as the engine does (PairIssue, the rule its communication
+    follows), asking for a receive never starts a send: every send goes out at a send of the
+    program (its own, or one held behind it in the pair's order), and all of them by the end."""
+    plan = lower(simulate(make_step(name, S, B, G=G, R=R, order="1f1b")), cache, 2)
+    for prog in plan.programs:
+        issue = PairIssue(plan.messages, prog.worker, prog.pair_order)
+        started: set[int] = set()
+        for n, (kind, arg) in enumerate(prog.ops):
+            if kind in SENDS:
+                started |= {m for m in issue.ready(arg) if plan.messages[m].src == prog.worker}
+            elif kind in (RECV_ACT, RECV_GRAD, RECV_WEIGHTS) or kind == RECV_WGRAD and n < prog.tail:
+                assert all(plan.messages[m].dst == prog.worker for m in issue.want(arg))
+        assert started == {m.mid for m in plan.messages if m.src == prog.worker}
