@@ -1,4 +1,4 @@
-"""The Hydra front end's config layer: schema (types), validation (rules), config -> Settings -> Step.
+"""The Hydra front end's config layer: schema (types), validation (rules), config -> Settings -> Schedule.
 
 Importing this package registers the ``mul`` resolver and the ``launcher_schema`` structured
 config with Hydra.

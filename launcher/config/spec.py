@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..schedule import Step
+from ..schedule import Schedule
 from ..schedule.settings import CUSTOM, Settings
 from .sentences import one_line, target_error
 from .validate import ConfigError, raw_settings, validate
@@ -90,7 +90,7 @@ def _guarded(fn: Callable, key: str, target: str, name: str, pair: bool = False)
     return call
 
 
-def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any = None) -> Step:
+def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any = None) -> Schedule:
     """The step a (composed) config describes; validated first unless ``check`` is false.
     ``graph``: the model's stage graph, when it is not a chain (a traced model's)."""
     step = settings_of(cfg, check).step(graph)

@@ -53,7 +53,7 @@ from ..runtime import Engine
 from ..runtime.items import rows
 from ..runtime.measure import resident_bytes
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
-from ..schedule import Step
+from ..schedule import Schedule
 from ..schedule.rules import StepError, overlap_training_errors
 from ..schedule.run_settings import CheckpointSettings, RunSettings
 from ..schedule.schemes import SCHEMES
@@ -218,11 +218,11 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     def B(self) -> int:
         return self.settings.microbatches
 
-    def make_step(self) -> Step:
+    def make_step(self) -> Schedule:
         """The schedule this strategy runs (the same every worker derives)."""
         return self._timed(self.settings.step(self.graph))
 
-    def _timed(self, step: Step) -> Step:
+    def _timed(self, step: Schedule) -> Schedule:
         """``step`` with the profiled stages' own durations (``partition=time``/``memory``), in the
         config's units (its ``comm`` is in them): an uneven cut has uneven stages."""
         if self.stage_durations_s is not None:

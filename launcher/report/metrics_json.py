@@ -57,7 +57,7 @@ from ..schedule.link import Link, exchanges
 from ..schedule.lowering import weight_arrivals
 from ..schedule.overlap import last_two_steps, steady_state
 from ..schedule.program import KINDS, Lowered
-from ..schedule.simulate import Step
+from ..schedule.simulate import Schedule
 from .measured_costs import (
     end_seconds,
     job_seconds,
@@ -158,7 +158,7 @@ class _Measured:
     message_cpu: float | None  # on CPU workers, the communication threads' CPU per message
 
 
-def _measure(ranks: Sequence[Mapping[str, Any]], step: Step, act_bytes: Sequence[Sequence[int]]) -> _Measured:
+def _measure(ranks: Sequence[Mapping[str, Any]], step: Schedule, act_bytes: Sequence[Sequence[int]]) -> _Measured:
     """The times the prediction takes from the workers' records."""
     kinds = step.space.kinds
     durations = job_seconds(ranks, kinds)

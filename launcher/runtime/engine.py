@@ -54,7 +54,7 @@ from launcher.schedule.program import ACT, GRAD, WEIGHTS, Lowered, Msg, forward_
 from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.run_settings import DEFAULT_RUN, TRANSPORTS
 from launcher.schedule.settings import DEFAULT
-from launcher.schedule.simulate import Step, Timeline, simulate
+from launcher.schedule.simulate import Schedule, Timeline, simulate
 
 from ..torch_support.checks import ModelError, model_errors
 from ..torch_support.init import has_meta, init_units
@@ -106,7 +106,7 @@ def frozen_stages(stages: Sequence[torch.nn.Module]) -> frozenset[int]:
     return frozenset(s for s, m in enumerate(stages) if not any(p.requires_grad for p in m.parameters()))
 
 
-def _lowered(schedule: Step | Timeline | Lowered, weight_cache: str, prefetch: int,
+def _lowered(schedule: Schedule | Timeline | Lowered, weight_cache: str, prefetch: int,
              frozen: frozenset[int] = frozenset()) -> Lowered:
     """The engine's program: the schedule lowered (simulated first, if need be) for ``prefetch``,
     without gradient messages for the ``frozen`` stages."""
@@ -155,7 +155,7 @@ class Engine:
     def __init__(
         self,
         model: StagedModel,
-        schedule: Step | Timeline | Lowered,
+        schedule: Schedule | Timeline | Lowered,
         optimizer: OptimizerFactory | None = None,
         *,
         prefetch: int = DEFAULT.prefetch,

@@ -6,11 +6,11 @@ from .placement import Placement, h
 from .rules import StepError
 from .schemes import SCHEMES, named
 from .settings import DEFAULT, Settings, make_step, unchecked_step
-from .simulate import ScheduleError, Step, Timeline, simulate
+from .simulate import Schedule, ScheduleError, Timeline, simulate
 
 __all__ = [
     "Job", "JobSpace", "StageGraph", "Order", "Sequenced", "check_sequences", "make_order", "Placement", "h",
     "named", "SCHEMES",
-    "ScheduleError", "StepError", "Step", "Timeline", "simulate", "DEFAULT", "Settings", "make_step",
+    "ScheduleError", "StepError", "Schedule", "Timeline", "simulate", "DEFAULT", "Settings", "make_step",
     "unchecked_step",
 ]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
-    from .simulate import Step, Timeline
+    from .simulate import Schedule, Timeline
 
 Bytes = Callable[[int, int], float]
 
@@ -69,14 +69,14 @@ def _peak(events: list[tuple[float, int, float]]) -> float:
     return peak
 
 
-def graph_shares(step: Step) -> list[float]:
+def graph_shares(step: Schedule) -> list[float]:
     """Per stage, the share ``g_s`` of one micro-batch's activations that is its forward's graph,
     kept until ``W`` (``step.graph_share``: one for every stage, or one per stage)."""
     g = step.graph_share
     return [float(g)] * step.S if isinstance(g, (int, float)) else [float(x) for x in g]
 
 
-def unit_releases(step: Step) -> tuple[list[float], list[float]]:
+def unit_releases(step: Schedule) -> tuple[list[float], list[float]]:
     """Per stage, the units of one micro-batch's activations freed at the end of its backward
     (``I``; ``B`` frees the whole unit) and at the end of its ``W``: the one rule the simulator's
     admission control and ``order=auto``'s construction free memory by."""

@@ -40,13 +40,13 @@ from .activations import unit_peaks, unit_releases
 from .order import AutoOrder, make_order
 
 if TYPE_CHECKING:
-    from .simulate import Step, Timeline
+    from .simulate import Schedule, Timeline
 
 #: each worker's job sequence
 Seqs = tuple[tuple[int, ...], ...]
 
 
-def run_sequences(step: Step, seqs: Seqs) -> Timeline:
+def run_sequences(step: Schedule, seqs: Seqs) -> Timeline:
     """``step`` simulated with each worker running ``seqs`` strictly, without the simulator's
     admission control (the sequences keep to the limit themselves)."""
     from .simulate import simulate
@@ -54,7 +54,7 @@ def run_sequences(step: Step, seqs: Seqs) -> Timeline:
     return simulate(replace(step, order=AutoOrder(warmup="classic", seqs=seqs), memory_limit=None))
 
 
-def worker_cap(step: Step) -> list[float]:
+def worker_cap(step: Schedule) -> list[float]:
     """Each worker's activation limit (units of one stage's micro-batch); ``inf`` without a limit."""
     ml = step.memory_limit
     if ml is None:
@@ -147,7 +147,7 @@ def span(tl: Timeline, above: float = math.inf) -> float:
     return hi
 
 
-def greedy(step: Step, compute: Sequence[int], caps: Sequence[float], fit_w: bool,
+def greedy(step: Schedule, compute: Sequence[int], caps: Sequence[float], fit_w: bool,
            depth: Sequence[float] | None = None) -> list[list[int]]:
     """The greedy construction (module docstring): each worker's sequence. ``caps[w]``: the most
     live units worker ``w`` keeps (:func:`launcher.schedule.activations.unit_peaks`' count);
@@ -256,7 +256,7 @@ DEPTH_SLOPES = tuple(x / 5 for x in range(5, 16))
 DEPTH_OFFSETS = (0, 1)
 
 
-def lowest_stages(step: Step, compute: Sequence[int]) -> list[int]:
+def lowest_stages(step: Schedule, compute: Sequence[int]) -> list[int]:
     """Each worker's lowest stage (``S`` for a worker that holds none)."""
     B = step.space.B
     lowest = [step.space.S] * step.workers
@@ -265,7 +265,7 @@ def lowest_stages(step: Step, compute: Sequence[int]) -> list[int]:
     return lowest
 
 
-def round_trips(step: Step, compute: Sequence[int]) -> list[float]:
+def round_trips(step: Schedule, compute: Sequence[int]) -> list[float]:
     """Per worker, how many of its lowest stage's ``F`` fit in the time from that stage's first ``F``
     starting to its first ``I`` being ready, with nothing else running (``comm`` between workers):
     the warm-up that keeps the worker busy until its first gradient comes back."""
@@ -294,7 +294,7 @@ def _binds(depth: Sequence[int], caps: Sequence[float]) -> bool:
     return any(d < math.floor(c) for d, c in zip(depth, caps))
 
 
-def _candidates(step: Step, compute: Sequence[int], grid: bool) -> list[list[list[int]]]:
+def _candidates(step: Schedule, compute: Sequence[int], grid: bool) -> list[list[list[int]]]:
     """Every candidate's sequences: the greedy variants, then the named orders' schedules."""
     from .simulate import ScheduleError, simulate
 
@@ -339,7 +339,7 @@ def _candidates(step: Step, compute: Sequence[int], grid: bool) -> list[list[lis
     return out
 
 
-def _key(step: Step) -> tuple:
+def _key(step: Schedule) -> tuple:
     """Everything the search reads, hashable (its cache key)."""
     pl = step.placement
     sd = tuple(tuple(sorted(d.items())) for d in step.stage_durations) if step.stage_durations else None
@@ -360,7 +360,7 @@ _CACHE_SIZE = 128
 OBJECTIVES = ("makespan", "span")
 
 
-def auto_sequences(step: Step, objective: str = "makespan") -> Seqs:
+def auto_sequences(step: Schedule, objective: str = "makespan") -> Seqs:
     """The best sequences the search finds for ``step`` (module docstring): the shortest step,
     simulated strictly, whose activations stay within the step's limit (the one memory model's
     units, :func:`launcher.schedule.activations.unit_peaks`); shortest by ``objective``

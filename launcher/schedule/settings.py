@@ -4,7 +4,7 @@ Every entry point builds one: the command line (:func:`launcher.config.spec.sett
 composed Hydra config, whose schema takes its defaults from :data:`DEFAULT`), ``UnifiedStrategy``'s
 keywords, and the Python API (:func:`make_step`). The rules of :mod:`.rules` check its fields
 (:meth:`Settings.errors`), and :meth:`Settings.step` is the one way to build a
-:class:`~launcher.schedule.simulate.Step`. Pure Python: no torch, no omegaconf.
+:class:`~launcher.schedule.simulate.Schedule`. Pure Python: no torch, no omegaconf.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .order import SCHEME_DEFAULT, AutoOrder, Order, make_order
 from .placement import Placement
 from .rules import StepError, looped_order_error, step_errors
 from .schemes import SCHEMES, named
-from .simulate import GRAPH_SHARE, Step
+from .simulate import GRAPH_SHARE, Schedule
 
 #: ``scheme`` and ``order`` as a config names a placement or order callable of the user's
 CUSTOM = "custom"
@@ -203,7 +203,7 @@ class Settings:
         return out
 
     # ---- the schedule --------------------------------------------------------------------
-    def step(self, graph: StageGraph | None = None) -> Step:
+    def step(self, graph: StageGraph | None = None) -> Schedule:
         """The schedule these settings describe, on the stage ``graph`` (a chain when ``None``).
         Trusts the settings (:meth:`checked` them first): analyses may study steps the launcher
         refuses on purpose (workers without a stage)."""
@@ -216,7 +216,7 @@ class Settings:
         o = order if isinstance(order, Order) else make_order(order, self.warmup)
         if o.split_only and not self.split_backward:
             raise ValueError(f"order={o.name} runs the weight-gradient jobs W apart, so it needs split_backward=True")
-        step = Step(JobSpace(graph, self.microbatches, self.split_backward), placement, self.W, o,
+        step = Schedule(JobSpace(graph, self.microbatches, self.split_backward), placement, self.W, o,
                     dict(self.durations), self.comm, self.memory_limit, self.name,
                     list(self.stage_durations) if self.stage_durations is not None else None,
                     self.recompute_stages, graph_share=self.graph_share)
@@ -234,7 +234,7 @@ DEFAULT = Settings()
 
 def make_step(strategy: SchemeLike, stages: int, microbatches: int, G: int | None = None, R: int | None = None,
               order: OrderLike = DEFAULT.order, graph: StageGraph | None = None,
-              stage_durations: Sequence[Mapping[str, float]] | None = None, **settings: Any) -> Step:
+              stage_durations: Sequence[Mapping[str, float]] | None = None, **settings: Any) -> Schedule:
     """The step of :meth:`Settings.of` (a named scheme or a placement callable on ``W = G * R``
     workers; any other field of :class:`Settings` as a keyword), checked by the rules the command
     line applies, with the same sentences: :class:`StepError`, one per broken rule."""
@@ -243,7 +243,7 @@ def make_step(strategy: SchemeLike, stages: int, microbatches: int, G: int | Non
 
 def unchecked_step(strategy: SchemeLike, stages: int, microbatches: int, G: int | None = None, R: int | None = None,
                    order: OrderLike = DEFAULT.order, graph: StageGraph | None = None,
-                   stage_durations: Sequence[Mapping[str, float]] | None = None, **settings: Any) -> Step:
+                   stage_durations: Sequence[Mapping[str, float]] | None = None, **settings: Any) -> Schedule:
     """:func:`make_step` without the rules a config must meet: for analyses that study steps the
     launcher refuses on purpose (the LPP configuration ``G = B/2, R = 2S/M`` of docs/design.md,
     "Closed forms", leaves workers without a stage)."""

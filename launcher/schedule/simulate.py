@@ -51,7 +51,7 @@ class ScheduleError(ValueError):
 
 
 @dataclass
-class Step:
+class Schedule:
     """Everything that defines one step's schedule, as :meth:`launcher.schedule.settings.Settings.step`
     builds it from the step's settings."""
 
@@ -112,7 +112,7 @@ class Step:
 class Timeline:
     """The simulated step: when and where every job ran."""
 
-    step: Step
+    step: Schedule
     compute: list[int]  # w_compute of each job id
     weights: list[int]  # w_weights of each job id
     start: list[float]
@@ -125,7 +125,7 @@ class Timeline:
         return max(self.finish) if self.finish else 0.0
 
 
-def place_all(step: Step) -> tuple[list[int], list[int]]:
+def place_all(step: Schedule) -> tuple[list[int], list[int]]:
     """``(w_compute, w_weights)`` of every job, checked against the worker count."""
     space, place, W = step.space, step.placement, step.workers
     compute: list[int] = []
@@ -151,7 +151,7 @@ def place_all(step: Step) -> tuple[list[int], list[int]]:
     return compute, weights
 
 
-def worker_limits(step: Step, compute: list[int]) -> tuple[list[float], list[float]]:
+def worker_limits(step: Schedule, compute: list[int]) -> tuple[list[float], list[float]]:
     """Per-worker activation limit M and micro-batches-in-flight limit (the 1F1B warm-up)."""
     W, space = step.workers, step.space
     ml = step.memory_limit
@@ -174,7 +174,7 @@ def worker_limits(step: Step, compute: list[int]) -> tuple[list[float], list[flo
     return act, mb
 
 
-def deferral(step: Step, compute: list[int]) -> tuple[list[int], list[int]]:
+def deferral(step: Schedule, compute: list[int]) -> tuple[list[int], list[int]]:
     """ZB-H1's per-worker slack (``W`` jobs a worker may keep waiting: ``height(0) - height(s)`` for
     its lowest stage ``s``) and each worker's count of ``F`` and ``I`` jobs."""
     space, W = step.space, step.workers
@@ -192,7 +192,7 @@ def deferral(step: Step, compute: list[int]) -> tuple[list[int], list[int]]:
     return [top - height[lo] if lo < space.S else 0 for lo in lowest], fi
 
 
-def check_memory_limit(step: Step, compute: list[int], act_limit: list[float]) -> None:
+def check_memory_limit(step: Schedule, compute: list[int], act_limit: list[float]) -> None:
     """Reject a limit below what one micro-batch needs on one worker: that step can never finish."""
     space = step.space
     need: dict[tuple[int, int], int] = {}
@@ -209,8 +209,8 @@ def check_memory_limit(step: Step, compute: list[int], act_limit: list[float]) -
             )
 
 
-def _check_times(step: Step) -> None:
-    """A Step built by hand skips make_step's checks: a time that is not finite would stall it."""
+def _check_times(step: Schedule) -> None:
+    """A Schedule built by hand skips make_step's checks: a time that is not finite would stall it."""
     space = step.space
     bad = [e for e in (value_error(f"durations.{k}", step.durations.get(k)) for k in space.kinds) if e]
     bad += [e for e in [value_error("comm", step.comm)] if e]
@@ -218,7 +218,7 @@ def _check_times(step: Step) -> None:
         raise StepError(bad)
 
 
-def _check_limits(step: Step, compute: list[int], act_limit: list[float]) -> None:
+def _check_limits(step: Schedule, compute: list[int], act_limit: list[float]) -> None:
     """A ``memory_limit`` list needs an entry per worker, and each worker's limit room for what one
     micro-batch holds there (:func:`check_memory_limit`)."""
     W = step.workers
@@ -230,7 +230,7 @@ def _check_limits(step: Step, compute: list[int], act_limit: list[float]) -> Non
         check_memory_limit(step, compute, act_limit)
 
 
-def _checked_deferral(step: Step, compute: list[int]) -> tuple[list[int], list[int]]:
+def _checked_deferral(step: Schedule, compute: list[int]) -> tuple[list[int], list[int]]:
     """:func:`deferral`, for an order that defers ``W`` jobs, which exist only when the backward is split."""
     if step.space.K != 3:
         raise ScheduleError(
@@ -239,7 +239,7 @@ def _checked_deferral(step: Step, compute: list[int]) -> tuple[list[int], list[i
     return deferral(step, compute)
 
 
-def _heap_keys(step: Step, compute: list[int]) -> tuple[list, bool, bool]:
+def _heap_keys(step: Schedule, compute: list[int]) -> tuple[list, bool, bool]:
     """Every job's tie-break key, whether the job's ready time goes ahead of it (``by_ready``) and
     whether the keys are packed: built-in static orders give int keys, so the job id is folded in
     and a heap entry is one int."""
@@ -252,7 +252,7 @@ def _heap_keys(step: Step, compute: list[int]) -> tuple[list, bool, bool]:
     return keys, by_ready, packed
 
 
-def _check_stage_durations(step: Step) -> None:
+def _check_stage_durations(step: Schedule) -> None:
     """Each stage's own times must be valid too (the first bad one is reported)."""
     bad = [e for e in (value_error(f"stage_durations.{s}.{k}", v) for s, per in enumerate(step.stage_durations or ())
                        for k, v in per.items()) if e]
@@ -308,7 +308,7 @@ def _first_events(
     return pend, wake, events
 
 
-def _stalled(step: Step, done: int, stuck: list[int], limited: bool) -> ScheduleError:
+def _stalled(step: Schedule, done: int, stuck: list[int], limited: bool) -> ScheduleError:
     """Why a step stopped after ``done`` jobs with work left on the ``stuck`` workers. With finite
     times and no limit every job starts eventually, so only memory can stall a step."""
     N = step.space.N
@@ -330,7 +330,7 @@ def _stalled(step: Step, done: int, stuck: list[int], limited: bool) -> Schedule
     )
 
 
-def simulate(step: Step) -> Timeline:
+def simulate(step: Schedule) -> Timeline:
     """Run the greedy list scheduler; raise :class:`ScheduleError` if the step cannot finish."""
     space = step.space
     S, B, N, W = space.S, space.B, space.N, step.workers

@@ -26,7 +26,7 @@ from launcher.modes.simulation import simulate_config
 from launcher.schedule import ScheduleError, StepError, assembly, make_step, simulate
 from launcher.schedule.diagram import ascii_diagram
 from launcher.schedule.lowering import LoweringError, lower
-from launcher.schedule.simulate import Step
+from launcher.schedule.simulate import Schedule
 
 SIZES = "the sizes G, R, stages and microbatches must be positive integers."
 LAUNCHER = Path(sys.executable).with_name("launcher")  # the console script of this environment
@@ -135,7 +135,7 @@ def test_a_step_that_does_not_finish_is_not_blamed_on_memory():
         simulate(step)
     with pytest.raises(ScheduleError, match=r"^memory_limit=1 on worker 0 cannot finish the step"):
         simulate(make_step("lpp", 2, 2, G=1, R=1, memory_limit=1))
-    assert isinstance(step, Step)
+    assert isinstance(step, Schedule)
 
 
 def test_simulate_reports_the_runtimes_resident_weights_for_its_prefetch(cfg_of):

@@ -1,5 +1,5 @@
 """The Hydra config layer, composed in-process: group defaults, the schema, every validation rule
-(one sentence each, naming key and value), the command-line pre-check, and config -> Step."""
+(one sentence each, naming key and value), the command-line pre-check, and config -> Schedule."""
 
 from __future__ import annotations
 

@@ -327,7 +327,7 @@ def test_the_lookahead_is_resolved_to_positions_in_the_program(prefetch, cache):
 @pytest.mark.parametrize("scheme,G,R,split,cache", [("ddp", 4, 1, False, "step"), ("fsdp", 4, 1, True, "job"),
                                                     ("lpp", 2, 2, False, "step"), ("fslpp", 2, 2, True, "job")])
 def test_frozen_stages_send_no_gradient(scheme: str, G: int, R: int, split: bool, cache: str) -> None:
-    """A stage with nothing to train (``Step.frozen``) has no partial sum and no all-reduce; the
+    """A stage with nothing to train (``Schedule.frozen``) has no partial sum and no all-reduce; the
     rest of the program, and the counts the simulator predicts, follow."""
     from dataclasses import replace
 
