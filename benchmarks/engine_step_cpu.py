@@ -31,14 +31,14 @@ import torch.distributed as dist
 import vs_native_transformer as vt
 
 from launcher.runtime import Engine
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 from launcher.torch_support.staged import StagedModel
 
 
 def _step_of_ours(size: vt.Size, S: int, B: int, split: bool) -> Callable[[], float]:
     """One training step of the engine (a world of one worker), returning its loss."""
     stages, loss, _ = vt.build(size, S, torch.device("cpu"))
-    engine = Engine(StagedModel(stages, loss), make_step("lpp", S, B, G=1, R=1, split_backward=split), vt.adamw)
+    engine = Engine(StagedModel(stages, loss), make_schedule("lpp", S, B, G=1, R=1, split_backward=split), vt.adamw)
     x, y = vt.build_batch(size, B, torch.device("cpu"))
     mbs = list(zip(x.chunk(B), y.chunk(B)))
     return lambda: engine.train_step(mbs)["measured_only"]["loss"]

@@ -63,7 +63,7 @@ from scale_memory import descendants
 from launcher.report.measured_costs import stage_job_seconds
 from launcher.runtime import Engine, launch
 from launcher.runtime.oracle import Case, run_cases
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.torch_support.staged import StagedModel
 
 PARTS = ("env", "flagship", "overhead", "benchmark")
@@ -264,7 +264,7 @@ def _ours(size: vt.Size, stages: list, loss: Any, mbs: list, S: int, steps: int,
         torch.cuda.reset_peak_memory_stats(device)
     # what the device held before the step's state, beside the stages' weights (the batch)
     base = torch.cuda.memory_allocated(device) - sum(vt.stage_bytes(stages)) if device.type == "cuda" else 0
-    engine = Engine(StagedModel(stages, loss), simulate(make_step("lpp", S, Bm, G=1, R=1)), vt.adamw,
+    engine = Engine(StagedModel(stages, loss), simulate(make_schedule("lpp", S, Bm, G=1, R=1)), vt.adamw,
                     device=device, compute_dtype=torch.bfloat16)
     records, opt_s = [], []
 

@@ -32,7 +32,7 @@ from vs_torch_native import Pair, alternate, pair_device, pair_link
 
 from launcher.report.measured_costs import shared_cores, stage_job_seconds
 from launcher.runtime import launch
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.cores import replay
 
 ORDERS = ("1f1b", "interleaved_1f1b")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{d['F'] * 1e3:.1f}/{d['B'] * 1e3:.1f}" for d in per_stage))
         sims, rederived = {}, {}
         for o in ORDERS:  # each order on this run's per-stage job times
-            ran = simulate(make_step("lpp", S, B, G=1, R=W, order=o))  # the programs the workers run
+            ran = simulate(make_schedule("lpp", S, B, G=1, R=W, order=o))  # the programs the workers run
             timed = replace(ran, step=replace(ran.step, stage_durations=per_stage))
             # the sequences that ran, timed by what the workers measured (what metrics.json predicts),
             # and the order chosen afresh on those times (issue 36's note: a 1f1b the workers never ran)

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.lowering import lower
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     name, *dims = args.size.split(",")
     S, B, G, R = (int(x) for x in dims)
-    tl = simulate(make_step(name, S, B, G, R))
+    tl = simulate(make_schedule(name, S, B, G, R))
     old = old_module(args.old)
     sides: dict[str, Callable[[], Any]] = {"old": lambda: old.lower(tl, args.cache),
                                           "new": lambda: lower(tl, args.cache)}

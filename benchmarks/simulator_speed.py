@@ -16,7 +16,7 @@ import gc
 import platform
 import time
 
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.metrics import summarize
 
 STEPS = [
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for S, B, G, R, target in STEPS[:1] if args.quick else STEPS:
         for order in ORDERS:
-            step = make_step("lpp", S, B, G, R, order=order)
+            step = make_schedule("lpp", S, B, G, R, order=order)
             secs, tl = best_of(lambda: simulate(step), args.repeats)
             ssecs, summary = best_of(lambda tl=tl: summarize(tl), args.repeats)
             ok = secs < target

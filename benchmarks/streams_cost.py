@@ -31,7 +31,7 @@ import launcher  # noqa: F401  (before transformers: the torchvision fallback)
 from launcher.lightning.stage_groups import group_modules
 from launcher.models import HFCausalLM
 from launcher.runtime import Engine
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 from launcher.torch_support.staged import StagedModel
 from launcher.torch_support.streams import install_stages
 
@@ -47,7 +47,7 @@ def _step(d: int, layers: int, T: int, mb: int, S: int, B: int, dropout: float,
                                     "n_positions": T, **p})
     install_stages(lm.stages)
     stages, _ = group_modules(list(lm.stages), S)
-    engine = Engine(StagedModel(stages, lm.loss), make_step("lpp", S, B, G=1, R=1),
+    engine = Engine(StagedModel(stages, lm.loss), make_schedule("lpp", S, B, G=1, R=1),
                     lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     engine.streams = 0 if streams else None
     g = torch.Generator().manual_seed(1)

@@ -75,7 +75,7 @@ from vs_torch_native import (
 from launcher.report.measured_costs import stage_job_seconds
 from launcher.runtime import Engine, launch
 from launcher.runtime.engine import TRANSPORTS
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.torch_support.staged import StagedModel
 
 #: as vs_torch_native's: the losses come out bit for bit equal; the stage-0 gradient sums differ by
@@ -138,7 +138,7 @@ def file_pairs(folder: str) -> list[Pair]:
     Path(folder).mkdir(parents=True, exist_ok=True)
     torch_csv = str(Path(folder) / "torch_interleaved_1f1b.csv")
     pps.PipelineScheduleMulti._dump_csv(types.SimpleNamespace(pipeline_order=theirs), torch_csv)
-    tl = simulate(make_step("lpp", R * per, B, G=1, R=R, order="1f1b"))
+    tl = simulate(make_schedule("lpp", R * per, B, G=1, R=R, order="1f1b"))
     ours_csv = str(write_schedule(tl.step.space, tl.program, Path(folder) / "ours_lpp_1f1b.csv"))
     return [Pair("torch-csv-w4", "lpp", 1, R, R * per, B, FileOrder(path=torch_csv), False,  # type: ignore[arg-type]
                  "interleaved_1f1b"),
@@ -264,7 +264,7 @@ class OursT(Ours):
         self.p, self.device = p, device
         stages, loss, _ = build(size, p.S, device)
         # the engine's defaults (the batch check runs on step 1, a warm-up step, then every 50th)
-        self.engine = Engine(StagedModel(stages, loss), make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order,
+        self.engine = Engine(StagedModel(stages, loss), make_schedule(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order,
                                                                   split_backward=p.split), adamw, transport=transport)
         x, t = build_batch(size, p.B, device)
         self.mbs = list(zip(x.chunk(p.B), t.chunk(p.B)))
@@ -310,7 +310,7 @@ def predicted(p: Pair, size: Size, grads: list[int], result: dict[str, Any]) -> 
     ``vs_torch_native.predicted`` does, with each stage's own job times (a stage holding the
     embedding alone is lighter than a block) and this workload's message and gradient sizes."""
     ranks = result["per_rank"][: p.W]
-    tl = simulate(make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split))  # what ran
+    tl = simulate(make_schedule(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split))  # what ran
     per_stage = stage_job_seconds(ranks, tl.step.space.kinds, p.S)
     tl = replace(tl, step=replace(tl.step, stage_durations=per_stage))
     return replayed(p, tl, ranks, result, size.mb * size.T * size.d * 4, grads,

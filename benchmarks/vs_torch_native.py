@@ -55,7 +55,7 @@ from launcher.report.measured_costs import (
 )
 from launcher.runtime import Engine, launch
 from launcher.runtime.link_probe import measure as measure_link
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.cores import job_work, replay
 from launcher.schedule.link import Link, exchanges, partners
 from launcher.torch_support.staged import StagedModel
@@ -150,7 +150,7 @@ def _all(value: float, op: dist.ReduceOp, device: torch.device) -> float:
 # ---- our side --------------------------------------------------------------------------------
 class Ours:
     def __init__(self, p: Pair, H: int, mb: int, device: torch.device) -> None:
-        step = make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split)
+        step = make_schedule(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split)
         self.p, self.device = p, device
         # the engine's defaults (the batch check runs on step 1, a warm-up step, then every 50th)
         self.engine = Engine(StagedModel(build_stages(p.S, H, device), mse), step, sgd)
@@ -381,7 +381,7 @@ def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:
     programs the workers ran, timed by the job seconds per kind they measured, replayed
     (:func:`replayed`)."""
     ranks = result["per_rank"][: p.W]
-    tl = simulate(make_step(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split))  # what ran
+    tl = simulate(make_schedule(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split))  # what ran
     return replayed(p, tl, ranks, result, mb * H * 4, [(H * H + H) * 4] * p.S, job_seconds(ranks, tl.step.space.kinds))
 
 

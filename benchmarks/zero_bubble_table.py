@@ -30,7 +30,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from launcher.schedule import unchecked_step
+from launcher.schedule import unchecked_schedule
 from launcher.schedule.activations import unit_peaks
 from launcher.schedule.auto_order import auto_sequences, run_sequences, span
 
@@ -60,7 +60,7 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         work = m * (tf + tb + tw)
-        base = unchecked_step("gpipe", p, m, 1, p, order="zb_h1", split_backward=True,
+        base = unchecked_schedule("gpipe", p, m, 1, p, order="zb_h1", split_backward=True,
                               durations={"F": tf, "I": tb, "W": tw}, comm=comm)
         cells = []
         for limit in (p, 2 * p):

@@ -23,7 +23,7 @@ from launcher.schedule import schemes as registry
 from launcher.schedule.closed_form import METRICS, SEEDS, TABLES, closed_forms, simulated_counterparts
 from launcher.schedule.diagram import ascii_diagram
 from launcher.schedule.metrics import summarize
-from launcher.schedule.settings import make_step, unchecked_step
+from launcher.schedule.settings import make_schedule, unchecked_schedule
 from launcher.schedule.simulate import ScheduleError, simulate
 
 #: the schemes the seeds' tables speak of (a scheme added since, like vshape, has no closed form there)
@@ -101,7 +101,7 @@ def grid_configs() -> Iterable[tuple[str, int, int, int, int, str]]:
 def run_grid() -> list[Point]:
     out = []
     for scheme, S, B, G, R, order in grid_configs():
-        tl = simulate(make_step(scheme, S, B, G, R, order=order))
+        tl = simulate(make_schedule(scheme, S, B, G, R, order=order))
         out.append(Point(scheme, S, B, G, R, order, simulated_counterparts(summarize(tl)),
                          closed_forms(scheme, S, B, G, R)))
     return out
@@ -393,7 +393,7 @@ def section_latency(points: list[Point]) -> list[str]:
         "",
     ]
     for order in ("1f1b", "breadth_first"):
-        tl = simulate(make_step("lpp", 4, 2, 1, 2, order=order))
+        tl = simulate(make_schedule("lpp", 4, 2, 1, 2, order=order))
         lines += [f"LPP S=4 B=2 G=1 R=2, {order}: latency_fb = {fmt(summarize(tl)['latency_fb'])}", ""]
         lines += code(ascii_diagram(tl, cells="both"))
         lines.append("")
@@ -440,7 +440,7 @@ def section_bound() -> list[str]:
                    else [workers_of(scheme, S, B, 1, 1)])
             for (G, R), order, limit in itertools.product(grs, ORDERS, (None, 2, 3, 4)):
                 try:
-                    tl = simulate(make_step(scheme, S, B, G, R, order=order, memory_limit=limit))
+                    tl = simulate(make_schedule(scheme, S, B, G, R, order=order, memory_limit=limit))
                 except ScheduleError:
                     continue
                 n += 1
@@ -458,7 +458,7 @@ def section_bound() -> list[str]:
     ]
     if viol:
         _, scheme, S, B, G, R, order, limit, rho, M = viol[0]
-        tl = simulate(make_step(scheme, S, B, G, R, order=order, memory_limit=limit))
+        tl = simulate(make_schedule(scheme, S, B, G, R, order=order, memory_limit=limit))
         sm = summarize(tl)
         lines += [
             f"- Smallest counterexample among the named schemes: {scheme.upper()} S={S} B={B} G={G} R={R},",
@@ -480,12 +480,12 @@ def section_bound() -> list[str]:
     ]
     rows = []
     for B in (4, 16, 64, 256):
-        tl = simulate(make_step(two_stage_counterexample, 2, B, G=3, R=1, order="1f1b", memory_limit=1))
+        tl = simulate(make_schedule(two_stage_counterexample, 2, B, G=3, R=1, order="1f1b", memory_limit=1))
         sm = summarize(tl)
         rows.append([B, fmt(sm["latency_fb"]), max(tl.peak_activations), fmt(sm["rho"]), "1/2", "2/3"])
     lines += table(["B", "latency_fb", "M", "rho", "M/S", "2M/(S+1)"], rows)
     lines += [""]
-    lines += code(ascii_diagram(simulate(make_step(two_stage_counterexample, 2, 6, G=3, R=1, order="1f1b",
+    lines += code(ascii_diagram(simulate(make_schedule(two_stage_counterexample, 2, 6, G=3, R=1, order="1f1b",
                                                    memory_limit=1)), cells="both"))
     lines += [
         "",
@@ -528,8 +528,8 @@ def section_half_batch() -> list[str]:
     status: dict[str, list] = {"ok": [], "bad": []}
     for S, M, R, B, G in half_batch_configs():
         for order in ORDERS:
-            # R = 2S/M exceeds S for M = 1: workers without a stage, which make_step refuses
-            tl = simulate(unchecked_step("lpp", S, B, G, R, order=order))
+            # R = 2S/M exceeds S for M = 1: workers without a stage, which make_schedule refuses
+            tl = simulate(unchecked_schedule("lpp", S, B, G, R, order=order))
             sm = summarize(tl)
             peak = max(tl.peak_activations)
             good = peak == M and sm["latency_fb"] == S + 1 and abs(sm["rho"] - M / (S + 1)) < 1e-9
@@ -622,7 +622,7 @@ def section_ownership() -> list[str]:
     ]
     rows = []
     for S, G, R in OWNERSHIP_CASES:
-        sm = {own: summarize(simulate(make_step("fslpp", S, 8, G, R, order="1f1b", ownership=own)))
+        sm = {own: summarize(simulate(make_schedule("fslpp", S, 8, G, R, order="1f1b", ownership=own)))
               for own in ("seed", "balanced")}
         pw = {own: sm[own]["per_worker"] for own in sm}
         rows.append([S, G, R,

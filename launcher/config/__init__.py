@@ -5,8 +5,8 @@ config with Hydra.
 """
 
 from .schema import LauncherConf, register
-from .spec import settings_of, to_step
+from .spec import settings_of, to_schedule
 from .validate import ConfigError, check_overrides, errors, step_errors, validate
 
-__all__ = ["LauncherConf", "settings_of", "register", "to_step", "ConfigError", "check_overrides", "errors",
+__all__ = ["LauncherConf", "settings_of", "register", "to_schedule", "ConfigError", "check_overrides", "errors",
            "step_errors", "validate"]

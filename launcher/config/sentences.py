@@ -1,6 +1,6 @@
 """Sentences about a config: why a ``_target_`` names nothing (:func:`target_error`) and an
 error's first line (:func:`one_line`). (Config -> :class:`launcher.schedule.Schedule` is
-:func:`launcher.config.spec.to_step`, through :class:`~launcher.schedule.settings.Settings`.)"""
+:func:`launcher.config.spec.to_schedule`, through :class:`~launcher.schedule.settings.Settings`.)"""
 
 from __future__ import annotations
 

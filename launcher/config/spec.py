@@ -23,7 +23,7 @@ from .validate import ConfigError, raw_settings, validate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CUSTOM", "settings_of", "to_step"]
+__all__ = ["CUSTOM", "settings_of", "to_schedule"]
 
 
 def settings_of(cfg: DictConfig | Mapping[str, Any], check: bool = True, **given: Any) -> Settings:
@@ -90,7 +90,7 @@ def _guarded(fn: Callable, key: str, target: str, name: str, pair: bool = False)
     return call
 
 
-def to_step(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any = None) -> Schedule:
+def to_schedule(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any = None) -> Schedule:
     """The step a (composed) config describes; validated first unless ``check`` is false.
     ``graph``: the model's stage graph, when it is not a chain (a traced model's)."""
     step = settings_of(cfg, check).step(graph)

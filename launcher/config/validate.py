@@ -10,7 +10,7 @@ Two entry points:
 
 The step's own rules (sizes, durations, the scheme's worker count, memory limits, the size bound,
 ...) and their sentences live in :mod:`launcher.schedule.rules`, shared with the Python API
-(``make_step``); this module adds the config's rules (mode, a custom ``_target_``, keys outside
+(``make_schedule``); this module adds the config's rules (mode, a custom ``_target_``, keys outside
 the schema, ``png``) and the command-line pre-check, which also refuses a run or sweep directory
 that cannot be written (:mod:`launcher.config.paths`).
 
@@ -241,7 +241,7 @@ def _order_file_errors(cfg: DictConfig | Mapping[str, Any], given: dict[str, Any
 
 
 def _custom(*args: Any) -> Any:
-    """Stands for a custom callable that only :func:`launcher.config.to_step` builds."""
+    """Stands for a custom callable that only :func:`launcher.config.to_schedule` builds."""
 
 
 def schema_keys(prefix: str = "", cls: Any = None) -> list[str]:

@@ -218,7 +218,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     def B(self) -> int:
         return self.settings.microbatches
 
-    def make_step(self) -> Schedule:
+    def make_schedule(self) -> Schedule:
         """The schedule this strategy runs (the same every worker derives)."""
         return self._timed(self.settings.step(self.graph))
 
@@ -277,7 +277,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         assert isinstance(nominal, torch.dtype)  # Lightning types it str | dtype; a module's is a dtype
         self.loss_dtype = loss_dtype(staging.model.stages, nominal)
         self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
-        self.engine = Engine(staging.model, self.make_step(), None, prefetch=self.settings.prefetch,
+        self.engine = Engine(staging.model, self.make_schedule(), None, prefetch=self.settings.prefetch,
                              weight_cache=self.settings.weight_cache, device=self.root_device,
                              recompute=self.settings.recompute_stages,
                              compute_dtype=compute_dtype(self.precision_plugin), transport=self.run.transport)

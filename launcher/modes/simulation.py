@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import ConfigError, to_step
+from ..config import ConfigError, to_schedule
 from ..config.sentences import one_line
 from ..config.validate import errors as config_errors
 from ..report.png import AUTO_MAX_JOBS as PNG_AUTO_MAX_JOBS
@@ -29,7 +29,7 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
     found = config_errors(cfg)
     if found:
         raise ConfigError(found)
-    step = to_step(cfg, check=False)
+    step = to_schedule(cfg, check=False)
     try:
         with phase("simulating", step.space.N):
             tl = simulate(step)

@@ -68,7 +68,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from ..schedule import ScheduleError, make_step, simulate
+from ..schedule import ScheduleError, make_schedule, simulate
 from ..schedule.activations import unit_peaks
 from ..schedule.cores import job_work, replay, with_weight_messages
 from ..schedule.link import end_of_step, exchanges
@@ -365,7 +365,7 @@ def _search(S: int, microbatches: Sequence[int], workers: int, prof: Profile, bu
             if lb > worst():
                 break  # the top filled up meanwhile: no limit of this step can enter it
             try:
-                tl = simulate(make_step("vshape" if v else "lpp", S, B, G, R, order=order, warmup=warmup,
+                tl = simulate(make_schedule("vshape" if v else "lpp", S, B, G, R, order=order, warmup=warmup,
                                         durations=d, comm=prof.comm, memory_limit=ml, split_backward=split,
                                         stage_durations=prof.stage_table(S), recompute=rc,
                                         step_overlap=step_overlap, graph_share=graph_share))
@@ -460,7 +460,7 @@ def _static(S: int, B: int, G: int, R: int, prof: Profile, budget: Budget,
     """Per scheme at ``(G, R)`` (``vshape``: the V shape, on ``G R = S/2`` workers): its weights per
     job, if the memory bound lets it fit; the memory limits to simulate first (none, the activation
     budget, each scheme's byte-derived limit); and the least limit that can finish the step."""
-    probe = make_step("vshape" if vshape else "lpp", S, B, G, R)
+    probe = make_schedule("vshape" if vshape else "lpp", S, B, G, R)
     compute, _ = place_all(probe)
     # each worker needs one activation per stage it computes, all live at once (worker R g + r
     # holds the stages s = r (mod R); on the V shape, stages w and S - 1 - w)

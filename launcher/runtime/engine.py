@@ -2,7 +2,7 @@
 
 Usable on its own (plain Python) in any initialized process group, one engine per rank::
 
-    engine = Engine(staged_model, make_step("lpp", S, B, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = Engine(staged_model, make_schedule("lpp", S, B, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
     record = engine.train_step(microbatches)   # a list of B (input, target) pairs, the same on every rank
 
 A loss that is a mean over a data-dependent count (tokens with a label, rows of unequal

@@ -20,7 +20,7 @@ from torch import nn
 
 from launcher.schedule.order import Order
 from launcher.schedule.run_settings import DEFAULT_RUN
-from launcher.schedule.settings import DEFAULT, SCHEME_DEFAULT, make_step
+from launcher.schedule.settings import DEFAULT, SCHEME_DEFAULT, make_schedule
 
 from ..torch_support.staged import Batch, StagedModel, run_stage
 from .engine import Engine
@@ -151,10 +151,10 @@ class Case:
 
     def schedule(self):
         if self.placement is None:
-            return make_step(self.strategy, self.S, self.B, G=self.G, R=self.R, order=self.order,
+            return make_schedule(self.strategy, self.S, self.B, G=self.G, R=self.R, order=self.order,
                              split_backward=self.split)
         assert self.W is not None  # a custom placement comes with its worker count
-        step = make_step(self.placement, self.S, self.B, order=self.order, split_backward=self.split)
+        step = make_schedule(self.placement, self.S, self.B, order=self.order, split_backward=self.split)
         step.workers = self.W
         step.name = self.strategy
         return step

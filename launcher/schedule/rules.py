@@ -1,7 +1,7 @@
 """The rules a step must meet, one sentence per broken rule naming the key, the value and the rule.
 
 They check the fields of :class:`launcher.schedule.settings.Settings` (:meth:`~.Settings.errors`),
-which every entry point builds: the Python API (:func:`launcher.schedule.make_step`) raises
+which every entry point builds: the Python API (:func:`launcher.schedule.make_schedule`) raises
 :class:`StepError` with these sentences, and the command line (:mod:`launcher.config.validate`)
 reports the same ones, so a bad value reads the same wherever it is given. Pure Python: no torch,
 no omegaconf (the config layer depends on the schedule, never the reverse).

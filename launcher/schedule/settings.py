@@ -2,7 +2,7 @@
 
 Every entry point builds one: the command line (:func:`launcher.config.spec.settings_of`, from the
 composed Hydra config, whose schema takes its defaults from :data:`DEFAULT`), ``UnifiedStrategy``'s
-keywords, and the Python API (:func:`make_step`). The rules of :mod:`.rules` check its fields
+keywords, and the Python API (:func:`make_schedule`). The rules of :mod:`.rules` check its fields
 (:meth:`Settings.errors`), and :meth:`Settings.step` is the one way to build a
 :class:`~launcher.schedule.simulate.Schedule`. Pure Python: no torch, no omegaconf.
 """
@@ -232,7 +232,7 @@ class Settings:
 DEFAULT = Settings()
 
 
-def make_step(strategy: SchemeLike, stages: int, microbatches: int, G: int | None = None, R: int | None = None,
+def make_schedule(strategy: SchemeLike, stages: int, microbatches: int, G: int | None = None, R: int | None = None,
               order: OrderLike = DEFAULT.order, graph: StageGraph | None = None,
               stage_durations: Sequence[Mapping[str, float]] | None = None, **settings: Any) -> Schedule:
     """The step of :meth:`Settings.of` (a named scheme or a placement callable on ``W = G * R``
@@ -241,10 +241,10 @@ def make_step(strategy: SchemeLike, stages: int, microbatches: int, G: int | Non
     return _settings(strategy, stages, microbatches, G, R, order, stage_durations, settings).checked().step(graph)
 
 
-def unchecked_step(strategy: SchemeLike, stages: int, microbatches: int, G: int | None = None, R: int | None = None,
+def unchecked_schedule(strategy: SchemeLike, stages: int, microbatches: int, G: int | None = None, R: int | None = None,
                    order: OrderLike = DEFAULT.order, graph: StageGraph | None = None,
                    stage_durations: Sequence[Mapping[str, float]] | None = None, **settings: Any) -> Schedule:
-    """:func:`make_step` without the rules a config must meet: for analyses that study steps the
+    """:func:`make_schedule` without the rules a config must meet: for analyses that study steps the
     launcher refuses on purpose (the LPP configuration ``G = B/2, R = 2S/M`` of docs/design.md,
     "Closed forms", leaves workers without a stage)."""
     return _settings(strategy, stages, microbatches, G, R, order, stage_durations, settings).step(graph)

@@ -210,7 +210,7 @@ def check_memory_limit(step: Schedule, compute: list[int], act_limit: list[float
 
 
 def _check_times(step: Schedule) -> None:
-    """A Schedule built by hand skips make_step's checks: a time that is not finite would stall it."""
+    """A Schedule built by hand skips make_schedule's checks: a time that is not finite would stall it."""
     space = step.space
     bad = [e for e in (value_error(f"durations.{k}", step.durations.get(k)) for k in space.kinds) if e]
     bad += [e for e in [value_error("comm", step.comm)] if e]

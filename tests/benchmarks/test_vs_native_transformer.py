@@ -66,9 +66,9 @@ def test_v_placement_is_torchs(W):
     side builds its two ``PipelineStage`` per rank from that mapping)."""
     from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
 
-    from launcher.schedule import make_step
+    from launcher.schedule import make_schedule
 
-    step = make_step("vshape", 2 * W, 8, order="zbv", split_backward=True)
+    step = make_schedule("vshape", 2 * W, 8, order="zbv", split_backward=True)
     assert {s: step.placement(s, 0, "F")[1] for s in range(2 * W)} == generate_stage_to_rank_mapping(W, 2 * W, "v")
 
 

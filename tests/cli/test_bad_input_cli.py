@@ -23,7 +23,7 @@ from helpers.cli import launcher_env, run_launcher
 from launcher.config import check_overrides, errors
 from launcher.config.paths import dir_error, file_error
 from launcher.modes.simulation import simulate_config
-from launcher.schedule import ScheduleError, StepError, assembly, make_step, simulate
+from launcher.schedule import ScheduleError, StepError, assembly, make_schedule, simulate
 from launcher.schedule.diagram import ascii_diagram
 from launcher.schedule.lowering import LoweringError, lower
 from launcher.schedule.simulate import Schedule
@@ -97,7 +97,7 @@ def test_output_paths(tmp_path):
 
 
 def test_the_api_checks_what_the_command_line_checks(cfg_of):
-    cases = [  # (make_step arguments, the same step on the command line, the sentence)
+    cases = [  # (make_schedule arguments, the same step on the command line, the sentence)
         (dict(G=0), ["G=0"], f"G=0 is invalid: {SIZES}"),
         (dict(stages=0), ["stages=0"], f"stages=0 is invalid: {SIZES}"),
         (dict(microbatches=-1), ["microbatches=-1"], f"microbatches=-1 is invalid: {SIZES}"),
@@ -118,23 +118,23 @@ def test_the_api_checks_what_the_command_line_checks(cfg_of):
     base = dict(strategy="lpp", stages=8, microbatches=16, G=2, R=4)
     for kw, overrides, sentence in cases:
         with pytest.raises(StepError) as e:
-            make_step(**{**base, **kw})
+            make_schedule(**{**base, **kw})
         assert e.value.sentences == [sentence]
         assert (check_overrides(overrides) or errors(cfg_of(*overrides))) == [sentence]
     # the API's own spelling of a key: a job kind that does not exist is refused, not ignored
     with pytest.raises(StepError, match=r"^durations.f=3 is invalid: durations.f is not a known key; did you mean "
                                         r"durations.F\?$"):
-        make_step("lpp", 8, 16, G=2, R=4, durations={"f": 3})
+        make_schedule("lpp", 8, 16, G=2, R=4, durations={"f": 3})
     assert errors(cfg_of("png=maybe")) == ["png=maybe is invalid: use true, false or auto."]
 
 
 def test_a_step_that_does_not_finish_is_not_blamed_on_memory():
-    step = make_step("gpipe", 2, 2, G=1, R=2)
-    step.durations = {**step.durations, "B": math.inf}  # built by hand, past make_step's checks
+    step = make_schedule("gpipe", 2, 2, G=1, R=2)
+    step.durations = {**step.durations, "B": math.inf}  # built by hand, past make_schedule's checks
     with pytest.raises(StepError, match=r"^durations.B=inf is invalid: job durations must be positive finite"):
         simulate(step)
     with pytest.raises(ScheduleError, match=r"^memory_limit=1 on worker 0 cannot finish the step"):
-        simulate(make_step("lpp", 2, 2, G=1, R=1, memory_limit=1))
+        simulate(make_schedule("lpp", 2, 2, G=1, R=1, memory_limit=1))
     assert isinstance(step, Schedule)
 
 
@@ -150,7 +150,7 @@ def test_simulate_reports_the_runtimes_resident_weights_for_its_prefetch(cfg_of)
 
 
 def test_message_tags_are_checked_against_their_range(monkeypatch):
-    tl = simulate(make_step("gpipe", 4, 4, G=1, R=4))
+    tl = simulate(make_schedule("gpipe", 4, 4, G=1, R=4))
     plan = lower(tl)
     assert plan.tag_base == len(plan.messages)
     monkeypatch.setattr(assembly, "TAG_LIMIT", len(plan.messages))
@@ -160,7 +160,8 @@ def test_message_tags_are_checked_against_their_range(monkeypatch):
 
 
 def test_the_text_diagram_of_a_huge_step_is_a_note_at_no_cost():
-    tl = simulate(make_step("lpp", 64, 1024, G=8, R=8))  # at lpp's default order, interleaved_1f1b (1f1b: 2122 slots)
+    # at lpp's default order, interleaved_1f1b (1f1b: 2122 slots)
+    tl = simulate(make_schedule("lpp", 64, 1024, G=8, R=8))
     t0 = time.perf_counter()
     assert ascii_diagram(tl) == "(diagram omitted: 2062 time slots > 240)"
     assert time.perf_counter() - t0 < 0.1

@@ -10,11 +10,11 @@ import pytest
 from omegaconf import OmegaConf
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
-from launcher.config import ConfigError, check_overrides, errors, to_step
+from launcher.config import ConfigError, check_overrides, errors, to_schedule
 from launcher.config.spec import settings_of
 from launcher.config.validate import check_sweep_overrides
 from launcher.modes.simulation import simulate_config
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.schemes import SCHEMES
 
 #: the registries' names as the sentences list them (every scheme and order, from one place)
@@ -177,8 +177,8 @@ def test_command_line_precheck_accepts_valid_overrides():
 
 def test_to_step_matches_make_step(cfg_of):
     c = cfg_of("strategy=fslpp", "G=2", "R=2", "stages=4", "microbatches=6", "order=breadth_first", "comm=0.5")
-    step = to_step(c)
-    ref = make_step("fslpp", 4, 6, G=2, R=2, order="breadth_first", comm=0.5)
+    step = to_schedule(c)
+    ref = make_schedule("fslpp", 4, 6, G=2, R=2, order="breadth_first", comm=0.5)
     assert (step.workers, step.S, step.B, step.name, step.order.name) == (4, 4, 6, "fslpp", "breadth_first")
     a, b = simulate(step), simulate(ref)
     assert (a.start, a.finish, a.compute, a.weights) == (b.start, b.finish, b.compute, b.weights)
@@ -187,8 +187,8 @@ def test_to_step_matches_make_step(cfg_of):
 def test_lpp_identities_through_the_config(cfg_of):
     """LPP with G=1, R=S is GPipe; with G=B, R=1 it is DDP: the same timelines from the config."""
     for named, G, R in (("gpipe", 1, 4), ("ddp", 6, 1)):
-        a = simulate(to_step(cfg_of(f"strategy={named}", "stages=4", "microbatches=6")))
-        b = simulate(to_step(cfg_of("strategy=lpp", f"G={G}", f"R={R}", "stages=4", "microbatches=6")))
+        a = simulate(to_schedule(cfg_of(f"strategy={named}", "stages=4", "microbatches=6")))
+        b = simulate(to_schedule(cfg_of("strategy=lpp", f"G={G}", f"R={R}", "stages=4", "microbatches=6")))
         assert (a.start, a.finish, a.compute) == (b.start, b.finish, b.compute)
 
 
@@ -206,13 +206,13 @@ def test_custom_placement_and_order_by_target(cfg_of):
         "strategy.placement._partial_=false", "+strategy.placement.G=${G}", "+strategy.placement.R=${R}",
     )
     tl, summary = simulate_config(c)
-    ref = simulate(make_step("lpp", 8, 16, G=2, R=4, order="1f1b"))  # a custom placement's default order
+    ref = simulate(make_schedule("lpp", 8, 16, G=2, R=4, order="1f1b"))  # a custom placement's default order
     assert tl.finish == ref.finish and summary["latency"] == ref.latency
 
 
 def test_custom_target_that_cannot_be_built(cfg_of):
     with pytest.raises(ConfigError) as e:
-        to_step(cfg_of("strategy=custom", "strategy.placement._target_=no_such_module.fn"))
+        to_schedule(cfg_of("strategy=custom", "strategy.placement._target_=no_such_module.fn"))
     assert e.value.sentences == [
         "strategy.placement._target_=no_such_module.fn could not be built: there is no module no_such_module in "
         f"the working directory ({os.getcwd()}) or on PYTHONPATH; run from the directory that holds "
@@ -238,7 +238,7 @@ def test_a_key_without_effect_under_the_scheme_warns_once_and_runs(cfg_of, caplo
         "and custom placements).",
         "warning: prefetch=3 has no effect with strategy=ddp: its workers neither fetch weights nor receive "
         "activations, so there is nothing to look ahead for; the run goes on."]
-    ref = simulate(make_step("ddp", 4, 6))
+    ref = simulate(make_schedule("ddp", 4, 6))
     assert (tl.start, tl.finish, tl.compute) == (ref.start, ref.finish, ref.compute)
     caplog.clear()
     with caplog.at_level("WARNING", logger="launcher"):
@@ -266,7 +266,7 @@ def test_order_auto_composes_validates_and_searches_under_the_limit(cfg_of):
     c = cfg_of("order=auto", "memory_limit=8", "strategy=gpipe", "stages=4", "microbatches=8")
     assert (c.order.name, c.split_backward, c.memory_limit) == ("auto", True, 8)
     assert errors(c) == []
-    step = to_step(c)
+    step = to_schedule(c)
     assert step.order.seqs is not None
     tl = simulate(step)
     assert max(unit_peaks(tl)) <= 8

@@ -1,6 +1,6 @@
 """Random invalid values at every key of the schema, through every entry point that
 exists: the command line's validation path (the pre-check before Hydra, then the composed
-config's rules) and the Python API (``make_step``). No traceback anywhere; each bad value is one
+config's rules) and the Python API (``make_schedule``). No traceback anywhere; each bad value is one
 sentence naming the key and the value, and the same sentence from each entry point."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import launcher.config  # noqa: F401  (registers the schema and the resolver)
 from launcher.config import check_overrides, errors
-from launcher.schedule import StepError, make_step, rules
+from launcher.schedule import StepError, make_schedule, rules
 
 # each composed config costs ~0.1 s: enough examples to visit every key several times, no more
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -57,7 +57,7 @@ def cli(cfg_of, overrides: list[str]) -> list[str]:
 
 def api(**kw) -> list[str]:
     try:
-        make_step(**{**API_BASE, **kw})
+        make_schedule(**{**API_BASE, **kw})
     except StepError as e:
         return e.sentences
     return []

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import ConfigError, to_step
+from launcher.config import ConfigError, to_schedule
 from launcher.config.validate import errors
 from launcher.modes.simulation import simulate_config
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.order_file import write_schedule
 
 LPP = ["strategy=lpp", "G=1", "R=2", "stages=4", "microbatches=4"]
@@ -18,7 +18,7 @@ LPP = ["strategy=lpp", "G=1", "R=2", "stages=4", "microbatches=4"]
 
 @pytest.fixture
 def csv_file(tmp_path: Path) -> Path:
-    tl = simulate(make_step("lpp", 4, 4, 1, 2, order="interleaved_1f1b"))
+    tl = simulate(make_schedule("lpp", 4, 4, 1, 2, order="interleaved_1f1b"))
     return write_schedule(tl.step.space, tl.program, tmp_path / "il.csv")
 
 
@@ -26,7 +26,7 @@ def test_file_order_runs_as_written(cfg_of, csv_file: Path) -> None:
     c = cfg_of(*LPP, "order.name=file", f"order.path={csv_file}")
     assert errors(c) == []
     tl, summary = simulate_config(c)
-    ref = simulate(make_step("lpp", 4, 4, 1, 2, order="interleaved_1f1b"))
+    ref = simulate(make_schedule("lpp", 4, 4, 1, 2, order="interleaved_1f1b"))
     assert tl.program == ref.program and tl.finish == ref.finish and summary["latency"] == ref.latency
 
 
@@ -49,11 +49,11 @@ def test_unparsable_and_misplaced_files(cfg_of, csv_file: Path, tmp_path: Path) 
     c = cfg_of("strategy=gpipe", "G=1", "R=4", "stages=4", "microbatches=4", "order.name=file",
                f"order.path={csv_file}")
     with pytest.raises(ConfigError) as e:
-        to_step(c)
+        to_schedule(c)
     assert e.value.sentences == [f"order.path={csv_file} puts job F2.b0 on worker 0, but the scheme computes it on "
                                  f"worker 2."]
     with pytest.raises(ConfigError, match="split_backward=true"):
-        to_step(cfg_of(*LPP, "split_backward=true", "order.name=file", f"order.path={csv_file}"))
+        to_schedule(cfg_of(*LPP, "split_backward=true", "order.name=file", f"order.path={csv_file}"))
 
 
 def test_export_writes_what_order_file_reads(cfg_of, tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from helpers.cli import start_launcher, survivors
 from helpers.training import load_checkpoint
 from launcher.runtime import Engine, Interrupted, WorkerFailed, launch, mlp_batches, staged_mlp
 from launcher.runtime.failure import HangMonitor, Watchdog, is_transport_error, transport_reason
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 
 #: one small config for every command: W = 4 workers, a tiny GPT, checkpoints every 4 steps
 SMALL = ["strategy=lpp", "G=2", "R=2", "stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8",
@@ -166,7 +166,7 @@ FAULTS = ["kill"] * 6 + ["stop"] * 6 + ["term"] * 6 + ["launcher-term"] * 3 + ["
 def _train(tmp: str, victim: int, fault: str, delay: float) -> None:
     rank = dist.get_rank()
     Path(tmp, f"pid-{rank}").write_text(str(os.getpid()))
-    engine = Engine(staged_mlp(4), make_step("lpp", 4, 4, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = Engine(staged_mlp(4), make_schedule("lpp", 4, 4, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
     if rank == victim:
         def fire() -> None:  # a thread: it fires wherever the compute thread is, a receive included
             Path(tmp, "fired").write_text(repr(time.monotonic()))

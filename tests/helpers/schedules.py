@@ -10,7 +10,7 @@ from collections import Counter
 
 from hypothesis import strategies as st
 
-from launcher.schedule import StageGraph, make_step
+from launcher.schedule import StageGraph, make_schedule
 from launcher.schedule.activations import unit_peaks
 from launcher.schedule.simulate import Timeline
 
@@ -189,5 +189,5 @@ def steps(draw, max_S=10, max_B=10):
         st.integers(1, S + 2),
         st.lists(st.integers(1, S + 2), min_size=W, max_size=W),
     ))
-    return make_step(strategy, S, B, G, R, order=o, warmup=warmup, durations=durations, comm=comm,
+    return make_schedule(strategy, S, B, G, R, order=o, warmup=warmup, durations=durations, comm=comm,
                      memory_limit=limit, split_backward=split, graph=graph)

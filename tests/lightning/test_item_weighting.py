@@ -32,7 +32,7 @@ from launcher.lightning.item_counts import loss_items
 from launcher.runtime import Engine, launch
 from launcher.runtime.items import shares
 from launcher.runtime.oracle import flat_params, staged_mlp
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 from launcher.torch_support.init import empty_init, init_units
 from launcher.torch_support.staged import StagedModel
 
@@ -86,7 +86,7 @@ STEPS = [(14, [0, 1, 3, 6, 9, 10]), (14, [0, 2, 4, 5, 7, 8, 9, 11, 12, 13]), (13
 def _weighted_case(scheme: str, G: int, R: int, options: dict) -> dict[str, float]:
     """This rank's largest differences from one device, per kind of count."""
     S = B = 4
-    step = make_step(scheme, S, B, G=G, R=R, split_backward=options.get("split_backward", False))
+    step = make_schedule(scheme, S, B, G=G, R=R, split_backward=options.get("split_backward", False))
     errors: dict[str, float] = {}
     for kind in ("mask", "rows"):
         loss_fn = masked_mse if kind == "mask" else nn.functional.mse_loss

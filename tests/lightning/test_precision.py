@@ -185,10 +185,10 @@ def _loss_scale_and_scaler() -> dict:
     from launcher.lightning.precision import _SyncedScaler
     from launcher.runtime import Engine
     from launcher.runtime.oracle import mlp_batches, staged_mlp
-    from launcher.schedule import make_step
+    from launcher.schedule import make_schedule
 
     # the engine's backward on a scaled loss: fetched weights and weight-gradient sums (FSDP), float64
-    engine = Engine(staged_mlp(2), make_step("fsdp", 2, 2, G=2, R=1))
+    engine = Engine(staged_mlp(2), make_schedule("fsdp", 2, 2, G=2, R=1))
     mbs = mlp_batches(2)
     engine.compute_step(mbs)
     plain = {s: g.clone() for s, g in engine.last_grads.items()}

@@ -237,7 +237,7 @@ def test_strategy_profiles_once_before_the_fork_and_its_step_has_uneven_stages()
     staging = strategy._staged[1]
     assert staging.groups == [[0, 1, 2, 3, 4], [5]] and len(staging.costs) == 6
     strategy.stage_durations_s = staging.stage_durations  # what setup takes from the inherited staging
-    step = strategy.make_step()
+    step = strategy.make_schedule()
     # the step carries the profile's own stage times (scaled to the config's units), not one time for
     # every stage; which stage is slower is the machine's (a cut by time makes them near equal)
     from launcher.plan.partition import scaled

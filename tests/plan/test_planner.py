@@ -19,7 +19,7 @@ from launcher.plan import Budget, ProfileError, load, memory, parse_bytes, searc
 from launcher.plan.from_config import plan as plan_of
 from launcher.plan.profile import from_dict
 from launcher.plan.search import graph_shares, job_cache_time, shared_cores_time, time_bound
-from launcher.schedule import ScheduleError, make_step, simulate
+from launcher.schedule import ScheduleError, make_schedule, simulate
 from launcher.schedule.activations import unit_peaks
 from launcher.schedule.link import step_time as link_step_time
 from launcher.schedule.metrics import per_worker
@@ -65,7 +65,7 @@ def brute_force(S: int, B: int, workers: int, prof, budget: Budget) -> float:
                 continue
             for ml in [None, *range(1, S * B + 1)]:
                 try:
-                    tl = simulate(make_step(scheme, S, B, G, R, order=order, warmup=warmup, durations=dict(
+                    tl = simulate(make_schedule(scheme, S, B, G, R, order=order, warmup=warmup, durations=dict(
                         prof.durations), comm=prof.comm, memory_limit=ml, split_backward=split, ownership=own,
                         graph_share=graph_shares(prof, S)))
                 except ScheduleError:
@@ -142,7 +142,7 @@ def test_candidates_are_distinct_schedules():
     seen = set()
     for c in plan.candidates:
         p = c.point
-        tl = simulate(make_step(p.scheme.name, 4, 8, p.G, p.R, order=p.order, warmup=p.warmup, durations=dict(
+        tl = simulate(make_schedule(p.scheme.name, 4, 8, p.G, p.R, order=p.order, warmup=p.warmup, durations=dict(
             prof.durations), comm=0.0, memory_limit=p.memory_limit, split_backward=p.split,
             ownership=p.scheme.ownership))
         fetches = any(per_worker(tl, "step")["weight_fetch_stages"])
@@ -252,7 +252,7 @@ def test_time_bound_is_a_lower_bound_for_every_searched_order():
                     order == "interleaved_1f1b" and R != 2 or order == "dualpipev" and B < 4):
                 continue
             try:
-                tl = simulate(make_step(scheme, 4, B, G, R, order=order, warmup=warmup, durations=d, comm=0.25,
+                tl = simulate(make_schedule(scheme, 4, B, G, R, order=order, warmup=warmup, durations=d, comm=0.25,
                                         memory_limit=ml, split_backward=split, stage_durations=per_stage))
             except ScheduleError:
                 continue
@@ -276,7 +276,7 @@ def test_auto_is_the_best_where_it_is_fastest(cfg_of):
     assert found.auto_searched > 0
     named = search(4, [8], 4, unit(UNIT, 0.0), Budget(activations=3), auto_top=0).best
     assert named is not None and named.point.order == "1f1b" and named.step_time == 22.5
-    zb_h2 = simulate(make_step("gpipe", 4, 8, 1, 4, order="zb_h2", split_backward=True))
+    zb_h2 = simulate(make_schedule("gpipe", 4, 8, 1, 4, order="zb_h2", split_backward=True))
     assert zb_h2.latency == 19.0 and unit_peaks(zb_h2) == [8.0] * 4
     again = cfg_of(["mode=simulate", *best.overrides])
     assert errors(again) == []

@@ -6,20 +6,20 @@ import subprocess
 import sys
 
 from launcher.report.png import save_png
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def test_png_is_written(tmp_path):
-    tl = simulate(make_step("fslpp", 4, 4, G=2, R=2))
+    tl = simulate(make_schedule("fslpp", 4, 4, G=2, R=2))
     path = save_png(tl, tmp_path / "sub" / "pipeline.png")
     assert path.read_bytes()[:8] == PNG_MAGIC
     assert path.stat().st_size > 2000
 
 
 def test_png_split_backward_and_many_jobs(tmp_path):
-    tl = simulate(make_step("lpp", 16, 64, G=4, R=4, split_backward=True))  # > MAX_LABELS: colours only
+    tl = simulate(make_schedule("lpp", 16, 64, G=4, R=4, split_backward=True))  # > MAX_LABELS: colours only
     path = save_png(tl, tmp_path / "big.png")
     assert path.read_bytes()[:8] == PNG_MAGIC
 

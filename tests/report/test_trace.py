@@ -11,7 +11,7 @@ import pytest
 
 from helpers.cli import SMALL_RUN, run_launcher
 from launcher.report import trace
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 
 META = {"process_name": "name", "thread_name": "name", "process_sort_index": "sort_index",
         "thread_sort_index": "sort_index"}
@@ -120,7 +120,7 @@ RUN = {"scheme": "gpipe", "G": 1, "R": 2, "W": 2, "stages": 2, "microbatches": 1
 
 
 def test_trace_layout_is_a_valid_chrome_trace():
-    tl = simulate(make_step("gpipe", 2, 1, G=1, R=2, durations={"F": 1e-3, "B": 2e-3}))
+    tl = simulate(make_schedule("gpipe", 2, 1, G=1, R=2, durations={"F": 1e-3, "B": 2e-3}))
     t = json.loads(json.dumps(trace.build([_worker(0), _worker(1)], tl, RUN, step=3, predicted_step_s=0.009)))
     assert problems(t) == []
     o = t["otherData"]

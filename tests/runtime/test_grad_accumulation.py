@@ -13,7 +13,7 @@ from launcher.models.gpt import GPT, Block
 from launcher.runtime import Engine, launch
 from launcher.runtime.backward import stage_grads, stage_grads_into
 from launcher.runtime.oracle import reference_step
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 from launcher.torch_support.staged import StagedModel
 
 
@@ -47,7 +47,7 @@ def _totals(S: int, hooked: bool) -> tuple[list[torch.Tensor], int]:
     calls = []
     if hooked:
         next(model.stages[1].parameters()).register_post_accumulate_grad_hook(calls.append)
-    engine = Engine(model, make_step("lpp", S, len(mbs), G=1, R=1), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = Engine(model, make_schedule("lpp", S, len(mbs), G=1, R=1), lambda ps: torch.optim.SGD(ps, lr=0.1))
     params = [p for m in model.stages for p in m.parameters()]
     mark = params[0].grad = torch.ones_like(params[0])  # a user's .grad from before the step
     engine.compute_step(mbs)

@@ -14,7 +14,7 @@ from test_runtime_oracle import _check  # its rootdir is on sys.path, as for eve
 
 from launcher.runtime import launch
 from launcher.runtime.oracle import Case, run_cases
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.order_file import FileOrder, write_schedule
 
 pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -39,7 +39,7 @@ def _torch_csv(name: str, kind: str, ranks: int, per: int, B: int) -> FileOrder:
 
 
 def _ours(name: str, *args, **kw) -> FileOrder:
-    tl = simulate(make_step(*args, **kw))
+    tl = simulate(make_schedule(*args, **kw))
     return FileOrder(path=str(write_schedule(tl.step.space, tl.program, _DIR / name)))
 
 

@@ -9,7 +9,7 @@ import torch
 
 from launcher.runtime import Engine, launch
 from launcher.runtime.oracle import mlp_batches, staged_mlp
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.actions import RECV_ACT, RECV_WEIGHTS, SEND_WEIGHTS, format_programs, parse_programs
 from launcher.schedule.assembly import assemble
 from launcher.schedule.lowering import lower, lower_actions
@@ -19,7 +19,7 @@ CACHES = ("job", "step")
 
 
 def _timeline():
-    return simulate(make_step("fslpp", S, B, G=G, R=R, order="zb_h1", split_backward=True))
+    return simulate(make_schedule("fslpp", S, B, G=G, R=R, order="zb_h1", split_backward=True))
 
 
 # printed here, before the workers fork: what they run is this text

@@ -14,7 +14,7 @@ import torch
 from launcher.runtime import launch
 from launcher.runtime.engine import Engine
 from launcher.runtime.oracle import flat_params, mlp_batches, reference_step, staged_mlp
-from launcher.schedule import StepError, make_step, simulate
+from launcher.schedule import StepError, make_schedule, simulate
 
 ATOL = 1e-10
 
@@ -40,7 +40,8 @@ class RC:
 
 
 def _run_one(c: RC, steps: int = 2) -> dict:
-    step = make_step(c.strategy, c.S, c.B, G=c.G, R=c.R, order=c.order, split_backward=c.split, recompute=c.recompute)
+    step = make_schedule(c.strategy, c.S, c.B, G=c.G, R=c.R, order=c.order, split_backward=c.split,
+                         recompute=c.recompute)
 
     def opt(ps: list) -> torch.optim.Optimizer:
         return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
@@ -108,15 +109,15 @@ def test_simulator_charges_the_extra_forward():
     # stage's forward added to every backward under recompute=full: (S + B - 1)(2f + g)
     S, B, f, g = 4, 6, 1.0, 2.0
     for rc, want in [("none", (S + B - 1) * (f + g)), ("full", (S + B - 1) * (2 * f + g))]:
-        tl = simulate(make_step("gpipe", S, B, G=1, R=S, order="breadth_first", durations={"F": f, "B": g},
+        tl = simulate(make_schedule("gpipe", S, B, G=1, R=S, order="breadth_first", durations={"F": f, "B": g},
                                 recompute=rc))
         assert tl.latency == want, (rc, tl.latency, want)
     # only stage 1 recomputes: its backwards take f more
-    step = make_step("gpipe", S, B, G=1, R=S, durations={"F": f, "B": g}, recompute=[1])
+    step = make_schedule("gpipe", S, B, G=1, R=S, durations={"F": f, "B": g}, recompute=[1])
     table = step.duration_table()
     assert table[S + 1] == g + f and table[S] == table[S + 2] == g
     # split backward: I carries it
-    step = make_step("gpipe", S, B, G=1, R=S, split_backward=True, durations={"F": 1, "I": 0.5, "W": 0.5},
+    step = make_schedule("gpipe", S, B, G=1, R=S, split_backward=True, durations={"F": 1, "I": 0.5, "W": 0.5},
                      recompute="full")
     assert step.duration_table()[S:2 * S] == [1.5] * S and step.duration_table()[2 * S:] == [0.5] * S
 
@@ -141,23 +142,23 @@ def test_bad_values_are_one_sentence(value, says):
     found = [e for e in errors(cfg) if e.startswith("recompute")]
     assert found == [says]
     with pytest.raises(StepError) as e:
-        make_step("lpp", 8, 16, G=2, R=4, recompute=value)
+        make_schedule("lpp", 8, 16, G=2, R=4, recompute=value)
     assert e.value.sentences == [says]
 
 
 def test_config_reaches_the_step():
     from omegaconf import OmegaConf
 
-    from launcher.config import to_step
+    from launcher.config import to_schedule
     from launcher.config.schema import LauncherConf
 
     cfg = OmegaConf.structured(LauncherConf)
     cfg.model = cfg.data = cfg.trainer = cfg.logger = None
-    assert to_step(cfg).recompute == frozenset()
+    assert to_schedule(cfg).recompute == frozenset()
     cfg.recompute = [0, 5]
-    assert to_step(cfg).recompute == frozenset({0, 5})
+    assert to_schedule(cfg).recompute == frozenset({0, 5})
     cfg.recompute = "full"
-    assert to_step(cfg).recompute == frozenset(range(8))
+    assert to_schedule(cfg).recompute == frozenset(range(8))
 
 
 def test_planner_picks_recompute_when_only_it_fits():
@@ -195,7 +196,7 @@ def _counted_per_step(check_batches: object) -> dict:
     """Forwards whose saved bytes were hooked, per step, on a worker of a 2-worker looped pipeline of 4
     stages (stage 1 recomputes, so its backward's rebuilt graph is counted too), micro-batches of 4
     rows for three steps, then 5 rows for two; and each step's measured peak against the prediction."""
-    step = make_step("lpp", 4, 4, G=1, R=2, recompute=[1])
+    step = make_schedule("lpp", 4, 4, G=1, R=2, recompute=[1])
     engine = Engine(staged_mlp(4, width=16), step, lambda ps: torch.optim.SGD(ps, lr=0.1), check_batches=check_batches)
     taken, exact = [], []
     for i, rows in enumerate([4, 4, 4, 5, 5]):

@@ -13,7 +13,7 @@ from torch import nn
 
 from launcher.runtime import Engine, WorkerFailed, launch, mlp_batches, staged_mlp
 from launcher.runtime.failure import hang_message
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 from launcher.torch_support.checks import ModelError, model_errors
 from launcher.torch_support.staged import StagedModel
 
@@ -24,7 +24,7 @@ BOUND = TIMEOUT + 0.75 + 1.0 + 8.0
 
 def _hang(where: str) -> None:
     rank = dist.get_rank()
-    engine = Engine(staged_mlp(4), make_step("gpipe", 4, 4, G=1, R=4), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = Engine(staged_mlp(4), make_schedule("gpipe", 4, 4, G=1, R=4), lambda ps: torch.optim.SGD(ps, lr=0.1))
     if where == "job" and rank == 1:
         stage, inner = engine.modules[1], engine.modules[1].forward
 
@@ -62,7 +62,7 @@ def test_the_hang_rule_needs_a_waiter_and_names_the_one_that_does_not_wait():
 
 
 def _different_batches() -> None:
-    engine = Engine(staged_mlp(4), make_step("lpp", 4, 4, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = Engine(staged_mlp(4), make_schedule("lpp", 4, 4, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
     rank = dist.get_rank()
     engine.train_step(mlp_batches(4, seed=0 if rank in (0, 2) else rank))
 
@@ -76,7 +76,7 @@ def test_ranks_given_different_microbatches_are_refused():
 
 
 def _different_on_step_2(every: int) -> int:
-    engine = Engine(staged_mlp(4), make_step("lpp", 4, 4, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1),
+    engine = Engine(staged_mlp(4), make_schedule("lpp", 4, 4, G=2, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1),
                     check_batches=every)
     engine.train_step(mlp_batches(4, seed=0))
     engine.train_step(mlp_batches(4, seed=0 if dist.get_rank() in (0, 2) else 1))
@@ -95,7 +95,7 @@ def test_the_batch_check_runs_on_step_1_then_every_n_steps():
 def _keeps_the_callers_modules() -> dict:
     model = staged_mlp(4)
     mine = list(model.stages)
-    engine = Engine(model, make_step("lpp", 4, 4, G=1, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = Engine(model, make_schedule("lpp", 4, 4, G=1, R=2), lambda ps: torch.optim.SGD(ps, lr=0.1))
     engine.train_step(mlp_batches(4))
     stepped = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
     return {

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from launcher.runtime import Engine, WorkerFailed, launch, mlp_batches, staged_mlp
 from launcher.runtime.failure import Watchdog
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 
 TIMEOUT = 4.0
 BOUND = TIMEOUT + min(2.0, TIMEOUT / 4) + 1.0 + 2.0  # launcher's stop bound, plus slack for a loaded machine
@@ -23,7 +23,7 @@ BOUND = TIMEOUT + min(2.0, TIMEOUT / 4) + 1.0 + 2.0  # launcher's stop bound, pl
 def train_and_fail(tmp: str, how: str, victim: int, steps: int = 4, transport: str = "gloo") -> None:
     rank = dist.get_rank()
     Path(tmp, f"pid-{rank}").write_text(str(os.getpid()))
-    engine = Engine(staged_mlp(4), make_step("gpipe", 4, 4, G=1, R=4), lambda ps: torch.optim.SGD(ps, lr=0.1),
+    engine = Engine(staged_mlp(4), make_schedule("gpipe", 4, 4, G=1, R=4), lambda ps: torch.optim.SGD(ps, lr=0.1),
                     transport=transport)
     if rank == victim:
         stage = engine.modules[victim]

@@ -7,14 +7,14 @@ import torch
 import torch.distributed as dist
 
 from launcher.runtime import Engine, launch, mlp_batches, reference_step, staged_mlp
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 from launcher.torch_support.staged import StagedModel
 
 
 def _train_with_per_rank_seeds() -> list[dict[str, torch.Tensor]] | None:
     # every rank draws its own initial weights; the engine must start every replica from the root's
     model = staged_mlp(4, seed=dist.get_rank())
-    engine = Engine(model, make_step("lpp", 4, 4, G=2, R=2, order="1f1b"), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = Engine(model, make_schedule("lpp", 4, 4, G=2, R=2, order="1f1b"), lambda ps: torch.optim.SGD(ps, lr=0.1))
     engine.train_step(mlp_batches(4, seed=1))
     return engine.gather_state(0)  # tensors travel back to the launcher by value
 

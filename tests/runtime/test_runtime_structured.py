@@ -18,7 +18,7 @@ from torch import nn
 
 from launcher.runtime import Engine, launch, merge
 from launcher.runtime.oracle import flat_params, reference_step
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 from launcher.schedule.graph import StageGraph
 from launcher.torch_support.staged import StagedModel
 
@@ -90,7 +90,7 @@ def run(scheme: str, G: int, R: int, B: int, cache: str) -> dict:
     model = structured()
     ref = copy.deepcopy(model)
     ref.stages[3].table = ref.stages[0].table  # deepcopy of the list keeps the tie; make sure
-    engine = Engine(model, make_step(scheme, 4, B, G=G, R=R, graph=GRAPH), lambda ps: torch.optim.Adam(ps, lr=0.01),
+    engine = Engine(model, make_schedule(scheme, 4, B, G=G, R=R, graph=GRAPH), lambda ps: torch.optim.Adam(ps, lr=0.01),
                     weight_cache=cache)
     ref_opt = torch.optim.Adam([p for p in dict.fromkeys(p for m in ref.stages for p in m.parameters())], lr=0.01)
     grad_err = param_err = stat_err = 0.0
@@ -152,7 +152,7 @@ def _frozen_parts() -> dict:
     model = StagedModel(stages, lambda out, y: ((out - y) ** 2).mean())
     ref = copy.deepcopy(model)
     # fsdp: every worker computes both stages on fetched weights, with the engine's copies of them
-    engine = Engine(model, make_step("fsdp", 2, 2, G=2, R=1), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = Engine(model, make_schedule("fsdp", 2, 2, G=2, R=1), lambda ps: torch.optim.SGD(ps, lr=0.1))
     g = torch.Generator().manual_seed(5)
     mbs = [(torch.randn(3, D, generator=g, dtype=torch.float64), torch.randn(3, D, generator=g, dtype=torch.float64))
            for _ in range(2)]

@@ -9,7 +9,7 @@ import torch
 
 from launcher.models.gpt import GPT
 from launcher.runtime import Engine, launch
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 from launcher.torch_support.staged import StagedModel
 
 LENGTHS = [8, 16, 8, 12]  # the sequence length of each step's micro-batches: buffers grow, then suffice
@@ -18,7 +18,8 @@ LENGTHS = [8, 16, 8, 12]  # the sequence length of each step's micro-batches: bu
 def _train(transport: str) -> dict[int, torch.Tensor]:
     torch.manual_seed(0)
     gpt = GPT(vocab_size=32, seq_len=16, d_model=32, n_head=2, n_layer=2).to(torch.float64)
-    engine = Engine(StagedModel(list(gpt.stages), gpt.loss), make_step("lpp", 4, 4, G=1, R=2, order="interleaved_1f1b"),
+    engine = Engine(StagedModel(list(gpt.stages), gpt.loss),
+                    make_schedule("lpp", 4, 4, G=1, R=2, order="interleaved_1f1b"),
                     lambda ps: torch.optim.SGD(ps, lr=0.1), transport=transport)
     for step, T in enumerate(LENGTHS):
         g = torch.Generator().manual_seed(step)
@@ -37,7 +38,7 @@ def test_shared_memory_trains_as_gloo_with_shapes_changing_between_steps():
 
 def _refused() -> str:
     try:
-        Engine(StagedModel([torch.nn.Linear(2, 2)], torch.nn.functional.mse_loss), make_step("ddp", 1, 1, G=1, R=1),
+        Engine(StagedModel([torch.nn.Linear(2, 2)], torch.nn.functional.mse_loss), make_schedule("ddp", 1, 1, G=1, R=1),
                transport="tcp")
     except ValueError as e:
         return str(e)

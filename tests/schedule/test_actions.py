@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.actions import (
     BEFORE,
     COMPUTE,
@@ -49,7 +49,7 @@ SENDS = {ACT: SEND_ACT, GRAD: SEND_GRAD, WEIGHTS: SEND_WEIGHTS, WGRAD: SEND_WGRA
 
 
 def _timeline(name, S, B, G, R, order, split):
-    return simulate(make_step(name, S, B, G=G, R=R, order=order, split_backward=split))
+    return simulate(make_schedule(name, S, B, G=G, R=R, order=order, split_backward=split))
 
 
 def _same(a: Lowered, b: Lowered) -> None:
@@ -103,7 +103,7 @@ def test_a_placement_that_splits_a_microbatch_is_shown_marked():
     def apart(s, b, d):
         return (0, 0 if d == "F" else 1)
 
-    step = make_step(apart, 2, 2)
+    step = make_schedule(apart, 2, 2)
     step.workers = 2
     with pytest.raises(LoweringError) as e:
         lower(simulate(step))

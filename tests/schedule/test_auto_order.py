@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 from test_zb_h1 import ROWS, ZB_1P, ZB_2P, w_share
 
-from launcher.schedule import ScheduleError, make_step, simulate, unchecked_step
+from launcher.schedule import ScheduleError, make_schedule, simulate, unchecked_schedule
 from launcher.schedule.activations import unit_peaks
 from launcher.schedule.auto_order import (
     AutoOrder,
@@ -27,7 +27,7 @@ from launcher.schedule.simulate import place_all
 
 
 def auto(p: int, m: int, d: dict, comm: float, limit: int | None):
-    return simulate(make_step("gpipe", p, m, 1, p, order="auto", split_backward=True, durations=d, comm=comm,
+    return simulate(make_schedule("gpipe", p, m, 1, p, order="auto", split_backward=True, durations=d, comm=comm,
                               memory_limit=limit))
 
 
@@ -60,7 +60,7 @@ def test_table5_at_the_papers_two_limits(row):
 def by_paper(p: int, m: int, d: dict, comm: float, limit: int, model: str):
     """``auto`` under the paper's own rules: the cost is the longest worker's span (:func:`span`) and
     an ``I`` gives back all but ``M_W / M_B`` of its micro-batch's unit."""
-    step = replace(unchecked_step("gpipe", p, m, 1, p, order="zb_h1", split_backward=True, durations=d, comm=comm),
+    step = replace(unchecked_schedule("gpipe", p, m, 1, p, order="zb_h1", split_backward=True, durations=d, comm=comm),
                    memory_limit=limit, graph_share=w_share(model))
     return run_sequences(step, auto_sequences(step, objective="span"))
 
@@ -88,7 +88,7 @@ def test_round_trips_are_the_papers_warm_up_count(p, comm):
     """The paper's Appendix B: ``((p-1)(T_B + 2 T_comm) + p T_F) / T_F`` forwards fit on the first
     stage before its first gradient is back; on stage ``s``, the same count for the ``p - s`` it feeds."""
     tf, tb = 1.3, 0.9
-    step = make_step("gpipe", p, 2 * p, 1, p, order="zb_h1", split_backward=True,
+    step = make_schedule("gpipe", p, 2 * p, 1, p, order="zb_h1", split_backward=True,
                      durations={"F": tf, "I": tb, "W": 0.5}, comm=comm)
     trips = round_trips(step, place_all(step)[0])
     assert trips == pytest.approx([((p - 1 - s) * (tb + 2 * comm) + (p - s) * tf) / tf for s in range(p)])
@@ -101,7 +101,7 @@ def test_a_warm_up_depth_at_the_cap_changes_nothing():
     for _ in range(5):
         p = rng.choice([4, 6])
         per = [{"F": rng.uniform(0.5, 2), "I": rng.uniform(0.5, 2), "W": rng.uniform(0.2, 1.5)} for _ in range(p)]
-        step = make_step("gpipe", p, 3 * p, 1, p, order="zb_h1", split_backward=True, stage_durations=per,
+        step = make_schedule("gpipe", p, 3 * p, 1, p, order="zb_h1", split_backward=True, stage_durations=per,
                          comm=rng.uniform(0, 0.5))
         compute = place_all(step)[0]
         caps = [float(rng.randint(p, 2 * p))] * p
@@ -123,7 +123,7 @@ def test_span_is_the_least_cost_of_the_papers_linear_program():
         p, m = 3, rng.randint(3, 6)
         per = [{"F": rng.uniform(0.5, 2), "I": rng.uniform(0.5, 2), "W": rng.uniform(0.2, 1.5)} for _ in range(p)]
         comm = rng.uniform(0, 0.5)
-        tl = simulate(make_step("gpipe", p, m, 1, p, order=order, split_backward=True, stage_durations=per,
+        tl = simulate(make_schedule("gpipe", p, m, 1, p, order=order, split_backward=True, stage_durations=per,
                                 comm=comm, memory_limit=limit))
         N = len(tl.start)
         dur = [f - s for s, f in zip(tl.start, tl.finish)]
@@ -161,11 +161,11 @@ def test_random_profiles_never_lose_to_the_named_orders(seed):
     comm = rng.uniform(0, 0.5)
     limit = rng.choice([p, p + p // 2, 2 * p])
     kw = dict(split_backward=True, comm=comm, memory_limit=limit, stage_durations=per)
-    tl = simulate(make_step("gpipe", p, m, 1, p, order="auto", **kw))
+    tl = simulate(make_schedule("gpipe", p, m, 1, p, order="auto", **kw))
     assert max(unit_peaks(tl)) <= limit
     for name, ml in itertools.product(("1f1b", "zb_h1", "zb_h2"), (limit, None)):
         try:  # the named order under the simulator's limit, and as it runs without one
-            other = simulate(make_step("gpipe", p, m, 1, p, order=name, **{**kw, "memory_limit": ml}))
+            other = simulate(make_schedule("gpipe", p, m, 1, p, order=name, **{**kw, "memory_limit": ml}))
         except ScheduleError:
             continue  # it cannot finish under this limit: no rival
         if max(unit_peaks(other)) <= limit:
@@ -186,8 +186,8 @@ def test_brute_force_on_tiny_steps(p, m, limit):
     the limit (unequal durations, comm)."""
     d = {"F": 1.0, "I": 1.3, "W": 0.7}
     kw = dict(split_backward=True, durations=d, comm=0.2, memory_limit=limit)
-    tl = simulate(make_step("gpipe", p, m, 1, p, order="auto", **kw))
-    base = unchecked_step("gpipe", p, m, 1, p, order="zb_h1", **kw)
+    tl = simulate(make_schedule("gpipe", p, m, 1, p, order="auto", **kw))
+    base = unchecked_schedule("gpipe", p, m, 1, p, order="zb_h1", **kw)
     base = replace(base, memory_limit=None)
     SB = p * m
     per = [[j for j in range(base.space.N) if (j % SB) // m == w] for w in range(p)]
@@ -205,14 +205,14 @@ def test_brute_force_on_tiny_steps(p, m, limit):
 
 def test_auto_needs_the_split_backward_and_is_deterministic():
     with pytest.raises(ValueError, match="split_backward"):
-        make_step("gpipe", 4, 8, 1, 4, order="auto")
-    a = make_step("gpipe", 4, 8, 1, 4, order="auto", split_backward=True, memory_limit=6)
-    b = make_step("gpipe", 4, 8, 1, 4, order="auto", split_backward=True, memory_limit=6)
+        make_schedule("gpipe", 4, 8, 1, 4, order="auto")
+    a = make_schedule("gpipe", 4, 8, 1, 4, order="auto", split_backward=True, memory_limit=6)
+    b = make_schedule("gpipe", 4, 8, 1, 4, order="auto", split_backward=True, memory_limit=6)
     assert a.order == b.order and a.order.seqs is not None
 
 
 def test_auto_on_every_named_scheme_finishes_within_the_limit():
     for scheme, G, R in (("gpipe", 1, 4), ("lpp", 2, 2), ("fslpp", 2, 2), ("ddp", 4, 1)):
-        tl = simulate(make_step(scheme, 4, 4, G, R, order="auto", split_backward=True, memory_limit=4))
+        tl = simulate(make_schedule(scheme, 4, 4, G, R, order="auto", split_backward=True, memory_limit=4))
         assert sorted(j for prog in tl.program for j in prog) == list(range(tl.step.space.N))
         assert max(unit_peaks(tl)) <= 4

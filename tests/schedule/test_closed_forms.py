@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers.schedules import steps
-from launcher.schedule import ScheduleError, StepError, make_step, simulate
+from launcher.schedule import ScheduleError, StepError, make_schedule, simulate
 from launcher.schedule.closed_form import closed_forms, simulated_counterparts
 from launcher.schedule.metrics import summarize
-from launcher.schedule.settings import unchecked_step
+from launcher.schedule.settings import unchecked_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 report = importlib.import_module("closed_form_report")  # the document's generator, a script beside the package
@@ -42,7 +42,7 @@ def test_the_seeds_agree_with_the_simulator_where_the_document_says_exactly():
     for S, B, o in itertools.product((1, 2, 4, 8), (1, 3, 8), report.ORDERS):
         for scheme in ("ddp", "gpipe"):
             G, R = report.workers_of(scheme, S, B, 1, 1)
-            sim = simulated_counterparts(summarize(simulate(make_step(scheme, S, B, G, R, order=o))))
+            sim = simulated_counterparts(summarize(simulate(make_schedule(scheme, S, B, G, R, order=o))))
             cf = closed_forms(scheme, S, B, G, R)
             if scheme == "ddp":
                 assert all(cf[seed][m] == sim[m] for seed in ("000", "001") for m in sim)
@@ -52,7 +52,7 @@ def test_the_seeds_agree_with_the_simulator_where_the_document_says_exactly():
 
 def test_seed_000_lpp_latency_fails_on_one_worker():
     """LPP G = R = 1: one worker runs all 2SB jobs; 000 says S + B - 1, 001 B + S - 1."""
-    sim = summarize(simulate(make_step("lpp", 2, 2, 1, 1)))["latency_fb"]
+    sim = summarize(simulate(make_schedule("lpp", 2, 2, 1, 1)))["latency_fb"]
     cf = closed_forms("lpp", 2, 2, 1, 1)
     assert sim == 4 and cf["000"]["latency_fb"] == 3 and cf["001"]["latency_fb"] == 3
 
@@ -65,7 +65,7 @@ def test_breadth_first_looped_latency(S, k, G, R):
         return
     B = k * G
     for scheme in ("lpp", "fslpp"):
-        tl = simulate(make_step(scheme, S, B, G, R, order="breadth_first"))
+        tl = simulate(make_schedule(scheme, S, B, G, R, order="breadth_first"))
         assert summarize(tl)["latency_fb"] == report.looped_latency(S, B, G, R)
 
 
@@ -106,7 +106,7 @@ def test_rho_is_at_most_twice_the_mean_peak_over_S_plus_1(step):
 
 def test_rho_le_M_over_S_is_false_for_lpp_under_a_memory_limit():
     """Seed 000's stated theorem, with M the largest per-worker peak, fails for LPP itself."""
-    tl = simulate(make_step("lpp", 4, 2, G=1, R=2, order="1f1b", memory_limit=3))
+    tl = simulate(make_schedule("lpp", 4, 2, G=1, R=2, order="1f1b", memory_limit=3))
     sm = summarize(tl)
     M = max(tl.peak_activations)
     assert M == 2 and sm["latency_fb"] == 7 and sm["rho"] == 4 / 7 > M / 4
@@ -116,7 +116,7 @@ def test_rho_le_M_over_S_is_false_for_lpp_under_a_memory_limit():
 def test_rho_le_M_over_S_is_false_and_2M_over_S_plus_1_is_tight():
     """S = 2, one live activation per worker: rho -> 2/3 = 2M/(S+1), above M/S = 1/2."""
     for B in (4, 16, 64, 256):
-        tl = simulate(make_step(report.two_stage_counterexample, 2, B, G=3, R=1, order="1f1b", memory_limit=1))
+        tl = simulate(make_schedule(report.two_stage_counterexample, 2, B, G=3, R=1, order="1f1b", memory_limit=1))
         assert max(tl.peak_activations) == 1
         rho = summarize(tl)["rho"]
         # latency B + 1 on W = 3 workers: rho = 2B / (3(B + 1)) -> 2/3
@@ -128,7 +128,7 @@ def test_lpp_half_batch_configuration_reaches_M_over_S_plus_1_where_R_divides_S(
     for S, M, R, B, G in report.half_batch_configs():
         if not (S % R == 0 and 2 <= R <= S):
             continue
-        tl = simulate(make_step("lpp", S, B, G, R, order="breadth_first"))
+        tl = simulate(make_schedule("lpp", S, B, G, R, order="breadth_first"))
         sm = summarize(tl)
         assert max(tl.peak_activations) == M
         assert sm["latency_fb"] == S + 1
@@ -139,6 +139,6 @@ def test_lpp_half_batch_configuration_fails_for_M_1():
     """M = 1 needs R = 2S > S: each active worker still holds two micro-batches."""
     S, B = 4, 8
     with pytest.raises(StepError, match=r"^R=8 is invalid: R must not exceed stages=4"):  # refused by the API
-        make_step("lpp", S, B, G=B // 2, R=2 * S, order="breadth_first")
-    tl = simulate(unchecked_step("lpp", S, B, G=B // 2, R=2 * S, order="breadth_first"))
+        make_schedule("lpp", S, B, G=B // 2, R=2 * S, order="breadth_first")
+    tl = simulate(unchecked_schedule("lpp", S, B, G=B // 2, R=2 * S, order="breadth_first"))
     assert max(tl.peak_activations) == 2

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.cores import replay
 from launcher.schedule.lowering import weight_arrivals
 
@@ -19,7 +19,7 @@ def steps(draw):
         scheme, (draw(st.integers(1, B)), draw(st.integers(1, S))))
     split = draw(st.booleans())
     durations = {k: draw(st.floats(0.1, 3.0)) for k in "FBIW"} | {"I": 0.6}
-    return make_step(scheme, S, B, G=G, R=R, order=draw(st.sampled_from(["1f1b", "breadth_first", "depth_first"])),
+    return make_schedule(scheme, S, B, G=G, R=R, order=draw(st.sampled_from(["1f1b", "breadth_first", "depth_first"])),
                      warmup="none", split_backward=split, comm=draw(st.sampled_from([0.0, 0.25])), durations=durations)
 
 
@@ -48,7 +48,7 @@ def test_fewer_cores_take_longer_and_never_beat_the_work(step, cores):
 
 
 def test_two_independent_workers_on_one_core_share_it():
-    tl = simulate(make_step("ddp", 1, 2, G=2, R=1, durations={"F": 1.0, "B": 2.0}))
+    tl = simulate(make_schedule("ddp", 1, 2, G=2, R=1, durations={"F": 1.0, "B": 2.0}))
     assert tl.latency == pytest.approx(3.0)
     seconds, busy, _, _ = replay(tl, 1)
     assert seconds == pytest.approx(6.0) and busy == pytest.approx([6.0, 6.0])  # both at half speed throughout
@@ -58,7 +58,7 @@ def test_two_independent_workers_on_one_core_share_it():
 
 def test_a_memory_limit_is_the_order_it_leaves():
     # the runtime runs each worker's program in order without waiting for memory: the replay does too
-    tl = simulate(make_step("gpipe", 4, 8, G=1, R=4, order="1f1b"))
+    tl = simulate(make_schedule("gpipe", 4, 8, G=1, R=4, order="1f1b"))
     assert replay(tl, 4).seconds <= tl.latency + 1e-9
 
 
@@ -84,7 +84,7 @@ def test_a_weight_copy_arrives_a_message_after_its_owner_hands_it_over():
     """FSDP on two workers: worker 1's first forward runs on stage 0's weights, which worker 0 owns
     and hands over at the start of the step (before its first job), so it waits a message's time;
     with no lookahead an owner hands a copy over later, never sooner."""
-    tl = simulate(make_step("fsdp", 2, 2, G=2, R=1, comm=0.5, durations={"F": 1.0, "B": 2.0}))
+    tl = simulate(make_schedule("fsdp", 2, 2, G=2, R=1, comm=0.5, durations={"F": 1.0, "B": 2.0}))
     assert tl.start[tl.program[1][0]] == 0.0  # the simulator lets weight copies wait for nothing
     fetched = weight_arrivals(tl, "step", 1)
     assert fetched[tl.program[1][0]] == -1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.schedule import make_step
+from launcher.schedule import make_schedule
 from launcher.schedule.settings import Settings
 
 
@@ -23,7 +23,7 @@ from launcher.schedule.settings import Settings
     ("ddp", None, None, 4, 4, {}, "1f1b"),
 ])
 def test_default_order(scheme, G, R, S, B, extra, want):
-    step = make_step(scheme, S, B, G=G, R=R, **extra)
+    step = make_schedule(scheme, S, B, G=G, R=R, **extra)
     assert step.order.name == want and step.order.warmup == "classic"
     name, why = Settings.of(scheme, S, B, G, R, **extra).default_order()
     assert name == want and why  # a reason in words, also for the fallback
@@ -32,7 +32,7 @@ def test_default_order(scheme, G, R, S, B, extra, want):
 
 
 def test_a_named_order_is_kept():
-    assert make_step("lpp", 4, 8, G=1, R=2, order="1f1b").order.name == "1f1b"
-    assert make_step("lpp", 4, 8, G=1, R=2, order="breadth_first").order.name == "breadth_first"
+    assert make_schedule("lpp", 4, 8, G=1, R=2, order="1f1b").order.name == "1f1b"
+    assert make_schedule("lpp", 4, 8, G=1, R=2, order="breadth_first").order.name == "breadth_first"
     assert Settings(scheme="ddp", G=4, R=1, stages=4, microbatches=4).ignored() == []  # no order named: no warning
     assert Settings(scheme="ddp", G=4, R=1, stages=4, microbatches=4, order="1f1b").ignored()  # named: warned

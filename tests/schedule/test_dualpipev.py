@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from launcher.schedule import StepError, make_step, simulate
+from launcher.schedule import StepError, make_schedule, simulate
 from launcher.schedule.order import dualpipev_sequence
-from launcher.schedule.settings import unchecked_step
+from launcher.schedule.settings import unchecked_schedule
 from launcher.schedule.simulate import place_all
 
 pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -48,7 +48,7 @@ SHAPES = [(1, 2), (1, 5), (2, 4), (2, 5), (2, 8), (2, 12), (3, 6), (3, 7), (3, 1
 
 
 def dualpipev(W: int, B: int, **kw):
-    return make_step("vshape", 2 * W, B, order="dualpipev", split_backward=True, **kw)
+    return make_schedule("vshape", 2 * W, B, order="dualpipev", split_backward=True, **kw)
 
 
 def test_torch_expands_to_every_job_once():
@@ -91,7 +91,7 @@ def test_unit_durations_against_zbv(W, B):
     compute, is not in a model where a worker runs one job at a time), and every worker holds one
     stage activation more than ZB-V's ``2W``."""
     tl = simulate(dualpipev(W, B, durations=UNIT, comm=0.0))
-    zbv = simulate(make_step("vshape", 2 * W, B, order="zbv", split_backward=True, durations=UNIT, comm=0.0))
+    zbv = simulate(make_schedule("vshape", 2 * W, B, order="zbv", split_backward=True, durations=UNIT, comm=0.0))
     assert tl.latency == zbv.latency == 6 * B + W - 1
     assert tl.peak_activations == [2 * W + 1] * W
     assert zbv.peak_activations == [2 * W] * W
@@ -100,17 +100,17 @@ def test_unit_durations_against_zbv(W, B):
 def test_refused_elsewhere():
     """order=dualpipev needs vshape, the split backward and microbatches >= stages."""
     with pytest.raises(StepError, match="order=dualpipev is invalid with strategy=lpp"):
-        make_step("lpp", 4, 4, G=1, R=2, order="dualpipev", split_backward=True)
+        make_schedule("lpp", 4, 4, G=1, R=2, order="dualpipev", split_backward=True)
     with pytest.raises(ValueError, match="needs split_backward=True"):
-        make_step("vshape", 4, 4, order="dualpipev")
+        make_schedule("vshape", 4, 4, order="dualpipev")
     with pytest.raises(StepError) as e:
-        make_step("vshape", 8, 7, order="dualpipev", split_backward=True)
+        make_schedule("vshape", 8, 7, order="dualpipev", split_backward=True)
     assert e.value.sentences == [
         "microbatches=7 is invalid with order=dualpipev: it needs at least as many micro-batches as stages=8 "
         "(as PyTorch's schedule does); set microbatches >= 8."]
-    make_step("vshape", 8, 8, order="dualpipev", split_backward=True)  # B = S is enough
+    make_schedule("vshape", 8, 8, order="dualpipev", split_backward=True)  # B = S is enough
     with pytest.raises(ValueError, match="microbatches=3 is invalid with order=dualpipev"):
-        simulate(unchecked_step("vshape", 4, 3, order="dualpipev", split_backward=True))  # the order checks too
+        simulate(unchecked_schedule("vshape", 4, 3, order="dualpipev", split_backward=True))  # the order checks too
 
 
 def test_config_group():
@@ -121,13 +121,13 @@ def test_config_group():
     from hydra import compose, initialize_config_dir
 
     import launcher.config  # noqa: F401  (registers the schema and the resolver)
-    from launcher.config import errors, to_step
+    from launcher.config import errors, to_schedule
 
     with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["strategy=vshape", "stages=8", "microbatches=8", "order=dualpipev",
                                            "split_backward=true"])
         assert errors(cfg) == []
-        step = to_step(cfg)
+        step = to_schedule(cfg)
         assert (cfg.G, cfg.R, step.workers, step.order.name) == (1, 4, 4, "dualpipev")
         unsplit = compose("config", overrides=["strategy=vshape", "stages=8", "microbatches=8", "order=dualpipev"])
         assert errors(unsplit) == [

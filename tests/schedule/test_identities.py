@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.schedules import check_timeline
-from launcher.schedule import ScheduleError, make_step, simulate
+from launcher.schedule import ScheduleError, make_schedule, simulate
 from launcher.schedule.diagram import ascii_diagram, grid
 from launcher.schedule.metrics import summarize
 
@@ -73,20 +73,20 @@ def kw(v):
 @settings(max_examples=150, deadline=None)
 @given(S=st.integers(1, 10), B=st.integers(1, 10), v=variants)
 def test_lpp_with_one_group_of_S_workers_is_gpipe(S, B, v):
-    run_both(make_step("lpp", S, B, G=1, R=S, **kw(v)), make_step("gpipe", S, B, G=1, R=S, **kw(v)))
+    run_both(make_schedule("lpp", S, B, G=1, R=S, **kw(v)), make_schedule("gpipe", S, B, G=1, R=S, **kw(v)))
 
 
 @settings(max_examples=150, deadline=None)
 @given(S=st.integers(1, 10), B=st.integers(1, 10), v=variants)
 def test_lpp_with_B_groups_of_one_worker_is_ddp(S, B, v):
-    run_both(make_step("lpp", S, B, G=B, R=1, **kw(v)), make_step("ddp", S, B, G=B, R=1, **kw(v)))
+    run_both(make_schedule("lpp", S, B, G=B, R=1, **kw(v)), make_schedule("ddp", S, B, G=B, R=1, **kw(v)))
 
 
 def test_fslpp_with_one_group_of_S_workers_is_gpipe_too():
     """With G = 1, R = S, h(s, s) = h(s, b) = s: FSLPP fetches nothing and is GPipe."""
     for o, w in ORDERS:
-        run_both(make_step("fslpp", 5, 7, G=1, R=5, order=o, warmup=w),
-                 make_step("gpipe", 5, 7, G=1, R=5, order=o, warmup=w))
+        run_both(make_schedule("fslpp", 5, 7, G=1, R=5, order=o, warmup=w),
+                 make_schedule("gpipe", 5, 7, G=1, R=5, order=o, warmup=w))
 
 
 # seed 000's DDP diagram, "v" (the PDF's backward marker) written "b"; 12 columns as printed
@@ -115,7 +115,7 @@ def seed_cells(text):
 
 def test_ddp_diagram_of_seed_000_cell_for_cell():
     for o, w in ORDERS:
-        tl = simulate(make_step("ddp", 4, 8, G=8, R=1, order=o, warmup=w))
+        tl = simulate(make_schedule("ddp", 4, 8, G=8, R=1, order=o, warmup=w))
         cells = grid(tl, "stage")
         want = seed_cells(SEED_DDP)
         assert len(cells) == len(want) == 8
@@ -124,7 +124,7 @@ def test_ddp_diagram_of_seed_000_cell_for_cell():
         # and micro-batch b is worker b's own, all the way through
         for w_, row in enumerate(grid(tl, "both")):
             assert all(c.endswith(f":{w_}") for c in row)
-    text = ascii_diagram(simulate(make_step("ddp", 4, 8, G=8, R=1)), cells="stage")
+    text = ascii_diagram(simulate(make_schedule("ddp", 4, 8, G=8, R=1)), cells="stage")
     assert text.splitlines()[1:] == [f"w{w} f0 f1 f2 f3 b3 b2 b1 b0" for w in range(8)]
 
 
@@ -132,7 +132,7 @@ def test_ddp_diagram_of_seed_000_cell_for_cell():
 @given(S=st.integers(1, 12), B=st.integers(1, 12), ow=st.sampled_from(ORDERS))
 def test_gpipe_latency_is_2_B_plus_S_minus_1_under_every_order(S, B, ow):
     o, w = ow
-    tl = simulate(make_step("gpipe", S, B, G=1, R=S, order=o, warmup=w))
+    tl = simulate(make_schedule("gpipe", S, B, G=1, R=S, order=o, warmup=w))
     assert tl.latency == 2 * (B + S - 1)
     assert summarize(tl)["latency_fb"] == B + S - 1
 
@@ -140,7 +140,7 @@ def test_gpipe_latency_is_2_B_plus_S_minus_1_under_every_order(S, B, ow):
 @settings(max_examples=80, deadline=None)
 @given(S=st.integers(1, 12), B=st.integers(1, 12))
 def test_textbook_1f1b_keeps_min_B_S_minus_s_activations_on_worker_s(S, B):
-    tl = simulate(make_step("gpipe", S, B, G=1, R=S, order="1f1b"))
+    tl = simulate(make_schedule("gpipe", S, B, G=1, R=S, order="1f1b"))
     # at most min(B, S - s), and the bound is reached
     assert tl.peak_activations == [min(B, S - s) for s in range(S)]
 
@@ -150,14 +150,14 @@ def test_without_the_warmup_1f1b_fills_the_first_stage_until_its_first_backward(
     first backward reaches it at 2S - 1, so it holds min(B, 2S - 1) activations, not min(B, S)."""
     for S in range(1, 7):
         for B in range(1, 13):
-            tl = simulate(make_step("gpipe", S, B, G=1, R=S, order="1f1b", warmup="none"))
+            tl = simulate(make_schedule("gpipe", S, B, G=1, R=S, order="1f1b", warmup="none"))
             assert tl.peak_activations[0] == min(B, 2 * S - 1)
             assert tl.latency == 2 * (B + S - 1)
 
 
 def test_diagram_cells_follow_jobs_when_comm_shifts_them_off_the_slot_grid():
     """With comm = 0.3 jobs start between slots; each still shows once per slot it covers, none overwritten."""
-    tl = simulate(make_step("gpipe", 3, 2, G=1, R=3, order="1f1b", comm=0.3))
+    tl = simulate(make_schedule("gpipe", 3, 2, G=1, R=3, order="1f1b", comm=0.3))
     rows = grid(tl, "both")
     for w, prog in enumerate(tl.program):
         shown = [c for c in rows[w] if c]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from launcher.plan.space import ORDERS, order_fits
-from launcher.schedule import StepError, make_step, simulate
+from launcher.schedule import StepError, make_schedule, simulate
 from launcher.schedule.cores import replay
 
 pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -42,7 +42,7 @@ SHAPES = [(2, 2, 8), (2, 2, 4), (2, 2, 2), (4, 2, 8), (4, 2, 16), (4, 2, 4), (2,
 @pytest.mark.parametrize("durations", [{"F": 1.0, "B": 2.0}, {"F": 1.0, "B": 1.0}, {"F": 1.3, "B": 2.9}])
 def test_programs_are_torchs_sequence(R, per, B, durations):
     """Each worker runs exactly PyTorch's sequence, whatever the job times (it waits for its next job)."""
-    step = make_step("lpp", R * per, B, G=1, R=R, order="interleaved_1f1b", durations=durations, comm=0.1)
+    step = make_schedule("lpp", R * per, B, G=1, R=R, order="interleaved_1f1b", durations=durations, comm=0.1)
     tl = simulate(step)
     got = [[tuple(step.space.job(j)) for j in prog] for prog in tl.program]
     assert got == torch_sequence(R, per, B)
@@ -53,8 +53,8 @@ def test_faster_than_the_1f1b_tie_break_when_looped(R, per, B):
     """The bubble the 1f1b tie-break leaves on a looped pipeline (its classic warm-up counts
     micro-batches, not chunks) is gone, with no more activations live on any worker."""
     d = {"F": 1.0, "B": 2.0}
-    ours = simulate(make_step("lpp", R * per, B, G=1, R=R, order="1f1b", durations=d))
-    inter = simulate(make_step("lpp", R * per, B, G=1, R=R, order="interleaved_1f1b", durations=d))
+    ours = simulate(make_schedule("lpp", R * per, B, G=1, R=R, order="1f1b", durations=d))
+    inter = simulate(make_schedule("lpp", R * per, B, G=1, R=R, order="interleaved_1f1b", durations=d))
     assert inter.latency < ours.latency
     assert all(a <= b for a, b in zip(inter.peak_activations, ours.peak_activations))
     assert replay(inter, R).seconds == inter.latency  # the runtime follows the same sequence
@@ -64,8 +64,8 @@ def test_two_stages_per_worker_numbers():
     """The shape of the benchmark (W = 2, two stages each, B = 8), backward twice the forward:
     51 against the 1f1b tie-break's 54 (48 of work per worker)."""
     d = {"F": 1.0, "B": 2.0}
-    assert simulate(make_step("lpp", 4, 8, G=1, R=2, order="1f1b", durations=d)).latency == 54.0
-    assert simulate(make_step("lpp", 4, 8, G=1, R=2, order="interleaved_1f1b", durations=d)).latency == 51.0
+    assert simulate(make_schedule("lpp", 4, 8, G=1, R=2, order="1f1b", durations=d)).latency == 54.0
+    assert simulate(make_schedule("lpp", 4, 8, G=1, R=2, order="interleaved_1f1b", durations=d)).latency == 51.0
 
 
 @settings(max_examples=60, deadline=None)
@@ -79,7 +79,7 @@ def test_deadlock_free_on_looped_pipelines(G, R, per, B, split, scheme, warmup, 
     if G > B:
         return
     d = {"F": f, "B": b, "I": b / 2, "W": b / 2}
-    step = make_step(scheme, S, B, G=G, R=R, order="interleaved_1f1b", warmup=warmup, durations=d, comm=comm,
+    step = make_schedule(scheme, S, B, G=G, R=R, order="interleaved_1f1b", warmup=warmup, durations=d, comm=comm,
                      split_backward=split)
     tl = simulate(step)
     assert sorted(j for prog in tl.program for j in prog) == list(range(step.space.N))
@@ -93,13 +93,13 @@ def test_deadlock_free_on_looped_pipelines(G, R, per, B, split, scheme, warmup, 
 def test_refused_where_not_looped(strategy, G, R, S):
     with pytest.raises(StepError, match=rf"order=interleaved_1f1b is invalid with strategy={strategy} R={R} "
                                         rf"stages={S}: .* needs a looped pipeline"):
-        make_step(strategy, S, 8 if strategy != "fsdp" else 4, G=G, R=R, order="interleaved_1f1b")
+        make_schedule(strategy, S, 8 if strategy != "fsdp" else 4, G=G, R=R, order="interleaved_1f1b")
 
 
 def test_no_effect_under_ddp_runs():
     """DDP has no order to choose (a warning says so): its workers' one micro-batch runs through."""
-    tl = simulate(make_step("ddp", 4, 4, G=4, R=1, order="interleaved_1f1b"))
-    assert tl.latency == simulate(make_step("ddp", 4, 4, G=4, R=1)).latency
+    tl = simulate(make_schedule("ddp", 4, 4, G=4, R=1, order="interleaved_1f1b"))
+    assert tl.latency == simulate(make_schedule("ddp", 4, 4, G=4, R=1)).latency
 
 
 def test_in_the_planner_space_where_looped():
@@ -119,7 +119,7 @@ def test_the_1f1b_that_runs_is_slower_than_the_1f1b_re_derived():
     per = [{"F": 0.8, "B": 1.2}, {"F": 1.3, "B": 2.3}, {"F": 1.2, "B": 2.1}, {"F": 1.0, "B": 1.4}]
     ran, again = {}, {}
     for o in ("1f1b", "interleaved_1f1b"):
-        tl = simulate(make_step("lpp", 4, 8, G=1, R=2, order=o))
+        tl = simulate(make_schedule("lpp", 4, 8, G=1, R=2, order=o))
         timed = replace(tl, step=replace(tl.step, stage_durations=per))
         ran[o], again[o] = replay(timed, 2).seconds, simulate(timed.step).latency
     assert ran["1f1b"] == pytest.approx(58.0) and ran["interleaved_1f1b"] == pytest.approx(50.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.link import ROOT_BYTES, Link, end_of_step, step_time
 
 LINK = Link(latency_s=0.5, bytes_per_s=10.0)
@@ -12,7 +12,7 @@ GRADS = [40.0, 20.0]  # bytes of each stage's gradient
 
 
 def test_small_replicated_gradients_go_through_one_root():
-    tl = simulate(make_step("ddp", 2, 4, G=4, R=1))
+    tl = simulate(make_schedule("ddp", 2, 4, G=4, R=1))
     # 4 owners of 60 bytes: the root receives and sends 3 x 60 in 2 rounds, the others 60
     root, other = 2 * 0.5 + 3 * 60 / 10.0, 2 * 0.5 + 60 / 10.0
     assert end_of_step(tl, GRADS, LINK) == pytest.approx([root, other, other, other])
@@ -22,20 +22,20 @@ def test_small_replicated_gradients_go_through_one_root():
 @pytest.mark.parametrize("G,rounds", [(4, 4), (3, 4), (8, 6), (6, 6)])
 def test_large_replicated_gradients_halve_and_double(G, rounds):
     big = [float(ROOT_BYTES), float(ROOT_BYTES)]
-    tl = simulate(make_step("ddp", 2, G, G=G, R=1))
+    tl = simulate(make_schedule("ddp", 2, G, G=G, R=1))
     # 2 log2(p) rounds (+2 to fold in a count that is not a power of two), 2 (n-1)/n of the bytes
     each = rounds * 0.5 + 2 * (G - 1) / G * sum(big) / 10.0
     assert end_of_step(tl, big, LINK) == pytest.approx([each] * G)
 
 
 def test_gpipe_owners_compute_their_stage_and_exchange_nothing():
-    tl = simulate(make_step("gpipe", 2, 4, G=1, R=2))
+    tl = simulate(make_schedule("gpipe", 2, 4, G=1, R=2))
     assert end_of_step(tl, GRADS, LINK) == [0.0, 0.0]
     assert step_time(tl, GRADS, LINK) == tl.latency
 
 
 def test_fsdp_sends_each_partial_to_its_owner():
-    tl = simulate(make_step("fsdp", 2, 2, G=2, R=1))
+    tl = simulate(make_schedule("fsdp", 2, 2, G=2, R=1))
     owner = [tl.weights[s * 2] for s in range(2)]  # one owner per stage
     assert sorted(owner) == [0, 1]
     # each worker sends its partial of the stage it does not own and receives the other's of its own

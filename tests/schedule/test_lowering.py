@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from launcher.schedule import ScheduleError, make_step, simulate
+from launcher.schedule import ScheduleError, make_schedule, simulate
 from launcher.schedule.actions import COMPUTE, RECV_ACT, RECV_GRAD, RECV_WEIGHTS, RECV_WGRAD, SEND_WEIGHTS, SENDS
 from launcher.schedule.lowering import LoweringError, early, lower, weight_messages
 from launcher.schedule.metrics import per_worker
@@ -142,11 +142,11 @@ def _check_weights(plan: Lowered) -> None:
 
 def test_job_cache_peak_counts_the_lookahead():
     """FSDP on 4 workers, cache job: the reviewer's case; the engine holds prefetched copies too."""
-    tl = simulate(make_step("fsdp", 4, 4, G=4, R=1))
+    tl = simulate(make_schedule("fsdp", 4, 4, G=4, R=1))
     assert per_worker(tl, "job")["weights_peak_resident"] == [2, 2, 2, 2]
     assert lower(tl, "job", 0).predicted["weights_peak_resident"] == [2, 2, 2, 2]
     assert lower(tl, "job", 2).predicted["weights_peak_resident"] == [4, 4, 3, 4]
-    split = simulate(make_step("fsdp", 4, 4, G=4, R=1, split_backward=True))
+    split = simulate(make_schedule("fsdp", 4, 4, G=4, R=1, split_backward=True))
     # an I keeps its copy until its W, which fetches none
     assert per_worker(split, "job")["weights_peak_resident"] == [4, 4, 4, 4]
     assert per_worker(split, "job")["weight_fetch_jobs"] == [6, 6, 6, 6]
@@ -159,7 +159,7 @@ def test_job_cache_peak_counts_the_lookahead():
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("name,G,R,S,B", SCHEMES)
 def test_plan_matches_simulator(name, G, R, S, B, order, split, cache):
-    plan = lower(simulate(make_step(name, S, B, G=G, R=R, order=order, split_backward=split)), cache)
+    plan = lower(simulate(make_schedule(name, S, B, G=G, R=R, order=order, split_backward=split)), cache)
     counts, pred = plan.counts(), predicted_receives(plan)
     assert counts[ACT] == pred[ACT] and counts[GRAD] == pred[GRAD] and counts[WEIGHTS] == pred[WEIGHTS]
     p = plan.predicted
@@ -184,15 +184,15 @@ def test_identities_lower_alike():
     """LPP with G=1, R=S is GPipe and LPP with G=B, R=1 is DDP: same messages."""
     def sig(plan: Lowered):
         return [(m.kind, m.src, m.dst, m.stage, m.microbatch) for m in plan.messages]
-    assert (sig(lower(simulate(make_step("lpp", 4, 6, G=1, R=4))))
-            == sig(lower(simulate(make_step("gpipe", 4, 6, G=1, R=4)))))
-    assert (sig(lower(simulate(make_step("lpp", 3, 4, G=4, R=1))))
-            == sig(lower(simulate(make_step("ddp", 3, 4, G=4, R=1)))))
+    assert (sig(lower(simulate(make_schedule("lpp", 4, 6, G=1, R=4))))
+            == sig(lower(simulate(make_schedule("gpipe", 4, 6, G=1, R=4)))))
+    assert (sig(lower(simulate(make_schedule("lpp", 3, 4, G=4, R=1))))
+            == sig(lower(simulate(make_schedule("ddp", 3, 4, G=4, R=1)))))
 
 
 def test_ddp_all_reduces_every_stage_among_all_workers():
     """DDP sends no message at all: every stage is all-reduced by its four replicas."""
-    plan = lower(simulate(make_step("ddp", 3, 4, G=4, R=1)))
+    plan = lower(simulate(make_schedule("ddp", 3, 4, G=4, R=1)))
     assert plan.messages == []
     for prog in plan.programs:
         assert [(r.stage, r.replicas) for r in prog.reduces] == [(s, (0, 1, 2, 3)) for s in range(3)]
@@ -201,7 +201,7 @@ def test_ddp_all_reduces_every_stage_among_all_workers():
 def test_partial_sums_go_out_after_the_last_job_that_adds_to_them():
     """FSDP: a worker's weight-gradient sum for another owner is sent by its last backward of
     that stage, keyed at that job's finish, not at the end of the step."""
-    tl = simulate(make_step("fsdp", 4, 4, G=4, R=1))
+    tl = simulate(make_schedule("fsdp", 4, 4, G=4, R=1))
     plan = lower(tl)
     wgrads = [m for m in plan.messages if m.kind == WGRAD]
     assert wgrads
@@ -217,7 +217,7 @@ def test_rejects_forward_and_backward_apart():
     def apart(s, b, d):
         return (0, 0 if d == "F" else 1)
 
-    step = make_step(apart, 2, 2)
+    step = make_schedule(apart, 2, 2)
     step.workers = 2
     with pytest.raises(LoweringError, match=r"runs F\(0,0\) on worker 0 but B\(0,0\) on worker 1"):
         lower(simulate(step))
@@ -225,7 +225,7 @@ def test_rejects_forward_and_backward_apart():
 
 def test_rejects_bad_weight_cache():
     with pytest.raises(LoweringError, match="weight_cache='never'"):
-        lower(simulate(make_step("gpipe", 2, 2, G=1, R=2)), "never")
+        lower(simulate(make_schedule("gpipe", 2, 2, G=1, R=2)), "never")
 
 
 @st.composite
@@ -243,7 +243,7 @@ def custom(draw):
     def place(s, b, d):
         return (own[(kinds[d] * S + s) * B + b], comp[s * B + b])
 
-    step = make_step(place, S, B, order=order, split_backward=split)
+    step = make_schedule(place, S, B, order=order, split_backward=split)
     step.workers = W
     return step, cache, draw(st.integers(0, 4))
 
@@ -265,7 +265,7 @@ def test_any_colocated_placement_lowers_and_cannot_deadlock(sc):
 
 def test_abstract_executor_catches_a_bad_pair_order():
     """Gradients put ahead of activations on a pair (both ends agree) would hang NCCL: detected."""
-    plan = lower(simulate(make_step("gpipe", 2, 3, G=1, R=2)))
+    plan = lower(simulate(make_schedule("gpipe", 2, 3, G=1, R=2)))
     for w, peer in ((0, 1), (1, 0)):
         q = plan.programs[w].pair_order[peer]
         q.sort(key=lambda m: plan.messages[m].kind != GRAD)
@@ -279,7 +279,7 @@ def test_weight_messages_are_the_lowered_programs_weight_traffic(name, G, R, S, 
     """What the planner charges a job for weight messages (on CPU workers each costs a core's time)
     is what the lowered programs move at it: a copy received before it, a copy its owner hands
     over before it (after the owner's last job: at that job), a partial sum sent after it."""
-    tl = simulate(make_step(name, S, B, G=G, R=R, order="1f1b"))
+    tl = simulate(make_schedule(name, S, B, G=G, R=R, order="1f1b"))
     plan = lower(tl, weight_cache=cache, prefetch=0)  # no lookahead: each hand-over at its release point
     want = [0] * tl.step.space.N
     for prog in plan.programs:
@@ -311,7 +311,7 @@ def test_the_lookahead_is_resolved_to_positions_in_the_program(prefetch, cache):
     """With lookahead ``prefetch`` a receive stands ``prefetch`` jobs ahead of the job it feeds and
     an owner's hand-over ``prefetch`` jobs ahead of its release point (at the start at the
     earliest): what the replay's weight arrivals (lowering.weight_arrivals) read from ``early``."""
-    tl = simulate(make_step("fslpp", 4, 4, G=2, R=2, order="zb_h1", split_backward=True))
+    tl = simulate(make_schedule("fslpp", 4, 4, G=2, R=2, order="zb_h1", split_backward=True))
     plain, ahead = lower(tl, cache, 0), lower(tl, cache, prefetch)
     assert plain.messages == ahead.messages
     moved = (RECV_ACT, RECV_GRAD, RECV_WEIGHTS, SEND_WEIGHTS)
@@ -331,7 +331,7 @@ def test_frozen_stages_send_no_gradient(scheme: str, G: int, R: int, split: bool
     rest of the program, and the counts the simulator predicts, follow."""
     from dataclasses import replace
 
-    step = make_step(scheme, 4, 4, G=G, R=R, split_backward=split)
+    step = make_schedule(scheme, 4, 4, G=G, R=R, split_backward=split)
     every, some = lower(simulate(step), cache), lower(simulate(replace(step, frozen=frozenset({0, 3}))), cache)
     wgrad = [m for m in some.messages if m.kind == WGRAD]
     assert not any(m.stage in (0, 3) for m in wgrad)
@@ -352,7 +352,7 @@ def test_a_send_starts_only_at_a_send(name, G, R, S, B, cache):
     """Walking a worker's operations as the engine does (PairIssue, the rule its communication
     follows), asking for a receive never starts a send: every send goes out at a send of the
     program (its own, or one held behind it in the pair's order), and all of them by the end."""
-    plan = lower(simulate(make_step(name, S, B, G=G, R=R, order="1f1b")), cache, 2)
+    plan = lower(simulate(make_schedule(name, S, B, G=G, R=R, order="1f1b")), cache, 2)
     for prog in plan.programs:
         issue = PairIssue(plan.messages, prog.worker, prog.pair_order)
         started: set[int] = set()

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from launcher.schedule import ScheduleError, make_step, simulate
+from launcher.schedule import ScheduleError, make_schedule, simulate
 from launcher.schedule.activations import activation_peaks, unit_peaks
 
 
@@ -19,7 +19,7 @@ def test_units_are_the_byte_sweep_in_units(order):
     """Stages of ``a`` input bytes and ``g`` graph bytes: the byte sweep (inputs to ``I``, graphs to
     ``W``) is ``a + g`` times the units with ``graph_share = g / (a + g)``, worker by worker."""
     a, g = 3.0, 5.0
-    tl = simulate(make_step("gpipe", 4, 8, 1, 4, order=order, split_backward=True, graph_share=g / (a + g),
+    tl = simulate(make_schedule("gpipe", 4, 8, 1, 4, order=order, split_backward=True, graph_share=g / (a + g),
                             durations={"F": 1.0, "I": 1.2, "W": 0.7}, comm=0.1))
     swept = activation_peaks(tl, lambda s, b: a, lambda s, b: g)
     assert [u * (a + g) for u in unit_peaks(tl)] == pytest.approx(swept)
@@ -31,7 +31,7 @@ def test_the_simulator_keeps_every_order_within_its_limit(share):
     order under ``memory_limit`` never holds more units than the limit, whatever the share; a share
     of 0 is the count of live inputs (``peak_activations``)."""
     for order, limit in itertools.product(("1f1b", "zb_h1", "breadth_first"), (4, 6)):
-        tl = simulate(make_step("gpipe", 4, 12, 1, 4, order=order, split_backward=True, graph_share=share,
+        tl = simulate(make_schedule("gpipe", 4, 12, 1, 4, order=order, split_backward=True, graph_share=share,
                                 memory_limit=limit))
         assert max(unit_peaks(tl)) <= limit + 1e-9, (order, limit)
         if share == 0.0:
@@ -43,8 +43,8 @@ def test_the_issues_example_auto_is_no_slower_than_zb_h1_at_the_same_limit():
     simulator (F to I) and another by order=auto (F to W), ZB-H1 finished 2.6% sooner than auto
     under the "same" limit. Counted one way, auto is no slower."""
     kw = dict(split_backward=True, durations={"F": 1.445, "I": 1.45, "W": 0.664}, memory_limit=6)
-    h1 = simulate(make_step("gpipe", 6, 24, 1, 6, order="zb_h1", **kw))
-    auto = simulate(make_step("gpipe", 6, 24, 1, 6, order="auto", **kw))
+    h1 = simulate(make_schedule("gpipe", 6, 24, 1, 6, order="zb_h1", **kw))
+    auto = simulate(make_schedule("gpipe", 6, 24, 1, 6, order="auto", **kw))
     assert max(unit_peaks(h1)) <= 6 and max(unit_peaks(auto)) <= 6
     assert auto.latency <= h1.latency + 1e-9
 
@@ -60,11 +60,11 @@ def test_random_profiles_auto_never_loses_under_one_count(seed):
     per = [{"F": rng.uniform(0.5, 2), "I": rng.uniform(0.5, 2), "W": rng.uniform(0.2, 1.5)} for _ in range(p)]
     limit = rng.choice([p, p + p // 2, 2 * p])
     kw = dict(split_backward=True, comm=rng.uniform(0, 0.5), memory_limit=limit, stage_durations=per)
-    auto = simulate(make_step("gpipe", p, m, 1, p, order="auto", **kw))
+    auto = simulate(make_schedule("gpipe", p, m, 1, p, order="auto", **kw))
     assert max(unit_peaks(auto)) <= limit + 1e-9
     for name, ml in itertools.product(("1f1b", "zb_h1", "zb_h2"), (limit, None)):
         try:
-            other = simulate(make_step("gpipe", p, m, 1, p, order=name, **{**kw, "memory_limit": ml}))
+            other = simulate(make_schedule("gpipe", p, m, 1, p, order=name, **{**kw, "memory_limit": ml}))
         except ScheduleError:
             continue  # it cannot finish under this limit
         if max(unit_peaks(other)) <= limit + 1e-9:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launcher.plan.space import ORDERS, order_fits
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.actions import format_programs
 from launcher.schedule.order_file import FileOrder, programs_of, read_jobs, write_schedule
 
@@ -38,9 +38,9 @@ def test_round_trip_every_order(tmp_path: Path, shape: tuple, suffix: str) -> No
         for split in (False, True):
             if not order_fits(order, R, S, split) or (order == "interleaved_1f1b" and scheme not in LOOPED):
                 continue
-            tl = simulate(make_step(scheme, S, B, G, R, order=order, warmup=warmup, split_backward=split))
+            tl = simulate(make_schedule(scheme, S, B, G, R, order=order, warmup=warmup, split_backward=split))
             path = write_schedule(tl.step.space, tl.program, tmp_path / f"{order}-{warmup}-{split}.{suffix}")
-            back = simulate(make_step(scheme, S, B, G, R, order=FileOrder(path=str(path)), split_backward=split))
+            back = simulate(make_schedule(scheme, S, B, G, R, order=FileOrder(path=str(path)), split_backward=split))
             same(tl, back)
             tried += 1
     assert tried >= 6
@@ -69,19 +69,19 @@ def test_torch_dump_csv_runs_here(tmp_path: Path, kind: str, ranks: int, per: in
     fake = types.SimpleNamespace(pipeline_order=torch_order(kind, ranks, per, B))
     pipelining.PipelineScheduleMulti._dump_csv(fake, str(path))  # torch's own writer
     S = ranks * per
-    step = make_step("lpp" if per > 1 else "gpipe", S, B, 1, ranks, order=FileOrder(path=str(path)))
+    step = make_schedule("lpp" if per > 1 else "gpipe", S, B, 1, ranks, order=FileOrder(path=str(path)))
     tl = simulate(step)
     want = [[f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}" for a in row if a is not None]
             for row in fake.pipeline_order.values()]
     got = [[f"{s}{d}{b}" for s, b, d in map(step.space.job, seq)] for seq in tl.program]
     assert got == want  # each rank ran exactly torch's sequence
     if kind == "interleaved":  # and it is our own interleaved_1f1b, job for job
-        ours = simulate(make_step("lpp", S, B, 1, ranks, order="interleaved_1f1b"))
+        ours = simulate(make_schedule("lpp", S, B, 1, ranks, order="interleaved_1f1b"))
         same(ours, tl)
 
 
 def test_torch_load_csv_reads_ours(tmp_path: Path) -> None:
-    tl = simulate(make_step("lpp", 4, 4, 1, 2, order="interleaved_1f1b", split_backward=True))
+    tl = simulate(make_schedule("lpp", 4, 4, 1, 2, order="interleaved_1f1b", split_backward=True))
     path = write_schedule(tl.step.space, tl.program, tmp_path / "ours.csv")
     fake = types.SimpleNamespace(pipeline_order={}, _validate_and_set_stage_mapping=lambda order: None)
     pipelining.PipelineScheduleMulti._load_csv(fake, str(path))  # torch's own reader
@@ -92,25 +92,25 @@ def test_torch_load_csv_reads_ours(tmp_path: Path) -> None:
 def test_comm_actions_in_our_form_are_ignored(tmp_path: Path) -> None:
     from launcher.schedule.lowering import lower_actions
 
-    tl = simulate(make_step("gpipe", 3, 4, 1, 3, order="1f1b"))
+    tl = simulate(make_schedule("gpipe", 3, 4, 1, 3, order="1f1b"))
     lowered = format_programs(lower_actions(tl, "step"))
     assert "SEND_ACT" in lowered
     (tmp_path / "lowered.txt").write_text(lowered)
     assert read_jobs(tmp_path / "lowered.txt") == [[(a.op, a.stage, a.microbatch) for a in p]
                                                     for p in programs_of(tl.step.space, tl.program)]
-    back = simulate(make_step("gpipe", 3, 4, 1, 3, order=FileOrder(path=str(tmp_path / "lowered.txt"))))
+    back = simulate(make_schedule("gpipe", 3, 4, 1, 3, order=FileOrder(path=str(tmp_path / "lowered.txt"))))
     same(tl, back)
 
 
 def test_wrong_files_are_refused_in_one_sentence(tmp_path: Path) -> None:
-    good = simulate(make_step("gpipe", 2, 2, 1, 2, order="1f1b"))
+    good = simulate(make_schedule("gpipe", 2, 2, 1, 2, order="1f1b"))
     path = write_schedule(good.step.space, good.program, tmp_path / "s.txt")
     text = path.read_text()
 
     def refused(content: str, *words: str, split: bool = False) -> None:
         path.write_text(content)
         with pytest.raises(ValueError) as e:
-            simulate(make_step("gpipe", 2, 2, 1, 2, order=FileOrder(path=str(path)), split_backward=split))
+            simulate(make_schedule("gpipe", 2, 2, 1, 2, order=FileOrder(path=str(path)), split_backward=split))
         msg = str(e.value)
         assert f"order.path={path}" in msg and msg.count(". ") == 0, msg
         for w in words:
@@ -124,4 +124,4 @@ def test_wrong_files_are_refused_in_one_sentence(tmp_path: Path) -> None:
     refused(text, "B0.b0", split=True)
     refused("w0: nonsense", "not a schedule")
     with pytest.raises(ValueError, match="cannot be read"):
-        simulate(make_step("gpipe", 2, 2, 1, 2, order=FileOrder(path=str(tmp_path / "absent.txt"))))
+        simulate(make_schedule("gpipe", 2, 2, 1, 2, order=FileOrder(path=str(tmp_path / "absent.txt"))))

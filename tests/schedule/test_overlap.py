@@ -13,7 +13,7 @@ from test_zb_h1 import ROWS, ZB_2P, w_share
 from test_zb_h2 import ZB_H2
 
 from launcher.modes.simulation import simulate_config
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.auto_order import span
 from launcher.schedule.overlap import STEADY_STEPS, last_two_steps, priced, steady_state
 
@@ -30,7 +30,7 @@ def settled(ends: tuple[float, ...]) -> bool:
 def test_zb_h2_overlapped_costs_its_busy_time(p, m):
     """ZB-H2 at ``T_F = T_I = T_W = 1``: each worker is busy ``3m`` without a gap, so overlapped steps
     cost ``3m`` (no bubble); behind the barrier they cost the makespan ``3m + p - 1``."""
-    tl = simulate(make_step("gpipe", p, m, 1, p, order="zb_h2", split_backward=True, durations=UNIT))
+    tl = simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h2", split_backward=True, durations=UNIT))
     assert steady_state(tl).step_cost == 3 * m
     assert steady_state(tl, "none").step_cost == tl.latency == 3 * m + p - 1
     assert priced(tl, "post_validation")["step_bubble_fraction"] == 0.0
@@ -41,7 +41,7 @@ def test_zb_h2_overlapped_is_the_papers_column(row, rate):
     """Table 5's ZB-H2 column (the paper's cost, a worker's span) is what overlapped steps pay, in
     all twelve rows; behind the barrier a step pays the makespan and the all-reduce (``comm``)."""
     _, p, m, tf, tb, tw, comm, _, _ = row
-    tl = simulate(make_step("gpipe", p, m, 1, p, order="zb_h2", split_backward=True,
+    tl = simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h2", split_backward=True,
                             durations={"F": tf, "I": tb, "W": tw}, comm=comm))
     ss = steady_state(tl)
     assert settled(ss.ends)
@@ -63,7 +63,7 @@ def test_a_fixed_order_on_a_pipeline_tends_to_its_longest_span(seed):
                for _ in range(p)]
         comm = rng.uniform(0, 0.5)
         split = order in ("zb_h1", "zb_h2", "auto") or rng.random() < 0.5
-        tl = simulate(make_step("gpipe", p, m, 1, p, order=order, split_backward=split, stage_durations=per,
+        tl = simulate(make_schedule("gpipe", p, m, 1, p, order=order, split_backward=split, stage_durations=per,
                                 comm=comm))
         over, barrier = steady_state(tl), steady_state(tl, "none")
         assert settled(over.ends) and settled(barrier.ends)
@@ -79,7 +79,7 @@ def test_when_every_worker_runs_every_stage_overlap_saves_only_the_all_reduce(sc
     weights fetched back (FSDP): ``S (T_F + T_B) + comm (1 + fetches)`` overlapped. The barrier adds
     the step's own all-reduce (loss, non-finite flag, clipping norm), ``comm`` more."""
     S, B, comm = 4, 4, 0.25
-    tl = simulate(make_step(scheme, S, B, comm=comm))
+    tl = simulate(make_schedule(scheme, S, B, comm=comm))
     assert tl.latency == 2 * S
     over = 2 * S + comm * (1 + fetches)
     assert steady_state(tl).step_cost == pytest.approx(over)
@@ -90,7 +90,7 @@ def test_the_partial_state_travels_along_the_pipeline():
     """Stage ``s`` steps only once the partial state has come from stage ``s - 1``: with a ``comm``
     larger than the schedule's own slack the optimizer steps form a chain ``comm`` apart."""
     p, m, comm = 4, 4, 5.0
-    tl = simulate(make_step("gpipe", p, m, 1, p, order="1f1b", comm=comm))
+    tl = simulate(make_schedule("gpipe", p, m, 1, p, order="1f1b", comm=comm))
     opt = steady_state(tl).optimizer[0]
     for s in range(1, p):
         assert opt[s] >= opt[s - 1] + comm
@@ -98,7 +98,7 @@ def test_the_partial_state_travels_along_the_pipeline():
 
 
 def test_bad_rule_is_refused():
-    tl = simulate(make_step("gpipe", 2, 2, 1, 2))
+    tl = simulate(make_schedule("gpipe", 2, 2, 1, 2))
     with pytest.raises(ValueError, match="step_overlap='sometimes' is invalid"):
         steady_state(tl, "sometimes")
 
@@ -154,7 +154,7 @@ def test_two_steps_interleave_without_a_gap_on_zb_h2():
     one worker at once, and at unit times each worker's second step follows its first without a gap
     (ZB-H2's parallelogram, ``3m`` a step), while the steps overlap across workers."""
     p, m = 4, 8
-    tl = simulate(make_step("gpipe", p, m, 1, p, order="zb_h2", split_backward=True, durations=UNIT))
+    tl = simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h2", split_backward=True, durations=UNIT))
     jobs = last_two_steps(tl, steady_state(tl))
     assert len(jobs) == 2 * tl.step.space.N
     for w in range(p):

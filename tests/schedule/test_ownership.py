@@ -9,8 +9,8 @@ import pytest
 from hydra import compose, initialize_config_module
 
 import launcher.config  # noqa: F401  (registers the schema)
-from launcher.config import errors, to_step
-from launcher.schedule import make_step, simulate
+from launcher.config import errors, to_schedule
+from launcher.schedule import make_schedule, simulate
 from launcher.schedule.metrics import summarize
 from launcher.schedule.placement import FSLPP, h
 
@@ -27,16 +27,17 @@ def test_balanced_owner_is_a_compute_worker_and_shards_evenly(G, R):
 
 
 def test_seed_ownership_stays_the_default_and_leaves_workers_without_a_stage():
-    assert make_step("fslpp", 8, 8, 2, 4).placement == FSLPP(2, 4, "seed")
-    seed = summarize(simulate(make_step("fslpp", 8, 8, 2, 4)))["per_worker"]["weights_owned"]
-    balanced = summarize(simulate(make_step("fslpp", 8, 8, 2, 4, ownership="balanced")))["per_worker"]["weights_owned"]
+    assert make_schedule("fslpp", 8, 8, 2, 4).placement == FSLPP(2, 4, "seed")
+    seed = summarize(simulate(make_schedule("fslpp", 8, 8, 2, 4)))["per_worker"]["weights_owned"]
+    balanced = summarize(simulate(make_schedule("fslpp", 8, 8, 2, 4, ownership="balanced")))
+    balanced = balanced["per_worker"]["weights_owned"]
     assert seed.count(0) == 4 and balanced == [1] * 8
 
 
 def test_only_the_owner_moves_not_the_compute():
     for S, G, R in itertools.product((4, 8), (1, 2), (1, 2, 4)):
-        a = simulate(make_step("fslpp", S, 4, G, R, ownership="seed"))
-        b = simulate(make_step("fslpp", S, 4, G, R, ownership="balanced"))
+        a = simulate(make_schedule("fslpp", S, 4, G, R, ownership="seed"))
+        b = simulate(make_schedule("fslpp", S, 4, G, R, ownership="balanced"))
         assert a.compute == b.compute and a.latency == b.latency
 
 
@@ -44,8 +45,8 @@ def test_one_config_key_reaches_make_step():
     with initialize_config_module("launcher.conf", version_base="1.3"):
         c = compose("config", overrides=["strategy=fslpp", "G=2", "R=4", "strategy.ownership=balanced"])
         assert errors(c) == []
-        assert to_step(c).placement == FSLPP(2, 4, "balanced")
-        assert to_step(compose("config", overrides=["strategy=fslpp"])).placement == FSLPP(2, 4, "seed")
+        assert to_schedule(c).placement == FSLPP(2, 4, "balanced")
+        assert to_schedule(compose("config", overrides=["strategy=fslpp"])).placement == FSLPP(2, 4, "seed")
         bad = compose("config", overrides=["strategy=lpp", "strategy.ownership=balanced"])
         assert errors(bad) == ["strategy.ownership=balanced is invalid for strategy=lpp: only strategy=fslpp "
                                "has a choice of owner; leave it at seed."]

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers.schedules import SCHEMES, check_greedy, check_timeline, steps
-from launcher.schedule import ScheduleError, make_step, simulate
+from launcher.schedule import ScheduleError, make_schedule, simulate
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -56,7 +56,7 @@ def test_classic_warmup_never_deadlocks_the_named_schemes(S, B, G, R, scheme, o)
     elif scheme == "gpipe":
         G, R = 1, S
     G, R = min(G, B), min(R, S)  # the rules every entry point checks
-    tl = simulate(make_step(scheme, S, B, G, R, order=o, warmup="classic"))
+    tl = simulate(make_schedule(scheme, S, B, G, R, order=o, warmup="classic"))
     check_timeline(tl)
 
 
@@ -75,7 +75,7 @@ def test_every_limit_the_up_front_check_accepts_finishes_the_named_schemes(S, B,
     elif scheme == "gpipe":
         G, R = 1, S
     G, R = min(G, B), min(R, S)
-    probe = make_step(scheme, S, B, G, R)
+    probe = make_schedule(scheme, S, B, G, R)
     tl0 = simulate(probe)
     per_mb = {}
     for s in range(S):
@@ -83,7 +83,7 @@ def test_every_limit_the_up_front_check_accepts_finishes_the_named_schemes(S, B,
             key = (tl0.compute[probe.space.id(s, b, "F")], b)
             per_mb[key] = per_mb.get(key, 0) + 1
     M = max(per_mb.values()) + extra  # the smallest limit the up-front check accepts, and a little more
-    tl = simulate(make_step(scheme, S, B, G, R, order=o, warmup=warmup, memory_limit=M, split_backward=split))
+    tl = simulate(make_schedule(scheme, S, B, G, R, order=o, warmup=warmup, memory_limit=M, split_backward=split))
     check_timeline(tl)
     assert max(tl.peak_activations) <= M
 
@@ -99,6 +99,6 @@ def test_a_release_from_another_worker_does_not_start_a_second_job_on_a_busy_wor
         w = 0 if d == "F" else 1
         return (w, w)
 
-    step = make_step(forwards_here_backwards_there, 2, 3, G=2, R=1, order="1f1b", warmup="none",
+    step = make_schedule(forwards_here_backwards_there, 2, 3, G=2, R=1, order="1f1b", warmup="none",
                      durations={"F": 3, "B": 1})
     check_timeline(simulate(step))

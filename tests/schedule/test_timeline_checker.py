@@ -8,11 +8,11 @@ import copy
 import pytest
 
 from helpers.schedules import check_timeline
-from launcher.schedule import make_step, simulate
+from launcher.schedule import make_schedule, simulate
 
 
 def _tl():
-    return simulate(make_step("gpipe", 3, 4, G=1, R=3, order="1f1b", comm=0.5))
+    return simulate(make_schedule("gpipe", 3, 4, G=1, R=3, order="1f1b", comm=0.5))
 
 
 def test_checker_accepts_a_valid_timeline():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.schedule import ScheduleError, make_step, simulate
+from launcher.schedule import ScheduleError, make_schedule, simulate
 
 # model, p (stages = workers), m (micro-batches), T_F, T_B, T_W, T_comm, 1F1B, ZB-H1 (Table 5)
 ROWS = [
@@ -50,7 +50,7 @@ def bubble_rate(p: int, m: int, tf: float, tb: float, tw: float, comm: float, or
     """``tf``, ``tb``, ``tw``: the paper's ``T_F``, ``T_B`` (the job ``I``) and ``T_W``."""
     split = order == "zb_h1"
     durations = {"F": tf, "I": tb, "W": tw} if split else {"F": tf, "B": tb + tw}
-    tl = simulate(make_step("gpipe", p, m, 1, p, order=order, split_backward=split, durations=durations, comm=comm))
+    tl = simulate(make_schedule("gpipe", p, m, 1, p, order=order, split_backward=split, durations=durations, comm=comm))
     return (tl.latency - m * (tf + tb + tw)) / tl.latency
 
 
@@ -66,17 +66,17 @@ def test_without_communication_the_bubble_is_the_papers_closed_form(tf, tb, tw):
     """Table 2 of the paper: per stage ``(p-1)(T_F + T_B - T_W)`` for ZB-H1, ``(p-1)(T_F + T_B + T_W)``
     for 1F1B (``m >= p``)."""
     p, m = 4, 8
-    zb = simulate(make_step("gpipe", p, m, 1, p, order="zb_h1", split_backward=True,
+    zb = simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h1", split_backward=True,
                             durations={"F": tf, "I": tb, "W": tw}))
-    one = simulate(make_step("gpipe", p, m, 1, p, order="1f1b", durations={"F": tf, "B": tb + tw}))
+    one = simulate(make_schedule("gpipe", p, m, 1, p, order="1f1b", durations={"F": tf, "B": tb + tw}))
     assert zb.latency - m * (tf + tb + tw) == pytest.approx((p - 1) * (tf + tb - tw))
     assert one.latency - m * (tf + tb + tw) == pytest.approx((p - 1) * (tf + tb + tw))
 
 
 def test_zb_h1_keeps_1f1bs_activations_and_defers_w_by_the_stage_index():
     p, m = 4, 8
-    zb = simulate(make_step("gpipe", p, m, 1, p, order="zb_h1", split_backward=True))
-    one = simulate(make_step("gpipe", p, m, 1, p, order="1f1b", split_backward=True))
+    zb = simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h1", split_backward=True))
+    one = simulate(make_schedule("gpipe", p, m, 1, p, order="1f1b", split_backward=True))
     assert zb.peak_activations == one.peak_activations == [p - s for s in range(p)]
     space = zb.step.space
     for w, prog in enumerate(zb.program):
@@ -90,14 +90,14 @@ def test_zb_h1_keeps_1f1bs_activations_and_defers_w_by_the_stage_index():
 
 def test_zb_h1_needs_the_split_backward():
     with pytest.raises(ValueError, match="split_backward"):
-        make_step("gpipe", 4, 8, 1, 4, order="zb_h1")
-    step = make_step("gpipe", 4, 8, 1, 4, order="zb_h1", split_backward=True)
-    step.space = make_step("gpipe", 4, 8, 1, 4).space  # a joint backward slipped in by hand
+        make_schedule("gpipe", 4, 8, 1, 4, order="zb_h1")
+    step = make_schedule("gpipe", 4, 8, 1, 4, order="zb_h1", split_backward=True)
+    step.space = make_schedule("gpipe", 4, 8, 1, 4).space  # a joint backward slipped in by hand
     with pytest.raises(ScheduleError, match="split_backward"):
         simulate(step)
 
 
 def test_zb_h1_on_every_named_scheme_finishes_with_every_job():
     for scheme, G, R in (("ddp", 4, 1), ("fsdp", 4, 1), ("gpipe", 1, 4), ("lpp", 2, 2), ("fslpp", 2, 2)):
-        tl = simulate(make_step(scheme, 4, 4, G, R, order="zb_h1", split_backward=True, memory_limit=4))
+        tl = simulate(make_schedule(scheme, 4, 4, G, R, order="zb_h1", split_backward=True, memory_limit=4))
         assert sorted(j for prog in tl.program for j in prog) == list(range(tl.step.space.N))

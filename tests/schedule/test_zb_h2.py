@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.schedule import Timeline, make_step, simulate
+from launcher.schedule import Timeline, make_schedule, simulate
 from launcher.schedule.auto_order import span
 from schedule.test_zb_h1 import ROWS
 
@@ -33,7 +33,7 @@ def busy(tl: Timeline) -> list[float]:
 
 
 def zb_h2(p: int, m: int, durations: dict[str, float] = UNIT, comm: float = 0.0) -> Timeline:
-    return simulate(make_step("gpipe", p, m, 1, p, order="zb_h2", split_backward=True,
+    return simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h2", split_backward=True,
                               durations=durations, comm=comm))
 
 
@@ -44,7 +44,7 @@ def test_zb_h2_is_a_parallelogram_at_equal_times(p, m):
     tl = zb_h2(p, m)
     assert spans(tl) == [(r, r + 3 * m) for r in range(p)]
     assert busy(tl) == [3 * m] * p
-    h1 = simulate(make_step("gpipe", p, m, 1, p, order="zb_h1", split_backward=True, durations=UNIT))
+    h1 = simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h1", split_backward=True, durations=UNIT))
     assert tl.latency == h1.latency == 3 * m + p - 1
 
 
@@ -60,7 +60,7 @@ def test_zb_h2_holds_2p_minus_1_micro_batches_on_the_first_worker(p, m):
 @pytest.mark.parametrize("p, m", [(4, 4), (4, 3), (5, 6)])
 def test_with_few_micro_batches_zb_h2_is_no_slower_than_zb_h1(p, m):
     """``m < 2p - 1``: the warm-up cannot fill the first worker; the step is still ZB-H1's length."""
-    h1 = simulate(make_step("gpipe", p, m, 1, p, order="zb_h1", split_backward=True, durations=UNIT))
+    h1 = simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h1", split_backward=True, durations=UNIT))
     assert zb_h2(p, m).latency <= h1.latency
 
 
@@ -77,10 +77,10 @@ def test_zb_h2_reproduces_the_papers_bubble_rates(row, rate):
 
 def test_zb_h2_needs_the_split_backward():
     with pytest.raises(ValueError, match="split_backward"):
-        make_step("gpipe", 4, 8, 1, 4, order="zb_h2")
+        make_schedule("gpipe", 4, 8, 1, 4, order="zb_h2")
 
 
 def test_zb_h2_on_every_named_scheme_finishes_with_every_job():
     for scheme, G, R in (("ddp", 4, 1), ("fsdp", 4, 1), ("gpipe", 1, 4), ("lpp", 2, 2), ("fslpp", 2, 2)):
-        tl = simulate(make_step(scheme, 4, 4, G, R, order="zb_h2", split_backward=True))
+        tl = simulate(make_schedule(scheme, 4, 4, G, R, order="zb_h2", split_backward=True))
         assert sorted(j for prog in tl.program for j in prog) == list(range(tl.step.space.N))

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from launcher.schedule import StepError, make_step, simulate
+from launcher.schedule import StepError, make_schedule, simulate
 from launcher.schedule.placement import VShape
 
 pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -32,13 +32,13 @@ SHAPES = [(1, 1), (1, 4), (2, 1), (2, 3), (2, 4), (2, 8), (3, 5), (3, 9), (4, 4)
 
 
 def zbv(W: int, B: int, **kw):
-    return make_step("vshape", 2 * W, B, order="zbv", split_backward=True, **kw)
+    return make_schedule("vshape", 2 * W, B, order="zbv", split_backward=True, **kw)
 
 
 def test_vshape_placement():
     """Worker w holds stages w and 2W - 1 - w: the first and last stages share worker 0."""
     assert [VShape(4)(s, 0, "F") for s in range(8)] == [(w, w) for w in (0, 1, 2, 3, 3, 2, 1, 0)]
-    step = make_step("vshape", 8, 4)
+    step = make_schedule("vshape", 8, 4)
     assert (step.workers, step.S) == (4, 8)  # G = 1, R = S / 2 from the registry
 
 
@@ -81,22 +81,22 @@ def test_peak_activations_as_1f1b(W, B):
     memory claim), and exactly that on every worker."""
     tl = simulate(zbv(W, B))
     assert tl.peak_activations == [2 * W] * W
-    one = simulate(make_step("gpipe", W, B, order="1f1b"))
+    one = simulate(make_schedule("gpipe", W, B, order="1f1b"))
     assert max(one.peak_activations) == W  # 1F1B's peak: W micro-batches of whole-worker stages
 
 
 def test_refused_elsewhere():
     """order=zbv needs vshape and the split backward; vshape needs stages = 2W with G = 1."""
     with pytest.raises(StepError, match="order=zbv is invalid with strategy=lpp"):
-        make_step("lpp", 4, 4, G=1, R=2, order="zbv", split_backward=True)
+        make_schedule("lpp", 4, 4, G=1, R=2, order="zbv", split_backward=True)
     with pytest.raises(ValueError, match="needs split_backward=True"):
-        make_step("vshape", 4, 4, order="zbv")
+        make_schedule("vshape", 4, 4, order="zbv")
     with pytest.raises(StepError, match="strategy=vshape with G=1 R=3 stages=4 is invalid"):
-        make_step("vshape", 4, 4, G=1, R=3)
+        make_schedule("vshape", 4, 4, G=1, R=3)
     with pytest.raises(StepError, match="give it an even number of stages"):
-        make_step("vshape", 5, 4, G=1, R=2)
+        make_schedule("vshape", 5, 4, G=1, R=2)
     with pytest.raises(StepError, match="set G=1 R=2"):
-        make_step("vshape", 4, 4, G=2, R=1)
+        make_schedule("vshape", 4, 4, G=2, R=1)
 
 
 def test_not_in_the_planners_hashed_space():
@@ -119,13 +119,13 @@ def test_config_group():
     from hydra import compose, initialize_config_dir
 
     import launcher.config  # noqa: F401  (registers the schema and the resolver)
-    from launcher.config import errors, to_step
+    from launcher.config import errors, to_schedule
 
     with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["strategy=vshape", "stages=8", "microbatches=8", "order=zbv",
                                            "split_backward=true"])
         assert errors(cfg) == []
-        step = to_step(cfg)
+        step = to_schedule(cfg)
         assert (cfg.G, cfg.R, step.workers, step.order.name) == (1, 4, 4, "zbv")
         unsplit = compose("config", overrides=["strategy=vshape", "stages=8", "order=zbv"])
         assert errors(unsplit) == [
