@@ -102,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         sims, rederived = {}, {}
         for o in ORDERS:  # each order on this run's per-stage job times
             ran = simulate(make_schedule("lpp", S, B, G=1, R=W, order=o))  # the programs the workers run
-            timed = replace(ran, step=replace(ran.step, stage_durations=per_stage))
+            timed = replace(ran, schedule=replace(ran.schedule, stage_durations=per_stage))
             # the sequences that ran, timed by what the workers measured (what metrics.json predicts),
             # and the order chosen afresh on those times (issue 36's note: a 1f1b the workers never ran)
             sims[o] = (replay(timed, W).seconds, replay(timed, shared_cores(ranks) or W).seconds)
-            rederived[o] = simulate(timed.step).latency
+            rederived[o] = simulate(timed.schedule).latency
         print("  (a) the programs that ran, replayed on its per-stage job CPU: " + ", ".join(
             f"{o} {a * 1e3:.1f} ms (a core each) / {c * 1e3:.1f} ms (on {shared_cores(ranks) or W} cores)"
             for o, (a, c) in sims.items()) + "; each order re-derived on those times instead: " + ", ".join(

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         for side in ("old", "new") if r % 2 == 0 else ("new", "old"):
             runs[side].append(timed(sides[side], args.no_gc))
-    print(f"{name} S={S} B={B} G={G} R={R}: {tl.step.space.N:,} jobs, weight_cache={args.cache}, "
+    print(f"{name} S={S} B={B} G={G} R={R}: {tl.schedule.space.N:,} jobs, weight_cache={args.cache}, "
           f"median of {args.repeats}{', collector paused' if args.no_gc else ''}")
     med = {side: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for side, v in runs.items()}
     for side in ("old", "new"):

@@ -139,7 +139,7 @@ def file_pairs(folder: str) -> list[Pair]:
     torch_csv = str(Path(folder) / "torch_interleaved_1f1b.csv")
     pps.PipelineScheduleMulti._dump_csv(types.SimpleNamespace(pipeline_order=theirs), torch_csv)
     tl = simulate(make_schedule("lpp", R * per, B, G=1, R=R, order="1f1b"))
-    ours_csv = str(write_schedule(tl.step.space, tl.program, Path(folder) / "ours_lpp_1f1b.csv"))
+    ours_csv = str(write_schedule(tl.schedule.space, tl.program, Path(folder) / "ours_lpp_1f1b.csv"))
     return [Pair("torch-csv-w4", "lpp", 1, R, R * per, B, FileOrder(path=torch_csv), False,  # type: ignore[arg-type]
                  "interleaved_1f1b"),
             Pair("ours-csv-w4", "lpp", 1, R, R * per, B, FileOrder(path=ours_csv), False, "csv")]  # type: ignore[arg-type]
@@ -311,10 +311,10 @@ def predicted(p: Pair, size: Size, grads: list[int], result: dict[str, Any]) -> 
     embedding alone is lighter than a block) and this workload's message and gradient sizes."""
     ranks = result["per_rank"][: p.W]
     tl = simulate(make_schedule(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split))  # what ran
-    per_stage = stage_job_seconds(ranks, tl.step.space.kinds, p.S)
-    tl = replace(tl, step=replace(tl.step, stage_durations=per_stage))
+    per_stage = stage_job_seconds(ranks, tl.schedule.space.kinds, p.S)
+    tl = replace(tl, schedule=replace(tl.schedule, stage_durations=per_stage))
     return replayed(p, tl, ranks, result, size.mb * size.T * size.d * 4, grads,
-                    {k: 1.0 for k in tl.step.space.kinds})  # the stages' own times, over these
+                    {k: 1.0 for k in tl.schedule.space.kinds})  # the stages' own times, over these
 
 
 def pool(paths: list[str]) -> int:

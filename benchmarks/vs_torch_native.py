@@ -382,7 +382,8 @@ def predicted(p: Pair, H: int, mb: int, result: dict[str, Any]) -> float:
     (:func:`replayed`)."""
     ranks = result["per_rank"][: p.W]
     tl = simulate(make_schedule(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split))  # what ran
-    return replayed(p, tl, ranks, result, mb * H * 4, [(H * H + H) * 4] * p.S, job_seconds(ranks, tl.step.space.kinds))
+    kinds = tl.schedule.space.kinds
+    return replayed(p, tl, ranks, result, mb * H * 4, [(H * H + H) * 4] * p.S, job_seconds(ranks, kinds))
 
 
 def replayed(p: Any, tl: Any, ranks: list[dict[str, Any]], result: dict[str, Any], message_bytes: int,

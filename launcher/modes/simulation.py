@@ -44,14 +44,14 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
         raise ConfigError(
             [f"the custom {' or '.join(custom)} failed while the step was planned: {one_line(e)}."]
         ) from e
-    with phase("summarizing", tl.step.space.N):
+    with phase("summarizing", tl.schedule.space.N):
         summary = summarize(tl, cfg.weight_cache)
         summary.update(priced(tl, cfg.get("step_overlap", DEFAULT.step_overlap)))
         units = unit_peaks(tl)  # what memory_limit bounds: the one memory model's units
         summary["per_worker"]["peak_activation_units"] = units
         summary["total"]["peak_activation_units"] = sum(units)
     if cfg.weight_cache == "job":
-        with phase(f"predicting the runtime's resident weights for prefetch={cfg.prefetch}", tl.step.space.N):
+        with phase(f"predicting the runtime's resident weights for prefetch={cfg.prefetch}", tl.schedule.space.N):
             runtime_peaks(tl, summary, cfg.prefetch)
     return tl, summary
 
@@ -88,7 +88,7 @@ def print_program(tl: Timeline, weight_cache: str, prefetch: int, out_dir: Path,
     from ..atomic import write_text
 
     path = write_text(out_dir / "actions.txt", text + "\n")
-    if tl.step.space.N <= PRINT_ACTIONS_MAX_JOBS:
+    if tl.schedule.space.N <= PRINT_ACTIONS_MAX_JOBS:
         con.print(f"program (what each worker runs, weight_cache={weight_cache} prefetch={prefetch}):",
                   highlight=False)
         print(text, flush=True)
@@ -103,7 +103,7 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's container is a dict
     scheme = cfg.strategy.name if cfg.strategy.get("placement") is None else "custom"
     rec = record(config, summary, scheme)
-    jobs = tl.step.space.N
+    jobs = tl.schedule.space.N
     with phase("writing simulation.json", jobs):
         json_path = write_record(rec, out_dir)
     draw = want_png(cfg.get("png", "auto"), jobs)
@@ -112,14 +112,14 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
             png_path = save_png(tl, out_dir / "pipeline.png")
 
     con = console()
-    warmup = tl.step.order.warmup
+    warmup = tl.schedule.order.warmup
     if cfg.order.get("name") == SCHEME_DEFAULT and cfg.order.get("n") is None:  # no order named: say why this one
         from ..config.validate import raw_settings
 
         warmup = f"{warmup}; {scheme}'s default: {raw_settings(cfg).default_order()[1]}"
     con.print(
         f"[bold]simulate[/bold] strategy={cfg.strategy.name} G={cfg.G} R={cfg.R} W={summary['workers']} "
-        f"stages={cfg.stages} microbatches={cfg.microbatches} order={tl.step.order.name} (warmup {warmup})"
+        f"stages={cfg.stages} microbatches={cfg.microbatches} order={tl.schedule.order.name} (warmup {warmup})"
         f"{' split_backward' if cfg.split_backward else ''}"
         f"{' ownership ' + cfg.strategy.ownership if cfg.strategy.ownership != DEFAULT.ownership else ''}",
         highlight=False,
@@ -140,7 +140,7 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     if export:  # the step's job sequences, for order=file here or torch's _load_csv (a .csv)
         from ..schedule.order_file import write_schedule
 
-        con.print(f"wrote the schedule to {write_schedule(tl.step.space, tl.program, export)}", highlight=False,
+        con.print(f"wrote the schedule to {write_schedule(tl.schedule.space, tl.program, export)}", highlight=False,
                   soft_wrap=True)
     if draw:
         con.print(f"wrote {json_path} and {png_path}", highlight=False, soft_wrap=True)

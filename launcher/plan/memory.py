@@ -34,7 +34,7 @@ from .profile import Profile
 
 def owned_and_fetched(tl: Timeline) -> tuple[list[set[int]], list[set[int]]]:
     """Stages each worker owns, and stages it computes on fetched weights."""
-    space, W = tl.step.space, tl.step.workers
+    space, W = tl.schedule.space, tl.schedule.workers
     SB = space.S * space.B
     owned: list[set[int]] = [set() for _ in range(W)]
     fetched: list[set[int]] = [set() for _ in range(W)]
@@ -61,8 +61,8 @@ def activation_bytes(tl: Timeline, prof: Profile, cache: str = DEFAULT.weight_ca
     """The exact peak of live activation bytes per worker: inputs, plus each forward's autograd
     graph (``saved``) unless it recomputes (the sweep the run report predicts with,
     :func:`launcher.schedule.activations.activation_peaks`)."""
-    act = [prof.stage_bytes("activation", s) for s in range(tl.step.S)]
-    saved = [prof.stage_bytes("saved", s) for s in range(tl.step.S)]
+    act = [prof.stage_bytes("activation", s) for s in range(tl.schedule.S)]
+    saved = [prof.stage_bytes("saved", s) for s in range(tl.schedule.S)]
     return activation_peaks(tl, lambda s, b: act[s], (lambda s, b: saved[s]) if any(saved) else None,
                             recomputed_forwards(tl, cache))
 
@@ -75,7 +75,7 @@ def worker_bytes(tl: Timeline, prof: Profile, cache: str, peak_resident: list[in
     grads = gradient_peaks(tl, lambda s: sb("grads", s), cache)
     sent = set().union(*fetched)  # stages some worker fetches: their owners pack a copy to send
     out = []
-    for w in range(tl.step.workers):
+    for w in range(tl.schedule.workers):
         if cache == "step":
             copies = sum(sb("params", s) for s in fetched[w])
         else:

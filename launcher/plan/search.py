@@ -506,33 +506,33 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     and the split only.
     ``worst``: the step time a candidate must beat to enter the top (cache ``job``, never faster than
     cache ``step`` when every worker has a core, is then timed only when that beats it)."""
-    S = tl.step.S
+    S = tl.schedule.S
     overlap = step_overlap != DEFAULT.step_overlap
     latency = steady_state(tl, step_overlap).step_cost if overlap else tl.latency
-    busy = sum(tl.step.duration_table(d)) * B  # every kind of every stage, each stage its own time
-    bubble = max(0.0, 1.0 - busy / (tl.step.workers * latency))  # no bubble: 0, not -1e-16 (shown -0.000)
+    busy = sum(tl.schedule.duration_table(d)) * B  # every kind of every stage, each stage its own time
+    bubble = max(0.0, 1.0 - busy / (tl.schedule.workers * latency))  # no bubble: 0, not -1e-16 (shown -0.000)
     peak_act = list(tl.peak_activations)
     if budget.activations is not None and max(unit_peaks(tl)) > budget.activations + 1e-9:  # the one memory model
         plan.did_not_fit += len(per_scheme) * len(CACHES)
         return []
     act = memory.activation_bytes(tl, prof) if prof.bytes else None
     # cache "job": forwards on fetched copies keep no graph (their backward recomputes them)
-    job_act = prof.bytes is not None and bool(prof.bytes.get("saved")) and len(tl.step.recompute) < S
-    rc = "full" if tl.step.recompute else "none"
+    job_act = prof.bytes is not None and bool(prof.bytes.get("saved")) and len(tl.schedule.recompute) < S
+    rc = "full" if tl.schedule.recompute else "none"
     out = []
     step_time: dict = {}
     link = prof.link
     grads = [prof.stage_bytes("grads", s) for s in range(S)] if link and prof.bytes else None
     programs = tuple(map(tuple, tl.program))
-    monotone = prof.cores is None or prof.cores >= tl.step.workers  # see job_cache_time
+    monotone = prof.cores is None or prof.cores >= tl.schedule.workers  # see job_cache_time
     # per job work on CPU workers: the jobs and their activations and gradients depend on where jobs
     # run only, the same for every scheme here; the weight messages on who owns what (below)
     work = job_work(tl, d, prof.message_cpu) if prof.cores is not None else None
     mlt = tuple(ml) if isinstance(ml, (list, tuple)) else ml
-    g = tl.step.graph_share
+    g = tl.schedule.graph_share
     share = float(g) if isinstance(g, (int, float)) else tuple(g)
     for sch, weights, owned, fetched in per_scheme:
-        view = Timeline(tl.step, tl.compute, weights * tl.step.space.K, tl.start, tl.finish, tl.program,
+        view = Timeline(tl.schedule, tl.compute, weights * tl.schedule.space.K, tl.start, tl.finish, tl.program,
                         tl.peak_activations)
         cached: tuple[dict[str, list[int]], list[float] | None] | None = moves.get(sch)
         if cached is None:
@@ -602,10 +602,10 @@ def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = 
     known) under weight cache ``job``: a backward (``B``, or ``I`` when split) on fetched weights
     fetches them again and recomputes its forward first (:func:`launcher.schedule.lowering.add_weights`), so it also
     lasts an ``F``."""
-    S, B = tl.step.space.S, tl.step.space.B
+    S, B = tl.schedule.space.S, tl.schedule.space.B
     base = job_work(tl, d, message_s, "job") if work is None else work
-    forward = tl.step.duration_table(d)[:S]  # kind F first: each stage's own forward
-    rc = tl.step.recompute  # those backwards recompute already (charged in the base work)
+    forward = tl.schedule.duration_table(d)[:S]  # kind F first: each stage's own forward
+    rc = tl.schedule.recompute  # those backwards recompute already (charged in the base work)
     return [w + (forward[(j // B) % S] if j // (S * B) == 1 and tl.weights[j] != tl.compute[j]
                  and (j // B) % S not in rc else 0.0)
             for j, w in enumerate(base)]
@@ -639,7 +639,7 @@ def job_cache_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None, d
         return shared_cores_time(tl, prof, grads, work, "job")
     if tails is None and grads and prof.link:
         tails = end_of_step(tl, grads, prof.link)
-    W = tl.step.workers
+    W = tl.schedule.workers
     return base + replay(tl, W, tails, durations=work).seconds - replay(tl, W, tails).seconds
 
 
@@ -652,12 +652,12 @@ def shared_cores_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None
     (``prof.message_cpu``) on the jobs that move it, each weight copy arriving a message's time
     after its owner hands it over (:func:`~launcher.schedule.lowering.weight_arrivals`), and the work
     outside the engine (a training step sums its loss over every worker there, so each waits for all)."""
-    W = tl.step.workers
+    W = tl.schedule.workers
     ex = exchanges(tl, grads) if grads else None
     tails = [(max(e.sent, e.received) / prof.link.bytes_per_s if prof.link else 0.0) + prof.outside for e in ex] \
         if ex else [prof.outside] * W
     delays = [e.rounds * prof.comm for e in ex] if ex else None
     if work is None:
-        work = job_work(tl, tl.step.durations, prof.message_cpu, cache)
+        work = job_work(tl, tl.schedule.durations, prof.message_cpu, cache)
     fetched = weight_arrivals(tl, cache, DEFAULT.prefetch) if tl.weights != tl.compute else None
     return replay(tl, prof.cores or W, tails, [list(range(W))] * W, delays, durations=work, fetched=fetched).seconds

@@ -121,7 +121,7 @@ def build(
     """
     W = lowered.workers
     ranks = [r for r in per_rank if r["rank"] < W]
-    measured = _measure(ranks, lowered.timeline.step, act_bytes)
+    measured = _measure(ranks, lowered.timeline.schedule, act_bytes)
     replayed, tl = _predict(lowered, ranks, measured, stage_bytes["grads"])
     predicted_s = replayed.seconds
     measured_s = _median_after_first([s["step_s"] for s in steps])
@@ -180,9 +180,9 @@ def _predict(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Me
     """The programs the workers ran, timed by what they measured and replayed on the cores they
     shared: the replay, and its timeline (drawn and reported: what ran, as predicted)."""
     W = lowered.workers
-    step = lowered.timeline.step
+    step = lowered.timeline.schedule
     # measured backwards include any recomputation: the replay adds none
-    tl = replace(lowered.timeline, step=replace(step, stage_durations=measured.per_stage, recompute=frozenset()))
+    tl = replace(lowered.timeline, schedule=replace(step, stage_durations=measured.per_stage, recompute=frozenset()))
     timed = ({k: max(v, 1e-9) for k, v in measured.durations.items()}
              | {k: 1.0 for k in "FBIW" if k not in step.space.kinds})
     delays = [e.rounds * measured.round_s for e in exchanges(tl, grad_bytes)]
@@ -203,11 +203,11 @@ def _step_costs(tl: Timeline, measured: _Measured, predicted_s: float, measured_
     """``step_cost_s`` of the module docstring: the replayed timeline (in seconds, ``comm`` the
     measured message time) stepped back to back under each rule, plus the most time a worker spends
     outside the engine per step (serial with its jobs under either rule)."""
-    timed = replace(tl, step=replace(tl.step, comm=measured.comm_s))
+    timed = replace(tl, schedule=replace(tl.schedule, comm=measured.comm_s))
     outside = max(measured.outside_s, default=0.0)
     ss = steady_state(timed, "post_validation")
     two = None
-    if tl.step.space.N <= TWO_STEPS_MAX_JOBS:
+    if tl.schedule.space.N <= TWO_STEPS_MAX_JOBS:
         t0 = min(ss.starts[-2])
         two = {"ends": [e - t0 for e in ss.ends[-2:]], "jobs": [list(x) for x in last_two_steps(timed, ss)]}
     return {"step_overlap": "none", "predicted": predicted_s, "measured": measured_s,

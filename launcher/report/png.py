@@ -33,8 +33,8 @@ def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int 
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    space = tl.step.space
-    W, B = tl.step.workers, space.B
+    space = tl.schedule.space
+    W, B = tl.schedule.workers, space.B
     latency = tl.latency or 1.0
     width = min(max(6.0, 0.35 * latency + 1.5), 40.0)
     height = min(max(2.0, 0.4 * W + 1.2), 30.0)
@@ -62,7 +62,7 @@ def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int 
     ax.set_yticklabels([f"w{w}" for w in range(W)])
     ax.set_xlim(0, latency)
     ax.set_xlabel(f"time ({unit})")
-    ax.set_title(title or f"{tl.step.name}: S={space.S} B={B} W={W}, latency {tl.latency:g}")
+    ax.set_title(title or f"{tl.schedule.name}: S={space.S} B={B} W={W}, latency {tl.latency:g}")
     if B <= 20:
         handles = [Patch(facecolor=colour(b), edgecolor="black", label=f"mb {b}") for b in range(B)]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)

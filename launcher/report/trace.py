@@ -212,7 +212,7 @@ def _flows(sent: Mapping[int, tuple[int, int, str, int]], got: Mapping[int, tupl
 def _predicted_tracks(timeline: Any, step: int, step_ns: int, last_ns: int) -> list[_Track]:
     """A track per worker of the predicted ``timeline`` (seconds): its jobs in a step of
     ``step_ns``, and the end of the step after the last job of any worker (``last_ns``)."""
-    space = timeline.step.space
+    space = timeline.schedule.space
     tracks = []
     for r, prog in enumerate(timeline.program):
         tr = _Track(PREDICTED, r)

@@ -117,14 +117,15 @@ def _lowered(schedule: Schedule | Timeline | Lowered, weight_cache: str, prefetc
         if schedule.prefetch != prefetch:
             raise ValueError(f"the program was lowered for prefetch={schedule.prefetch} but the engine got "
                              f"prefetch={prefetch}; its predicted peak resident weights would not hold")
-        if schedule.timeline.step.frozen != frozen:
-            raise ValueError(f"the program was lowered with frozen stages {sorted(schedule.timeline.step.frozen)} but "
+        lowered_frozen = schedule.timeline.schedule.frozen
+        if lowered_frozen != frozen:
+            raise ValueError(f"the program was lowered with frozen stages {sorted(lowered_frozen)} but "
                              f"the model's stages {sorted(frozen)} have no trainable parameter; lower the step with "
                              f"frozen={sorted(frozen)}")
         return schedule
     if isinstance(schedule, Timeline):  # the timeline does not depend on what trains, its messages do
-        tl = schedule if schedule.step.frozen == frozen else replace(schedule, step=replace(schedule.step,
-                                                                                             frozen=frozen))
+        sched = schedule.schedule
+        tl = schedule if sched.frozen == frozen else replace(schedule, schedule=replace(sched, frozen=frozen))
     else:
         tl = simulate(schedule if schedule.frozen == frozen else replace(schedule, frozen=frozen))
     return lower(tl, weight_cache, prefetch)
@@ -141,8 +142,8 @@ def _check_model(model: StagedModel, space: Any) -> None:
 def _recompute(timeline: Timeline, recompute: Iterable[int] | None) -> frozenset[int]:
     """Stages whose forward keeps only its input and whose backward recomputes it (activation
     checkpointing); default: what the schedule was simulated with."""
-    S = timeline.step.space.S
-    stages = frozenset(timeline.step.recompute if recompute is None else recompute)
+    S = timeline.schedule.space.S
+    stages = frozenset(timeline.schedule.recompute if recompute is None else recompute)
     if any(not 0 <= s < S for s in stages):
         raise StepError([f"recompute={sorted(stages)} is invalid: stage "
                          f"{next(s for s in sorted(stages) if not 0 <= s < S)} does not exist with stages={S}."])
@@ -175,7 +176,7 @@ class Engine:
             raise ValueError(f"transport={transport!r} is invalid: use one of {', '.join(TRANSPORTS)}")
         self.lowered = _lowered(schedule, weight_cache, prefetch, frozen_stages(model.stages))
         self.timeline = self.lowered.timeline
-        space = self.timeline.step.space
+        space = self.timeline.schedule.space
         _check_model(model, space)
         self.model, self.space, self.prefetch = model, space, prefetch
         self.group = group

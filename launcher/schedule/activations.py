@@ -40,10 +40,10 @@ def activation_peaks(tl: Timeline, inputs: Bytes, saved: Bytes | None = None,
                      recomputed: Sequence[bool] | None = None) -> list[float]:
     """Peak live activation bytes per worker. ``inputs(s, b)``, ``saved(s, b)``: bytes per
     micro-batch; ``recomputed[j]`` for each forward job id ``j = s * B + b`` (default: none)."""
-    space = tl.step.space
+    space = tl.schedule.space
     B, SB = space.B, space.S * space.B
     last = 2 * SB if space.split_backward else SB  # the job that frees the graph: W, else B
-    events: list[list[tuple[float, int, float]]] = [[] for _ in range(tl.step.workers)]
+    events: list[list[tuple[float, int, float]]] = [[] for _ in range(tl.schedule.workers)]
     for j in range(SB):
         s, b = divmod(j, B)
         ev = events[tl.compute[j]]
@@ -90,8 +90,8 @@ def unit_peaks(tl: Timeline) -> list[float]:
     """Peak live activation units per worker (module docstring): :func:`activation_peaks` with
     each stage's input and graph in units, its recomputing stages' graphs rebuilt by the backward.
     What ``memory_limit`` bounds."""
-    g = graph_shares(tl.step)
-    space, rc = tl.step.space, tl.step.recompute
+    g = graph_shares(tl.schedule)
+    space, rc = tl.schedule.space, tl.schedule.recompute
     recomputed = [j // space.B in rc for j in range(space.S * space.B)] if rc else None
     peaks = activation_peaks(tl, lambda s, b: 1.0 - g[s], lambda s, b: g[s], recomputed)
     return [round(p, 9) for p in peaks]
@@ -106,7 +106,7 @@ def recomputed_forwards(tl: Timeline, weight_cache: str | None = None) -> list[b
         from .settings import DEFAULT
 
         weight_cache = DEFAULT.weight_cache
-    space, rc = tl.step.space, tl.step.recompute
+    space, rc = tl.schedule.space, tl.schedule.recompute
     B = space.B
     return [j // B in rc or (weight_cache == "job" and tl.compute[j] != tl.weights[j])
             for j in range(space.S * B)]
@@ -133,7 +133,7 @@ def sum_handovers(tl: Timeline) -> list[SumHandover]:
     """Every partial sum a worker sends an owner, and when it is handed over
     (:class:`SumHandover`): the one rule the runtime lowers (:mod:`launcher.schedule.lowering`) and the
     memory model counts."""
-    space, W = tl.step.space, tl.step.workers
+    space, W = tl.schedule.space, tl.schedule.workers
     B, SB, S = space.B, space.S * space.B, space.S
     grad_kind = space.K - 1  # B, or W when split: the job that yields a weight gradient
     owners: list[set[int]] = [set() for _ in range(S)]
@@ -144,7 +144,7 @@ def sum_handovers(tl: Timeline) -> list[SumHandover]:
     last: dict[tuple[int, int, int], int] = {}
     for w in range(W):
         for i, j in enumerate(tl.program[w]):
-            if j // SB == grad_kind and tl.weights[j] != w and (j // B) % S not in tl.step.frozen:
+            if j // SB == grad_kind and tl.weights[j] != w and (j // B) % S not in tl.schedule.frozen:
                 key = ((j // B) % S, w, tl.weights[j])
                 first.setdefault(key, i)
                 last[key] = j
@@ -172,7 +172,7 @@ def gradient_peaks(tl: Timeline, grads: Callable[[int], float], cache: str = "jo
     - each gradient job: the gradient autograd returns for the stage's weights, during the job,
       before it is added into the sum.
     """
-    space, W = tl.step.space, tl.step.workers
+    space, W = tl.schedule.space, tl.schedule.workers
     B, SB, S = space.B, space.S * space.B, space.S
     grad_kind = space.K - 1
     events: list[list[tuple[float, int, float]]] = [[] for _ in range(W)]

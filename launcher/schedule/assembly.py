@@ -87,7 +87,7 @@ def check_options(weight_cache: str, prefetch: int | None = None) -> None:
 
 def stage_owners(tl: Timeline) -> list[list[int]]:
     """Per stage, its owners (the ``w_weights`` of its jobs), sorted."""
-    space = tl.step.space
+    space = tl.schedule.space
     S, B = space.S, space.B
     owners: list[set[int]] = [set() for _ in range(S)]
     for q in range(space.K * S):  # the jobs of one (kind, stage) are a run of B ids
@@ -97,7 +97,7 @@ def stage_owners(tl: Timeline) -> list[list[int]]:
 
 def timeline_jobs(tl: Timeline) -> Programs:
     """Each worker's jobs in timeline order, as actions."""
-    space = tl.step.space
+    space = tl.schedule.space
     S, B, kinds = space.S, space.B, space.kinds
     acts = [Action(kinds[k], s, b) for k in range(space.K) for s in range(S) for b in range(B)]  # by job id
     return [[acts[j] for j in prog] for prog in tl.program]
@@ -165,7 +165,7 @@ def _bound(prog: list[Action], belongs: list[int], owner: list[int], w: int) -> 
 def _check_actions(tl: Timeline, progs: Programs, belongs: list[list[int]]) -> None:
     """Each worker runs the timeline's jobs in its order; an action about a job of its own sits
     beside one of that stage (and micro-batch); a message goes to another worker."""
-    S, W, owners = tl.step.space.S, tl.step.workers, stage_owners(tl)
+    S, W, owners = tl.schedule.space.S, tl.schedule.workers, stage_owners(tl)
     if len(progs) != W:
         raise LoweringError(f"the step has {W} workers but {len(progs)} programs")
     for w, (prog, want) in enumerate(zip(progs, timeline_jobs(tl))):
@@ -216,7 +216,7 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]], edge_msgs:
     ever waits for data whose key is earlier than the simulated start of the job that waits, so
     issuing in key order cannot deadlock (the simulated timeline is a witness).
     """
-    space, program, start, finish = tl.step.space, tl.program, tl.start, tl.finish
+    space, program, start, finish = tl.schedule.space, tl.program, tl.start, tl.finish
     S, B, N, W = space.S, space.B, space.N, len(progs)
     # the producer's place among the consumer's predecessors (JobSpace.pred), from the stage graph:
     # act by the consumer's stage, grad by the producing backward's
@@ -327,8 +327,8 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = DEFAULT.weight_c
     programs fit by construction)."""
     check_options(weight_cache, prefetch)
     if check:
-        if len(progs) != tl.step.workers:
-            raise LoweringError(f"the step has {tl.step.workers} workers but {len(progs)} programs")
+        if len(progs) != tl.schedule.workers:
+            raise LoweringError(f"the step has {tl.schedule.workers} workers but {len(progs)} programs")
         _check_actions(tl, progs, _bindings(tl, progs))
     return assemble_with(tl, progs, None, weight_cache, prefetch)
 
@@ -344,7 +344,7 @@ def _bindings(tl: Timeline, progs: Programs) -> list[list[int]]:
 def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, weight_cache: str,
               prefetch: int) -> Lowered:
     """:func:`assemble`, the ``act``/``grad`` messages given (:func:`edges`) or read from ``progs``."""
-    S, W = tl.step.space.S, tl.step.workers
+    S, W = tl.schedule.space.S, tl.schedule.workers
     belongs = _bindings(tl, progs)
     msgs, mids, edge_msgs = messages(tl, progs, belongs, edge_msgs)
     if len(msgs) + 2 * S + S * reduce_rounds(W) > TAG_LIMIT:  # the step's tags, then the engine's ranges
@@ -366,7 +366,7 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
     for mid, (_, _, kind, ws, wr, stage, _, peer, ns, nr) in enumerate(edge_msgs):  # each job's messages in id order
         jobs[wr][nr].recv[stage if kind == ACT else peer] = mid
         jobs[ws][ns].send.append(mid)
-    programs = [_program(w, progs[w], jobs[w], belongs[w], mids[w], msgs, owners, pair[w], tl.step.frozen)
+    programs = [_program(w, progs[w], jobs[w], belongs[w], mids[w], msgs, owners, pair[w], tl.schedule.frozen)
                 for w in range(W)]
     lowered = Lowered(tl, weight_cache, msgs, programs, owners, per_worker(tl, weight_cache), prefetch,
                       _reduce_order(tl, programs, owners))

@@ -90,7 +90,7 @@ def span(tl: Timeline, above: float = math.inf) -> float:
     than the worker's span in ``tl`` (every job there starts as early as it can), so workers whose
     span cannot raise the bound are skipped; once the bound passes ``above`` it is returned as it
     is (a cost that loses to ``above`` need not be exact)."""
-    step, N = tl.step, len(tl.start)
+    step, N = tl.schedule, len(tl.start)
     dur = [f - s for s, f in zip(tl.start, tl.finish)]
     preds: list[list[tuple[int, float]]] = [[] for _ in range(N)]
     for j in range(N):
@@ -421,7 +421,7 @@ def _polish(value: float, tl: Timeline, seqs: Seqs,
     (and every worker upstream on its gradient's way) then waits out the ``W``'s rest. The latest
     such pairs are tried first (the ones at the end of a step decide its span); each kept exchange
     shortens the step, so this ends, and at most :data:`POLISH_TRIES` are simulated."""
-    step, space = tl.step, tl.step.space
+    step, space = tl.schedule, tl.schedule.space
     SB = space.S * space.B
     tries = 0
     while True:

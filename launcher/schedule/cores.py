@@ -41,7 +41,7 @@ class Replayed(NamedTuple):
 
     def timeline(self, tl: Timeline) -> Timeline:
         """``tl`` with the replayed times (the same programs)."""
-        return Timeline(tl.step, tl.compute, tl.weights, self.start, self.finish, tl.program, tl.peak_activations)
+        return Timeline(tl.schedule, tl.compute, tl.weights, self.start, self.finish, tl.program, tl.peak_activations)
 
 
 def replay(
@@ -63,7 +63,7 @@ def replay(
     weights before it, the owner's job after which they are handed over (``-1``: at the start of the
     step; :func:`~launcher.schedule.lowering.weight_arrivals`); the job waits for them a ``comm``
     after that. Without it weight copies wait for nothing (the simulator's timeline)."""
-    step = tl.step
+    step = tl.schedule
     W = step.workers
     d = step.durations if durations is None else durations
     work = job_work(tl, d) if isinstance(d, Mapping) else [float(x) for x in d]
@@ -82,9 +82,9 @@ def _processor_sharing(tl: Timeline, cores: int, work: list[float], comm: float,
     """:func:`replay` on fewer cores than workers: from event to event (a piece of work ends, or one
     can start), the workers with work in hand share the cores. One loop, written inline: it runs
     once per event, and the planner replays every candidate on a CPU profile."""
-    W, programs = tl.step.workers, tl.program
-    finish = [math.nan] * tl.step.space.N
-    start = [math.nan] * tl.step.space.N
+    W, programs = tl.schedule.workers, tl.program
+    finish = [math.nan] * tl.schedule.space.N
+    start = [math.nan] * tl.schedule.space.N
     pos = [0] * W  # next job of each worker (len(program): its tail)
     left: list[float | None] = [None] * W  # work left of what the worker runs now
     jobs_done = [0.0] * W  # when the worker's last job ended
@@ -140,7 +140,7 @@ def _readiness(tl: Timeline, comm: float, sync: Sequence[Sequence[int]], delays:
                finish: list[float], jobs_done: list[float], fetched: Mapping[int, int]) -> Callable[[int], float]:
     """``ready_at(w)``: when worker ``w``'s next piece of work can start (inf: it waits on something
     unfinished), read from the replay's state as it goes (``pos``, ``finish``, ``jobs_done``)."""
-    space, programs, compute = tl.step.space, tl.program, tl.compute
+    space, programs, compute = tl.schedule.space, tl.program, tl.compute
 
     def ready_at(w: int) -> float:
         prog = programs[w]
@@ -171,7 +171,7 @@ def _longest_paths(tl: Timeline, work: list[float], comm: float, tails: list[flo
     """:func:`replay` with a core per worker, without events: each job starts at
     ``max(its worker's previous finish, its inputs' finish + comm)``; the same times as the
     processor-sharing loop at a rate of 1, without its events."""
-    space, programs, compute = tl.step.space, tl.program, tl.compute
+    space, programs, compute = tl.schedule.space, tl.program, tl.compute
     W = len(programs)
     start, finish = [math.nan] * space.N, [math.nan] * space.N
     pos, free = [0] * W, [0.0] * W
@@ -209,7 +209,7 @@ def _longest_paths(tl: Timeline, work: list[float], comm: float, tails: list[flo
 def crossings(tl: Timeline) -> list[int]:
     """Per job, the messages it receives and sends: its dependencies on and for jobs of other
     workers (activations and gradients)."""
-    space, compute = tl.step.space, tl.compute
+    space, compute = tl.schedule.space, tl.compute
     out = [0] * space.N
     for j in range(space.N):
         for p in space.pred(j):
@@ -225,13 +225,13 @@ def job_work(tl: Timeline, durations: Mapping[str, float], message_s: float | No
     runs (on CPU workers the communication threads' share of a core): the activations and gradients
     it receives and sends (:func:`crossings`) and, given the ``weight_cache`` the step runs with, the
     weight copies and partial gradient sums (:func:`~launcher.schedule.lowering.weight_messages`)."""
-    B = tl.step.space.B
+    B = tl.schedule.space.B
     # the step's own per-stage times apply to its own durations (a replay by other times is by kind)
-    table = tl.step.duration_table(None if durations is tl.step.durations else durations)
+    table = tl.schedule.duration_table(None if durations is tl.schedule.durations else durations)
     if not message_s:
-        return [table[j // B] for j in range(tl.step.space.N)]
+        return [table[j // B] for j in range(tl.schedule.space.N)]
     moved = crossings(tl)
-    work = [table[j // B] + message_s * moved[j] for j in range(tl.step.space.N)]
+    work = [table[j // B] + message_s * moved[j] for j in range(tl.schedule.space.N)]
     return work if weight_cache is None else with_weight_messages(work, tl, weight_cache, message_s)
 
 

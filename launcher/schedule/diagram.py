@@ -26,7 +26,7 @@ def _label(kind: str, stage: int, mb: int, cells: str) -> str:
 
 def slot(tl: Timeline) -> float:
     """The time one column stands for: the shortest job duration in use."""
-    return min(tl.step.durations[k] for k in tl.step.space.kinds)
+    return min(tl.schedule.durations[k] for k in tl.schedule.space.kinds)
 
 
 def _col(t: float, unit: float) -> int:
@@ -54,7 +54,7 @@ def grid(tl: Timeline, cells: str = "both") -> list[list[str]]:
     for prog in tl.program:
         row = [""] * ncols
         for j in prog:
-            s, b, k = tl.step.space.job(j)
+            s, b, k = tl.schedule.space.job(j)
             first, last = col(tl.start[j]), col(tl.finish[j])
             for c in range(first, max(last, first + 1)):
                 row[c] = _label(k, s, b, cells)
@@ -68,8 +68,8 @@ def ascii_diagram(tl: Timeline, cells: str = "both", max_columns: int | None = 2
     ncols = columns(tl)
     if max_columns is not None and ncols > max_columns:
         return f"(diagram omitted: {ncols} time slots > {max_columns})"
-    if max_rows is not None and tl.step.workers > max_rows:
-        return f"(diagram omitted: {tl.step.workers} workers > {max_rows})"
+    if max_rows is not None and tl.schedule.workers > max_rows:
+        return f"(diagram omitted: {tl.schedule.workers} workers > {max_rows})"
     rows = grid(tl, cells)
     width = max([2] + [len(c) for r in rows for c in r] + [len(str(ncols))])
     name_w = len(f"w{len(rows) - 1}")

@@ -71,7 +71,7 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
     algorithms: through one root (2 rounds; the root moves ``(n - 1)`` times the bytes each way) when small, else by
     halving-doubling (``2 log2 p`` rounds, plus 2 when ``n`` is not a power of two ``p``;
     ``2 (n - 1) / n`` of the bytes each way)."""
-    space, W = tl.step.space, tl.step.workers
+    space, W = tl.schedule.space, tl.schedule.workers
     S, B = space.S, space.B
     grad_kind = space.K - 1  # B, or W when split: the job that makes stage s's weight gradient
     pairs: set[tuple[int, int, int]] = set()
@@ -80,7 +80,7 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
         k, s = divmod(j // B, S)
         o = tl.weights[j]
         owners[s].add(o)
-        if k == grad_kind and tl.compute[j] != o and s not in tl.step.frozen:
+        if k == grad_kind and tl.compute[j] != o and s not in tl.schedule.frozen:
             pairs.add((s, tl.compute[j], o))
     sent, received = [0.0] * W, [0.0] * W
     sends, receives, rounds = [0] * W, [0] * W, [0] * W
@@ -91,7 +91,7 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
         receives[o] = 1
     sets: dict[tuple[int, ...], float] = {}
     for s, stage_owners in enumerate(owners):
-        if len(stage_owners) > 1 and s not in tl.step.frozen:
+        if len(stage_owners) > 1 and s not in tl.schedule.frozen:
             key = tuple(sorted(stage_owners))
             sets[key] = sets.get(key, 0.0) + grad_bytes[s]
     for group, nbytes in sets.items():
@@ -120,7 +120,7 @@ def end_of_step(tl: Timeline, grad_bytes: Sequence[float], link: Link) -> list[f
 def partners(tl: Timeline) -> list[list[int]]:
     """Per worker, the workers its end of the step waits for: the other owners of the replicated
     stages it owns (they all-reduce together) and the workers that send it partial sums."""
-    space, W = tl.step.space, tl.step.workers
+    space, W = tl.schedule.space, tl.schedule.workers
     S, B = space.S, space.B
     grad_kind = space.K - 1
     owners: list[set[int]] = [set() for _ in range(S)]

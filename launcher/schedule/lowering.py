@@ -70,7 +70,7 @@ def _slots(tl: Timeline) -> tuple[Slots, Slots]:
 
 def _positions(tl: Timeline) -> list[int]:
     """Each job's index in its worker's program."""
-    at = [0] * tl.step.space.N
+    at = [0] * tl.schedule.space.N
     for prog in tl.program:
         deque(map(at.__setitem__, prog, range(len(prog))), maxlen=0)  # at[j] = i, without a Python loop
     return at
@@ -85,14 +85,14 @@ def _all_on_own_weights(tl: Timeline) -> bool:
 def job_actions(tl: Timeline) -> Programs:
     """Each worker's jobs in timeline order. Every job of ``(s, b)`` must run where ``F(s, b)``
     ran: its activation stash lives there."""
-    space, progs = tl.step.space, timeline_jobs(tl)
+    space, progs = tl.schedule.space, timeline_jobs(tl)
     SB = space.S * space.B
     for j in range(SB, space.N):
         if tl.compute[j] != tl.compute[j % SB]:
             s, b, d = space.job(j)
             w = tl.compute[j]
             raise marked_error(progs, (w, tl.program[w].index(j)),
-                          f"placement {tl.step.name} runs F({s},{b}) on worker {tl.compute[j % SB]} but "
+                          f"placement {tl.schedule.name} runs F({s},{b}) on worker {tl.compute[j % SB]} but "
                           f"{d}({s},{b}) on worker {w}", "the runtime needs every job of a (stage, micro-batch) "
                           "on the worker that holds its activations")
     return progs
@@ -106,7 +106,7 @@ def edges(tl: Timeline) -> list[Edge]:
     - ``grad``: backward ``(c,b) -> (p,b)`` across workers carries ``dL/d(output of p)``.
 
     A message's key is its producer's simulated finish (:func:`messages`)."""
-    space, comp, finish = tl.step.space, tl.compute, tl.finish
+    space, comp, finish = tl.schedule.space, tl.compute, tl.finish
     S, B = space.S, space.B
     at = _positions(tl)
     out: list[Edge] = []
@@ -145,7 +145,7 @@ def weight_fetches(tl: Timeline, weight_cache: str) -> Iterator[tuple[int, int, 
     job)."""
     if _all_on_own_weights(tl):
         return
-    space = tl.step.space
+    space = tl.schedule.space
     S, B, SB, kinds = space.S, space.B, space.S * space.B, space.kinds
     starts = [[tl.start[j] for j in prog] for prog in tl.program]
     for w, prog in enumerate(tl.program):
@@ -184,7 +184,7 @@ def add_weights(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
         j = tl.program[w][i]
         if weight_cache == "job":
             after[w][i].append(Action(FREE_WEIGHTS, s))
-        b = tl.step.space.job(j)[1]
+        b = tl.schedule.space.job(j)[1]
         before[w][i].append(Action(RECV_WEIGHTS, s, b, peer=o))
         hand.append((o, oi, tl.start[j], j, Action(SEND_WEIGHTS, s, b, peer=w)))
     for o, i, *_, send in sorted(hand, key=lambda h: h[:4]):  # in key order at each release point
@@ -244,7 +244,7 @@ def weight_messages(tl: Timeline, weight_cache: str) -> list[int]:
     job), and a partial gradient sum sent after it (:func:`add_wgrad`; the owner takes the sums in
     at the end of the step, outside the jobs). On CPU workers each costs the communication threads a
     core's time, like an activation (:func:`launcher.schedule.cores.job_work`)."""
-    out = [0] * tl.step.space.N
+    out = [0] * tl.schedule.space.N
     prog = tl.program
     for w, i, _s, o, oi in weight_fetches(tl, weight_cache):
         out[prog[w][i]] += 1
@@ -286,7 +286,7 @@ def add_wgrad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
 def _partial_sums(tl: Timeline) -> dict[tuple[int, int, int], int]:
     """Per weight-gradient sum a worker computes for another owner, ``(stage, worker, owner)``, the
     last job of that worker that adds to it."""
-    space = tl.step.space
+    space = tl.schedule.space
     S, B, SB = space.S, space.B, space.S * space.B
     last: dict[tuple[int, int, int], int] = {}
     if _all_on_own_weights(tl):
@@ -294,7 +294,7 @@ def _partial_sums(tl: Timeline) -> dict[tuple[int, int, int], int]:
     for w, prog in enumerate(tl.program):
         for j in prog:
             # B, or W when split: it yields the gradient (none for a frozen stage: nothing to send)
-            if j // SB == space.K - 1 and tl.weights[j] != w and (j // B) % S not in tl.step.frozen:
+            if j // SB == space.K - 1 and tl.weights[j] != w and (j // B) % S not in tl.schedule.frozen:
                 last[((j // B) % S, w, tl.weights[j])] = j
     return last
 
@@ -307,7 +307,7 @@ def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     An owner's share is complete (``REDUCE``, :meth:`~launcher.schedule.program.Program.reduce_points`)
     after its last gradient job of the stage that it owns itself, at once if it computes nothing of
     it, or at the end of its program if others send it partial sums."""
-    space = tl.step.space
+    space = tl.schedule.space
     S, B, SB = space.S, space.B, space.S * space.B
     owners = stage_owners(tl)
     sums = {(o, s) for s, _, o in _partial_sums(tl)}  # owners that partial sums come in to, by stage
@@ -315,7 +315,7 @@ def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     for w, prog in enumerate(tl.program):
         ready = {(j // B) % S: i for i, j in enumerate(prog) if j // SB == space.K - 1 and tl.weights[j] == w}
         for s in range(S):
-            if len(owners[s]) > 1 and w in owners[s] and s not in tl.step.frozen:
+            if len(owners[s]) > 1 and w in owners[s] and s not in tl.schedule.frozen:
                 if (w, s) in sums:
                     before[w][len(prog)].append(Action(REDUCE, s))
                 else:

@@ -55,7 +55,7 @@ from .rules import WEIGHT_CACHES  # noqa: E402  (one definition, shared with the
 
 def traffic(tl: Timeline) -> dict[str, list[int]]:
     """Counts of every transfer the placement implies, per receiving (or sending) worker."""
-    space, W = tl.step.space, tl.step.workers
+    space, W = tl.schedule.space, tl.schedule.workers
     S, B, SB = space.S, space.B, space.S * space.B
     comp, wts = tl.compute, tl.weights
     act = [0] * W
@@ -67,7 +67,7 @@ def traffic(tl: Timeline) -> dict[str, list[int]]:
     sends: list[set[tuple[int, int]]] = [set() for _ in range(W)]
     owners: list[set[int]] = [set() for _ in range(S)]
     grad_kind = space.K - 1  # B, or W when split: the job that makes stage s's weight gradient
-    frozen = tl.step.frozen
+    frozen = tl.schedule.frozen
     for j in range(space.N):
         k, s = divmod(j // B, S)
         w, o = comp[j], wts[j]
@@ -106,7 +106,7 @@ def traffic(tl: Timeline) -> dict[str, list[int]]:
 def _job_cache(tl: Timeline) -> tuple[list[int], list[int], list[int]]:
     """Under ``weight_cache="job"``: fetching jobs, their distinct stages, and the most copies held
     at once with no lookahead, per worker (see the module docstring)."""
-    space, W = tl.step.space, tl.step.workers
+    space, W = tl.schedule.space, tl.schedule.workers
     SB = space.S * space.B
     comp, wts = tl.compute, tl.weights
     jobs, peak = [0] * W, [0] * W
@@ -137,7 +137,7 @@ def per_worker(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> dict[s
     """Every per-worker metric, keyed as in ``simulation.json``'s ``per_worker``."""
     if weight_cache not in WEIGHT_CACHES:
         raise ValueError(f"weight_cache={weight_cache!r} is not valid; choose one of {list(WEIGHT_CACHES)}")
-    W = tl.step.workers
+    W = tl.schedule.workers
     busy = [0.0] * W
     for w, prog in enumerate(tl.program):
         busy[w] = sum(tl.finish[j] - tl.start[j] for j in prog)
@@ -161,7 +161,7 @@ def summarize(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> dict[st
     the throughput per worker, equal to ``utilization`` when every job kind takes the same time per
     stage.
     """
-    step = tl.step
+    step = tl.schedule
     S, B, W = step.S, step.B, step.workers
     pw = per_worker(tl, weight_cache)
     latency = tl.latency

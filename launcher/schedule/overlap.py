@@ -71,7 +71,7 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
         raise ValueError(f"step_overlap={rule!r} is invalid: use {' or '.join(STEP_OVERLAPS)}")
     if steps < 1:
         raise ValueError(f"steps={steps} is invalid: replay at least one step")
-    step, space = tl.step, tl.step.space
+    step, space = tl.schedule, tl.schedule.space
     S, B, N, W = space.S, space.B, space.N, step.workers
     SB = S * B
     comm = float(step.comm)
@@ -149,7 +149,7 @@ def last_two_steps(tl: Timeline, ss: SteadyState) -> list[tuple[int, int, int, s
     micro-batch, kind, step (0 or 1), start, end)``, times from the earlier step's first start."""
     if len(ss.starts) < 2:
         raise ValueError("two steps need a steady state of at least two replayed steps")
-    space = tl.step.space
+    space = tl.schedule.space
     a, b = ss.starts[-2], ss.starts[-1]
     t0 = min(a)
     out = []
@@ -168,7 +168,7 @@ def priced(tl: Timeline, rule: str, steps: int = STEADY_STEPS) -> dict[str, Any]
     (the steps replayed)."""
     ss = steady_state(tl, rule, steps)
     busy = sum(tl.finish[j] - tl.start[j] for j in range(len(tl.start)))
-    cost, W = ss.step_cost, tl.step.workers
+    cost, W = ss.step_cost, tl.schedule.workers
     return {"step_overlap": rule, "step_cost": cost,
             "step_bubble_fraction": 1.0 - busy / (W * cost) if cost else 0.0,
             "steady_steps": steps}

@@ -148,7 +148,7 @@ class Lowered:
     def reduce_tag(self, bucket: int, round_: int) -> int:
         """The tag of round ``round_`` of the ``bucket``-th all-reduce of the step (its place in
         :attr:`reduce_order`'s buckets), after the step's messages and the two per-stage ranges."""
-        return self.tag_base + 2 * self.timeline.step.space.S + bucket * reduce_rounds(self.workers) + round_
+        return self.tag_base + 2 * self.timeline.schedule.space.S + bucket * reduce_rounds(self.workers) + round_
 
     def counts(self) -> dict[str, list[int]]:
         """Messages received per worker and kind, straight from the programs."""

@@ -112,7 +112,7 @@ class Schedule:
 class Timeline:
     """The simulated step: when and where every job ran."""
 
-    step: Schedule
+    schedule: Schedule
     compute: list[int]  # w_compute of each job id
     weights: list[int]  # w_weights of each job id
     start: list[float]

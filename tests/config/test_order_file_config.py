@@ -19,7 +19,7 @@ LPP = ["strategy=lpp", "G=1", "R=2", "stages=4", "microbatches=4"]
 @pytest.fixture
 def csv_file(tmp_path: Path) -> Path:
     tl = simulate(make_schedule("lpp", 4, 4, 1, 2, order="interleaved_1f1b"))
-    return write_schedule(tl.step.space, tl.program, tmp_path / "il.csv")
+    return write_schedule(tl.schedule.space, tl.program, tmp_path / "il.csv")
 
 
 def test_file_order_runs_as_written(cfg_of, csv_file: Path) -> None:

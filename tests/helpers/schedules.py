@@ -21,14 +21,14 @@ def live_intervals(tl: Timeline) -> list[tuple[int, float, float]]:
     ``x_s^b`` is held by the worker of ``F(s,b)`` from that job's start to the end of the backward
     that consumes it (``B``, or ``I`` when the backward is split).
     """
-    space = tl.step.space
+    space = tl.schedule.space
     SB = space.S * space.B
     return [(tl.compute[j], tl.start[j], tl.finish[j + SB]) for j in range(SB)]
 
 
 def peak_live(tl: Timeline) -> list[int]:
     """Peak live activations per worker; a release at time t happens before an acquire at t."""
-    events: list[list[tuple[float, int]]] = [[] for _ in range(tl.step.workers)]
+    events: list[list[tuple[float, int]]] = [[] for _ in range(tl.schedule.workers)]
     for w, a, b in live_intervals(tl):
         events[w].append((a, 1))
         events[w].append((b, -1))
@@ -44,7 +44,7 @@ def peak_live(tl: Timeline) -> list[int]:
 
 def check_timeline(tl: Timeline) -> None:
     """Assert every invariant of a valid schedule; raise AssertionError with the culprit."""
-    step, space = tl.step, tl.step.space
+    step, space = tl.schedule, tl.schedule.space
     N, W = space.N, step.workers
     comm = float(step.comm)
 
@@ -94,7 +94,7 @@ def check_timeline(tl: Timeline) -> None:
 
 
 def ready_time(tl: Timeline, j: int) -> float:
-    space, comm = tl.step.space, float(tl.step.comm)
+    space, comm = tl.schedule.space, float(tl.schedule.comm)
     r = 0.0
     for p in space.pred(j):
         r = max(r, tl.finish[p] + (comm if tl.compute[p] != tl.compute[j] else 0.0))
@@ -103,7 +103,7 @@ def ready_time(tl: Timeline, j: int) -> float:
 
 def check_greedy(tl: Timeline) -> None:
     """Without memory limits, a worker never idles while one of its jobs is ready."""
-    space = tl.step.space
+    space = tl.schedule.space
     for w, prog in enumerate(tl.program):
         busy = sorted((tl.start[j], tl.finish[j]) for j in prog)
         for j in prog:

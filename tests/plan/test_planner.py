@@ -79,13 +79,13 @@ def step_time(tl, prof, cache: str = "step") -> float:
     """The simulated step, and with a link the gradient exchange after it; on fewer cores than
     workers, the replay of the workers sharing them; plus the time outside the engine. Under
     cache "job", backwards on fetched weights recompute their forward."""
-    grads = [prof.stage_bytes("grads", s) for s in range(tl.step.S)] if prof.link and prof.bytes else None
+    grads = [prof.stage_bytes("grads", s) for s in range(tl.schedule.S)] if prof.link and prof.bytes else None
     if prof.cores is not None:
         base = shared_cores_time(tl, prof, grads)
     else:
         base = (link_step_time(tl, grads, prof.link) if grads else tl.latency) + prof.outside
-    if cache == "job" and any(tl.weights[j] != tl.compute[j] for j in range(tl.step.space.N)):
-        return job_cache_time(tl, prof, grads, dict(tl.step.durations), base)
+    if cache == "job" and any(tl.weights[j] != tl.compute[j] for j in range(tl.schedule.space.N)):
+        return job_cache_time(tl, prof, grads, dict(tl.schedule.durations), base)
     return base
 
 

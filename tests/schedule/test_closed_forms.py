@@ -79,7 +79,7 @@ def memory_time_bound(tl) -> float:
     (S - s)(F + B_release); summed over a step B (F + B_release) S(S+1)/2, which the workers'
     peaks times the latency must cover.
     """
-    step = tl.step
+    step = tl.schedule
     d = step.durations
     if step.space.split_backward:
         fb, rel = d["F"] + d["I"] + d["W"], d["F"] + d["I"]

@@ -73,7 +73,7 @@ def test_simulator_runs_torchs_sequence(W, B, durations):
     """Each worker runs exactly PyTorch's sequence whatever the job times (it waits for its next
     job), every job once, none before its predecessors finish, one at a time per worker."""
     tl = simulate(dualpipev(W, B, durations=durations, comm=0.1))
-    space = tl.step.space
+    space = tl.schedule.space
     got = [[tuple(space.job(j)) for j in prog] for prog in tl.program]
     assert got == torch_sequences(W, B)
     assert sorted(j for prog in tl.program for j in prog) == list(range(space.N))

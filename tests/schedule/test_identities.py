@@ -26,7 +26,7 @@ HALVES = st.sampled_from([0.5, 1.0, 2.0, 3.0])
 def whole(tl):
     """Everything a timeline says about where and when each job ran."""
     return {
-        "workers": tl.step.workers,
+        "workers": tl.schedule.workers,
         "compute": tl.compute,
         "weights": tl.weights,
         "start": tl.start,
@@ -161,5 +161,5 @@ def test_diagram_cells_follow_jobs_when_comm_shifts_them_off_the_slot_grid():
     rows = grid(tl, "both")
     for w, prog in enumerate(tl.program):
         shown = [c for c in rows[w] if c]
-        labels = [f"{k.lower()}{s}:{b}" for s, b, k in (tl.step.space.job(j) for j in prog)]
+        labels = [f"{k.lower()}{s}:{b}" for s, b, k in (tl.schedule.space.job(j) for j in prog)]
         assert [c for i, c in enumerate(shown) if i == 0 or c != shown[i - 1]] == labels

@@ -120,7 +120,7 @@ def test_the_1f1b_that_runs_is_slower_than_the_1f1b_re_derived():
     ran, again = {}, {}
     for o in ("1f1b", "interleaved_1f1b"):
         tl = simulate(make_schedule("lpp", 4, 8, G=1, R=2, order=o))
-        timed = replace(tl, step=replace(tl.step, stage_durations=per))
-        ran[o], again[o] = replay(timed, 2).seconds, simulate(timed.step).latency
+        timed = replace(tl, schedule=replace(tl.schedule, stage_durations=per))
+        ran[o], again[o] = replay(timed, 2).seconds, simulate(timed.schedule).latency
     assert ran["1f1b"] == pytest.approx(58.0) and ran["interleaved_1f1b"] == pytest.approx(50.0)
     assert again["1f1b"] == pytest.approx(53.3) and again["interleaved_1f1b"] == pytest.approx(50.0)

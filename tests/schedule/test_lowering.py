@@ -281,7 +281,7 @@ def test_weight_messages_are_the_lowered_programs_weight_traffic(name, G, R, S, 
     over before it (after the owner's last job: at that job), a partial sum sent after it."""
     tl = simulate(make_schedule(name, S, B, G=G, R=R, order="1f1b"))
     plan = lower(tl, weight_cache=cache, prefetch=0)  # no lookahead: each hand-over at its release point
-    want = [0] * tl.step.space.N
+    want = [0] * tl.schedule.space.N
     for prog in plan.programs:
         seen: set[int] = set()
         for i, op in enumerate(prog.jobs):

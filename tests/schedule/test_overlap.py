@@ -156,7 +156,7 @@ def test_two_steps_interleave_without_a_gap_on_zb_h2():
     p, m = 4, 8
     tl = simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h2", split_backward=True, durations=UNIT))
     jobs = last_two_steps(tl, steady_state(tl))
-    assert len(jobs) == 2 * tl.step.space.N
+    assert len(jobs) == 2 * tl.schedule.space.N
     for w in range(p):
         mine = sorted((j[5], j[6], j[4]) for j in jobs if j[0] == w)
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(mine, mine[1:]))  # one job at a time

@@ -21,7 +21,7 @@ def test_checker_accepts_a_valid_timeline():
 
 def test_checker_catches_a_job_that_starts_before_its_predecessor():
     tl = copy.deepcopy(_tl())
-    j = tl.step.space.id(1, 0, "F")
+    j = tl.schedule.space.id(1, 0, "F")
     tl.start[j] -= 0.25
     tl.finish[j] -= 0.25
     with pytest.raises(AssertionError, match="before its predecessor"):

@@ -48,7 +48,7 @@ def test_vshape_placement():
 def test_programs_are_torchs_sequence(W, B, durations):
     """Each worker runs exactly PyTorch's sequence, whatever the job times (it waits for its next job)."""
     tl = simulate(zbv(W, B, durations=durations, comm=0.1))
-    got = [[tuple(tl.step.space.job(j)) for j in prog] for prog in tl.program]
+    got = [[tuple(tl.schedule.space.job(j)) for j in prog] for prog in tl.program]
     assert got == [[a for a in ops if a is not None] for ops in torch_grid(W, B)]
 
 
@@ -59,8 +59,8 @@ def test_unit_durations_start_where_torch_puts_them(W, B):
     ``2W - 1`` micro-batches PyTorch leaves the missing ones' steps idle, so only from there on)."""
     tl = simulate(zbv(W, B, durations={"F": 1.0, "I": 1.0, "W": 1.0}, comm=0.0))
     grid = torch_grid(W, B)
-    for j in range(tl.step.space.N):
-        s, b, k = tl.step.space.job(j)
+    for j in range(tl.schedule.space.N):
+        s, b, k = tl.schedule.space.job(j)
         assert grid[tl.compute[j]].index((s, b, k)) == tl.start[j], (s, b, k)
     assert tl.latency == max(len(ops) for ops in grid)
 
