@@ -6,7 +6,7 @@ A run's schedule settings arrive from the command line (a composed Hydra config)
 whose step rules are :mod:`launcher.schedule.rules`), builds any custom placement or order once,
 says in one warning line each setting that has no effect under the scheme, and hands on frozen
 :class:`Settings`. The strategy, the forked workers (which inherit them) and the simulator read
-them without checking again; :meth:`Settings.step` builds the schedule from them.
+them without checking again; :meth:`Settings.schedule` builds the schedule from them.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _guarded(fn: Callable, key: str, target: str, name: str, pair: bool = False)
 def to_schedule(cfg: DictConfig | Mapping[str, Any], check: bool = True, graph: Any = None) -> Schedule:
     """The step a (composed) config describes; validated first unless ``check`` is false.
     ``graph``: the model's stage graph, when it is not a chain (a traced model's)."""
-    step = settings_of(cfg, check).step(graph)
+    step = settings_of(cfg, check).schedule(graph)
     if step.order.name == "file":  # the file's placement must be the scheme's: refuse before any worker starts
         from ..schedule.order_file import FileOrder
         from ..schedule.simulate import place_all

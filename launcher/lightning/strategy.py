@@ -220,7 +220,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
 
     def make_schedule(self) -> Schedule:
         """The schedule this strategy runs (the same every worker derives)."""
-        return self._timed(self.settings.step(self.graph))
+        return self._timed(self.settings.schedule(self.graph))
 
     def _timed(self, step: Schedule) -> Schedule:
         """``step`` with the profiled stages' own durations (``partition=time``/``memory``), in the

@@ -103,7 +103,7 @@ def _plannable(spec: Any) -> None:
     from ..schedule.lowering import LoweringError, lower
 
     try:
-        lower(simulate(spec.step()), spec.weight_cache, spec.prefetch)
+        lower(simulate(spec.schedule()), spec.weight_cache, spec.prefetch)
     except (ScheduleError, LoweringError) as e:
         raise ConfigError([str(e).rstrip(".") + "."]) from e
     except ConfigError:

@@ -434,7 +434,7 @@ def zb_h2_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
 @dataclass(frozen=True)
 class AutoOrder(Sequenced):
     """Each worker's job sequence as the search found it (``seqs``; :mod:`launcher.schedule.auto_order`),
-    run strictly. :meth:`launcher.schedule.settings.Settings.step` fills ``seqs`` from the step's profile."""
+    run strictly. :meth:`launcher.schedule.settings.Settings.schedule` fills ``seqs`` from the step's profile."""
 
     seqs: tuple[tuple[int, ...], ...] | None = None
     name: ClassVar[str] = "auto"
@@ -442,7 +442,8 @@ class AutoOrder(Sequenced):
 
     def sequences(self, space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
         if self.seqs is None:
-            raise ValueError("order=auto has no sequences yet: build the step with Settings.step, which searches them")
+            raise ValueError("order=auto has no sequences yet: build the schedule with Settings.schedule, "
+                             "which searches them")
         return [list(s) for s in self.seqs]
 
 

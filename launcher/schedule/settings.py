@@ -3,7 +3,7 @@
 Every entry point builds one: the command line (:func:`launcher.config.spec.settings_of`, from the
 composed Hydra config, whose schema takes its defaults from :data:`DEFAULT`), ``UnifiedStrategy``'s
 keywords, and the Python API (:func:`make_schedule`). The rules of :mod:`.rules` check its fields
-(:meth:`Settings.errors`), and :meth:`Settings.step` is the one way to build a
+(:meth:`Settings.errors`), and :meth:`Settings.schedule` is the one way to build a
 :class:`~launcher.schedule.simulate.Schedule`. Pure Python: no torch, no omegaconf.
 """
 
@@ -203,7 +203,7 @@ class Settings:
         return out
 
     # ---- the schedule --------------------------------------------------------------------
-    def step(self, graph: StageGraph | None = None) -> Schedule:
+    def schedule(self, graph: StageGraph | None = None) -> Schedule:
         """The schedule these settings describe, on the stage ``graph`` (a chain when ``None``).
         Trusts the settings (:meth:`checked` them first): analyses may study steps the launcher
         refuses on purpose (workers without a stage)."""
@@ -238,7 +238,7 @@ def make_schedule(strategy: SchemeLike, stages: int, microbatches: int, G: int |
     """The step of :meth:`Settings.of` (a named scheme or a placement callable on ``W = G * R``
     workers; any other field of :class:`Settings` as a keyword), checked by the rules the command
     line applies, with the same sentences: :class:`StepError`, one per broken rule."""
-    return _settings(strategy, stages, microbatches, G, R, order, stage_durations, settings).checked().step(graph)
+    return _settings(strategy, stages, microbatches, G, R, order, stage_durations, settings).checked().schedule(graph)
 
 
 def unchecked_schedule(strategy: SchemeLike, stages: int, microbatches: int, G: int | None = None, R: int | None = None,
@@ -247,7 +247,7 @@ def unchecked_schedule(strategy: SchemeLike, stages: int, microbatches: int, G: 
     """:func:`make_schedule` without the rules a config must meet: for analyses that study steps the
     launcher refuses on purpose (the LPP configuration ``G = B/2, R = 2S/M`` of docs/design.md,
     "Closed forms", leaves workers without a stage)."""
-    return _settings(strategy, stages, microbatches, G, R, order, stage_durations, settings).step(graph)
+    return _settings(strategy, stages, microbatches, G, R, order, stage_durations, settings).schedule(graph)
 
 
 def _settings(strategy: SchemeLike, stages: int, microbatches: int, G: int | None, R: int | None, order: OrderLike,

@@ -52,7 +52,7 @@ class ScheduleError(ValueError):
 
 @dataclass
 class Schedule:
-    """Everything that defines one step's schedule, as :meth:`launcher.schedule.settings.Settings.step`
+    """Everything that defines one step's schedule, as :meth:`launcher.schedule.settings.Settings.schedule`
     builds it from the step's settings."""
 
     space: JobSpace

@@ -228,7 +228,7 @@ def test_a_key_without_effect_under_the_scheme_warns_once_and_runs(cfg_of, caplo
     c = cfg_of("strategy=ddp", "order=breadth_first", "weight_cache=job", "prefetch=3", "stages=4", "microbatches=6")
     assert errors(c) == []
     with caplog.at_level("WARNING", logger="launcher"):
-        tl = simulate(settings_of(c).step())
+        tl = simulate(settings_of(c).schedule())
     said = [r.getMessage() for r in caplog.records]
     assert said == [
         "warning: order=breadth_first has no effect with strategy=ddp: each DDP worker takes its one micro-batch "
