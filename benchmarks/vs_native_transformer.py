@@ -139,7 +139,7 @@ def file_pairs(folder: str) -> list[Pair]:
     torch_csv = str(Path(folder) / "torch_interleaved_1f1b.csv")
     pps.PipelineScheduleMulti._dump_csv(types.SimpleNamespace(pipeline_order=theirs), torch_csv)
     tl = simulate(make_schedule("lpp", R * per, B, G=1, R=R, order="1f1b"))
-    ours_csv = str(write_schedule(tl.schedule.space, tl.program, Path(folder) / "ours_lpp_1f1b.csv"))
+    ours_csv = str(write_schedule(tl.schedule.space, tl.sequences, Path(folder) / "ours_lpp_1f1b.csv"))
     return [Pair("torch-csv-w4", "lpp", 1, R, R * per, B, FileOrder(path=torch_csv), False,  # type: ignore[arg-type]
                  "interleaved_1f1b"),
             Pair("ours-csv-w4", "lpp", 1, R, R * per, B, FileOrder(path=ours_csv), False, "csv")]  # type: ignore[arg-type]

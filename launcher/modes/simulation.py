@@ -140,7 +140,7 @@ def report_simulation(cfg: DictConfig, tl: Timeline, summary: dict[str, Any], ou
     if export:  # the step's job sequences, for order=file here or torch's _load_csv (a .csv)
         from ..schedule.order_file import write_schedule
 
-        con.print(f"wrote the schedule to {write_schedule(tl.schedule.space, tl.program, export)}", highlight=False,
+        con.print(f"wrote the schedule to {write_schedule(tl.schedule.space, tl.sequences, export)}", highlight=False,
                   soft_wrap=True)
     if draw:
         con.print(f"wrote {json_path} and {png_path}", highlight=False, soft_wrap=True)

@@ -523,7 +523,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     step_time: dict = {}
     link = prof.link
     grads = [prof.stage_bytes("grads", s) for s in range(S)] if link and prof.bytes else None
-    programs = tuple(map(tuple, tl.program))
+    programs = tuple(map(tuple, tl.sequences))
     monotone = prof.cores is None or prof.cores >= tl.schedule.workers  # see job_cache_time
     # per job work on CPU workers: the jobs and their activations and gradients depend on where jobs
     # run only, the same for every scheme here; the weight messages on who owns what (below)
@@ -532,7 +532,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
     g = tl.schedule.graph_share
     share = float(g) if isinstance(g, (int, float)) else tuple(g)
     for sch, weights, owned, fetched in per_scheme:
-        view = Timeline(tl.schedule, tl.compute, weights * tl.schedule.space.K, tl.start, tl.finish, tl.program,
+        view = Timeline(tl.schedule, tl.compute, weights * tl.schedule.space.K, tl.start, tl.finish, tl.sequences,
                         tl.peak_activations)
         cached: tuple[dict[str, list[int]], list[float] | None] | None = moves.get(sch)
         if cached is None:

@@ -43,7 +43,7 @@ def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int 
     cmap = plt.get_cmap("tab20" if B > 10 else "tab10")
     colour = lambda b: cmap(b % cmap.N)  # noqa: E731
     label = space.N <= MAX_LABELS
-    for w, prog in enumerate(tl.program):
+    for w, prog in enumerate(tl.sequences):
         # one collection per worker and direction (fast for thousands of jobs): forwards solid,
         # backwards hatched, so the same colour reads as the same micro-batch both ways
         for forward in (True, False):

@@ -143,11 +143,11 @@ def build(
 
     pred_ranks: list[int] = []
     if timeline is not None:
-        last = max((timeline.finish[j] for prog in timeline.program for j in prog), default=0.0)
+        last = max((timeline.finish[j] for prog in timeline.sequences for j in prog), default=0.0)
         if predicted_step_s is None:
             predicted_step_s = last
         tracks += _predicted_tracks(timeline, step, round(predicted_step_s * 1e9), round(last * 1e9))
-        pred_ranks = list(range(len(timeline.program)))
+        pred_ranks = list(range(len(timeline.sequences)))
 
     events = _metadata([(MEASURED, "measured", sorted(traced)), (PREDICTED, "predicted", pred_ranks)])
     for tr in tracks:
@@ -214,7 +214,7 @@ def _predicted_tracks(timeline: Any, step: int, step_ns: int, last_ns: int) -> l
     ``step_ns``, and the end of the step after the last job of any worker (``last_ns``)."""
     space = timeline.schedule.space
     tracks = []
-    for r, prog in enumerate(timeline.program):
+    for r, prog in enumerate(timeline.sequences):
         tr = _Track(PREDICTED, r)
         tracks.append(tr)
         tr.add(0, step_ns, f"step {step}", "step", {"step": step, "dur_ms": 0.0})

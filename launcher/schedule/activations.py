@@ -139,11 +139,11 @@ def sum_handovers(tl: Timeline) -> list[SumHandover]:
     owners: list[set[int]] = [set() for _ in range(S)]
     for j in range(space.N):
         owners[(j // B) % S].add(tl.weights[j])
-    starts = [[tl.start[j] for j in tl.program[w]] for w in range(W)]
+    starts = [[tl.start[j] for j in tl.sequences[w]] for w in range(W)]
     first: dict[tuple[int, int, int], int] = {}
     last: dict[tuple[int, int, int], int] = {}
     for w in range(W):
-        for i, j in enumerate(tl.program[w]):
+        for i, j in enumerate(tl.sequences[w]):
             if j // SB == grad_kind and tl.weights[j] != w and (j // B) % S not in tl.schedule.frozen:
                 key = ((j // B) % S, w, tl.weights[j])
                 first.setdefault(key, i)
@@ -182,17 +182,17 @@ def gradient_peaks(tl: Timeline, grads: Callable[[int], float], cache: str = "jo
         events[w].append((t1, 0, -n))
 
     for h in sum_handovers(tl):
-        prog, g = tl.program[h.sender], grads(h.stage)
+        prog, g = tl.sequences[h.sender], grads(h.stage)
         if cache == "job":
             end = tl.start[prog[h.deliver]] if h.deliver is not None else tl.latency
             live(h.sender, tl.start[prog[h.first]], end, g)
             if h.post is not None:
-                j = tl.program[h.owner][h.post]
+                j = tl.sequences[h.owner][h.post]
                 live(h.owner, tl.start[j], tl.finish[j], g)
         else:
             live(h.sender, 0.0, tl.latency, g)
     for w in range(W):
-        for j in tl.program[w]:
+        for j in tl.sequences[w]:
             if j // SB == grad_kind:
                 live(w, tl.start[j], tl.finish[j], grads((j // B) % S))
     return [_peak(ev) for ev in events]

@@ -100,7 +100,7 @@ def timeline_jobs(tl: Timeline) -> Programs:
     space = tl.schedule.space
     S, B, kinds = space.S, space.B, space.kinds
     acts = [Action(kinds[k], s, b) for k in range(space.K) for s in range(S) for b in range(B)]  # by job id
-    return [[acts[j] for j in prog] for prog in tl.program]
+    return [[acts[j] for j in prog] for prog in tl.sequences]
 
 #: one ``act`` or ``grad`` message along an edge of the job graph, as :func:`edges` gives it:
 #: (numbering order, key, kind, src, dst, stage, microbatch, peer_stage, the producer's index among
@@ -216,7 +216,7 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]], edge_msgs:
     ever waits for data whose key is earlier than the simulated start of the job that waits, so
     issuing in key order cannot deadlock (the simulated timeline is a witness).
     """
-    space, program, start, finish = tl.schedule.space, tl.program, tl.start, tl.finish
+    space, seqs, start, finish = tl.schedule.space, tl.sequences, tl.start, tl.finish
     S, B, N, W = space.S, space.B, space.N, len(progs)
     # the producer's place among the consumer's predecessors (JobSpace.pred), from the stage graph:
     # act by the consumer's stage, grad by the producing backward's
@@ -273,11 +273,11 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]], edge_msgs:
                                    belongs[ws][ns], belongs[wr][nr]))
             elif kind == WEIGHTS:  # ready when its consumer starts: owners hold weights all step
                 i = belongs[wr][nr]
-                consumer = program[wr][i]
+                consumer = seqs[wr][i]
                 found.append((base_weights + wr * (N + 1) + i, (start[consumer], -1, consumer, consumer), kind, ws, wr,
                               x, -1, y, ns, nr))
             else:  # ready when the last job it sums ends
-                producer = program[ws][belongs[ws][ns]]
+                producer = seqs[ws][belongs[ws][ns]]
                 found.append((base_wgrad + (stage * W + ws) * W + wr, (finish[producer], 1, producer, wr), kind, ws, wr,
                               x, -1, y, ns, nr))
     for w, at in enumerate(sent):
@@ -337,7 +337,7 @@ def _bindings(tl: Timeline, progs: Programs) -> list[list[int]]:
     """Per worker and action, the job it belongs to (:func:`_belongs`), a receive's the job it feeds
     (:func:`_bound`)."""
     weights = tl.weights
-    return [_bound(prog, _belongs(prog), [weights[j] for j in tl.program[w]] if w < len(tl.program) else [], w)
+    return [_bound(prog, _belongs(prog), [weights[j] for j in tl.sequences[w]] if w < len(tl.sequences) else [], w)
             for w, prog in enumerate(progs)]
 
 
@@ -360,8 +360,9 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
     for (a, b), mids_ab in between.items():  # each worker's peers in the order of their first message
         pair[a][b], pair[b][a] = mids_ab, list(mids_ab)
     weights, start = tl.weights, tl.start
+    seqs = tl.sequences
     jobs = [[JobOp(j, stage, mb, op, weights[j], {}, [], [], None, False, start[j])
-             for j, (op, stage, mb, _, _) in zip(tl.program[w], compress(prog, map(JOBS.__contains__, map(OP, prog))))]
+             for j, (op, stage, mb, _, _) in zip(seqs[w], compress(prog, map(JOBS.__contains__, map(OP, prog))))]
             for w, prog in enumerate(progs)]
     for mid, (_, _, kind, ws, wr, stage, _, peer, ns, nr) in enumerate(edge_msgs):  # each job's messages in id order
         jobs[wr][nr].recv[stage if kind == ACT else peer] = mid

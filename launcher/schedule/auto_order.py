@@ -97,7 +97,7 @@ def span(tl: Timeline, above: float = math.inf) -> float:
         for k in step.space.pred(j):
             preds[j].append((k, dur[k] + step.crossing(tl.compute[k], tl.compute[j])))
     ends = []
-    for prog in tl.program:
+    for prog in tl.sequences:
         for a, b in zip(prog, prog[1:]):
             preds[b].append((a, dur[a]))
         if prog:
@@ -333,7 +333,7 @@ def _candidates(step: Schedule, compute: Sequence[int], grid: bool) -> list[list
                 pass
     for name in ("zb_h1", "zb_h2", "1f1b"):
         try:
-            out.append(simulate(replace(step, order=make_order(name))).program)
+            out.append(simulate(replace(step, order=make_order(name))).sequences)
         except (ScheduleError, ValueError):  # ValueError: an order that does not fit the placement
             pass
     return out

@@ -3,7 +3,7 @@
 The simulator assumes every worker has a processor of its own (a GPU each, or a core each). When
 W worker processes share C cores (a CPU machine with fewer cores than workers), a job runs slower
 while more than C workers are busy at once. The runtime runs each worker's jobs in the order the
-simulator chose (:attr:`Timeline.program`), so this replays those programs, job by job, with
+simulator chose (:attr:`Timeline.sequences`), so this replays those sequences, job by job, with
 *processor sharing*: at any moment the ``n`` workers that have a job they can run each progress
 at ``min(1, C / n)`` of a core. A job can run once the worker's previous job is done and its
 inputs have arrived (``comm`` after the producing job when it ran elsewhere; given ``fetched``, a
@@ -41,7 +41,7 @@ class Replayed(NamedTuple):
 
     def timeline(self, tl: Timeline) -> Timeline:
         """``tl`` with the replayed times (the same programs)."""
-        return Timeline(tl.schedule, tl.compute, tl.weights, self.start, self.finish, tl.program, tl.peak_activations)
+        return Timeline(tl.schedule, tl.compute, tl.weights, self.start, self.finish, tl.sequences, tl.peak_activations)
 
 
 def replay(
@@ -82,7 +82,7 @@ def _processor_sharing(tl: Timeline, cores: int, work: list[float], comm: float,
     """:func:`replay` on fewer cores than workers: from event to event (a piece of work ends, or one
     can start), the workers with work in hand share the cores. One loop, written inline: it runs
     once per event, and the planner replays every candidate on a CPU profile."""
-    W, programs = tl.schedule.workers, tl.program
+    W, programs = tl.schedule.workers, tl.sequences
     finish = [math.nan] * tl.schedule.space.N
     start = [math.nan] * tl.schedule.space.N
     pos = [0] * W  # next job of each worker (len(program): its tail)
@@ -140,7 +140,7 @@ def _readiness(tl: Timeline, comm: float, sync: Sequence[Sequence[int]], delays:
                finish: list[float], jobs_done: list[float], fetched: Mapping[int, int]) -> Callable[[int], float]:
     """``ready_at(w)``: when worker ``w``'s next piece of work can start (inf: it waits on something
     unfinished), read from the replay's state as it goes (``pos``, ``finish``, ``jobs_done``)."""
-    space, programs, compute = tl.schedule.space, tl.program, tl.compute
+    space, programs, compute = tl.schedule.space, tl.sequences, tl.compute
 
     def ready_at(w: int) -> float:
         prog = programs[w]
@@ -171,7 +171,7 @@ def _longest_paths(tl: Timeline, work: list[float], comm: float, tails: list[flo
     """:func:`replay` with a core per worker, without events: each job starts at
     ``max(its worker's previous finish, its inputs' finish + comm)``; the same times as the
     processor-sharing loop at a rate of 1, without its events."""
-    space, programs, compute = tl.schedule.space, tl.program, tl.compute
+    space, programs, compute = tl.schedule.space, tl.sequences, tl.compute
     W = len(programs)
     start, finish = [math.nan] * space.N, [math.nan] * space.N
     pos, free = [0] * W, [0.0] * W

@@ -51,7 +51,7 @@ def grid(tl: Timeline, cells: str = "both") -> list[list[str]]:
 
     ncols = col(tl.latency)
     rows: list[list[str]] = []
-    for prog in tl.program:
+    for prog in tl.sequences:
         row = [""] * ncols
         for j in prog:
             s, b, k = tl.schedule.space.job(j)

@@ -145,4 +145,4 @@ def step_time(tl: Timeline, grad_bytes: Sequence[float], link: Link, tails: Sequ
     if tails is None:
         tails = end_of_step(tl, grad_bytes, link)
     # a worker runs its program one job at a time: its last job finishes last
-    return max((tl.finish[prog[-1]] if prog else 0.0) + t for prog, t in zip(tl.program, tails))
+    return max((tl.finish[prog[-1]] if prog else 0.0) + t for prog, t in zip(tl.sequences, tails))

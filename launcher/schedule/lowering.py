@@ -65,13 +65,13 @@ Slots = list[defaultdict[int, list[Action]]]  # per worker, job index -> actions
 
 
 def _slots(tl: Timeline) -> tuple[Slots, Slots]:
-    return [defaultdict(list) for _ in tl.program], [defaultdict(list) for _ in tl.program]
+    return [defaultdict(list) for _ in tl.sequences], [defaultdict(list) for _ in tl.sequences]
 
 
 def _positions(tl: Timeline) -> list[int]:
     """Each job's index in its worker's program."""
     at = [0] * tl.schedule.space.N
-    for prog in tl.program:
+    for prog in tl.sequences:
         deque(map(at.__setitem__, prog, range(len(prog))), maxlen=0)  # at[j] = i, without a Python loop
     return at
 
@@ -91,7 +91,7 @@ def job_actions(tl: Timeline) -> Programs:
         if tl.compute[j] != tl.compute[j % SB]:
             s, b, d = space.job(j)
             w = tl.compute[j]
-            raise marked_error(progs, (w, tl.program[w].index(j)),
+            raise marked_error(progs, (w, tl.sequences[w].index(j)),
                           f"placement {tl.schedule.name} runs F({s},{b}) on worker {tl.compute[j % SB]} but "
                           f"{d}({s},{b}) on worker {w}", "the runtime needs every job of a (stage, micro-batch) "
                           "on the worker that holds its activations")
@@ -147,8 +147,8 @@ def weight_fetches(tl: Timeline, weight_cache: str) -> Iterator[tuple[int, int, 
         return
     space = tl.schedule.space
     S, B, SB, kinds = space.S, space.B, space.S * space.B, space.kinds
-    starts = [[tl.start[j] for j in prog] for prog in tl.program]
-    for w, prog in enumerate(tl.program):
+    starts = [[tl.start[j] for j in prog] for prog in tl.sequences]
+    for w, prog in enumerate(tl.sequences):
         cached: set[int] = set()
         for i, j in enumerate(prog):
             o = tl.weights[j]
@@ -181,7 +181,7 @@ def add_weights(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     before, after = _slots(tl)
     hand: list[tuple[int, int, float, int, Action]] = []  # (owner, its job index, consumer's start, consumer, send)
     for w, i, s, o, oi in weight_fetches(tl, weight_cache):
-        j = tl.program[w][i]
+        j = tl.sequences[w][i]
         if weight_cache == "job":
             after[w][i].append(Action(FREE_WEIGHTS, s))
         b = tl.schedule.space.job(j)[1]
@@ -234,7 +234,7 @@ def weight_arrivals(tl: Timeline, weight_cache: str, prefetch: int) -> dict[int,
     out = {}
     for w, i, _s, o, oi in weight_fetches(tl, weight_cache):
         k = early(oi, prefetch) - 1  # after the owner's job k, or at the start
-        out[tl.program[w][i]] = tl.program[o][k] if k >= 0 else -1
+        out[tl.sequences[w][i]] = tl.sequences[o][k] if k >= 0 else -1
     return out
 
 
@@ -245,7 +245,7 @@ def weight_messages(tl: Timeline, weight_cache: str) -> list[int]:
     at the end of the step, outside the jobs). On CPU workers each costs the communication threads a
     core's time, like an activation (:func:`launcher.schedule.cores.job_work`)."""
     out = [0] * tl.schedule.space.N
-    prog = tl.program
+    prog = tl.sequences
     for w, i, _s, o, oi in weight_fetches(tl, weight_cache):
         out[prog[w][i]] += 1
         if prog[o]:
@@ -279,7 +279,7 @@ def add_wgrad(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
             before[w][h.deliver].append(Action(FREE_WGRAD, s, peer=o))
     for s, w, o in sorted(last):  # the rest at the end, in the order the owner takes them in
         if (h := hand.get((s, w, o))) is None or h.post is None:
-            before[o][len(tl.program[o])].append(Action(RECV_WGRAD, s, peer=w))
+            before[o][len(tl.sequences[o])].append(Action(RECV_WGRAD, s, peer=w))
     return weave(progs, before, after)
 
 
@@ -291,7 +291,7 @@ def _partial_sums(tl: Timeline) -> dict[tuple[int, int, int], int]:
     last: dict[tuple[int, int, int], int] = {}
     if _all_on_own_weights(tl):
         return last
-    for w, prog in enumerate(tl.program):
+    for w, prog in enumerate(tl.sequences):
         for j in prog:
             # B, or W when split: it yields the gradient (none for a frozen stage: nothing to send)
             if j // SB == space.K - 1 and tl.weights[j] != w and (j // B) % S not in tl.schedule.frozen:
@@ -312,7 +312,7 @@ def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     owners = stage_owners(tl)
     sums = {(o, s) for s, _, o in _partial_sums(tl)}  # owners that partial sums come in to, by stage
     before, after = _slots(tl)
-    for w, prog in enumerate(tl.program):
+    for w, prog in enumerate(tl.sequences):
         ready = {(j // B) % S: i for i, j in enumerate(prog) if j // SB == space.K - 1 and tl.weights[j] == w}
         for s in range(S):
             if len(owners[s]) > 1 and w in owners[s] and s not in tl.schedule.frozen:

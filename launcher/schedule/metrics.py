@@ -111,7 +111,7 @@ def _job_cache(tl: Timeline) -> tuple[list[int], list[int], list[int]]:
     comp, wts = tl.compute, tl.weights
     jobs, peak = [0] * W, [0] * W
     stages: list[set[int]] = [set() for _ in range(W)]
-    for w, prog in enumerate(tl.program):
+    for w, prog in enumerate(tl.sequences):
         held, kept = 0, set()  # copies held now; (s, b) whose I keeps its copy until W
         for j in prog:
             s, b, d = space.job(j)
@@ -139,7 +139,7 @@ def per_worker(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> dict[s
         raise ValueError(f"weight_cache={weight_cache!r} is not valid; choose one of {list(WEIGHT_CACHES)}")
     W = tl.schedule.workers
     busy = [0.0] * W
-    for w, prog in enumerate(tl.program):
+    for w, prog in enumerate(tl.sequences):
         busy[w] = sum(tl.finish[j] - tl.start[j] for j in prog)
     out: dict[str, list] = {"busy": busy}
     out.update(traffic(tl))

@@ -117,7 +117,7 @@ class FileOrder(Sequenced):
 
 
 def programs_of(space: JobSpace, program: Sequence[Sequence[int]]) -> list[list[Action]]:
-    """Each worker's jobs (``Timeline.program``: job ids in the order it runs them) as actions."""
+    """Each worker's jobs (``Timeline.sequences``: job ids in the order it runs them) as actions."""
     out = []
     for seq in program:
         row = []

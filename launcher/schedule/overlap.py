@@ -84,10 +84,10 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
     preds = [[(k, comm if tl.compute[k] != tl.compute[j] else 0.0) for k in space.pred(j)] for j in range(N)]
     order = sorted(range(N), key=lambda j: (tl.start[j], j))  # dependencies and programs both go forward
     prev = [-1] * N  # the job before j on its worker
-    for prog in tl.program:
+    for prog in tl.sequences:
         for a, b in zip(prog, prog[1:]):
             prev[b] = a
-    last_on = [prog[-1] if prog else -1 for prog in tl.program]
+    last_on = [prog[-1] if prog else -1 for prog in tl.sequences]
     grads: list[list[tuple[int, float]]] = [[] for _ in range(S)]  # per stage: (job, what its gradient adds)
     for j in range(grad_kind * SB, (grad_kind + 1) * SB):
         s = (j // B) % S

@@ -117,7 +117,7 @@ class Timeline:
     weights: list[int]  # w_weights of each job id
     start: list[float]
     finish: list[float]
-    program: list[list[int]]  # per worker, its job ids in the order it runs them
+    sequences: list[list[int]]  # per worker, its job ids in the order it runs them
     peak_activations: list[int]
 
     @property
@@ -373,7 +373,7 @@ def simulate(step: Schedule) -> Timeline:
     ready_at = [0.0] * N
     start = [0.0] * N
     finish = [0.0] * N
-    program: list[list[int]] = [[] for _ in range(W)]
+    sequences: list[list[int]] = [[] for _ in range(W)]
     avail: list[list[list]] = [[[] for _ in range(C)] for _ in range(W)]  # (n, job) per class
     # (time, key, last forward of b here, units, inputs) given back to a worker by another one
     releases: list[list] = [[] for _ in range(W)]
@@ -461,7 +461,7 @@ def simulate(step: Schedule) -> Timeline:
         start[j] = T
         finish[j] = fin
         free_at[w] = fin
-        program[w].append(j)
+        sequences[w].append(j)
         done += 1
         wake[w] = fin
         heappush(events, (fin, w))
@@ -523,4 +523,4 @@ def simulate(step: Schedule) -> Timeline:
 
     if done != N:
         raise _stalled(step, done, [w for w in range(W) if any(avail[w]) or pend[w]], limited)
-    return Timeline(step, compute, weights, start, finish, program, peak)
+    return Timeline(step, compute, weights, start, finish, sequences, peak)

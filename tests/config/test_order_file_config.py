@@ -19,7 +19,7 @@ LPP = ["strategy=lpp", "G=1", "R=2", "stages=4", "microbatches=4"]
 @pytest.fixture
 def csv_file(tmp_path: Path) -> Path:
     tl = simulate(make_schedule("lpp", 4, 4, 1, 2, order="interleaved_1f1b"))
-    return write_schedule(tl.schedule.space, tl.program, tmp_path / "il.csv")
+    return write_schedule(tl.schedule.space, tl.sequences, tmp_path / "il.csv")
 
 
 def test_file_order_runs_as_written(cfg_of, csv_file: Path) -> None:
@@ -27,7 +27,7 @@ def test_file_order_runs_as_written(cfg_of, csv_file: Path) -> None:
     assert errors(c) == []
     tl, summary = simulate_config(c)
     ref = simulate(make_schedule("lpp", 4, 4, 1, 2, order="interleaved_1f1b"))
-    assert tl.program == ref.program and tl.finish == ref.finish and summary["latency"] == ref.latency
+    assert tl.sequences == ref.sequences and tl.finish == ref.finish and summary["latency"] == ref.latency
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -65,4 +65,4 @@ def test_export_writes_what_order_file_reads(cfg_of, tmp_path: Path) -> None:
         tl, summary = simulate_config(c)
         report_simulation(c, tl, summary, tmp_path)
         back, _ = simulate_config(cfg_of(*LPP, "split_backward=true", "order.name=file", f"order.path={out}"))
-        assert back.program == tl.program and back.start == tl.start
+        assert back.sequences == tl.sequences and back.start == tl.start

@@ -49,11 +49,11 @@ def check_timeline(tl: Timeline) -> None:
     comm = float(step.comm)
 
     # every job runs exactly once, on its w_compute, for its duration
-    ran = Counter(j for prog in tl.program for j in prog)
+    ran = Counter(j for prog in tl.sequences for j in prog)
     assert sorted(ran) == list(range(N)) and set(ran.values()) == {1} if N else not ran, (
         f"jobs that did not run exactly once: {sorted(j for j in range(N) if ran[j] != 1)[:5]}"
     )
-    for w, prog in enumerate(tl.program):
+    for w, prog in enumerate(tl.sequences):
         for j in prog:
             assert tl.compute[j] == w, f"job {space.job(j)} placed on {tl.compute[j]} ran on {w}"
     for j in range(N):
@@ -74,7 +74,7 @@ def check_timeline(tl: Timeline) -> None:
             )
 
     # no worker runs two jobs at once; a worker's program is in start order
-    for w, prog in enumerate(tl.program):
+    for w, prog in enumerate(tl.sequences):
         for a, b in zip(prog, prog[1:]):
             assert tl.start[b] >= tl.finish[a] - 1e-9, (
                 f"worker {w} runs {space.job(a)} [{tl.start[a]}, {tl.finish[a]}) and "
@@ -104,7 +104,7 @@ def ready_time(tl: Timeline, j: int) -> float:
 def check_greedy(tl: Timeline) -> None:
     """Without memory limits, a worker never idles while one of its jobs is ready."""
     space = tl.schedule.space
-    for w, prog in enumerate(tl.program):
+    for w, prog in enumerate(tl.sequences):
         busy = sorted((tl.start[j], tl.finish[j]) for j in prog)
         for j in prog:
             r, s = ready_time(tl, j), tl.start[j]

@@ -146,7 +146,7 @@ def test_candidates_are_distinct_schedules():
             prof.durations), comm=0.0, memory_limit=p.memory_limit, split_backward=p.split,
             ownership=p.scheme.ownership))
         fetches = any(per_worker(tl, "step")["weight_fetch_stages"])
-        runs = (p.scheme, p.weight_cache if fetches else "step", p.split, p.G, p.R, tuple(map(tuple, tl.program)))
+        runs = (p.scheme, p.weight_cache if fetches else "step", p.split, p.G, p.R, tuple(map(tuple, tl.sequences)))
         assert runs not in seen, c.overrides
         seen.add(runs)
 

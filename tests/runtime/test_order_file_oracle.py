@@ -40,7 +40,7 @@ def _torch_csv(name: str, kind: str, ranks: int, per: int, B: int) -> FileOrder:
 
 def _ours(name: str, *args, **kw) -> FileOrder:
     tl = simulate(make_schedule(*args, **kw))
-    return FileOrder(path=str(write_schedule(tl.schedule.space, tl.program, _DIR / name)))
+    return FileOrder(path=str(write_schedule(tl.schedule.space, tl.sequences, _DIR / name)))
 
 
 CASES = [

@@ -72,7 +72,7 @@ def test_programs_print_parse_back_and_give_the_same_plan(config, cache):
     plan = lower(tl, cache, 2)
     _same(assemble(tl, parse_programs(text), cache, 2), plan)
     # the jobs are the timeline's, and one send action per message of each kind
-    assert [[j.job for j in p.jobs] for p in plan.programs] == tl.program
+    assert [[j.job for j in p.jobs] for p in plan.programs] == tl.sequences
     for kind, op in SENDS.items():
         assert sum(a.op == op for prog in progs for a in prog) == sum(m.kind == kind for m in plan.messages)
 

@@ -138,7 +138,7 @@ def test_span_is_the_least_cost_of_the_papers_linear_program():
         for j in range(N):
             for k in tl.schedule.space.pred(j):
                 edge(k, j, dur[k] + (comm if tl.compute[k] != tl.compute[j] else 0.0))
-        for prog in tl.program:
+        for prog in tl.sequences:
             for a, b in zip(prog, prog[1:]):
                 edge(a, b, dur[a])
             row = [0.0] * (N + 1)  # t_last + d_last - t_first <= C
@@ -214,5 +214,5 @@ def test_auto_needs_the_split_backward_and_is_deterministic():
 def test_auto_on_every_named_scheme_finishes_within_the_limit():
     for scheme, G, R in (("gpipe", 1, 4), ("lpp", 2, 2), ("fslpp", 2, 2), ("ddp", 4, 1)):
         tl = simulate(make_schedule(scheme, 4, 4, G, R, order="auto", split_backward=True, memory_limit=4))
-        assert sorted(j for prog in tl.program for j in prog) == list(range(tl.schedule.space.N))
+        assert sorted(j for prog in tl.sequences for j in prog) == list(range(tl.schedule.space.N))
         assert max(unit_peaks(tl)) <= 4

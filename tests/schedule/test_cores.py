@@ -40,7 +40,7 @@ def test_fewer_cores_take_longer_and_never_beat_the_work(step, cores):
     assert t >= tl.latency - 1e-9  # sharing never helps
     assert t >= work / min(cores, step.workers) - 1e-9  # the cores cannot do more than their share
     assert sum(busy) >= work - 1e-9  # a worker's jobs take at least their work, longer when it shares
-    for w, prog in enumerate(tl.program):  # each worker runs its program in order, one job at a time
+    for w, prog in enumerate(tl.sequences):  # each worker runs its program in order, one job at a time
         for a, b in zip(prog, prog[1:]):
             assert start[a] < finish[a] <= start[b] + 1e-12
         for j in prog:
@@ -85,10 +85,10 @@ def test_a_weight_copy_arrives_a_message_after_its_owner_hands_it_over():
     and hands over at the start of the step (before its first job), so it waits a message's time;
     with no lookahead an owner hands a copy over later, never sooner."""
     tl = simulate(make_schedule("fsdp", 2, 2, G=2, R=1, comm=0.5, durations={"F": 1.0, "B": 2.0}))
-    assert tl.start[tl.program[1][0]] == 0.0  # the simulator lets weight copies wait for nothing
+    assert tl.start[tl.sequences[1][0]] == 0.0  # the simulator lets weight copies wait for nothing
     fetched = weight_arrivals(tl, "step", 1)
-    assert fetched[tl.program[1][0]] == -1
-    assert replay(tl, 2, fetched=fetched).start[tl.program[1][0]] == pytest.approx(0.5)
+    assert fetched[tl.sequences[1][0]] == -1
+    assert replay(tl, 2, fetched=fetched).start[tl.sequences[1][0]] == pytest.approx(0.5)
     late = weight_arrivals(tl, "step", 0)
     assert all(p == -1 or tl.compute[p] == tl.weights[j] != tl.compute[j] for j, p in late.items())  # the owner's job
     assert replay(tl, 2, fetched=late).seconds >= replay(tl, 2, fetched=fetched).seconds - 1e-9

@@ -74,13 +74,13 @@ def test_simulator_runs_torchs_sequence(W, B, durations):
     job), every job once, none before its predecessors finish, one at a time per worker."""
     tl = simulate(dualpipev(W, B, durations=durations, comm=0.1))
     space = tl.schedule.space
-    got = [[tuple(space.job(j)) for j in prog] for prog in tl.program]
+    got = [[tuple(space.job(j)) for j in prog] for prog in tl.sequences]
     assert got == torch_sequences(W, B)
-    assert sorted(j for prog in tl.program for j in prog) == list(range(space.N))
+    assert sorted(j for prog in tl.sequences for j in prog) == list(range(space.N))
     for j in range(space.N):
         for p in space.pred(j):
             assert tl.start[j] >= tl.finish[p], (space.job(j), space.job(p))
-    for prog in tl.program:
+    for prog in tl.sequences:
         assert all(tl.start[b] >= tl.finish[a] for a, b in zip(prog, prog[1:]))
 
 

@@ -31,7 +31,7 @@ def whole(tl):
         "weights": tl.weights,
         "start": tl.start,
         "finish": tl.finish,
-        "program": tl.program,
+        "program": tl.sequences,
         "peak_activations": tl.peak_activations,
     }
 
@@ -159,7 +159,7 @@ def test_diagram_cells_follow_jobs_when_comm_shifts_them_off_the_slot_grid():
     """With comm = 0.3 jobs start between slots; each still shows once per slot it covers, none overwritten."""
     tl = simulate(make_schedule("gpipe", 3, 2, G=1, R=3, order="1f1b", comm=0.3))
     rows = grid(tl, "both")
-    for w, prog in enumerate(tl.program):
+    for w, prog in enumerate(tl.sequences):
         shown = [c for c in rows[w] if c]
         labels = [f"{k.lower()}{s}:{b}" for s, b, k in (tl.schedule.space.job(j) for j in prog)]
         assert [c for i, c in enumerate(shown) if i == 0 or c != shown[i - 1]] == labels

@@ -44,7 +44,7 @@ def test_programs_are_torchs_sequence(R, per, B, durations):
     """Each worker runs exactly PyTorch's sequence, whatever the job times (it waits for its next job)."""
     step = make_schedule("lpp", R * per, B, G=1, R=R, order="interleaved_1f1b", durations=durations, comm=0.1)
     tl = simulate(step)
-    got = [[tuple(step.space.job(j)) for j in prog] for prog in tl.program]
+    got = [[tuple(step.space.job(j)) for j in prog] for prog in tl.sequences]
     assert got == torch_sequence(R, per, B)
 
 
@@ -82,7 +82,7 @@ def test_deadlock_free_on_looped_pipelines(G, R, per, B, split, scheme, warmup, 
     step = make_schedule(scheme, S, B, G=G, R=R, order="interleaved_1f1b", warmup=warmup, durations=d, comm=comm,
                      split_backward=split)
     tl = simulate(step)
-    assert sorted(j for prog in tl.program for j in prog) == list(range(step.space.N))
+    assert sorted(j for prog in tl.sequences for j in prog) == list(range(step.space.N))
     for j in range(step.space.N):
         for p in step.space.pred(j):
             assert tl.finish[p] <= tl.start[j] + 1e-9

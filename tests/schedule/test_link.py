@@ -45,5 +45,5 @@ def test_fsdp_sends_each_partial_to_its_owner():
         other = GRADS[1 - owner.index(w)]
         assert tails[w] == pytest.approx(0.5 + max(mine, other) / 10.0)
     # a worker's exchange starts after its own last job
-    finish = [max(tl.finish[j] for j in prog) for prog in tl.program]
+    finish = [max(tl.finish[j] for j in prog) for prog in tl.sequences]
     assert step_time(tl, GRADS, LINK) == pytest.approx(max(f + t for f, t in zip(finish, tails)))

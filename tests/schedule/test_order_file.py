@@ -25,7 +25,7 @@ LOOPED = ("lpp", "fslpp")
 
 
 def same(a, b) -> None:
-    assert a.compute == b.compute and a.program == b.program
+    assert a.compute == b.compute and a.sequences == b.sequences
     assert a.start == b.start and a.finish == b.finish
 
 
@@ -39,7 +39,7 @@ def test_round_trip_every_order(tmp_path: Path, shape: tuple, suffix: str) -> No
             if not order_fits(order, R, S, split) or (order == "interleaved_1f1b" and scheme not in LOOPED):
                 continue
             tl = simulate(make_schedule(scheme, S, B, G, R, order=order, warmup=warmup, split_backward=split))
-            path = write_schedule(tl.schedule.space, tl.program, tmp_path / f"{order}-{warmup}-{split}.{suffix}")
+            path = write_schedule(tl.schedule.space, tl.sequences, tmp_path / f"{order}-{warmup}-{split}.{suffix}")
             back = simulate(make_schedule(scheme, S, B, G, R, order=FileOrder(path=str(path)), split_backward=split))
             same(tl, back)
             tried += 1
@@ -73,7 +73,7 @@ def test_torch_dump_csv_runs_here(tmp_path: Path, kind: str, ranks: int, per: in
     tl = simulate(step)
     want = [[f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}" for a in row if a is not None]
             for row in fake.pipeline_order.values()]
-    got = [[f"{s}{d}{b}" for s, b, d in map(step.space.job, seq)] for seq in tl.program]
+    got = [[f"{s}{d}{b}" for s, b, d in map(step.space.job, seq)] for seq in tl.sequences]
     assert got == want  # each rank ran exactly torch's sequence
     if kind == "interleaved":  # and it is our own interleaved_1f1b, job for job
         ours = simulate(make_schedule("lpp", S, B, 1, ranks, order="interleaved_1f1b"))
@@ -82,11 +82,11 @@ def test_torch_dump_csv_runs_here(tmp_path: Path, kind: str, ranks: int, per: in
 
 def test_torch_load_csv_reads_ours(tmp_path: Path) -> None:
     tl = simulate(make_schedule("lpp", 4, 4, 1, 2, order="interleaved_1f1b", split_backward=True))
-    path = write_schedule(tl.schedule.space, tl.program, tmp_path / "ours.csv")
+    path = write_schedule(tl.schedule.space, tl.sequences, tmp_path / "ours.csv")
     fake = types.SimpleNamespace(pipeline_order={}, _validate_and_set_stage_mapping=lambda order: None)
     pipelining.PipelineScheduleMulti._load_csv(fake, str(path))  # torch's own reader
     assert [[str(a) for a in row] for row in fake.pipeline_order.values()] == \
-        [[f"{s}{d}{b}" for s, b, d in map(tl.schedule.space.job, seq)] for seq in tl.program]
+        [[f"{s}{d}{b}" for s, b, d in map(tl.schedule.space.job, seq)] for seq in tl.sequences]
 
 
 def test_comm_actions_in_our_form_are_ignored(tmp_path: Path) -> None:
@@ -97,14 +97,14 @@ def test_comm_actions_in_our_form_are_ignored(tmp_path: Path) -> None:
     assert "SEND_ACT" in lowered
     (tmp_path / "lowered.txt").write_text(lowered)
     assert read_jobs(tmp_path / "lowered.txt") == [[(a.op, a.stage, a.microbatch) for a in p]
-                                                    for p in programs_of(tl.schedule.space, tl.program)]
+                                                    for p in programs_of(tl.schedule.space, tl.sequences)]
     back = simulate(make_schedule("gpipe", 3, 4, 1, 3, order=FileOrder(path=str(tmp_path / "lowered.txt"))))
     same(tl, back)
 
 
 def test_wrong_files_are_refused_in_one_sentence(tmp_path: Path) -> None:
     good = simulate(make_schedule("gpipe", 2, 2, 1, 2, order="1f1b"))
-    path = write_schedule(good.schedule.space, good.program, tmp_path / "s.txt")
+    path = write_schedule(good.schedule.space, good.sequences, tmp_path / "s.txt")
     text = path.read_text()
 
     def refused(content: str, *words: str, split: bool = False) -> None:

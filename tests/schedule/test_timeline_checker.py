@@ -30,7 +30,7 @@ def test_checker_catches_a_job_that_starts_before_its_predecessor():
 
 def test_checker_catches_overlapping_jobs_on_a_worker():
     tl = copy.deepcopy(_tl())
-    j = tl.program[0][1]
+    j = tl.sequences[0][1]
     tl.start[j] -= 0.5
     tl.finish[j] -= 0.5
     with pytest.raises(AssertionError):
@@ -39,6 +39,6 @@ def test_checker_catches_overlapping_jobs_on_a_worker():
 
 def test_checker_catches_a_job_run_twice():
     tl = copy.deepcopy(_tl())
-    tl.program[0].append(tl.program[0][0])
+    tl.sequences[0].append(tl.sequences[0][0])
     with pytest.raises(AssertionError, match="exactly once"):
         check_timeline(tl)

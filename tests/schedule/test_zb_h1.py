@@ -79,7 +79,7 @@ def test_zb_h1_keeps_1f1bs_activations_and_defers_w_by_the_stage_index():
     one = simulate(make_schedule("gpipe", p, m, 1, p, order="1f1b", split_backward=True))
     assert zb.peak_activations == one.peak_activations == [p - s for s in range(p)]
     space = zb.schedule.space
-    for w, prog in enumerate(zb.program):
+    for w, prog in enumerate(zb.sequences):
         done_i = waiting = 0
         for j in prog:
             kind = space.job(j).kind
@@ -100,4 +100,4 @@ def test_zb_h1_needs_the_split_backward():
 def test_zb_h1_on_every_named_scheme_finishes_with_every_job():
     for scheme, G, R in (("ddp", 4, 1), ("fsdp", 4, 1), ("gpipe", 1, 4), ("lpp", 2, 2), ("fslpp", 2, 2)):
         tl = simulate(make_schedule(scheme, 4, 4, G, R, order="zb_h1", split_backward=True, memory_limit=4))
-        assert sorted(j for prog in tl.program for j in prog) == list(range(tl.schedule.space.N))
+        assert sorted(j for prog in tl.sequences for j in prog) == list(range(tl.schedule.space.N))

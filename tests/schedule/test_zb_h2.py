@@ -25,11 +25,11 @@ UNIT = {"F": 1.0, "I": 1.0, "W": 1.0}
 
 def spans(tl: Timeline) -> list[tuple[float, float]]:
     """Each worker's first start and last finish."""
-    return [(min(tl.start[j] for j in prog), max(tl.finish[j] for j in prog)) for prog in tl.program]
+    return [(min(tl.start[j] for j in prog), max(tl.finish[j] for j in prog)) for prog in tl.sequences]
 
 
 def busy(tl: Timeline) -> list[float]:
-    return [sum(tl.finish[j] - tl.start[j] for j in prog) for prog in tl.program]
+    return [sum(tl.finish[j] - tl.start[j] for j in prog) for prog in tl.sequences]
 
 
 def zb_h2(p: int, m: int, durations: dict[str, float] = UNIT, comm: float = 0.0) -> Timeline:
@@ -54,7 +54,7 @@ def test_zb_h2_holds_2p_minus_1_micro_batches_on_the_first_worker(p, m):
     ``M_B``): ``2 (p - 1 - r) + 1`` on worker ``r``, ``2p - 1`` on the first, at most ``m``."""
     tl = zb_h2(p, m)
     assert tl.peak_activations == [min(m, 2 * (p - 1 - r) + 1) for r in range(p)]
-    assert sorted(j for prog in tl.program for j in prog) == list(range(tl.schedule.space.N))
+    assert sorted(j for prog in tl.sequences for j in prog) == list(range(tl.schedule.space.N))
 
 
 @pytest.mark.parametrize("p, m", [(4, 4), (4, 3), (5, 6)])
@@ -83,4 +83,4 @@ def test_zb_h2_needs_the_split_backward():
 def test_zb_h2_on_every_named_scheme_finishes_with_every_job():
     for scheme, G, R in (("ddp", 4, 1), ("fsdp", 4, 1), ("gpipe", 1, 4), ("lpp", 2, 2), ("fslpp", 2, 2)):
         tl = simulate(make_schedule(scheme, 4, 4, G, R, order="zb_h2", split_backward=True))
-        assert sorted(j for prog in tl.program for j in prog) == list(range(tl.schedule.space.N))
+        assert sorted(j for prog in tl.sequences for j in prog) == list(range(tl.schedule.space.N))

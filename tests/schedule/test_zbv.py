@@ -48,7 +48,7 @@ def test_vshape_placement():
 def test_programs_are_torchs_sequence(W, B, durations):
     """Each worker runs exactly PyTorch's sequence, whatever the job times (it waits for its next job)."""
     tl = simulate(zbv(W, B, durations=durations, comm=0.1))
-    got = [[tuple(tl.schedule.space.job(j)) for j in prog] for prog in tl.program]
+    got = [[tuple(tl.schedule.space.job(j)) for j in prog] for prog in tl.sequences]
     assert got == [[a for a in ops if a is not None] for ops in torch_grid(W, B)]
 
 
