@@ -36,7 +36,7 @@ def host_staged(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool
     return t.device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
-class Staged:
+class HostBufferWork:
     """A point-to-point operation through a host buffer, waited for as a ``dist.Work`` is: a receive
     copies the buffer into its device tensor on the current stream once it has arrived (work queued
     after the wait on that stream sees the data; the caching host allocator keeps the pinned buffer
@@ -61,32 +61,32 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
 
 
-def staged_isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Staged:
+def host_isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> HostBufferWork:
     host = _host_copy(t)
     host.copy_(t)  # waits for the kernels that write ``t``: the transport reads the copy on its own thread
     work = dist.isend(host, dst, group=group, tag=tag)
     assert work is not None  # None only where this rank is outside the group: no worker sends there
-    return Staged(work, host)
+    return HostBufferWork(work, host)
 
 
-def staged_irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Staged:
+def host_irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> HostBufferWork:
     host = _host_copy(t)
     work = dist.irecv(host, src, group=group, tag=tag)
     assert work is not None  # None only where this rank is outside the group: no worker receives there
-    return Staged(work, host, into=t)
+    return HostBufferWork(work, host, into=t)
 
 
 def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Any:
     """``dist.isend`` for a tensor on any device the group's backend can reach (see :func:`host_staged`)."""
     if host_staged(t, group):
-        return staged_isend(t, dst, group, tag)
+        return host_isend(t, dst, group, tag)
     return dist.isend(t, dst, group=group, tag=tag)
 
 
 def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Any:
     """``dist.irecv`` into a tensor on any device the group's backend can reach (see :func:`host_staged`)."""
     if host_staged(t, group):
-        return staged_irecv(t, src, group, tag)
+        return host_irecv(t, src, group, tag)
     return dist.irecv(t, src, group=group, tag=tag)
 
 #: a wait shorter than this found its data already there (the call's own cost), not a late message

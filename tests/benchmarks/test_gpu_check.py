@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.runtime import launch
-from launcher.runtime.comm import host_staged, staged_irecv, staged_isend
+from launcher.runtime.comm import host_irecv, host_isend, host_staged
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -157,11 +157,11 @@ def _staged_exchange() -> list[float]:
     """Rank 1 sends through a host copy; rank 0's tensor gets the data only when it waits."""
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     if dist.get_rank() == 1:
-        staged_isend(x * 7, 0, tag=5).wait()
+        host_isend(x * 7, 0, tag=5).wait()
         dist.barrier()
         return []
     buf = torch.zeros(2, 3)
-    work = staged_irecv(buf, 1, tag=5)
+    work = host_irecv(buf, 1, tag=5)
     dist.barrier()  # the data has reached the host buffer by now
     before = buf.sum().item()
     work.wait()
