@@ -211,11 +211,11 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         return s.name if s is not None else Settings.of(self._keywords["scheme"], 1, 1).name
 
     @property
-    def W(self) -> int:
-        return self.settings.W
+    def workers(self) -> int:
+        return self.settings.workers
 
     @property
-    def B(self) -> int:
+    def microbatches(self) -> int:
         return self.settings.microbatches
 
     def make_schedule(self) -> Schedule:
@@ -262,8 +262,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             raise ValueError(f"{type(module).__name__} is traced and cut into stages: "
                              f"give UnifiedStrategy(stages=...) or split=[module paths where stages begin]")
         S = self.settings.stages
-        if self.W > self.world_size:
-            raise ValueError(f"the scheme needs W=G*R={self.W} workers but {self.world_size} processes were started")
+        if self.workers > self.world_size:
+            raise ValueError(f"the scheme needs W=G*R={self.workers} workers but {self.world_size} processes "
+                             "were started")
         self.precision_plugin.convert_module(module)
         if self._staged is not None and self._staged[0] is module:  # staged before the fork
             staging = self._staged[1]
@@ -283,7 +284,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
                              compute_dtype=compute_dtype(self.precision_plugin), transport=self.run.transport)
         # every job's values are marked, and the step's first NaN or infinity agreed, before any update;
         # under a GradScaler (16-mixed) overflowing gradients are the scaler's to skip
-        self.engine.finite = Finite(S, self.B, grads=getattr(self.precision_plugin, "scaler", None) is None)
+        self.engine.finite = Finite(S, self.microbatches, grads=getattr(self.precision_plugin, "scaler", None) is None)
         # random streams (launcher.torch_support.streams): every job's draws from (seed, step, micro-batch,
         # unit), the seed rank 0's (seed_everything's), so processes started apart agree
         self.engine.streams = agreed_seed(self.root_device)
@@ -335,10 +336,10 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             return  # nothing to trace on here: each worker traces on the trainer's first batch
         self.precision_plugin.convert_module(module)
         with self.precision_plugin.train_step_context():  # as the workers will trace and run it
-            staging = check_staging(module, S, self.split, batch, self.B, self.partition, self.memory_cap)
+            staging = check_staging(module, S, self.split, batch, self.microbatches, self.partition, self.memory_cap)
         sizes = loader_batch_sizes(loaders) if batch is not None else None
         if sizes:  # a graph of a fixed batch size, and a last, smaller batch: said before any worker starts
-            found = ragged_errors(module, staging, batch, sizes, self.B)
+            found = ragged_errors(module, staging, batch, sizes, self.microbatches)
             if found:
                 raise ModelError(found)
         self._staged = (module, staging)
@@ -362,7 +363,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
                 loaders = train_dataloaders(trainer)
                 batch = self.precision_plugin.convert_input(first_batch(loaders)) if loaders is not None else None
                 with self.precision_plugin.train_step_context():
-                    found = ("ok",) + profiled_partition(module, S, self.partition, batch, self.B, self.memory_cap)
+                    found = ("ok",) + profiled_partition(module, S, self.partition, batch, self.microbatches,
+                                                         self.memory_cap)
             except ModelError as e:
                 found = ("error", e.sentences)
         found = self.broadcast(found, 0)
@@ -378,7 +380,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             raise ValueError(f"{type(self._attached).__name__} is traced on an example batch: pass "
                              f"trainer.fit(model, train_dataloaders=...) or a datamodule")
         batch = first_batch(loaders)
-        return example_microbatch(self._attached, self.precision_plugin.convert_input(batch), self.B, self.split)
+        return example_microbatch(self._attached, self.precision_plugin.convert_input(batch), self.microbatches,
+                                  self.split)
 
     @contextlib.contextmanager
     @override
@@ -414,11 +417,11 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         batch = self.precision_plugin.convert_input(batch)
         x, y = split_batch(self._attached, batch, self.traced)
         n = rows(x)
-        pieces = self.B if n is None or n >= self.B else max(n, 1)
+        pieces = self.microbatches if n is None or n >= self.microbatches else max(n, 1)
         xs = chunk(x, pieces, equal=False)
         ys = chunk(y, pieces, equal=False) if y is not None else [None] * pieces
         items = loss_items(self._attached, batch, pieces) if weigh else None
-        self._stand_ins = self.B - pieces
+        self._stand_ins = self.microbatches - pieces
         if self._stand_ins:
             if weigh:  # the real micro-batches' counts (their rows by default), then none for the stand-ins
                 counts = items if items is not None else [rows(part) for part in xs]
@@ -444,7 +447,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             # accumulate_grad_batches=k: the j-th batch of an optimizer step draws as micro-batches j*B ..
             self._in_step = batch_in_step(trainer) if trainer.accumulate_grad_batches > 1 else 0
             record = self.engine.compute_step(mbs, items, step=trainer.global_step,
-                                              first_microbatch=self._in_step * self.B, stand_ins=self._stand_ins)
+                                              first_microbatch=self._in_step * self.microbatches,
+                                              stand_ins=self._stand_ins)
         self.records.append(record)
         if self._last_batch is None or _samples(mbs) >= _samples(self._last_batch):
             self._last_batch = mbs
@@ -531,7 +535,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, {b: to_device(t, torch.device("cpu")) for b, t in preds.items()})
         merged = {b: t for part in every for b, t in part.items()}
-        return joined([merged[b] for b in range(self.B - self._stand_ins)], self.root_device)
+        return joined([merged[b] for b in range(self.microbatches - self._stand_ins)], self.root_device)
 
     # ---- metrics ---------------------------------------------------------------------------
     def sizes(self) -> tuple[list[int], list[list[int]], list[int]]:

@@ -253,7 +253,7 @@ def prepare(cfg: DictConfig, out_dir: Path | None, checked: Built | None = None)
         strategy = UnifiedStrategy(settings=spec, run=run_settings_of(cfg), split=split)
         if built.checked is not None:
             strategy.adopt(built.checked)
-        devices = _devices(spec.W)
+        devices = _devices(spec.workers)
     run = _run_info(cfg)
     # a DictConfig's container is a dict
     kwargs: dict[str, Any] = dict(cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True) or {}))

@@ -97,7 +97,7 @@ class Settings:
 
     # ---- reading -------------------------------------------------------------------------
     @property
-    def W(self) -> int:
+    def workers(self) -> int:
         return self.G * self.R
 
     @property
@@ -216,7 +216,7 @@ class Settings:
         o = order if isinstance(order, Order) else make_order(order, self.warmup)
         if o.split_only and not self.split_backward:
             raise ValueError(f"order={o.name} runs the weight-gradient jobs W apart, so it needs split_backward=True")
-        step = Schedule(JobSpace(graph, self.microbatches, self.split_backward), placement, self.W, o,
+        step = Schedule(JobSpace(graph, self.microbatches, self.split_backward), placement, self.workers, o,
                     dict(self.durations), self.comm, self.memory_limit, self.name,
                     list(self.stage_durations) if self.stage_durations is not None else None,
                     self.recompute_stages, graph_share=self.graph_share)

@@ -105,7 +105,7 @@ def test_frozen_weights_train_as_on_one_device(references, scheme: str, G, R, ex
         start, want = references[name]
         got = copy.deepcopy(start)
         st = UnifiedStrategy(scheme, G=G, R=R, stages=4, microbatches=B, **extra)
-        fit(got, st, st.W)
+        fit(got, st, st.workers)
         diff = check_against_single(start, want, got)
         print(f"{name} under {scheme}: trainable parameters within {diff:.1e} of strategy=single")
         assert diff < TOL, (name, diff)
@@ -142,7 +142,7 @@ def test_a_users_peft_model_traced(scheme: str, G, R) -> None:
     want, got = copy.deepcopy(start), copy.deepcopy(start)
     fit(want, StreamedSingleDevice(microbatches=B, split="auto"), 1)
     st = UnifiedStrategy(scheme, G=G, R=R, stages=4, microbatches=B, split="auto")
-    fit(got, st, st.W)
+    fit(got, st, st.workers)
     diff = check_against_single(start, want, got)
     print(f"peft user module under {scheme}: adapters within {diff:.1e} of strategy=single")
     assert diff < TOL
@@ -166,7 +166,7 @@ def test_gradient_traffic_is_the_adapters_only(tmp_path: Path, scheme: str, G, R
         out = tmp_path / name
         out.mkdir()
         st = UnifiedStrategy(scheme, G=G, R=R, stages=4, microbatches=B)
-        fit(model, st, st.W, [Keep(out)])
+        fit(model, st, st.workers, [Keep(out)])
         ranks = [torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))]
         measured = sum(rec["measured_only"]["sent_bytes"].get("wgrad", 0) for r in ranks for rec in r["records"])
         predicted = sum(n * STEPS for r in ranks for kind, dst, n in r["predicted"]
@@ -280,7 +280,7 @@ def test_clipping_is_active(references) -> None:
         start, want = references[name]
         got = copy.deepcopy(start)
         st = UnifiedStrategy("fslpp", G=2, R=2, stages=4, microbatches=B)
-        quiet_trainer(st, st.W, precision="64-true", max_steps=STEPS, gradient_clip_val=None,
+        quiet_trainer(st, st.workers, precision="64-true", max_steps=STEPS, gradient_clip_val=None,
                       limit_val_batches=0).fit(got, datamodule=char_data())
         assert check_against_single(start, want, got) > 1e-6, name
 

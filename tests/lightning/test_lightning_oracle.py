@@ -64,7 +64,7 @@ def test_equals_default_strategy(base, reference, scheme, G, R, S, B, order, ext
     ref, ref_val, ref_train = reference
     model = copy.deepcopy(base)
     st = UnifiedStrategy(scheme, G=G, R=R, stages=S, microbatches=B, order=order, **extra)
-    tr = trainer(st, st.W)
+    tr = trainer(st, st.workers)
     tr.fit(model, datamodule=char_data())
     assert max_diff(ref, model) < TOL  # the launching process holds the trained weights
     assert abs(float(tr.callback_metrics["val_loss"]) - ref_val) < TOL
@@ -76,7 +76,7 @@ def test_clipping_is_active_and_global(base, reference):
     ref = reference[0]
     model = copy.deepcopy(base)
     st = UnifiedStrategy("fslpp", G=2, R=2, stages=4, microbatches=4)
-    trainer(st, st.W, gradient_clip_val=None).fit(model, datamodule=char_data())
+    trainer(st, st.workers, gradient_clip_val=None).fit(model, datamodule=char_data())
     assert max_diff(ref, model) > 1e-6
 
 
@@ -89,14 +89,14 @@ def test_custom_placement_callable(base, reference):
 
     model = copy.deepcopy(base)
     st = UnifiedStrategy(two_groups, G=2, R=2, stages=4, microbatches=4)
-    trainer(st, st.W).fit(model, datamodule=char_data())
+    trainer(st, st.workers).fit(model, datamodule=char_data())
     assert max_diff(ref, model) < TOL
 
 
 def test_predict_and_test_match(base, reference):
     ref = reference[0]
     st = UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4)
-    tr = trainer(st, st.W)
+    tr = trainer(st, st.workers)
     preds = tr.predict(copy.deepcopy(ref), datamodule=char_data())
     single = trainer("auto", 1).predict(copy.deepcopy(ref), datamodule=char_data())
     assert len(preds) == len(single) > 0
@@ -113,7 +113,7 @@ def test_batch_that_does_not_divide_is_one_clear_error(base):
     st = UnifiedStrategy("lpp", G=2, R=2, stages=4, microbatches=4)
     # found on the first batch before any worker starts
     with pytest.raises(ModelError, match="cannot be cut into microbatches=4 equal micro-batches"):
-        trainer(st, st.W).fit(copy.deepcopy(base), datamodule=char_data(batch_size=6))
+        trainer(st, st.workers).fit(copy.deepcopy(base), datamodule=char_data(batch_size=6))
 
 
 def test_bad_keywords_are_one_sentence():

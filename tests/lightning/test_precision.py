@@ -87,7 +87,7 @@ def runs(base, tmp_path_factory):
             name, G, R, S, B = SCHEMES[scheme]
             out = tmp_path_factory.mktemp(f"{scheme}-{precision}")
             st = UnifiedStrategy(name, G=G, R=R, stages=S, microbatches=B)
-            model, _ = fit(base, st, st.W, precision, out)
+            model, _ = fit(base, st, st.workers, precision, out)
             ranks = [torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))]
             cache[(scheme, precision)] = (update(base, model), ranks[0]["losses"], ranks)
         return cache[(scheme, precision)]

@@ -55,10 +55,11 @@ def _fit(tmp_path: Path, cls: type[GPT]) -> tuple[GPT, list[list[int]]]:
     torch.manual_seed(0)
     model = cls(seq_len=8, d_model=16, n_head=2, n_layer=2, max_steps=2)  # tiny_gpt's, as a subclass may be
     st = UnifiedStrategy("ddp", stages=4, microbatches=2)
-    tr = quiet_trainer(st, st.W, max_steps=2, precision="64-true", gradient_clip_val=1.0,  # the launcher's default
+    # gradient_clip_val=1.0: the launcher's default
+    tr = quiet_trainer(st, st.workers, max_steps=2, precision="64-true", gradient_clip_val=1.0,
                        callbacks=[CountSmallAllReduces(tmp_path)])
     tr.fit(model, datamodule=char_data())
-    return model, [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(st.W)]
+    return model, [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(st.workers)]
 
 
 def test_one_small_all_reduce_per_step(tmp_path):

@@ -142,7 +142,7 @@ def test_tied_gpt2_with_clipping_and_decay_equals_single_device(name: str, refer
     assert min(norms) > CLIP, norms  # the clipping bites at every step
     scheme, G, R, kw = CASES[name]
     st = UnifiedStrategy(scheme, G=G, R=R, stages=4, microbatches=4, **kw)
-    got = fit_and_save(st, st.W, tmp_path)
+    got = fit_and_save(st, st.workers, tmp_path)
     assert max_diff(want["state_dict"], got["state_dict"]) < TOL
     a, b = want["optimizer_states"][0], got["optimizer_states"][0]
     assert a["param_groups"] == b["param_groups"]  # numbered as one device numbers them, the tie once
@@ -159,7 +159,7 @@ def test_metrics_count_a_tied_parameter_once(reference, tmp_path: Path) -> None:
 
     st = UnifiedStrategy("lpp", G=1, R=3, stages=4, microbatches=4)
     metrics = RunMetrics(tmp_path, {}, {"scheme": "lpp"})
-    trainer(st, st.W, callbacks=[metrics]).fit(gpt2(DECAY), datamodule=char_data())
+    trainer(st, st.workers, callbacks=[metrics]).fit(gpt2(DECAY), datamodule=char_data())
     got = json.loads((tmp_path / "metrics.json").read_text())["per_worker"]["owned_state_bytes"]
     model = gpt2(DECAY).double()  # float64 as trained; a stage per module of model.stages
     params = list(model.parameters())  # the optimizer's numbering: the tied weight once
@@ -217,10 +217,10 @@ def test_mixed_precision_clips_each_parameter_once(scheme: str, precision: str, 
     # the plugin itself: Lightning's "16-mixed" on a CPU accelerator falls back to bf16-mixed
     plugin = MixedPrecision(precision, "cpu")
     assert (plugin.scaler is not None) == (precision == "16-mixed")
-    trainer(st, st.W, precision=None, max_steps=2, plugins=[plugin], callbacks=[ClipRecord(tmp_path)]).fit(
+    trainer(st, st.workers, precision=None, max_steps=2, plugins=[plugin], callbacks=[ClipRecord(tmp_path)]).fit(
         gpt2(), datamodule=char_data())
     ranks = [torch.load(f, weights_only=False) for f in sorted(tmp_path.glob("rank*.pt"))]
-    assert len(ranks) == st.W
+    assert len(ranks) == st.workers
     tied = "stages.0.tokens.weight"  # also stages.3.lm_head.weight
     for step in range(2):
         before: dict[str, torch.Tensor] = {}
