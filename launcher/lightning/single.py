@@ -55,7 +55,7 @@ class StreamedSingleDevice(KeepsLoaderPositions, SingleDeviceStrategy):
     def __init__(self, microbatches: int = 1, split: Sequence[str] | str | None = None, seed: int | None = None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.B, self.split = int(microbatches), split
+        self.microbatches, self.split = int(microbatches), split
         self.seed = seed  # None: torch's initial seed (seed_everything's) when training starts
         self.positions = Positions()  # the training loaders' positions, saved and restored with checkpoints
         self._head: int | None = None  # a traced module's unit before any submodule, seeded at job start
@@ -105,7 +105,7 @@ class StreamedSingleDevice(KeepsLoaderPositions, SingleDeviceStrategy):
 
     def _traced_units(self, module: Any, batch: Any) -> dict[str, int]:
         """The random-stream units of ``module``'s traced training step (module path -> unit)."""
-        example = example_microbatch(module, batch, self.B, self.split)
+        example = example_microbatch(module, batch, self.microbatches, self.split)
         with self.precision_plugin.train_step_context():  # traced as the workers trace it
             return dict(stage_module(module, 1, "auto" if self.split is None else self.split, example).units or {})
 
@@ -152,13 +152,13 @@ class StreamedSingleDevice(KeepsLoaderPositions, SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self._attached
         batch = self.precision_plugin.convert_input(args[0])
-        pieces = min(self.B, rows(batch) or 1)  # a last batch smaller than B: a micro-batch per row
+        pieces = min(self.microbatches, rows(batch) or 1)  # a last batch smaller than B: a micro-batch per row
         weights = item_shares([None] * pieces, loss_items(module, batch, pieces) or
                               [rows(p) for p in chunk(as_tree(batch), pieces, equal=False)])
         trainer = module.trainer
         step = trainer.global_step
         # accumulate_grad_batches=k: the k batches of one step are its k * B micro-batches
-        first = batch_in_step(trainer) * self.B
+        first = batch_in_step(trainer) * self.microbatches
         total: torch.Tensor | None = None
         seed = self.seed
         assert seed is not None  # set in setup

@@ -35,11 +35,11 @@ from .profile import Profile
 def owned_and_fetched(tl: Timeline) -> tuple[list[set[int]], list[set[int]]]:
     """Stages each worker owns, and stages it computes on fetched weights."""
     space, W = tl.schedule.space, tl.schedule.workers
-    SB = space.S * space.B
+    SB = space.S * space.microbatches
     owned: list[set[int]] = [set() for _ in range(W)]
     fetched: list[set[int]] = [set() for _ in range(W)]
     for j in range(SB):  # the named schemes place every kind of (s, b) alike: the forwards say all
-        s = j // space.B
+        s = j // space.microbatches
         owned[tl.weights[j]].add(s)
         if tl.compute[j] != tl.weights[j]:
             fetched[tl.compute[j]].add(s)

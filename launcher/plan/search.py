@@ -602,7 +602,7 @@ def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = 
     known) under weight cache ``job``: a backward (``B``, or ``I`` when split) on fetched weights
     fetches them again and recomputes its forward first (:func:`launcher.schedule.lowering.add_weights`), so it also
     lasts an ``F``."""
-    S, B = tl.schedule.space.S, tl.schedule.space.B
+    S, B = tl.schedule.space.S, tl.schedule.space.microbatches
     base = job_work(tl, d, message_s, "job") if work is None else work
     forward = tl.schedule.duration_table(d)[:S]  # kind F first: each stage's own forward
     rc = tl.schedule.recompute  # those backwards recompute already (charged in the base work)

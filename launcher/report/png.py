@@ -34,7 +34,7 @@ def save_png(tl: Timeline, path: str | Path, title: str | None = None, dpi: int 
     from matplotlib.patches import Patch
 
     space = tl.schedule.space
-    W, B = tl.schedule.workers, space.B
+    W, B = tl.schedule.workers, space.microbatches
     latency = tl.latency or 1.0
     width = min(max(6.0, 0.35 * latency + 1.5), 40.0)
     height = min(max(2.0, 0.4 * W + 1.2), 30.0)

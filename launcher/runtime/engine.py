@@ -258,7 +258,7 @@ class Engine:
         self._mirrored = [pair for m, sk in zip(model.stages, self.skeletons)
                           for pair in zip(m.modules(), sk.modules())]
         self.stats = RunningStats([[self.modules[s], self.skeletons[s]] if s in self.modules else [self.skeletons[s]]
-                                   for s in range(space.S)], space.B)
+                                   for s in range(space.S)], space.microbatches)
 
     def _step_state(self, compute_dtype: torch.dtype | None) -> None:
         """What the engine keeps from step to step, and what it derives once from the schedule."""
@@ -274,7 +274,7 @@ class Engine:
         # (step 1, then every ``check_every`` steps, CHECK_EVERY when the batch check is off)
         self.graph_counts = GraphCounts()
         self.recount = True  # this step counts what the forwards' graphs save (GraphCounts)
-        comp, B, SB = self.timeline.compute, space.B, space.S * space.B
+        comp, B, SB = self.timeline.compute, space.microbatches, space.S * space.microbatches
         # F(s, b)'s output feeds how many forwards on the same worker
         self.local_succ = [
             sum(1 for c in space.stage_succs[j // B] if comp[c * B + j % B] == comp[j]) for j in range(SB)
@@ -323,7 +323,7 @@ class Engine:
             return grads[m.stage]
 
         act = [[shapes[b].input_bytes(s, space.stage_preds[s]) if space.stage_preds[s]
-                else value_bytes(microbatches[b][0]) for b in range(space.B)] for s in range(space.S)]
+                else value_bytes(microbatches[b][0]) for b in range(space.microbatches)] for s in range(space.S)]
         return [size(m) for m in self.lowered.messages], act, params
 
     def grad_sizes(self) -> list[int]:
@@ -352,16 +352,17 @@ class Engine:
                 self._saved[k] = stage_saved_bytes(self.model, mb[0], mb[1], self._metas, self.device)
             per_key[k] = self._saved[k]
         by_b = [per_key[shape_key(mb[0])] for mb in microbatches]
-        return [[by_b[b][s] for b in range(self.space.B)] for s in range(self.space.S)]
+        return [[by_b[b][s] for b in range(self.space.microbatches)] for s in range(self.space.S)]
 
     def recomputed(self) -> list[bool]:
         """Per forward job ``s * B + b``: whether it keeps only its input (its stage recomputes,
         or it frees its fetched copy under ``weight_cache="job"``), as the programs run it."""
-        out = [False] * (self.space.S * self.space.B)
+        B = self.space.microbatches
+        out = [False] * (self.space.S * B)
         for prog in self.lowered.programs:
             for op in prog.jobs:
                 if op.kind == "F":
-                    out[op.stage * self.space.B + op.microbatch] = op.free_weights or op.stage in self.recompute
+                    out[op.stage * B + op.microbatch] = op.free_weights or op.stage in self.recompute
         return out
 
     def activation_peaks(self, microbatches: Sequence[Batch]) -> list[float]:
@@ -401,7 +402,7 @@ class Engine:
         self.first_microbatch = int(first_microbatch)
         if self.finite is not None:
             self.finite.begin()
-        B = self.space.B
+        B = self.space.microbatches
         if len(microbatches) != B:
             raise ValueError(f"the schedule has B={B} micro-batches but train_step got {len(microbatches)}")
         shares = item_shares(microbatches, items)
@@ -496,8 +497,9 @@ class Engine:
         batch loss) and the loss stages' outputs it computed, by micro-batch."""
         if self.worker is None:
             return 0.0, {}
-        if len(microbatches) != self.space.B:
-            raise ValueError(f"the schedule has B={self.space.B} micro-batches but evaluate got {len(microbatches)}")
+        if len(microbatches) != self.space.microbatches:
+            raise ValueError(f"the schedule has B={self.space.microbatches} micro-batches but evaluate got "
+                             f"{len(microbatches)}")
         shares = item_shares(microbatches, items)
         if self._eval_lowered is None:
             self._eval_lowered = forward_only(self.lowered)

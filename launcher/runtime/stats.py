@@ -56,7 +56,7 @@ class RunningStats:
         # with its BatchNorm layers in the same order (the skeleton is a copy)
         self.modules = [list(hs) for hs in holders]
         self.layers = [[tracked(m) for m in hs] for hs in holders]
-        self.B = microbatches
+        self.microbatches = microbatches
         self.n = microbatches  # the step's micro-batches that count: the first n (the rest stand in)
         self.on = any(ls and ls[0] for ls in self.layers)
         self.r0: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
@@ -68,7 +68,7 @@ class RunningStats:
     def begin(self, counted: int | None = None) -> None:
         """The step's starting statistics, and empty sums; ``counted``: the step's first micro-batches
         that update the statistics (default all ``B``; the others stand in for missing samples)."""
-        self.n = self.B if counted is None else counted
+        self.n = self.microbatches if counted is None else counted
         if not self.on:
             return
         self.r0, self.sums = {}, {}

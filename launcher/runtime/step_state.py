@@ -183,7 +183,7 @@ class StepState:
             return None
         loss = self.engine.model.loss(out, self._target(op.microbatch))
         if self.shares is None:
-            return loss / self.engine.space.B
+            return loss / self.engine.space.microbatches
         share = self.shares[op.microbatch]
         if share == 0:
             return torch.zeros((), dtype=loss.dtype, device=loss.device)
@@ -240,7 +240,7 @@ class StepState:
                  and self.engine.split else None)
         self.stash[(s, b)] = Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
                                     [] if recompute else targets, nbytes, saved, rng, views)
-        n = self.engine.local_succ[s * self.engine.space.B + b]
+        n = self.engine.local_succ[s * self.engine.space.microbatches + b]
         if n:
             self.outs[(s, b)] = [out.detach() if isinstance(out, torch.Tensor) else _detached(out), n]
         self._send_output(op, out)
@@ -293,7 +293,7 @@ class StepState:
         if loss is not None:
             self.meter.add_loss(loss)
             self.predictions[b] = out
-        n = self.engine.local_succ[s * self.engine.space.B + b]
+        n = self.engine.local_succ[s * self.engine.space.microbatches + b]
         if n:
             self.outs[(s, b)] = [out, n]
         self._send_output(op, out)

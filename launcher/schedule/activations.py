@@ -41,7 +41,7 @@ def activation_peaks(tl: Timeline, inputs: Bytes, saved: Bytes | None = None,
     """Peak live activation bytes per worker. ``inputs(s, b)``, ``saved(s, b)``: bytes per
     micro-batch; ``recomputed[j]`` for each forward job id ``j = s * B + b`` (default: none)."""
     space = tl.schedule.space
-    B, SB = space.B, space.S * space.B
+    B, SB = space.microbatches, space.S * space.microbatches
     last = 2 * SB if space.split_backward else SB  # the job that frees the graph: W, else B
     events: list[list[tuple[float, int, float]]] = [[] for _ in range(tl.schedule.workers)]
     for j in range(SB):
@@ -92,7 +92,7 @@ def unit_peaks(tl: Timeline) -> list[float]:
     What ``memory_limit`` bounds."""
     g = graph_shares(tl.schedule)
     space, rc = tl.schedule.space, tl.schedule.recompute
-    recomputed = [j // space.B in rc for j in range(space.S * space.B)] if rc else None
+    recomputed = [j // space.microbatches in rc for j in range(space.S * space.microbatches)] if rc else None
     peaks = activation_peaks(tl, lambda s, b: 1.0 - g[s], lambda s, b: g[s], recomputed)
     return [round(p, 9) for p in peaks]
 
@@ -107,7 +107,7 @@ def recomputed_forwards(tl: Timeline, weight_cache: str | None = None) -> list[b
 
         weight_cache = DEFAULT.weight_cache
     space, rc = tl.schedule.space, tl.schedule.recompute
-    B = space.B
+    B = space.microbatches
     return [j // B in rc or (weight_cache == "job" and tl.compute[j] != tl.weights[j])
             for j in range(space.S * B)]
 
@@ -134,7 +134,7 @@ def sum_handovers(tl: Timeline) -> list[SumHandover]:
     (:class:`SumHandover`): the one rule the runtime lowers (:mod:`launcher.schedule.lowering`) and the
     memory model counts."""
     space, W = tl.schedule.space, tl.schedule.workers
-    B, SB, S = space.B, space.S * space.B, space.S
+    B, SB, S = space.microbatches, space.S * space.microbatches, space.S
     grad_kind = space.K - 1  # B, or W when split: the job that yields a weight gradient
     owners: list[set[int]] = [set() for _ in range(S)]
     for j in range(space.N):
@@ -173,7 +173,7 @@ def gradient_peaks(tl: Timeline, grads: Callable[[int], float], cache: str = "jo
       before it is added into the sum.
     """
     space, W = tl.schedule.space, tl.schedule.workers
-    B, SB, S = space.B, space.S * space.B, space.S
+    B, SB, S = space.microbatches, space.S * space.microbatches, space.S
     grad_kind = space.K - 1
     events: list[list[tuple[float, int, float]]] = [[] for _ in range(W)]
 

@@ -88,7 +88,7 @@ def check_options(weight_cache: str, prefetch: int | None = None) -> None:
 def stage_owners(tl: Timeline) -> list[list[int]]:
     """Per stage, its owners (the ``w_weights`` of its jobs), sorted."""
     space = tl.schedule.space
-    S, B = space.S, space.B
+    S, B = space.S, space.microbatches
     owners: list[set[int]] = [set() for _ in range(S)]
     for q in range(space.K * S):  # the jobs of one (kind, stage) are a run of B ids
         owners[q % S].update(tl.weights[q * B : (q + 1) * B])
@@ -98,7 +98,7 @@ def stage_owners(tl: Timeline) -> list[list[int]]:
 def timeline_jobs(tl: Timeline) -> Programs:
     """Each worker's jobs in timeline order, as actions."""
     space = tl.schedule.space
-    S, B, kinds = space.S, space.B, space.kinds
+    S, B, kinds = space.S, space.microbatches, space.kinds
     acts = [Action(kinds[k], s, b) for k in range(space.K) for s in range(S) for b in range(B)]  # by job id
     return [[acts[j] for j in prog] for prog in tl.sequences]
 
@@ -217,7 +217,7 @@ def messages(tl: Timeline, progs: Programs, belongs: list[list[int]], edge_msgs:
     issuing in key order cannot deadlock (the simulated timeline is a witness).
     """
     space, seqs, start, finish = tl.schedule.space, tl.sequences, tl.start, tl.finish
-    S, B, N, W = space.S, space.B, space.N, len(progs)
+    S, B, N, W = space.S, space.microbatches, space.N, len(progs)
     # the producer's place among the consumer's predecessors (JobSpace.pred), from the stage graph:
     # act by the consumer's stage, grad by the producing backward's
     act_place = [{p: k for k, p in enumerate(ps)} for ps in space.stage_preds]

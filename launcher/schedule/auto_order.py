@@ -155,7 +155,7 @@ def greedy(step: Schedule, compute: Sequence[int], caps: Sequence[float], fit_w:
     would end; ``depth[w]``: the most micro-batches worker ``w`` keeps between an ``F`` and its ``I``
     (its warm-up depth; ``None``: only memory bounds it)."""
     space = step.space
-    N, B, SB, W = space.N, space.B, space.S * space.B, step.workers
+    N, B, SB, W = space.N, space.microbatches, space.S * space.microbatches, step.workers
     dur = step.duration_table()
     at_i, at_w = unit_releases(step)
     npred = [len(space.pred(j)) for j in range(N)]
@@ -258,7 +258,7 @@ DEPTH_OFFSETS = (0, 1)
 
 def lowest_stages(step: Schedule, compute: Sequence[int]) -> list[int]:
     """Each worker's lowest stage (``S`` for a worker that holds none)."""
-    B = step.space.B
+    B = step.space.microbatches
     lowest = [step.space.S] * step.workers
     for j in range(step.space.S * B):
         lowest[compute[j]] = min(lowest[compute[j]], j // B)
@@ -269,7 +269,7 @@ def round_trips(step: Schedule, compute: Sequence[int]) -> list[float]:
     """Per worker, how many of its lowest stage's ``F`` fit in the time from that stage's first ``F``
     starting to its first ``I`` being ready, with nothing else running (``comm`` between workers):
     the warm-up that keeps the worker busy until its first gradient comes back."""
-    space, SB, B = step.space, step.space.S * step.space.B, step.space.B
+    space, SB, B = step.space, step.space.S * step.space.microbatches, step.space.microbatches
     dur = step.duration_table()
     start: dict[int, float] = {}
     # micro-batch 0's jobs depend only on each other: its forwards up the stages (numbered in a
@@ -346,7 +346,7 @@ def _key(step: Schedule) -> tuple:
     ml = step.memory_limit if step.memory_limit is None or isinstance(step.memory_limit, int) \
         else tuple(step.memory_limit)
     g = step.graph_share if isinstance(step.graph_share, (int, float)) else tuple(step.graph_share)
-    return (step.space.graph, step.space.B, step.space.split_backward, pl, step.workers,
+    return (step.space.graph, step.space.microbatches, step.space.split_backward, pl, step.workers,
             tuple(sorted(step.durations.items())), step.comm, ml, sd, step.recompute, g)
 
 
@@ -422,7 +422,7 @@ def _polish(value: float, tl: Timeline, seqs: Seqs,
     such pairs are tried first (the ones at the end of a step decide its span); each kept exchange
     shortens the step, so this ends, and at most :data:`POLISH_TRIES` are simulated."""
     step, space = tl.schedule, tl.schedule.space
-    SB = space.S * space.B
+    SB = space.S * space.microbatches
     tries = 0
     while True:
         pairs = []  # (the I's start, worker, position of the W)

@@ -225,7 +225,7 @@ def job_work(tl: Timeline, durations: Mapping[str, float], message_s: float | No
     runs (on CPU workers the communication threads' share of a core): the activations and gradients
     it receives and sends (:func:`crossings`) and, given the ``weight_cache`` the step runs with, the
     weight copies and partial gradient sums (:func:`~launcher.schedule.lowering.weight_messages`)."""
-    B = tl.schedule.space.B
+    B = tl.schedule.space.microbatches
     # the step's own per-stage times apply to its own durations (a replay by other times is by kind)
     table = tl.schedule.duration_table(None if durations is tl.schedule.durations else durations)
     if not message_s:

@@ -89,11 +89,11 @@ class JobSpace:
     def __init__(self, graph: StageGraph, microbatches: int, split_backward: bool = False) -> None:
         self.graph = graph
         self.S = graph.stages
-        self.B = microbatches
+        self.microbatches = microbatches
         self.split_backward = split_backward
         self.kinds = KINDS_SPLIT if split_backward else KINDS_JOINT
         self.K = len(self.kinds)
-        self.N = self.K * self.S * self.B
+        self.N = self.K * self.S * self.microbatches
         self.stage_preds = graph.preds
         self.stage_succs = graph.succs
         sinks = set(graph.sinks)
@@ -101,10 +101,10 @@ class JobSpace:
 
     # ---- numbering -------------------------------------------------------------------------
     def id(self, stage: int, microbatch: int, kind: str) -> int:
-        return (self.kinds.index(kind) * self.S + stage) * self.B + microbatch
+        return (self.kinds.index(kind) * self.S + stage) * self.microbatches + microbatch
 
     def job(self, j: int) -> Job:
-        q, b = divmod(j, self.B)
+        q, b = divmod(j, self.microbatches)
         k, s = divmod(q, self.S)
         return Job(s, b, self.kinds[k])
 
@@ -117,7 +117,7 @@ class JobSpace:
     # ---- dependencies ----------------------------------------------------------------------
     def pred(self, j: int) -> list[int]:
         """Jobs that must finish before ``j`` starts."""
-        S, B = self.S, self.B
+        S, B = self.S, self.microbatches
         q, b = divmod(j, B)
         k, s = divmod(q, S)
         if k == 0:  # F(s,b) <- F(p,b)
@@ -131,7 +131,7 @@ class JobSpace:
 
     def succ(self, j: int) -> list[int]:
         """Jobs that wait on ``j``."""
-        S, B = self.S, self.B
+        S, B = self.S, self.microbatches
         q, b = divmod(j, B)
         k, s = divmod(q, S)
         if k == 0:

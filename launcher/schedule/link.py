@@ -72,7 +72,7 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
     halving-doubling (``2 log2 p`` rounds, plus 2 when ``n`` is not a power of two ``p``;
     ``2 (n - 1) / n`` of the bytes each way)."""
     space, W = tl.schedule.space, tl.schedule.workers
-    S, B = space.S, space.B
+    S, B = space.S, space.microbatches
     grad_kind = space.K - 1  # B, or W when split: the job that makes stage s's weight gradient
     pairs: set[tuple[int, int, int]] = set()
     owners: list[set[int]] = [set() for _ in range(S)]
@@ -121,7 +121,7 @@ def partners(tl: Timeline) -> list[list[int]]:
     """Per worker, the workers its end of the step waits for: the other owners of the replicated
     stages it owns (they all-reduce together) and the workers that send it partial sums."""
     space, W = tl.schedule.space, tl.schedule.workers
-    S, B = space.S, space.B
+    S, B = space.S, space.microbatches
     grad_kind = space.K - 1
     owners: list[set[int]] = [set() for _ in range(S)]
     out: list[set[int]] = [set() for _ in range(W)]

@@ -86,7 +86,7 @@ def job_actions(tl: Timeline) -> Programs:
     """Each worker's jobs in timeline order. Every job of ``(s, b)`` must run where ``F(s, b)``
     ran: its activation stash lives there."""
     space, progs = tl.schedule.space, timeline_jobs(tl)
-    SB = space.S * space.B
+    SB = space.S * space.microbatches
     for j in range(SB, space.N):
         if tl.compute[j] != tl.compute[j % SB]:
             s, b, d = space.job(j)
@@ -107,7 +107,7 @@ def edges(tl: Timeline) -> list[Edge]:
 
     A message's key is its producer's simulated finish (:func:`messages`)."""
     space, comp, finish = tl.schedule.space, tl.compute, tl.finish
-    S, B = space.S, space.B
+    S, B = space.S, space.microbatches
     at = _positions(tl)
     out: list[Edge] = []
     # the edges of the job graph within a direction (JobSpace.pred), a stage's micro-batches at once
@@ -146,7 +146,7 @@ def weight_fetches(tl: Timeline, weight_cache: str) -> Iterator[tuple[int, int, 
     if _all_on_own_weights(tl):
         return
     space = tl.schedule.space
-    S, B, SB, kinds = space.S, space.B, space.S * space.B, space.kinds
+    S, B, SB, kinds = space.S, space.microbatches, space.S * space.microbatches, space.kinds
     starts = [[tl.start[j] for j in prog] for prog in tl.sequences]
     for w, prog in enumerate(tl.sequences):
         cached: set[int] = set()
@@ -287,7 +287,7 @@ def _partial_sums(tl: Timeline) -> dict[tuple[int, int, int], int]:
     """Per weight-gradient sum a worker computes for another owner, ``(stage, worker, owner)``, the
     last job of that worker that adds to it."""
     space = tl.schedule.space
-    S, B, SB = space.S, space.B, space.S * space.B
+    S, B, SB = space.S, space.microbatches, space.S * space.microbatches
     last: dict[tuple[int, int, int], int] = {}
     if _all_on_own_weights(tl):
         return last
@@ -308,7 +308,7 @@ def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     after its last gradient job of the stage that it owns itself, at once if it computes nothing of
     it, or at the end of its program if others send it partial sums."""
     space = tl.schedule.space
-    S, B, SB = space.S, space.B, space.S * space.B
+    S, B, SB = space.S, space.microbatches, space.S * space.microbatches
     owners = stage_owners(tl)
     sums = {(o, s) for s, _, o in _partial_sums(tl)}  # owners that partial sums come in to, by stage
     before, after = _slots(tl)

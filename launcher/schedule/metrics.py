@@ -56,7 +56,7 @@ from .rules import WEIGHT_CACHES  # noqa: E402  (one definition, shared with the
 def traffic(tl: Timeline) -> dict[str, list[int]]:
     """Counts of every transfer the placement implies, per receiving (or sending) worker."""
     space, W = tl.schedule.space, tl.schedule.workers
-    S, B, SB = space.S, space.B, space.S * space.B
+    S, B, SB = space.S, space.microbatches, space.S * space.microbatches
     comp, wts = tl.compute, tl.weights
     act = [0] * W
     grad = [0] * W
@@ -107,7 +107,7 @@ def _job_cache(tl: Timeline) -> tuple[list[int], list[int], list[int]]:
     """Under ``weight_cache="job"``: fetching jobs, their distinct stages, and the most copies held
     at once with no lookahead, per worker (see the module docstring)."""
     space, W = tl.schedule.space, tl.schedule.workers
-    SB = space.S * space.B
+    SB = space.S * space.microbatches
     comp, wts = tl.compute, tl.weights
     jobs, peak = [0] * W, [0] * W
     stages: list[set[int]] = [set() for _ in range(W)]
@@ -162,7 +162,7 @@ def summarize(tl: Timeline, weight_cache: str = DEFAULT.weight_cache) -> dict[st
     stage.
     """
     step = tl.schedule
-    S, B, W = step.S, step.B, step.workers
+    S, B, W = step.S, step.microbatches, step.workers
     pw = per_worker(tl, weight_cache)
     latency = tl.latency
     busy = sum(pw["busy"])

@@ -96,7 +96,7 @@ class Order:
 def _ranked(space: JobSpace, rank: dict[str, int], breadth: bool) -> list[int]:
     """Keys by kind rank, then (breadth-first) stage level and micro-batch, or (depth-first)
     micro-batch and stage level."""
-    S, B = space.S, space.B
+    S, B = space.S, space.microbatches
     out: list[int] = []
     for kind in space.kinds:
         r = rank[kind]
@@ -289,7 +289,7 @@ def _zb_h1_keys(space: JobSpace) -> list[int]:
     ``2 (b - height(s) + 1) - 1`` and ``I(s, b)`` slot ``2 b``; a ``W`` only ranks among ``W`` jobs
     (oldest first: the deferral itself is the simulator's). Plain 1F1B ranks (every ``I`` before
     any ``F``) would let early gradients starve the forwards once ``W`` jobs take slots."""
-    S, B = space.S, space.B
+    S, B = space.S, space.microbatches
     height = space.graph.height()
     out: list[int] = []
     for kind in space.kinds:
@@ -317,7 +317,7 @@ def interleaved_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[i
     warm-up), then one forward and one backward alternate, then the last backwards; with the split
     backward, ``I`` takes the backward's place and the ``W`` jobs follow in the order of their ``I``.
     Where ``M`` is not a multiple of the rounds (PyTorch refuses it) the last round is shorter."""
-    S, B = space.S, space.B
+    S, B = space.S, space.microbatches
     SB = S * B
     W = max(compute[:SB], default=-1) + 1
     forwards: list[list[int]] = [[] for _ in range(W)]
@@ -365,7 +365,7 @@ def zb_h2_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
     of them, the first with one). Every worker is then busy from its first job to its last."""
     if space.K != 3:
         raise ValueError("order=zb_h2 runs the weight-gradient jobs W apart, so it needs split_backward=True")
-    S, B = space.S, space.B
+    S, B = space.S, space.microbatches
     SB = S * B
     nw = max(compute[:SB], default=-1) + 1
     # per micro-batch, the runs of consecutive stages on one worker, in forward order
@@ -458,7 +458,7 @@ def zbv_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int]]:
     ``w`` pairs ``I(a), I(c)`` and ``P - w`` pairs ``I(a), W(a)``, and last the ``W`` jobs still
     owed, ``c``'s then ``a``'s, oldest first. With unit ``F``, ``I`` and ``W`` it has no bubble
     once ``B >= 2P - 1``, and every worker keeps at most ``2P`` micro-batches' activations."""
-    P, B = _v_workers(space, ZBV.name), space.B
+    P, B = _v_workers(space, ZBV.name), space.microbatches
     return [[space.id(s, b, k) for s, b, k in _zbv_worker(w, P, max(B, 2 * P - 1)) if b < B] for w in range(P)]
 
 
@@ -523,9 +523,9 @@ def dualpipev_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int
     (the zero-bubble half); ``P - w - 1`` pairs of an owed ``W`` and ``B(a)`` (also ``I`` alone
     once the half is reached); last the ``w + 1`` owed ``W`` jobs. Owed ``W`` jobs run oldest first."""
     P = _v_workers(space, DualPipeV.name)
-    if e := too_few_microbatches(DualPipeV, space.S, space.B):
+    if e := too_few_microbatches(DualPipeV, space.S, space.microbatches):
         raise ValueError(e)
-    return [[space.id(s, b, k) for s, b, k in _dualpipev_worker(w, P, space.B)] for w in range(P)]
+    return [[space.id(s, b, k) for s, b, k in _dualpipev_worker(w, P, space.microbatches)] for w in range(P)]
 
 
 def _dualpipev_worker(w: int, P: int, M: int) -> list[tuple[int, int, str]]:

@@ -85,9 +85,9 @@ def to_sequences(jobs: Jobs, space: JobSpace, compute: Sequence[int], where: str
             if d not in space.kinds:
                 split = "split_backward=true (F, I, W)" if space.K == 3 else "split_backward=false (F, B)"
                 raise ValueError(f"{where} has a {d} job ({d}{s}.b{b}), which a step with {split} does not have")
-            if not (0 <= s < space.S and 0 <= b < space.B):
+            if not (0 <= s < space.S and 0 <= b < space.microbatches):
                 raise ValueError(f"{where} names job {d}{s}.b{b}, outside the step's {space.S} stages and "
-                                 f"{space.B} micro-batches")
+                                 f"{space.microbatches} micro-batches")
             seqs[w].append(space.id(s, b, d))
     return seqs
 

@@ -72,7 +72,7 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
     if steps < 1:
         raise ValueError(f"steps={steps} is invalid: replay at least one step")
     step, space = tl.schedule, tl.schedule.space
-    S, B, N, W = space.S, space.B, space.N, step.workers
+    S, B, N, W = space.S, space.microbatches, space.N, step.workers
     SB = S * B
     comm = float(step.comm)
     overlap = rule != "none"

@@ -104,8 +104,8 @@ class Schedule:
         return table
 
     @property
-    def B(self) -> int:
-        return self.space.B
+    def microbatches(self) -> int:
+        return self.space.microbatches
 
 
 @dataclass
@@ -134,7 +134,7 @@ def place_all(step: Schedule) -> tuple[list[int], list[int]]:
     kinds = space.kinds[:1] if getattr(place, "same_for_every_direction", False) else space.kinds
     for d in kinds:
         for s in range(space.S):
-            for b in range(space.B):
+            for b in range(space.microbatches):
                 ww, wc = place(s, b, d)
                 compute.append(wc)
                 weights.append(ww)
@@ -166,8 +166,8 @@ def worker_limits(step: Schedule, compute: list[int]) -> tuple[list[float], list
         height = space.graph.height()
         lowest = [space.S] * W
         for s in range(space.S):
-            for b in range(space.B):
-                w = compute[s * space.B + b]
+            for b in range(space.microbatches):
+                w = compute[s * space.microbatches + b]
                 if s < lowest[w]:
                     lowest[w] = s
         mb = [float(height[lo]) if lo < space.S else math.inf for lo in lowest]
@@ -178,7 +178,7 @@ def deferral(step: Schedule, compute: list[int]) -> tuple[list[int], list[int]]:
     """ZB-H1's per-worker slack (``W`` jobs a worker may keep waiting: ``height(0) - height(s)`` for
     its lowest stage ``s``) and each worker's count of ``F`` and ``I`` jobs."""
     space, W = step.space, step.workers
-    SB = space.S * space.B
+    SB = space.S * space.microbatches
     height = space.graph.height()
     top = max(height)
     lowest = [space.S] * W
@@ -186,7 +186,7 @@ def deferral(step: Schedule, compute: list[int]) -> tuple[list[int], list[int]]:
     for j in range(2 * SB):
         w = compute[j]
         fi[w] += 1
-        s = (j % SB) // space.B
+        s = (j % SB) // space.microbatches
         if s < lowest[w]:
             lowest[w] = s
     return [top - height[lo] if lo < space.S else 0 for lo in lowest], fi
@@ -197,8 +197,8 @@ def check_memory_limit(step: Schedule, compute: list[int], act_limit: list[float
     space = step.space
     need: dict[tuple[int, int], int] = {}
     for s in range(space.S):
-        for b in range(space.B):
-            key = (compute[s * space.B + b], b)
+        for b in range(space.microbatches):
+            key = (compute[s * space.microbatches + b], b)
             need[key] = need.get(key, 0) + 1
     for (w, b), n in sorted(need.items()):
         if n > act_limit[w]:
@@ -264,7 +264,7 @@ def _predecessor_counts(space: JobSpace) -> list[int]:
     """Per job, how many jobs it waits on (:meth:`JobSpace.pred`, counted per stage): a forward on its
     input stages' forwards, a backward on its output stages' backwards (a loss stage's on its own
     forward), a weight gradient on its input gradient."""
-    S, B, N = space.S, space.B, space.N
+    S, B, N = space.S, space.microbatches, space.N
     SB = S * B
     stage_preds, stage_succs, is_sink = space.stage_preds, space.stage_succs, space.is_sink
     npred = [0] * N
@@ -280,7 +280,7 @@ def _predecessor_counts(space: JobSpace) -> list[int]:
 
 def _admission_need(space: JobSpace, compute: list[int], W: int) -> list[int]:
     """Per worker ``w`` and micro-batch ``b`` (index ``b * W + w``): the activations ``b`` holds on ``w``."""
-    B = space.B
+    B = space.microbatches
     need = [0] * (B * W)
     for j in range(space.S * B):
         need[(j % B) * W + compute[j]] += 1
@@ -333,7 +333,7 @@ def _stalled(step: Schedule, done: int, stuck: list[int], limited: bool) -> Sche
 def simulate(step: Schedule) -> Timeline:
     """Run the greedy list scheduler; raise :class:`ScheduleError` if the step cannot finish."""
     space = step.space
-    S, B, N, W = space.S, space.B, space.N, step.workers
+    S, B, N, W = space.S, space.microbatches, space.N, step.workers
     _check_times(step)
     compute, weights = place_all(step)
     act_limit, mb_limit = worker_limits(step, compute)

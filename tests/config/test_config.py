@@ -179,7 +179,7 @@ def test_to_step_matches_make_step(cfg_of):
     c = cfg_of("strategy=fslpp", "G=2", "R=2", "stages=4", "microbatches=6", "order=breadth_first", "comm=0.5")
     step = to_schedule(c)
     ref = make_schedule("fslpp", 4, 6, G=2, R=2, order="breadth_first", comm=0.5)
-    assert (step.workers, step.S, step.B, step.name, step.order.name) == (4, 4, 6, "fslpp", "breadth_first")
+    assert (step.workers, step.S, step.microbatches, step.name, step.order.name) == (4, 4, 6, "fslpp", "breadth_first")
     a, b = simulate(step), simulate(ref)
     assert (a.start, a.finish, a.compute, a.weights) == (b.start, b.finish, b.compute, b.weights)
 

@@ -22,7 +22,7 @@ def live_intervals(tl: Timeline) -> list[tuple[int, float, float]]:
     that consumes it (``B``, or ``I`` when the backward is split).
     """
     space = tl.schedule.space
-    SB = space.S * space.B
+    SB = space.S * space.microbatches
     return [(tl.compute[j], tl.start[j], tl.finish[j + SB]) for j in range(SB)]
 
 
