@@ -40,8 +40,8 @@ def owned_and_fetched(tl: Timeline) -> tuple[list[set[int]], list[set[int]]]:
     fetched: list[set[int]] = [set() for _ in range(W)]
     for j in range(SB):  # the named schemes place every kind of (s, b) alike: the forwards say all
         s = j // space.microbatches
-        owned[tl.weights[j]].add(s)
-        if tl.compute[j] != tl.weights[j]:
+        owned[tl.owner[j]].add(s)
+        if tl.compute[j] != tl.owner[j]:
             fetched[tl.compute[j]].add(s)
     return owned, fetched
 

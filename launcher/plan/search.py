@@ -591,7 +591,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
 def _weight_work(work: list[float] | None, tl: Timeline, cache: str, prof: Profile) -> list[float] | None:
     """``work`` (per job, on CPU workers) plus the CPU of the weight copies and partial sums the
     workers move under ``cache`` (:func:`~launcher.schedule.lowering.weight_messages`)."""
-    if work is None or not prof.message_cpu or tl.weights == tl.compute:
+    if work is None or not prof.message_cpu or tl.owner == tl.compute:
         return work
     return with_weight_messages(work, tl, cache, prof.message_cpu)
 
@@ -606,7 +606,7 @@ def with_recompute(tl: Timeline, d: dict[str, float], message_s: float | None = 
     base = job_work(tl, d, message_s, "job") if work is None else work
     forward = tl.schedule.duration_table(d)[:S]  # kind F first: each stage's own forward
     rc = tl.schedule.recompute  # those backwards recompute already (charged in the base work)
-    return [w + (forward[(j // B) % S] if j // (S * B) == 1 and tl.weights[j] != tl.compute[j]
+    return [w + (forward[(j // B) % S] if j // (S * B) == 1 and tl.owner[j] != tl.compute[j]
                  and (j // B) % S not in rc else 0.0)
             for j, w in enumerate(base)]
 
@@ -659,5 +659,5 @@ def shared_cores_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None
     delays = [e.rounds * prof.comm for e in ex] if ex else None
     if work is None:
         work = job_work(tl, tl.schedule.durations, prof.message_cpu, cache)
-    fetched = weight_arrivals(tl, cache, DEFAULT.prefetch) if tl.weights != tl.compute else None
+    fetched = weight_arrivals(tl, cache, DEFAULT.prefetch) if tl.owner != tl.compute else None
     return replay(tl, prof.cores or W, tails, [list(range(W))] * W, delays, durations=work, fetched=fetched).seconds

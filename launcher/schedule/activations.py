@@ -108,7 +108,7 @@ def recomputed_forwards(tl: Timeline, weight_cache: str | None = None) -> list[b
         weight_cache = DEFAULT.weight_cache
     space, rc = tl.schedule.space, tl.schedule.recompute
     B = space.microbatches
-    return [j // B in rc or (weight_cache == "job" and tl.compute[j] != tl.weights[j])
+    return [j // B in rc or (weight_cache == "job" and tl.compute[j] != tl.owner[j])
             for j in range(space.S * B)]
 
 
@@ -138,14 +138,14 @@ def sum_handovers(tl: Timeline) -> list[SumHandover]:
     grad_kind = space.K - 1  # B, or W when split: the job that yields a weight gradient
     owners: list[set[int]] = [set() for _ in range(S)]
     for j in range(space.N):
-        owners[(j // B) % S].add(tl.weights[j])
+        owners[(j // B) % S].add(tl.owner[j])
     starts = [[tl.start[j] for j in tl.sequences[w]] for w in range(W)]
     first: dict[tuple[int, int, int], int] = {}
     last: dict[tuple[int, int, int], int] = {}
     for w in range(W):
         for i, j in enumerate(tl.sequences[w]):
-            if j // SB == grad_kind and tl.weights[j] != w and (j // B) % S not in tl.schedule.frozen:
-                key = ((j // B) % S, w, tl.weights[j])
+            if j // SB == grad_kind and tl.owner[j] != w and (j // B) % S not in tl.schedule.frozen:
+                key = ((j // B) % S, w, tl.owner[j])
                 first.setdefault(key, i)
                 last[key] = j
     out = []

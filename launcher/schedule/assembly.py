@@ -91,7 +91,7 @@ def stage_owners(tl: Timeline) -> list[list[int]]:
     S, B = space.S, space.microbatches
     owners: list[set[int]] = [set() for _ in range(S)]
     for q in range(space.K * S):  # the jobs of one (kind, stage) are a run of B ids
-        owners[q % S].update(tl.weights[q * B : (q + 1) * B])
+        owners[q % S].update(tl.owner[q * B : (q + 1) * B])
     return [sorted(o) for o in owners]
 
 
@@ -336,7 +336,7 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = DEFAULT.weight_c
 def _bindings(tl: Timeline, progs: Programs) -> list[list[int]]:
     """Per worker and action, the job it belongs to (:func:`_belongs`), a receive's the job it feeds
     (:func:`_bound`)."""
-    weights = tl.weights
+    weights = tl.owner
     return [_bound(prog, _belongs(prog), [weights[j] for j in tl.sequences[w]] if w < len(tl.sequences) else [], w)
             for w, prog in enumerate(progs)]
 
@@ -359,7 +359,7 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
     pair: list[dict[int, list[int]]] = [{} for _ in range(W)]
     for (a, b), mids_ab in between.items():  # each worker's peers in the order of their first message
         pair[a][b], pair[b][a] = mids_ab, list(mids_ab)
-    weights, start = tl.weights, tl.start
+    weights, start = tl.owner, tl.start
     seqs = tl.sequences
     jobs = [[JobOp(j, stage, mb, op, weights[j], {}, [], [], None, False, start[j])
              for j, (op, stage, mb, _, _) in zip(seqs[w], compress(prog, map(JOBS.__contains__, map(OP, prog))))]

@@ -41,7 +41,7 @@ class Replayed(NamedTuple):
 
     def timeline(self, tl: Timeline) -> Timeline:
         """``tl`` with the replayed times (the same programs)."""
-        return Timeline(tl.schedule, tl.compute, tl.weights, self.start, self.finish, tl.sequences, tl.peak_activations)
+        return Timeline(tl.schedule, tl.compute, tl.owner, self.start, self.finish, tl.sequences, tl.peak_activations)
 
 
 def replay(

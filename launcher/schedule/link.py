@@ -78,7 +78,7 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
     owners: list[set[int]] = [set() for _ in range(S)]
     for j in range(space.N):
         k, s = divmod(j // B, S)
-        o = tl.weights[j]
+        o = tl.owner[j]
         owners[s].add(o)
         if k == grad_kind and tl.compute[j] != o and s not in tl.schedule.frozen:
             pairs.add((s, tl.compute[j], o))
@@ -127,9 +127,9 @@ def partners(tl: Timeline) -> list[list[int]]:
     out: list[set[int]] = [set() for _ in range(W)]
     for j in range(space.N):
         k, s = divmod(j // B, S)
-        owners[s].add(tl.weights[j])
-        if k == grad_kind and tl.compute[j] != tl.weights[j]:
-            out[tl.weights[j]].add(tl.compute[j])
+        owners[s].add(tl.owner[j])
+        if k == grad_kind and tl.compute[j] != tl.owner[j]:
+            out[tl.owner[j]].add(tl.compute[j])
     for group in owners:
         if len(group) > 1:
             for o in group:

@@ -79,7 +79,7 @@ def _positions(tl: Timeline) -> list[int]:
 def _all_on_own_weights(tl: Timeline) -> bool:
     """Whether every job computes on its own worker's weights (DDP, GPipe, LPP): nothing to fetch,
     no partial sum to send."""
-    return tl.weights == tl.compute
+    return tl.owner == tl.compute
 
 
 def job_actions(tl: Timeline) -> Programs:
@@ -151,14 +151,14 @@ def weight_fetches(tl: Timeline, weight_cache: str) -> Iterator[tuple[int, int, 
     for w, prog in enumerate(tl.sequences):
         cached: set[int] = set()
         for i, j in enumerate(prog):
-            o = tl.weights[j]
+            o = tl.owner[j]
             if o == w:
                 continue
             q = j // B
             s, d = q % S, kinds[q // S]
             if weight_cache == "step" and s in cached:
                 continue
-            if weight_cache == "job" and (d == "W" or (d != "F" and tl.weights[j % SB] == w)):
+            if weight_cache == "job" and (d == "W" or (d != "F" and tl.owner[j % SB] == w)):
                 continue  # reuses the graph (and copy) of F or I: no transfer
             cached.add(s)
             yield w, i, s, o, bisect_left(starts[o], tl.start[j])
@@ -294,8 +294,8 @@ def _partial_sums(tl: Timeline) -> dict[tuple[int, int, int], int]:
     for w, prog in enumerate(tl.sequences):
         for j in prog:
             # B, or W when split: it yields the gradient (none for a frozen stage: nothing to send)
-            if j // SB == space.K - 1 and tl.weights[j] != w and (j // B) % S not in tl.schedule.frozen:
-                last[((j // B) % S, w, tl.weights[j])] = j
+            if j // SB == space.K - 1 and tl.owner[j] != w and (j // B) % S not in tl.schedule.frozen:
+                last[((j // B) % S, w, tl.owner[j])] = j
     return last
 
 
@@ -313,7 +313,7 @@ def add_reduces(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
     sums = {(o, s) for s, _, o in _partial_sums(tl)}  # owners that partial sums come in to, by stage
     before, after = _slots(tl)
     for w, prog in enumerate(tl.sequences):
-        ready = {(j // B) % S: i for i, j in enumerate(prog) if j // SB == space.K - 1 and tl.weights[j] == w}
+        ready = {(j // B) % S: i for i, j in enumerate(prog) if j // SB == space.K - 1 and tl.owner[j] == w}
         for s in range(S):
             if len(owners[s]) > 1 and w in owners[s] and s not in tl.schedule.frozen:
                 if (w, s) in sums:

@@ -57,7 +57,7 @@ def traffic(tl: Timeline) -> dict[str, list[int]]:
     """Counts of every transfer the placement implies, per receiving (or sending) worker."""
     space, W = tl.schedule.space, tl.schedule.workers
     S, B, SB = space.S, space.microbatches, space.S * space.microbatches
-    comp, wts = tl.compute, tl.weights
+    comp, wts = tl.compute, tl.owner
     act = [0] * W
     grad = [0] * W
     stash = [0] * W
@@ -108,7 +108,7 @@ def _job_cache(tl: Timeline) -> tuple[list[int], list[int], list[int]]:
     at once with no lookahead, per worker (see the module docstring)."""
     space, W = tl.schedule.space, tl.schedule.workers
     SB = space.S * space.microbatches
-    comp, wts = tl.compute, tl.weights
+    comp, wts = tl.compute, tl.owner
     jobs, peak = [0] * W, [0] * W
     stages: list[set[int]] = [set() for _ in range(W)]
     for w, prog in enumerate(tl.sequences):

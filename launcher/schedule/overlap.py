@@ -80,7 +80,7 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
     grad_kind = space.K - 1  # B, or W when split: the job whose end makes a gradient final
     owners: list[set[int]] = [set() for _ in range(S)]
     for j in range(N):
-        owners[(j // B) % S].add(tl.weights[j])
+        owners[(j // B) % S].add(tl.owner[j])
     preds = [[(k, comm if tl.compute[k] != tl.compute[j] else 0.0) for k in space.pred(j)] for j in range(N)]
     order = sorted(range(N), key=lambda j: (tl.start[j], j))  # dependencies and programs both go forward
     prev = [-1] * N  # the job before j on its worker
@@ -93,7 +93,7 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
         s = (j // B) % S
         if s not in step.frozen:
             reduce = comm if len(owners[s]) > 1 else 0.0  # replicas all-reduce
-            grads[s].append((j, (comm if tl.compute[j] != tl.weights[j] else 0.0) + reduce))
+            grads[s].append((j, (comm if tl.compute[j] != tl.owner[j] else 0.0) + reduce))
     # the barrier's all-reduce (loss, non-finite flag, clipping norm) crosses workers when there are several
     allreduce = comm if W > 1 else 0.0
 
@@ -122,7 +122,7 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
                 if fin[k] + c > t:
                     t = fin[k] + c
             if opt_prev is not None and j < SB:  # a forward needs its stage's updated weights
-                t = max(t, opt_prev[j // B] + (comm if tl.weights[j] != tl.compute[j] else 0.0))
+                t = max(t, opt_prev[j // B] + (comm if tl.owner[j] != tl.compute[j] else 0.0))
             fin[j] = t + dur[j]
         arrived = [max((fin[j] + d for j, d in grads[s]), default=0.0) for s in range(S)]
         if overlap:

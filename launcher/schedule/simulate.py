@@ -114,7 +114,7 @@ class Timeline:
 
     schedule: Schedule
     compute: list[int]  # w_compute of each job id
-    weights: list[int]  # w_weights of each job id
+    owner: list[int]  # w_weights of each job id
     start: list[float]
     finish: list[float]
     sequences: list[list[int]]  # per worker, its job ids in the order it runs them
@@ -129,7 +129,7 @@ def place_all(step: Schedule) -> tuple[list[int], list[int]]:
     """``(w_compute, w_weights)`` of every job, checked against the worker count."""
     space, place, W = step.space, step.placement, step.workers
     compute: list[int] = []
-    weights: list[int] = []
+    owner: list[int] = []
     # the named schemes ignore the direction: place each (s, b) once and repeat it for every kind
     kinds = space.kinds[:1] if getattr(place, "same_for_every_direction", False) else space.kinds
     for d in kinds:
@@ -137,18 +137,18 @@ def place_all(step: Schedule) -> tuple[list[int], list[int]]:
             for b in range(space.microbatches):
                 ww, wc = place(s, b, d)
                 compute.append(wc)
-                weights.append(ww)
+                owner.append(ww)
     if len(kinds) < space.K:
         compute *= space.K
-        weights *= space.K
-    bad = next((j for j in range(space.N) if not (0 <= compute[j] < W and 0 <= weights[j] < W)), None)
+        owner *= space.K
+    bad = next((j for j in range(space.N) if not (0 <= compute[j] < W and 0 <= owner[j] < W)), None)
     if bad is not None:
         s, b, d = space.job(bad)
         raise ScheduleError(
-            f"placement {step.name} sends job ({s}, {b}, {d}) to workers (w_weights={weights[bad]}, "
+            f"placement {step.name} sends job ({s}, {b}, {d}) to workers (w_weights={owner[bad]}, "
             f"w_compute={compute[bad]}), but workers must lie in [0, {W}) with W={W}"
         )
-    return compute, weights
+    return compute, owner
 
 
 def worker_limits(step: Schedule, compute: list[int]) -> tuple[list[float], list[float]]:
@@ -335,7 +335,7 @@ def simulate(step: Schedule) -> Timeline:
     space = step.space
     S, B, N, W = space.S, space.microbatches, space.N, step.workers
     _check_times(step)
-    compute, weights = place_all(step)
+    compute, owner = place_all(step)
     act_limit, mb_limit = worker_limits(step, compute)
     _check_limits(step, compute, act_limit)
     limited = step.memory_limit is not None or step.order.in_flight_limit
@@ -523,4 +523,4 @@ def simulate(step: Schedule) -> Timeline:
 
     if done != N:
         raise _stalled(step, done, [w for w in range(W) if any(avail[w]) or pend[w]], limited)
-    return Timeline(step, compute, weights, start, finish, sequences, peak)
+    return Timeline(step, compute, owner, start, finish, sequences, peak)

@@ -181,7 +181,7 @@ def test_to_step_matches_make_step(cfg_of):
     ref = make_schedule("fslpp", 4, 6, G=2, R=2, order="breadth_first", comm=0.5)
     assert (step.workers, step.S, step.microbatches, step.name, step.order.name) == (4, 4, 6, "fslpp", "breadth_first")
     a, b = simulate(step), simulate(ref)
-    assert (a.start, a.finish, a.compute, a.weights) == (b.start, b.finish, b.compute, b.weights)
+    assert (a.start, a.finish, a.compute, a.owner) == (b.start, b.finish, b.compute, b.owner)
 
 
 def test_lpp_identities_through_the_config(cfg_of):

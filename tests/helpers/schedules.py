@@ -59,7 +59,7 @@ def check_timeline(tl: Timeline) -> None:
     for j in range(N):
         s, b, d = space.job(j)
         ww, wc = step.placement(s, b, d)
-        assert (tl.weights[j], tl.compute[j]) == (ww, wc), f"job {space.job(j)} misplaced"
+        assert (tl.owner[j], tl.compute[j]) == (ww, wc), f"job {space.job(j)} misplaced"
         want = float(step.durations[d])
         assert abs(tl.finish[j] - tl.start[j] - want) < 1e-9, (
             f"job {space.job(j)} ran {tl.finish[j] - tl.start[j]}, not {want}")

@@ -84,7 +84,7 @@ def step_time(tl, prof, cache: str = "step") -> float:
         base = shared_cores_time(tl, prof, grads)
     else:
         base = (link_step_time(tl, grads, prof.link) if grads else tl.latency) + prof.outside
-    if cache == "job" and any(tl.weights[j] != tl.compute[j] for j in range(tl.schedule.space.N)):
+    if cache == "job" and any(tl.owner[j] != tl.compute[j] for j in range(tl.schedule.space.N)):
         return job_cache_time(tl, prof, grads, dict(tl.schedule.durations), base)
     return base
 

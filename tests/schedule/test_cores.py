@@ -90,5 +90,5 @@ def test_a_weight_copy_arrives_a_message_after_its_owner_hands_it_over():
     assert fetched[tl.sequences[1][0]] == -1
     assert replay(tl, 2, fetched=fetched).start[tl.sequences[1][0]] == pytest.approx(0.5)
     late = weight_arrivals(tl, "step", 0)
-    assert all(p == -1 or tl.compute[p] == tl.weights[j] != tl.compute[j] for j, p in late.items())  # the owner's job
+    assert all(p == -1 or tl.compute[p] == tl.owner[j] != tl.compute[j] for j, p in late.items())  # the owner's job
     assert replay(tl, 2, fetched=late).seconds >= replay(tl, 2, fetched=fetched).seconds - 1e-9

@@ -28,7 +28,7 @@ def whole(tl):
     return {
         "workers": tl.schedule.workers,
         "compute": tl.compute,
-        "weights": tl.weights,
+        "weights": tl.owner,
         "start": tl.start,
         "finish": tl.finish,
         "program": tl.sequences,

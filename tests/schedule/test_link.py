@@ -36,7 +36,7 @@ def test_gpipe_owners_compute_their_stage_and_exchange_nothing():
 
 def test_fsdp_sends_each_partial_to_its_owner():
     tl = simulate(make_schedule("fsdp", 2, 2, G=2, R=1))
-    owner = [tl.weights[s * 2] for s in range(2)]  # one owner per stage
+    owner = [tl.owner[s * 2] for s in range(2)]  # one owner per stage
     assert sorted(owner) == [0, 1]
     # each worker sends its partial of the stage it does not own and receives the other's of its own
     tails = end_of_step(tl, GRADS, LINK)
