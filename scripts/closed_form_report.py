@@ -610,7 +610,7 @@ def section_ownership() -> list[str]:
         "## 6. FSLPP ownership: `h(s, s)` beside `h(s, floor(s / R))`",
         "",
         "The reference formula (`strategy.ownership=seed`, the default) gives FSLPP's weights to",
-        "`w_weights = h(s, s) = R (s mod G) + (s mod R)`: group and",
+        "`w_owner = h(s, s) = R (s mod G) + (s mod R)`: group and",
         "position both follow s, so only the pairs `(s mod G, s mod R)` that occur get an owner. When",
         "G and R share a factor most workers own no stage (S = 16, G = R = 4: 4 of 16 workers own all",
         "the weights), and those owners serve every fetch. `strategy.ownership=balanced`",

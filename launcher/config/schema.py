@@ -35,7 +35,7 @@ MODES = ("train", "simulate", "plan")
 @dataclass
 class StrategyConf:
     """A named scheme, or ``placement``: a node that ``hydra.utils.instantiate`` turns into a
-    callable ``(s, b, d) -> (w_weights, w_compute)`` (then ``name`` is only a label).
+    callable ``(s, b, d) -> (w_owner, w_compute)`` (then ``name`` is only a label).
     ``ownership`` picks FSLPP's owner: ``seed`` = ``h(s, s)``, ``balanced`` = ``h(s, floor(s/R))``."""
 
     name: str = DEFAULT.name

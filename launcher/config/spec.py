@@ -40,7 +40,7 @@ def settings_of(cfg: DictConfig | Mapping[str, Any], check: bool = True, **given
     node, n = c.strategy.get("placement"), c.order.get("n")
     built: dict[str, Any] = dict(given)
     if node is not None:
-        placement = _instantiate(node, "strategy.placement", "(s, b, d) -> (w_weights, w_compute)")
+        placement = _instantiate(node, "strategy.placement", "(s, b, d) -> (w_owner, w_compute)")
         built["scheme"] = _guarded(placement, "strategy.placement", node.get("_target_"), c.strategy.name, pair=True)
     if n is not None:
         order = _instantiate(n, "order.n", "n(s, b, d)")
@@ -83,7 +83,7 @@ def _guarded(fn: Callable, key: str, target: str, name: str, pair: bool = False)
         ints = isinstance(out, tuple) and all(isinstance(w, int) and not isinstance(w, bool) for w in out)
         if pair and not (ints and len(out) == 2):
             raise ConfigError([f"{key}._target_={target} returned {out!r} for job ({s}, {b}, {d}); it must return "
-                               f"(w_weights, w_compute), two ints."])
+                               f"(w_owner, w_compute), two ints."])
         return out
 
     call.__name__ = name

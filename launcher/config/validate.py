@@ -152,7 +152,7 @@ def step_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
         if not _has_target(placement):
             out.append(
                 f"strategy.placement._target_={_target(placement)} is invalid: a custom placement needs "
-                f"it to name a callable (s, b, d) -> (w_weights, w_compute), e.g. mymodule.my_placement."
+                f"it to name a callable (s, b, d) -> (w_owner, w_compute), e.g. mymodule.my_placement."
             )
         given["scheme"] = _custom
     elif _get(cfg, "strategy.name") == "auto":  # the planner picks the scheme (plan_errors)

@@ -86,7 +86,7 @@ log = logging.getLogger(__name__)
 class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     """Train any LightningModule with stages under any scheme of the schedule engine.
 
-    ``scheme``: ddp, fsdp, gpipe, lpp, fslpp, or a placement callable ``(s, b, d) -> (w_weights,
+    ``scheme``: ddp, fsdp, gpipe, lpp, fslpp, or a placement callable ``(s, b, d) -> (w_owner,
     w_compute)`` (then ``G * R`` is the worker count). ``stages`` defaults to ``len(module.stages)``.
     The step's other settings are keywords named as their config keys (:data:`.keywords.STEP_KEYWORDS`:
     ``memory_limit``, ``split_backward``, ``weight_cache``, ``prefetch``, ``warmup``, ``durations``,

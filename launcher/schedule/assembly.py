@@ -86,7 +86,7 @@ def check_options(weight_cache: str, prefetch: int | None = None) -> None:
 
 
 def stage_owners(tl: Timeline) -> list[list[int]]:
-    """Per stage, its owners (the ``w_weights`` of its jobs), sorted."""
+    """Per stage, its owners (the ``w_owner`` of its jobs), sorted."""
     space = tl.schedule.space
     S, B = space.S, space.microbatches
     owners: list[set[int]] = [set() for _ in range(S)]
@@ -137,7 +137,7 @@ def _bound(prog: list[Action], belongs: list[int], owner: list[int], w: int) -> 
     """``belongs`` with each receive of :data:`~launcher.schedule.actions.POSTED` bound to the job
     it feeds, the first after it of its stage and micro-batch that takes it: ``RECV_ACT`` a
     forward, ``RECV_GRAD`` a backward (``B`` or ``I``), ``RECV_WEIGHTS`` a job on another worker's
-    weights (``owner``: per job, its ``w_weights``), one copy per job, in order. A receive that
+    weights (``owner``: per job, its ``w_owner``), one copy per job, in order. A receive that
     feeds no job is bound past the last job (:func:`_check_actions` refuses it)."""
     if not any(a.op in POSTED for a in prog):
         return belongs

@@ -165,8 +165,8 @@ def weight_fetches(tl: Timeline, weight_cache: str) -> Iterator[tuple[int, int, 
 
 
 def add_weights(tl: Timeline, progs: Programs, weight_cache: str) -> Programs:
-    """``weights``: a job with ``w_compute != w_weights`` runs on a copy of stage ``s`` sent by the
-    owner ``w_weights``. With ``weight_cache="step"`` a worker fetches each stage once, for the
+    """``weights``: a job with ``w_compute != w_owner`` runs on a copy of stage ``s`` sent by the
+    owner ``w_owner``. With ``weight_cache="step"`` a worker fetches each stage once, for the
     first job that needs it, and keeps it to the end of the step; with ``"job"`` every such job
     fetches its own copy and frees it when it finishes, except that a backward whose forward ran on
     this worker's own weights backpropagates through that forward's graph (no copy), and a ``W``

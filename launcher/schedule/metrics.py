@@ -8,9 +8,9 @@ Traffic is derived from ``w(s, b, d)`` alone (docs/design.md, "Placement and dat
 - ``stash_recv``: activations a backward needs from the worker that ran its forward (zero for every
   named scheme, where ``F(s,b)`` and ``B(s,b)`` share a worker);
 - ``weight_fetch_jobs``: jobs that need a fetched copy of their stage's weights, under the cache
-  policy. ``step``: every job with ``w_compute != w_weights`` (each reads the copy fetched once for
+  policy. ``step``: every job with ``w_compute != w_owner`` (each reads the copy fetched once for
   the step). ``job``: the jobs that receive a copy of their own, i.e. the weight transfers: a job
-  with ``w_compute != w_weights``, except a backward (``B``/``I``) whose ``F(s,b)`` ran on the same
+  with ``w_compute != w_owner``, except a backward (``B``/``I``) whose ``F(s,b)`` ran on the same
   worker on weights that worker owns (it backpropagates through that forward's graph and weights,
   so it needs none), and except every ``W`` (it takes its gradient from its ``I``'s graph, on the
   copy that ``I`` kept, if any);

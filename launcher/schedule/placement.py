@@ -1,6 +1,6 @@
-"""Placements: ``w(s, b, d) = (w_weights, w_compute)``.
+"""Placements: ``w(s, b, d) = (w_owner, w_compute)``.
 
-``w_compute(s, b, d)`` is the worker that runs job ``(s, b, d)``; ``w_weights(s, b, d)`` is the
+``w_compute(s, b, d)`` is the worker that runs job ``(s, b, d)``; ``w_owner(s, b, d)`` is the
 worker holding the source of truth of stage ``s``'s weights for that job. Every data movement of a
 scheme follows from these two functions (see :mod:`launcher.schedule.metrics`).
 
@@ -31,7 +31,7 @@ Worker = int
 
 
 class Placement(Protocol):
-    """``(s, b, d) -> (w_weights, w_compute)``. A placement whose answer does not depend on ``d``
+    """``(s, b, d) -> (w_owner, w_compute)``. A placement whose answer does not depend on ``d``
     may say so with a ``same_for_every_direction = True`` attribute: it is then asked once per
     ``(s, b)`` instead of once per job."""
 
@@ -106,7 +106,7 @@ class FSLPP:
             raise ValueError(f"ownership={self.ownership!r} is not valid; choose one of {list(OWNERSHIPS)}")
 
     def owner(self, s: int) -> Worker:
-        """``w_weights`` of stage ``s``: ``h(s, s)`` (seed) or ``h(s, floor(s / R))`` (balanced)."""
+        """``w_owner`` of stage ``s``: ``h(s, s)`` (seed) or ``h(s, floor(s / R))`` (balanced)."""
         return h(s, s if self.ownership == "seed" else s // self.R, self.G, self.R)
 
     def __call__(self, s: int, b: int, d: str) -> tuple[Worker, Worker]:

@@ -53,7 +53,7 @@ class JobOp:
     stage: int
     microbatch: int
     kind: str
-    owner: int  # w_weights of this job
+    owner: int  # w_owner: the worker that owns this job's stage
     recv: dict[int, int] = field(default_factory=dict)  # pred stage (F) or succ stage (B/I) -> mid
     send: list[int] = field(default_factory=list)  # mids this job's output feeds
     wgrad_send: list[int] = field(default_factory=list)  # weight-gradient sums complete after this job

@@ -29,7 +29,7 @@ DEFAULT_DURATIONS: Mapping[str, float] = MappingProxyType({"F": 1.0, "B": 1.0, "
 #: the schemes whose default order is ``interleaved_1f1b`` where it is valid (looped pipelines)
 LOOPED = ("lpp", "fslpp")
 
-#: a scheme by name, or a placement callable ``(s, b, d) -> (w_weights, w_compute)``
+#: a scheme by name, or a placement callable ``(s, b, d) -> (w_owner, w_compute)``
 SchemeLike = Union[str, Placement, Callable[[int, int, str], Any]]
 #: an order by name, an :class:`Order`, or a callable ``n(s, b, d)``
 OrderLike = Union[str, Order, Callable[[int, int, str], Any]]

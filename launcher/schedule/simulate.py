@@ -114,7 +114,7 @@ class Timeline:
 
     schedule: Schedule
     compute: list[int]  # w_compute of each job id
-    owner: list[int]  # w_weights of each job id
+    owner: list[int]  # w_owner of each job id
     start: list[float]
     finish: list[float]
     sequences: list[list[int]]  # per worker, its job ids in the order it runs them
@@ -126,7 +126,7 @@ class Timeline:
 
 
 def place_all(step: Schedule) -> tuple[list[int], list[int]]:
-    """``(w_compute, w_weights)`` of every job, checked against the worker count."""
+    """``(w_compute, w_owner)`` of every job, checked against the worker count."""
     space, place, W = step.space, step.placement, step.workers
     compute: list[int] = []
     owner: list[int] = []
@@ -145,7 +145,7 @@ def place_all(step: Schedule) -> tuple[list[int], list[int]]:
     if bad is not None:
         s, b, d = space.job(bad)
         raise ScheduleError(
-            f"placement {step.name} sends job ({s}, {b}, {d}) to workers (w_weights={owner[bad]}, "
+            f"placement {step.name} sends job ({s}, {b}, {d}) to workers (w_owner={owner[bad]}, "
             f"w_compute={compute[bad]}), but workers must lie in [0, {W}) with W={W}"
         )
     return compute, owner
