@@ -349,7 +349,7 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
         st.meter.hold_bytes(stash.saved)  # the recomputed graph, until this job (or W) ends
     else:
         out, loss, targets = stash.out, stash.loss, stash.targets
-        if op.weights is not None:
+        if op.weights_mid is not None:
             st.fetch(op)  # cache "step" only: the copy F used; counted as a job on fetched weights
     if loss is not None:
         roots: list[torch.Tensor] = [] if st.weightless(s, b) else [loss]  # none: zero gradients
@@ -365,7 +365,7 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
     elif into is not None:  # later micro-batches: added into the total during the backward
         # the stage's own weights keep pointing at its total until the step ends; a fetched copy
         # only during the call (held until the step's end, it would outlive its job)
-        own = op.weights is None
+        own = op.weights_mid is None
         if own:
             st.totals.bind(targets, into)
         res = stage_grads_into(roots, stash.leaves, targets, into, grads, bound=own)
@@ -380,12 +380,12 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
     if not split:
         st.meter.drop_bytes(stash.saved)  # and the graph with it
     if split:
-        hold = op.weights if op.free_weights else None  # I's copy lives in the graph until W
+        hold = op.weights_mid if op.free_weights else None  # I's copy lives in the graph until W
         st.wstash[(s, b)] = (deferred, weights, hold, stash.saved)
         if hold is not None:
             st.weights.pop(hold, None)  # not freed yet: still counted as resident
     elif op.free_weights:
-        st.free(op.weights)
+        st.free(op.weights_mid)
 
 
 def _output_grads(st: StepState, op: JobOp, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -424,7 +424,7 @@ def _output_grads(st: StepState, op: JobOp, out: Any) -> tuple[list[torch.Tensor
 def weight_grad(st: StepState, op: JobOp) -> None:
     """``W(s, b)``: the weights' gradient from where ``I`` left off, added into the stage's total."""
     deferred, targets, hold, saved = st.wstash.pop((op.stage, op.microbatch))
-    if op.weights is not None:
+    if op.weights_mid is not None:
         # cache "step" only: W on the step's copy, counted as a job on fetched weights; the
         # gradient itself comes from I's graph (under "job" the program sends W no copy at all)
         st.fetch(op)

@@ -72,13 +72,13 @@ class StepState:
         parameters, or a fetched copy's trainable prefix (a leaf of its own; the frozen rest of
         the copy is computed with, never differentiated)."""
         s = op.stage
-        if op.weights is None:
+        if op.weights_mid is None:
             mod = self.engine.modules[s]
             params = self.params.get(s)
             if params is None:
                 params = self.params[s] = self.engine.layouts[s].ordered(mod, trainable_only=True)
             return mod, None, params
-        mid = op.weights
+        mid = op.weights_mid
         L = self.engine.layouts[s]
         if mid not in self.weights:
             flat = self.comm.wait(mid)
@@ -245,7 +245,7 @@ class StepState:
             self.outs[(s, b)] = [out.detach() if isinstance(out, torch.Tensor) else _detached(out), n]
         self._send_output(op, out)
         if op.free_weights:
-            self.free(op.weights)
+            self.free(op.weights_mid)
 
     def counting(self, off: bool, op: JobOp, mod: torch.nn.Module, targets: list[torch.Tensor],
                   values: list[Any], recomputing: bool) -> Any:
@@ -270,13 +270,13 @@ class StepState:
         shapes, dtypes and ``requires_grad``, its weights' (owned or fetched), training and grad
         mode, autocast; None (always counted) when an input's constant cannot be hashed."""
         try:
-            fixed = self.static_keys.get((op.stage, op.weights is None))
+            fixed = self.static_keys.get((op.stage, op.weights_mid is None))
             if fixed is None:  # training mode, autocast and the weights' requires_grad hold for the step
                 dev = self.engine.device.type
-                fixed = self.static_keys[(op.stage, op.weights is None)] = (
+                fixed = self.static_keys[(op.stage, op.weights_mid is None)] = (
                     mod.training, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev),
                     tuple(t.requires_grad for t in targets))
-            key = (op.stage, recomputing, op.weights is None, torch.is_grad_enabled(), fixed, leaves_key(values),
+            key = (op.stage, recomputing, op.weights_mid is None, torch.is_grad_enabled(), fixed, leaves_key(values),
                    leaves_key([self._target(op.microbatch)]) if sink else None)
             hash(key)
         except TypeError:
@@ -298,7 +298,7 @@ class StepState:
             self.outs[(s, b)] = [out, n]
         self._send_output(op, out)
         if op.free_weights:
-            self.free(op.weights)
+            self.free(op.weights_mid)
 
 
 def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch], meter: Meter, train: bool,

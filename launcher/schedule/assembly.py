@@ -336,8 +336,8 @@ def assemble(tl: Timeline, progs: Programs, weight_cache: str = DEFAULT.weight_c
 def _bindings(tl: Timeline, progs: Programs) -> list[list[int]]:
     """Per worker and action, the job it belongs to (:func:`_belongs`), a receive's the job it feeds
     (:func:`_bound`)."""
-    weights = tl.owner
-    return [_bound(prog, _belongs(prog), [weights[j] for j in tl.sequences[w]] if w < len(tl.sequences) else [], w)
+    owner = tl.owner
+    return [_bound(prog, _belongs(prog), [owner[j] for j in tl.sequences[w]] if w < len(tl.sequences) else [], w)
             for w, prog in enumerate(progs)]
 
 
@@ -359,9 +359,9 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
     pair: list[dict[int, list[int]]] = [{} for _ in range(W)]
     for (a, b), mids_ab in between.items():  # each worker's peers in the order of their first message
         pair[a][b], pair[b][a] = mids_ab, list(mids_ab)
-    weights, start = tl.owner, tl.start
+    owner, start = tl.owner, tl.start
     seqs = tl.sequences
-    jobs = [[JobOp(j, stage, mb, op, weights[j], {}, [], [], None, False, start[j])
+    jobs = [[JobOp(j, stage, mb, op, owner[j], {}, [], [], None, False, start[j])
              for j, (op, stage, mb, _, _) in zip(seqs[w], compress(prog, map(JOBS.__contains__, map(OP, prog))))]
             for w, prog in enumerate(progs)]
     for mid, (_, _, kind, ws, wr, stage, _, peer, ns, nr) in enumerate(edge_msgs):  # each job's messages in id order
@@ -396,7 +396,7 @@ def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mi
             if i in copy_for:
                 held[a.stage] = copy_for.pop(i)
             if job.owner != w:
-                job.weights = held.get(a.stage)
+                job.weights_mid = held.get(a.stage)
             ops.append((kind, i))
         elif kind == FREE_WEIGHTS:  # done by the job itself, as it ends
             jobs[i].free_weights = True

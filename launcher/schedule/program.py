@@ -57,7 +57,7 @@ class JobOp:
     recv: dict[int, int] = field(default_factory=dict)  # pred stage (F) or succ stage (B/I) -> mid
     send: list[int] = field(default_factory=list)  # mids this job's output feeds
     wgrad_send: list[int] = field(default_factory=list)  # weight-gradient sums complete after this job
-    weights: int | None = None  # weights message this job runs on (None: owned stage)
+    weights_mid: int | None = None  # the weights message this job runs on (None: owned stage)
     free_weights: bool = False  # drop the fetched copy when the job ends (cache "job")
     start: float = 0.0  # simulated start, for reports
 
@@ -285,8 +285,8 @@ def forward_only(lowered: Lowered) -> Lowered:
             if op.kind == "F":
                 keep.update(op.recv.values())
                 keep.update(op.send)
-                if op.weights is not None:
-                    keep.add(op.weights)
+                if op.weights_mid is not None:
+                    keep.add(op.weights_mid)
     programs: list[Program] = []
     for old in lowered.programs:
         jobs: list[JobOp] = []

@@ -55,8 +55,8 @@ def execute_abstract(plan: Lowered) -> None:
             if kind in COMPUTE:
                 op = prog.jobs[arg]
                 ops += [("wait", m) for m in op.recv.values()]
-                if op.weights is not None:
-                    ops.append(("wait", op.weights))
+                if op.weights_mid is not None:
+                    ops.append(("wait", op.weights_mid))
             elif kind in SENDS:
                 ops.append(("send", arg))
         flat.append(ops + _end_phase(plan, w))
@@ -127,7 +127,7 @@ def _check_weights(plan: Lowered) -> None:
     for prog in plan.programs:
         for op in prog.jobs:
             if plan.weight_cache == "job" and op.kind == "W":
-                assert op.weights is None, "a W runs on its I's graph: no transfer"
+                assert op.weights_mid is None, "a W runs on its I's graph: no transfer"
     peaks = [o + r for o, r in zip(p["weights_owned"], resident_peaks(plan, plan.prefetch))]
     assert peaks == p["weights_peak_resident"]
     if plan.weight_cache == "step":  # every fetched stage stays: lookahead changes nothing
@@ -285,8 +285,8 @@ def test_weight_messages_are_the_lowered_programs_weight_traffic(name, G, R, S, 
     for prog in plan.programs:
         seen: set[int] = set()
         for i, op in enumerate(prog.jobs):
-            if op.weights is not None and op.weights not in seen:
-                seen.add(op.weights)
+            if op.weights_mid is not None and op.weights_mid not in seen:
+                seen.add(op.weights_mid)
                 want[op.job] += 1
             want[op.job] += len(op.wgrad_send)
         for (kind, _), i in zip(prog.ops, _gaps(prog)):
