@@ -330,9 +330,9 @@ def replayed_rng(state: tuple | None, device: torch.device) -> Any:
         yield
 
 
-def backward(st: StepState, op: JobOp, split: bool) -> None:
-    """``B(s, b)`` (or ``I(s, b)`` when ``split``): the gradient of the stage's inputs, sent or
-    kept for their predecessors, and (unless split) of its weights, added into its total."""
+def backward(st: StepState, op: JobOp, split_backward: bool) -> None:
+    """``B(s, b)`` (or ``I(s, b)`` when ``split_backward``): the gradient of the stage's inputs, sent or
+    kept for their predecessors, and (unless split_backward) of its weights, added into its total."""
     s, b = op.stage, op.microbatch
     stash = st.stash.pop((s, b))
     views = stash.views
@@ -358,8 +358,8 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
     else:
         roots, grads = _output_grads(st, op, out)
     finite = st.engine.finite
-    into = None if split else st.totals.into(s, op.owner, targets, apart=finite is not None and finite.grads)
-    if split:  # I: the inputs' gradient now, the weights' (per parameter) at W from where I left off
+    into = None if split_backward else st.totals.into(s, op.owner, targets, apart=finite is not None and finite.grads)
+    if split_backward:  # I: the inputs' gradient now, the weights' (per parameter) at W from where I left off
         weights = targets if views is None else views
         res, deferred = input_grads(roots, grads, stash.leaves, weights)
     elif into is not None:  # later micro-batches: added into the total during the backward
@@ -374,12 +374,12 @@ def backward(st: StepState, op: JobOp, split: bool) -> None:
     if st.engine.finite is not None:
         st.engine.finite.backward(s, b, res)
     _route_input_grads(st, op, stash, res[: len(stash.leaves)])
-    if not split and into is None:
+    if not split_backward and into is None:
         st.totals.accumulate(s, op.owner, targets, res[len(stash.leaves) :])
     st.meter.release(stash.nbytes)  # x_s^b dies with the job that consumes it
-    if not split:
+    if not split_backward:
         st.meter.drop_bytes(stash.saved)  # and the graph with it
-    if split:
+    if split_backward:
         hold = op.weights_mid if op.free_weights else None  # I's copy lives in the graph until W
         st.wstash[(s, b)] = (deferred, weights, hold, stash.saved)
         if hold is not None:

@@ -267,7 +267,7 @@ class Engine:
         self.step_index = 0  # the global step of the current step (:meth:`compute_step`'s ``step``)
         self.first_microbatch = 0  # the streams' index of this call's micro-batch 0 (:meth:`compute_step`)
         self._traced: dict[str, Any] | None = None  # the last training step's events (:meth:`trace`)
-        self.split = "I" in space.kinds  # a split backward: W takes a fetched copy's gradient per parameter
+        self.split_backward = "I" in space.kinds  # a split backward: W takes a fetched copy's gradient per parameter
         self._shapes: dict[Any, Shapes] = {}
         self._saved: dict[Any, list[int]] = {}  # input shapes -> bytes each stage's graph saves
         # what the forwards' graphs saved, measured: hooked only for new keys and on check steps

@@ -105,7 +105,7 @@ class StepState:
         if op.kind == "F":
             self.forward(op)
         elif op.kind in ("B", "I"):
-            backward(self, op, split=op.kind == "I")
+            backward(self, op, split_backward=op.kind == "I")
         else:
             weight_grad(self, op)
 
@@ -237,7 +237,7 @@ class StepState:
         # a recomputing backward fetches the weights again: keeping ``targets`` (a fetched copy)
         # here would hold every fetched stage's weights until its backward
         views = (list(params.values())[: self.engine.layouts[s].trainable] if params is not None and not recompute
-                 and self.engine.split else None)
+                 and self.engine.split_backward else None)
         self.stash[(s, b)] = Stash(values, leaves, counts, None if recompute else out, None if recompute else loss,
                                     [] if recompute else targets, nbytes, saved, rng, views)
         n = self.engine.local_succ[s * self.engine.space.microbatches + b]
