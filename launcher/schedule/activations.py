@@ -69,20 +69,20 @@ def _peak(events: list[tuple[float, int, float]]) -> float:
     return peak
 
 
-def graph_shares(step: Schedule) -> list[float]:
+def graph_shares(sched: Schedule) -> list[float]:
     """Per stage, the share ``g_s`` of one micro-batch's activations that is its forward's graph,
-    kept until ``W`` (``step.graph_share``: one for every stage, or one per stage)."""
-    g = step.graph_share
-    return [float(g)] * step.S if isinstance(g, (int, float)) else [float(x) for x in g]
+    kept until ``W`` (``sched.graph_share``: one for every stage, or one per stage)."""
+    g = sched.graph_share
+    return [float(g)] * sched.S if isinstance(g, (int, float)) else [float(x) for x in g]
 
 
-def unit_releases(step: Schedule) -> tuple[list[float], list[float]]:
+def unit_releases(sched: Schedule) -> tuple[list[float], list[float]]:
     """Per stage, the units of one micro-batch's activations freed at the end of its backward
     (``I``; ``B`` frees the whole unit) and at the end of its ``W``: the one rule the simulator's
     admission control and ``order=auto``'s construction free memory by."""
-    if not step.space.split_backward:
-        return [1.0] * step.S, [0.0] * step.S
-    g = graph_shares(step)
+    if not sched.space.split_backward:
+        return [1.0] * sched.S, [0.0] * sched.S
+    g = graph_shares(sched)
     return [1.0 - x for x in g], g
 
 
@@ -99,7 +99,7 @@ def unit_peaks(tl: Timeline) -> list[float]:
 
 def recomputed_forwards(tl: Timeline, weight_cache: str | None = None) -> list[bool]:
     """Per forward job ``j = s * B + b``: whether it keeps only its input, its backward
-    recomputing it: its stage is in ``step.recompute``, or, under ``weight_cache="job"``, it runs
+    recomputing it: its stage is in ``sched.recompute``, or, under ``weight_cache="job"``, it runs
     on a fetched copy that it frees when it ends (the runtime's rule). ``weight_cache``: the
     setting's default when ``None``."""
     if weight_cache is None:

@@ -46,20 +46,20 @@ if TYPE_CHECKING:
 Seqs = tuple[tuple[int, ...], ...]
 
 
-def run_sequences(step: Schedule, seqs: Seqs) -> Timeline:
+def run_sequences(sched: Schedule, seqs: Seqs) -> Timeline:
     """``step`` simulated with each worker running ``seqs`` strictly, without the simulator's
     admission control (the sequences keep to the limit themselves)."""
     from .simulate import simulate
 
-    return simulate(replace(step, order=AutoOrder(warmup="classic", seqs=seqs), memory_limit=None))
+    return simulate(replace(sched, order=AutoOrder(warmup="classic", seqs=seqs), memory_limit=None))
 
 
-def worker_cap(step: Schedule) -> list[float]:
+def worker_cap(sched: Schedule) -> list[float]:
     """Each worker's activation limit (units of one stage's micro-batch); ``inf`` without a limit."""
-    ml = step.memory_limit
+    ml = sched.memory_limit
     if ml is None:
-        return [math.inf] * step.workers
-    return [float(ml)] * step.workers if isinstance(ml, int) else [float(x) for x in ml]
+        return [math.inf] * sched.workers
+    return [float(ml)] * sched.workers if isinstance(ml, int) else [float(x) for x in ml]
 
 
 def _topological(preds: list[list[tuple[int, float]]]) -> list[int]:
@@ -90,12 +90,12 @@ def span(tl: Timeline, above: float = math.inf) -> float:
     than the worker's span in ``tl`` (every job there starts as early as it can), so workers whose
     span cannot raise the bound are skipped; once the bound passes ``above`` it is returned as it
     is (a cost that loses to ``above`` need not be exact)."""
-    step, N = tl.schedule, len(tl.start)
+    sched, N = tl.schedule, len(tl.start)
     dur = [f - s for s, f in zip(tl.start, tl.finish)]
     preds: list[list[tuple[int, float]]] = [[] for _ in range(N)]
     for j in range(N):
-        for k in step.space.pred(j):
-            preds[j].append((k, dur[k] + step.crossing(tl.compute[k], tl.compute[j])))
+        for k in sched.space.pred(j):
+            preds[j].append((k, dur[k] + sched.crossing(tl.compute[k], tl.compute[j])))
     ends = []
     for prog in tl.sequences:
         for a, b in zip(prog, prog[1:]):
@@ -147,17 +147,17 @@ def span(tl: Timeline, above: float = math.inf) -> float:
     return hi
 
 
-def greedy(step: Schedule, compute: Sequence[int], caps: Sequence[float], fit_w: bool,
+def greedy(sched: Schedule, compute: Sequence[int], caps: Sequence[float], fit_w: bool,
            depth: Sequence[float] | None = None) -> list[list[int]]:
     """The greedy construction (module docstring): each worker's sequence. ``caps[w]``: the most
     live units worker ``w`` keeps (:func:`launcher.schedule.activations.unit_peaks`' count);
     ``fit_w``: a ``W`` starts only if no ``I`` or ``F`` it could run becomes ready before the ``W``
     would end; ``depth[w]``: the most micro-batches worker ``w`` keeps between an ``F`` and its ``I``
     (its warm-up depth; ``None``: only memory bounds it)."""
-    space = step.space
-    N, B, SB, W = space.N, space.microbatches, space.S * space.microbatches, step.workers
-    dur = step.duration_table()
-    at_i, at_w = unit_releases(step)
+    space = sched.space
+    N, B, SB, W = space.N, space.microbatches, space.S * space.microbatches, sched.workers
+    dur = sched.duration_table()
+    at_i, at_w = unit_releases(sched)
     npred = [len(space.pred(j)) for j in range(N)]
     ready = [0.0] * N
     # per worker: released jobs by kind, each a heap of (ready time, micro-batch, job)
@@ -238,7 +238,7 @@ def greedy(step: Schedule, compute: Sequence[int], caps: Sequence[float], fit_w:
         touched = {w}
         for k in space.succ(j):
             npred[k] -= 1
-            r = end + step.crossing(w, compute[k])
+            r = end + sched.crossing(w, compute[k])
             ready[k] = max(ready[k], r)
             if npred[k] == 0:
                 v = compute[k]
@@ -256,29 +256,29 @@ DEPTH_SLOPES = tuple(x / 5 for x in range(5, 16))
 DEPTH_OFFSETS = (0, 1)
 
 
-def lowest_stages(step: Schedule, compute: Sequence[int]) -> list[int]:
+def lowest_stages(sched: Schedule, compute: Sequence[int]) -> list[int]:
     """Each worker's lowest stage (``S`` for a worker that holds none)."""
-    B = step.space.microbatches
-    lowest = [step.space.S] * step.workers
-    for j in range(step.space.S * B):
+    B = sched.space.microbatches
+    lowest = [sched.space.S] * sched.workers
+    for j in range(sched.space.S * B):
         lowest[compute[j]] = min(lowest[compute[j]], j // B)
     return lowest
 
 
-def round_trips(step: Schedule, compute: Sequence[int]) -> list[float]:
+def round_trips(sched: Schedule, compute: Sequence[int]) -> list[float]:
     """Per worker, how many of its lowest stage's ``F`` fit in the time from that stage's first ``F``
     starting to its first ``I`` being ready, with nothing else running (``comm`` between workers):
     the warm-up that keeps the worker busy until its first gradient comes back."""
-    space, SB, B = step.space, step.space.S * step.space.microbatches, step.space.microbatches
-    dur = step.duration_table()
+    space, SB, B = sched.space, sched.space.S * sched.space.microbatches, sched.space.microbatches
+    dur = sched.duration_table()
     start: dict[int, float] = {}
     # micro-batch 0's jobs depend only on each other: its forwards up the stages (numbered in a
     # topological order), then its input gradients back down
     for j in [s * B for s in range(space.S)] + [SB + s * B for s in reversed(range(space.S))]:
-        start[j] = max((start[k] + dur[k // B] + step.crossing(compute[k], compute[j]) for k in space.pred(j)),
+        start[j] = max((start[k] + dur[k // B] + sched.crossing(compute[k], compute[j]) for k in space.pred(j)),
                        default=0.0)
     out = []
-    for lo in lowest_stages(step, compute):
+    for lo in lowest_stages(sched, compute):
         if lo == space.S:
             out.append(1.0)
             continue
@@ -294,24 +294,24 @@ def _binds(depth: Sequence[int], caps: Sequence[float]) -> bool:
     return any(d < math.floor(c) for d, c in zip(depth, caps))
 
 
-def _candidates(step: Schedule, compute: Sequence[int], grid: bool) -> list[list[list[int]]]:
+def _candidates(sched: Schedule, compute: Sequence[int], grid: bool) -> list[list[list[int]]]:
     """Every candidate's sequences: the greedy variants, then the named orders' schedules."""
     from .simulate import ScheduleError, simulate
 
-    caps = worker_cap(step)
-    space = step.space
+    caps = worker_cap(sched)
+    space = sched.space
     height = space.graph.height()
-    lowest = lowest_stages(step, compute)
+    lowest = lowest_stages(sched, compute)
     warm = [height[lo] if lo < space.S else 1 for lo in lowest]  # 1F1B's warm-up per worker
     variants: list[tuple[list[float], list[int] | None]] = []
     for c in (caps, [x - 1 for x in caps], [min(x, 2 * h) for x, h in zip(caps, warm)],
               [min(x, 2 * h - 1) for x, h in zip(caps, warm)], [min(x, h) for x, h in zip(caps, warm)]):
         if all(v >= 1 for v in c) and (c, None) not in variants:
             variants.append((c, None))
-    if step.memory_limit is not None:  # under a limit, how deep each worker's warm-up goes decides the step
+    if sched.memory_limit is not None:  # under a limit, how deep each worker's warm-up goes decides the step
         # the round trip's depth, whole: a worker that starts one more F delays its first I, and with it
         # every worker upstream; the first workers have none upstream and fill their wait instead
-        trips = round_trips(step, compute)
+        trips = round_trips(sched, compute)
         first = [space.graph.preds[lo] == () if lo < space.S else False for lo in lowest]
         for off in (0, -1, 1):
             depth = [max(1, min(math.floor(c), math.ceil(x - 1e-9) if top else math.floor(x + 1e-9) + off))
@@ -328,26 +328,26 @@ def _candidates(step: Schedule, compute: Sequence[int], grid: bool) -> list[list
     for c, d in variants:
         for fit in (False, True):
             try:
-                out.append(greedy(step, compute, c, fit, d))
+                out.append(greedy(sched, compute, c, fit, d))
             except ValueError:
                 pass
     for name in ("zb_h1", "zb_h2", "1f1b"):
         try:
-            out.append(simulate(replace(step, order=make_order(name))).sequences)
+            out.append(simulate(replace(sched, order=make_order(name))).sequences)
         except (ScheduleError, ValueError):  # ValueError: an order that does not fit the placement
             pass
     return out
 
 
-def _key(step: Schedule) -> tuple:
+def _key(sched: Schedule) -> tuple:
     """Everything the search reads, hashable (its cache key)."""
-    pl = step.placement
-    sd = tuple(tuple(sorted(d.items())) for d in step.stage_durations) if step.stage_durations else None
-    ml = step.memory_limit if step.memory_limit is None or isinstance(step.memory_limit, int) \
-        else tuple(step.memory_limit)
-    g = step.graph_share if isinstance(step.graph_share, (int, float)) else tuple(step.graph_share)
-    return (step.space.graph, step.space.microbatches, step.space.split_backward, pl, step.workers,
-            tuple(sorted(step.durations.items())), step.comm, ml, sd, step.recompute, g)
+    pl = sched.placement
+    sd = tuple(tuple(sorted(d.items())) for d in sched.stage_durations) if sched.stage_durations else None
+    ml = sched.memory_limit if sched.memory_limit is None or isinstance(sched.memory_limit, int) \
+        else tuple(sched.memory_limit)
+    g = sched.graph_share if isinstance(sched.graph_share, (int, float)) else tuple(sched.graph_share)
+    return (sched.space.graph, sched.space.microbatches, sched.space.split_backward, pl, sched.workers,
+            tuple(sorted(sched.durations.items())), sched.comm, ml, sd, sched.recompute, g)
 
 
 #: searched sequences by profile, the most recently used kept: the planner asks for a few dozen
@@ -360,33 +360,33 @@ _CACHE_SIZE = 128
 OBJECTIVES = ("makespan", "span")
 
 
-def auto_sequences(step: Schedule, objective: str = "makespan") -> Seqs:
-    """The best sequences the search finds for ``step`` (module docstring): the shortest step,
+def auto_sequences(sched: Schedule, objective: str = "makespan") -> Seqs:
+    """The best sequences the search finds for ``sched`` (module docstring): the shortest step,
     simulated strictly, whose activations stay within the step's limit (the one memory model's
     units, :func:`launcher.schedule.activations.unit_peaks`); shortest by ``objective``
     (:data:`OBJECTIVES`). Cached by profile."""
     from .simulate import ScheduleError, place_all
 
-    if not step.space.split_backward:
+    if not sched.space.split_backward:
         raise ValueError("order=auto schedules the split backward (F, I, W), so it needs split_backward=True")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is invalid: it must be one of {', '.join(OBJECTIVES)}")
     try:
-        key: tuple | None = (*_key(step), objective)
+        key: tuple | None = (*_key(sched), objective)
         hash(key)
     except TypeError:  # a user's placement callable that does not hash: no cache
         key = None
     if key is not None and key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    compute, _ = place_all(step)
-    caps = worker_cap(step)
+    compute, _ = place_all(sched)
+    caps = worker_cap(sched)
 
     def cost(seqs: Seqs, above: float = math.inf) -> tuple[float, Timeline] | None:
         """The step's cost under ``objective`` with these sequences (exact up to ``above``); ``None``
         past the limit."""
         try:
-            tl = run_sequences(step, seqs)
+            tl = run_sequences(sched, seqs)
         except ScheduleError:
             return None
         if any(p > c + 1e-9 for p, c in zip(unit_peaks(tl), caps)):
@@ -394,13 +394,14 @@ def auto_sequences(step: Schedule, objective: str = "makespan") -> Seqs:
         return (tl.latency if objective == "makespan" else span(tl, above)), tl
 
     best: tuple[float, Timeline, Seqs] | None = None
-    for seqs in _candidates(step, compute, grid=objective == "span"):
+    for seqs in _candidates(sched, compute, grid=objective == "span"):
         frozen = tuple(tuple(s) for s in seqs)
         c = cost(frozen, best[0] if best else math.inf)
         if c is not None and (best is None or c[0] < best[0] - 1e-9):
             best = (c[0], c[1], frozen)
     if best is None:
-        raise ScheduleError(f"order=auto found no schedule within memory_limit={step.memory_limit}: raise memory_limit")
+        limit = sched.memory_limit
+        raise ScheduleError(f"order=auto found no schedule within memory_limit={limit}: raise memory_limit")
     # the exchanges shorten a worker's span; the makespan of the candidates above they left as it was
     out = _polish(best[0], best[1], best[2], cost) if objective == "span" else best[2]
     if key is not None:
@@ -421,7 +422,7 @@ def _polish(value: float, tl: Timeline, seqs: Seqs,
     (and every worker upstream on its gradient's way) then waits out the ``W``'s rest. The latest
     such pairs are tried first (the ones at the end of a step decide its span); each kept exchange
     shortens the step, so this ends, and at most :data:`POLISH_TRIES` are simulated."""
-    step, space = tl.schedule, tl.schedule.space
+    sched, space = tl.schedule, tl.schedule.space
     SB = space.S * space.microbatches
     tries = 0
     while True:
@@ -431,7 +432,7 @@ def _polish(value: float, tl: Timeline, seqs: Seqs,
                 a, b = seq[n], seq[n + 1]
                 if a // SB != 2 or b // SB != 1:
                     continue
-                ready = max((tl.finish[k] + step.crossing(tl.compute[k], w) for k in space.pred(b)), default=0.0)
+                ready = max((tl.finish[k] + sched.crossing(tl.compute[k], w) for k in space.pred(b)), default=0.0)
                 if ready < tl.finish[a] - 1e-9:  # the I waited for this W
                     pairs.append((tl.start[b], w, n))
         for _, w, n in sorted(pairs, reverse=True):

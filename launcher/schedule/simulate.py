@@ -125,9 +125,9 @@ class Timeline:
         return max(self.finish) if self.finish else 0.0
 
 
-def place_all(step: Schedule) -> tuple[list[int], list[int]]:
+def place_all(sched: Schedule) -> tuple[list[int], list[int]]:
     """``(w_compute, w_owner)`` of every job, checked against the worker count."""
-    space, place, W = step.space, step.placement, step.workers
+    space, place, W = sched.space, sched.placement, sched.workers
     compute: list[int] = []
     owner: list[int] = []
     # the named schemes ignore the direction: place each (s, b) once and repeat it for every kind
@@ -145,16 +145,16 @@ def place_all(step: Schedule) -> tuple[list[int], list[int]]:
     if bad is not None:
         s, b, d = space.job(bad)
         raise ScheduleError(
-            f"placement {step.name} sends job ({s}, {b}, {d}) to workers (w_owner={owner[bad]}, "
+            f"placement {sched.name} sends job ({s}, {b}, {d}) to workers (w_owner={owner[bad]}, "
             f"w_compute={compute[bad]}), but workers must lie in [0, {W}) with W={W}"
         )
     return compute, owner
 
 
-def worker_limits(step: Schedule, compute: list[int]) -> tuple[list[float], list[float]]:
+def worker_limits(sched: Schedule, compute: list[int]) -> tuple[list[float], list[float]]:
     """Per-worker activation limit M and micro-batches-in-flight limit (the 1F1B warm-up)."""
-    W, space = step.workers, step.space
-    ml = step.memory_limit
+    W, space = sched.workers, sched.space
+    ml = sched.memory_limit
     if ml is None:
         act = [math.inf] * W
     elif isinstance(ml, int):
@@ -162,7 +162,7 @@ def worker_limits(step: Schedule, compute: list[int]) -> tuple[list[float], list
     else:
         act = [float(x) for x in ml]
     mb = [math.inf] * W
-    if step.order.in_flight_limit:
+    if sched.order.in_flight_limit:
         height = space.graph.height()
         lowest = [space.S] * W
         for s in range(space.S):
@@ -174,10 +174,10 @@ def worker_limits(step: Schedule, compute: list[int]) -> tuple[list[float], list
     return act, mb
 
 
-def deferral(step: Schedule, compute: list[int]) -> tuple[list[int], list[int]]:
+def deferral(sched: Schedule, compute: list[int]) -> tuple[list[int], list[int]]:
     """ZB-H1's per-worker slack (``W`` jobs a worker may keep waiting: ``height(0) - height(s)`` for
     its lowest stage ``s``) and each worker's count of ``F`` and ``I`` jobs."""
-    space, W = step.space, step.workers
+    space, W = sched.space, sched.workers
     SB = space.S * space.microbatches
     height = space.graph.height()
     top = max(height)
@@ -192,9 +192,9 @@ def deferral(step: Schedule, compute: list[int]) -> tuple[list[int], list[int]]:
     return [top - height[lo] if lo < space.S else 0 for lo in lowest], fi
 
 
-def check_memory_limit(step: Schedule, compute: list[int], act_limit: list[float]) -> None:
+def check_memory_limit(sched: Schedule, compute: list[int], act_limit: list[float]) -> None:
     """Reject a limit below what one micro-batch needs on one worker: that step can never finish."""
-    space = step.space
+    space = sched.space
     need: dict[tuple[int, int], int] = {}
     for s in range(space.S):
         for b in range(space.microbatches):
@@ -209,52 +209,52 @@ def check_memory_limit(step: Schedule, compute: list[int], act_limit: list[float
             )
 
 
-def _check_times(step: Schedule) -> None:
+def _check_times(sched: Schedule) -> None:
     """A Schedule built by hand skips make_schedule's checks: a time that is not finite would stall it."""
-    space = step.space
-    bad = [e for e in (value_error(f"durations.{k}", step.durations.get(k)) for k in space.kinds) if e]
-    bad += [e for e in [value_error("comm", step.comm)] if e]
+    space = sched.space
+    bad = [e for e in (value_error(f"durations.{k}", sched.durations.get(k)) for k in space.kinds) if e]
+    bad += [e for e in [value_error("comm", sched.comm)] if e]
     if bad:
         raise StepError(bad)
 
 
-def _check_limits(step: Schedule, compute: list[int], act_limit: list[float]) -> None:
+def _check_limits(sched: Schedule, compute: list[int], act_limit: list[float]) -> None:
     """A ``memory_limit`` list needs an entry per worker, and each worker's limit room for what one
     micro-batch holds there (:func:`check_memory_limit`)."""
-    W = step.workers
-    if step.memory_limit is not None:
-        if not isinstance(step.memory_limit, int) and len(act_limit) != W:
+    W = sched.workers
+    if sched.memory_limit is not None:
+        if not isinstance(sched.memory_limit, int) and len(act_limit) != W:
             raise ScheduleError(
                 f"memory_limit has {len(act_limit)} entries but there are W={W} workers; give one int or one per worker"
             )
-        check_memory_limit(step, compute, act_limit)
+        check_memory_limit(sched, compute, act_limit)
 
 
-def _checked_deferral(step: Schedule, compute: list[int]) -> tuple[list[int], list[int]]:
+def _checked_deferral(sched: Schedule, compute: list[int]) -> tuple[list[int], list[int]]:
     """:func:`deferral`, for an order that defers ``W`` jobs, which exist only when the backward is split."""
-    if step.space.K != 3:
+    if sched.space.K != 3:
         raise ScheduleError(
-            f"order={step.order.name} defers the weight-gradient jobs W, so it needs split_backward=true"
+            f"order={sched.order.name} defers the weight-gradient jobs W, so it needs split_backward=true"
         )
-    return deferral(step, compute)
+    return deferral(sched, compute)
 
 
-def _heap_keys(step: Schedule, compute: list[int]) -> tuple[list, bool, bool]:
+def _heap_keys(sched: Schedule, compute: list[int]) -> tuple[list, bool, bool]:
     """Every job's tie-break key, whether the job's ready time goes ahead of it (``by_ready``) and
     whether the keys are packed: built-in static orders give int keys, so the job id is folded in
     and a heap entry is one int."""
-    keys = step.order.placed_keys(step.space, compute)
-    by_ready = step.order.by_ready_time
-    packed = not by_ready and step.order.integer_keys
+    keys = sched.order.placed_keys(sched.space, compute)
+    by_ready = sched.order.by_ready_time
+    packed = not by_ready and sched.order.integer_keys
     if packed:
-        N = step.space.N
+        N = sched.space.N
         keys = [n * N + j for j, n in enumerate(keys)]
     return keys, by_ready, packed
 
 
-def _check_stage_durations(step: Schedule) -> None:
+def _check_stage_durations(sched: Schedule) -> None:
     """Each stage's own times must be valid too (the first bad one is reported)."""
-    bad = [e for e in (value_error(f"stage_durations.{s}.{k}", v) for s, per in enumerate(step.stage_durations or ())
+    bad = [e for e in (value_error(f"stage_durations.{s}.{k}", v) for s, per in enumerate(sched.stage_durations or ())
                        for k, v in per.items()) if e]
     if bad:
         raise StepError(bad[:1])
@@ -308,49 +308,49 @@ def _first_events(
     return pend, wake, events
 
 
-def _stalled(step: Schedule, done: int, stuck: list[int], limited: bool) -> ScheduleError:
+def _stalled(sched: Schedule, done: int, stuck: list[int], limited: bool) -> ScheduleError:
     """Why a step stopped after ``done`` jobs with work left on the ``stuck`` workers. With finite
     times and no limit every job starts eventually, so only memory can stall a step."""
-    N = step.space.N
+    N = sched.space.N
     if not limited:
         return ScheduleError(
             f"the step cannot finish: after {done} of {N} jobs no job can start on workers {stuck}, "
             f"though no memory limit applies; the placement or order is inconsistent"
         )
-    if step.memory_limit is None:  # 1F1B's warm-up alone: its in-flight limit stranded the placement
+    if sched.memory_limit is None:  # 1F1B's warm-up alone: its in-flight limit stranded the placement
         return ScheduleError(
-            f"order={step.order.name} with warmup=classic cannot finish the step: after {done} of {N} jobs, "
+            f"order={sched.order.name} with warmup=classic cannot finish the step: after {done} of {N} jobs, "
             f"workers {stuck} each wait for the warm-up's in-flight limit, held by micro-batches that "
             f"wait on one another across workers; use warmup=none or another order"
         )
     return ScheduleError(
-        f"memory_limit={step.memory_limit} (warmup={step.order.warmup}) cannot finish the step: "
+        f"memory_limit={sched.memory_limit} (warmup={sched.order.warmup}) cannot finish the step: "
         f"after {done} of {N} jobs, workers {stuck} each wait for activation memory held by "
         f"micro-batches that wait on one another across workers; raise memory_limit"
     )
 
 
-def simulate(step: Schedule) -> Timeline:
+def simulate(sched: Schedule) -> Timeline:
     """Run the greedy list scheduler; raise :class:`ScheduleError` if the step cannot finish."""
-    space = step.space
-    S, B, N, W = space.S, space.microbatches, space.N, step.workers
-    _check_times(step)
-    compute, owner = place_all(step)
-    act_limit, mb_limit = worker_limits(step, compute)
-    _check_limits(step, compute, act_limit)
-    limited = step.memory_limit is not None or step.order.in_flight_limit
-    defer = step.order.defer_w
+    space = sched.space
+    S, B, N, W = space.S, space.microbatches, space.N, sched.workers
+    _check_times(sched)
+    compute, owner = place_all(sched)
+    act_limit, mb_limit = worker_limits(sched, compute)
+    _check_limits(sched, compute, act_limit)
+    limited = sched.memory_limit is not None or sched.order.in_flight_limit
+    defer = sched.order.defer_w
     if defer:
-        slack, fi_left = _checked_deferral(step, compute)
+        slack, fi_left = _checked_deferral(sched, compute)
         wq: list[list] = [[] for _ in range(W)]  # ready W jobs per worker, by key
-    keys, by_ready, packed = _heap_keys(step, compute)
+    keys, by_ready, packed = _heap_keys(sched, compute)
     # an order that is a fixed sequence per worker (its keys 0, 1, ... there): a worker starts only
     # the next job of its sequence, and waits for it
-    strict = step.order.in_sequence and packed
+    strict = sched.order.in_sequence and packed
     turn = [0] * W  # per worker, the key of its next job
-    _check_stage_durations(step)
-    dur = step.duration_table()  # by kind * S + stage
-    comm = float(step.comm)
+    _check_stage_durations(sched)
+    dur = sched.duration_table()  # by kind * S + stage
+    comm = float(sched.comm)
     SB = S * B
     npred = _predecessor_counts(space)  # remaining predecessors
 
@@ -367,7 +367,7 @@ def simulate(step: Schedule) -> Timeline:
     # what a stage's unit gives back at its backward's end (I, or B: all) and at its W's end
     from .activations import unit_releases
 
-    at_i, at_w = unit_releases(step) if limited else ([1.0] * S, [0.0] * S)
+    at_i, at_w = unit_releases(sched) if limited else ([1.0] * S, [0.0] * S)
     frees_at_w = limited and any(at_w)
 
     ready_at = [0.0] * N
@@ -522,5 +522,5 @@ def simulate(step: Schedule) -> Timeline:
                     heappush(events, (t, wk))
 
     if done != N:
-        raise _stalled(step, done, [w for w in range(W) if any(avail[w]) or pend[w]], limited)
-    return Timeline(step, compute, owner, start, finish, sequences, peak)
+        raise _stalled(sched, done, [w for w in range(W) if any(avail[w]) or pend[w]], limited)
+    return Timeline(sched, compute, owner, start, finish, sequences, peak)
