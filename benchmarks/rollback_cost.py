@@ -11,7 +11,9 @@ by repetition so the machine's noise falls on all alike:
 - ``step``: the optimizer's own ``step()``;
 - ``take+validate (kept)``: ``take(1.0)`` then ``validate(1.0)``: the provisional step confirmed;
 - ``take+validate (rolled back)``: ``take(1.0)`` then ``validate(0.8)``: the step undone in place and
-  taken again with the true coefficient (clipping that the partial norm missed).
+  taken again with the true coefficient (clipping that the partial norm missed);
+- ``keep_copy (kept)``, ``keep_copy (rolled back)``: the same with ``keep_copy=True``, the exact
+  fallback (a copy of the parameters and state before each step, copied back on a rollback).
 
 Measured: the thread's CPU seconds (``time.thread_time``, one intra-op thread), the median over
 repetitions; the ratio is to ``step``. The gradients are restored outside the timed region.
@@ -33,7 +35,7 @@ OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
     "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
     "AdamW(weight_decay=0.01)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
 }
-SIDES = ("step", "take+validate (kept)", "take+validate (rolled back)")
+SIDES = ("step", "take+validate (kept)", "take+validate (rolled back)", "keep_copy (kept)", "keep_copy (rolled back)")
 
 
 def measure(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], n: int, tensors: int,
@@ -47,11 +49,13 @@ def measure(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], n: int,
         p.grad = gr.clone()
     opt = make(ps)
     opt.step()  # the state exists, as after the first step
-    provisional = ProvisionalStep(opt)
+    provisional, copying = ProvisionalStep(opt), ProvisionalStep(opt, keep_copy=True)
     runs: dict[str, Callable[[], None]] = {
         "step": lambda: opt.step(),
         "take+validate (kept)": lambda: (provisional.take(1.0), provisional.validate(1.0))[1],
         "take+validate (rolled back)": lambda: (provisional.take(1.0), provisional.validate(0.8))[1],
+        "keep_copy (kept)": lambda: (copying.take(1.0), copying.validate(1.0))[1],
+        "keep_copy (rolled back)": lambda: (copying.take(1.0), copying.validate(0.8))[1],
     }
     times: dict[str, list[float]] = {s: [] for s in SIDES}
     for r in range(reps):
@@ -62,7 +66,7 @@ def measure(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], n: int,
             t0 = time.thread_time()
             runs[side]()
             times[side].append(time.thread_time() - t0)
-    assert provisional.rollbacks == reps
+    assert provisional.rollbacks == copying.rollbacks == reps
     return {s: statistics.median(v) for s, v in times.items()}
 
 
