@@ -140,7 +140,7 @@ class ProvisionalStep:
 
     def take(self, clip_coef: float | None) -> None:
         """Scale the gradients by ``clip_coef`` and step (``None``: skip the step, a non-finite
-        value was seen); validate the previous step first."""
+        value was seen); the previous step must have been validated."""
         if self._taken is not None:
             raise RuntimeError("ProvisionalStep.take: the previous step is not validated yet; call validate() first.")
         if clip_coef is not None and not (math.isfinite(clip_coef) and clip_coef > 0):
