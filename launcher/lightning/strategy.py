@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -123,6 +124,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         nonfinite: str | None = None,
         timeout: float | None = None,
         transport: str | None = None,
+        fault: Any = None,
         process_group_backend: str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -133,7 +135,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     ) -> None:
         #: the run's settings, typed and checked once here; every later reader trusts them
         self.run = _run_settings(run, checkpoint=checkpoint, nonfinite=nonfinite, timeout=timeout,
-                                 transport=transport)
+                                 transport=transport, fault=fault)
         super().__init__(self.run.timeout, process_group_backend, accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
@@ -171,6 +173,11 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self._pending = None
         self.positions = Positions()  # the training loaders' positions, saved and restored with checkpoints
         self._in_step = 0  # which of the accumulate_grad_batches batches of its optimizer step this batch is
+        self._staged_model: Any = None  # the staged model the engine runs (rebuilt on it after a recovery)
+        #: each recovery from a lost worker (:mod:`.recovery`), as ``metrics.json`` lists them
+        self.recoveries: list[dict[str, Any]] = []
+        self.last_loss = 0.0  # the last training step's loss, summed over workers
+        self._caught_up = False  # this step ends without an update: a recovery gave this worker its result
 
     # ---- configuration -------------------------------------------------------------------
     def _from_keywords(self, stages: int) -> Settings:
@@ -267,16 +274,12 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         assert isinstance(nominal, torch.dtype)  # Lightning types it str | dtype; a module's is a dtype
         self.loss_dtype = loss_dtype(staging.model.stages, nominal)
         self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
-        self.engine = Engine(staging.model, self.make_step(), None, prefetch=self.settings.prefetch,
-                             weight_cache=self.settings.weight_cache, device=self.root_device,
-                             recompute=self.settings.recompute_stages,
-                             compute_dtype=compute_dtype(self.precision_plugin), transport=self.run.transport)
-        # every job's values are marked, and the step's first NaN or infinity agreed, before any update;
-        # under a GradScaler (16-mixed) overflowing gradients are the scaler's to skip
-        self.engine.finite = Finite(S, self.B, grads=getattr(self.precision_plugin, "scaler", None) is None)
-        # random streams (launcher.runtime.streams): every job's draws from (seed, step, micro-batch,
-        # unit), the seed rank 0's (seed_everything's), so processes started apart agree
-        self.engine.streams = agreed_seed(self.root_device)
+        found = self.run.fault.scheme_errors(self.settings.name, self.settings.R)
+        if found:  # refused before any step (the command line refuses it before the fork)
+            raise ConfigError(found)
+        self._staged_model = staging.model
+        self._build_engine()
+        assert self.engine is not None
         owners = self.engine.lowered.owners
         me = self.engine.worker
         self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me],
@@ -289,6 +292,45 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             with_global_clipping(self)
             with_synced_scaler(self.precision_plugin)
             self._norm_in_step = norm_in_step(trainer, module, self.precision_plugin)
+
+    def _build_engine(self) -> None:
+        """The engine of the current settings over the staged model (at set-up, and after a recovery)."""
+        S = self.settings.stages
+        self.engine = Engine(self._staged_model, self.make_step(), None, prefetch=self.settings.prefetch,
+                             weight_cache=self.settings.weight_cache, device=self.root_device,
+                             recompute=self.settings.recompute_stages,
+                             compute_dtype=compute_dtype(self.precision_plugin), transport=self.run.transport)
+        # every job's values are marked, and the step's first NaN or infinity agreed, before any update;
+        # under a GradScaler (16-mixed) overflowing gradients are the scaler's to skip
+        self.engine.finite = Finite(S, self.B, grads=getattr(self.precision_plugin, "scaler", None) is None)
+        # random streams (launcher.runtime.streams): every job's draws from (seed, step, micro-batch,
+        # unit), the seed rank 0's (seed_everything's), so processes started apart agree
+        self.engine.streams = agreed_seed(self.root_device)
+
+    def rejoined(self, rank: int, world: int) -> None:
+        """After a recovery (:mod:`.recovery`): this worker's new rank in a group of ``world``."""
+        import os
+
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(rank)
+        self.cluster_environment.set_world_size(world)
+        os.environ["LOCAL_RANK"] = str(rank)
+        rank_zero_only.rank = rank  # type: ignore[attr-defined]  # Lightning's own attribute of the function
+        self.records.clear()  # measured under the old schedule: metrics.json reports the new one's
+
+    def rebuild(self, settings: Settings) -> None:
+        """Train on under ``settings`` (a recovery's re-planned step): the engine built again. Every
+        worker keeps every stage (the schemes recovered are replicated), so the module and its
+        optimizer stay as they are."""
+        self._settings = settings
+        self._build_engine()
+        assert self.engine is not None and self._staged_model is not None
+        owners, me = self.engine.lowered.owners, self.engine.worker
+        # who writes each stage into checkpoints and the gathered state: its first owner, under the new layout
+        self.layout = Layout.of(self._attached, self._staged_model.stages,
+                                [s for s in self.engine.owned if owners[s][0] == me], self.engine.ties)
 
     def check_before_fork(self, module: Any, datamodule: Any = None, train_dataloaders: Any = None) -> None:
         """Stage ``module`` on this process as every worker will (in the trainer's precision), and
@@ -424,6 +466,34 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One step through the engine; with ``fault.restarts``, a step a lost worker interrupted is
+        taken up again in the re-formed group (:mod:`.recovery`)."""
+        self._caught_up = False
+        while True:
+            try:
+                return self._training_step(*args, **kwargs)
+            except Exception as e:
+                from .recovery import recoverable
+
+                if not recoverable(self, e):
+                    raise
+                failed_at = time.monotonic()
+            # outside the except clause: the failure's traceback (and the old group it holds) is gone
+            from .recovery import recover
+
+            if not recover(self, failed_at):
+                return self._caught_up_step()
+
+    def _caught_up_step(self) -> torch.Tensor:
+        """This worker was one step behind when a worker was lost and took the state after that
+        step from a survivor: the step ends without an update (no gradient, no clipping norm to sum)."""
+        self._caught_up = True
+        self.fused_norm_sq = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        loss = torch.tensor(self.last_loss, dtype=self.loss_dtype, device=self.root_device)
+        self._attached.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self.engine is not None
         mbs, items = self._microbatches(args[0])
         with self.precision_plugin.train_step_context():
@@ -454,6 +524,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             self.fused_norm_sq = None  # the step's gradients are dropped, not clipped
         if bad is not None:
             self._nonfinite(finite.describe(bad))
+        self.last_loss = float(loss)
         loss = loss.to(self.loss_dtype)
         self._attached.log("train_loss", loss, prog_bar=True)
         return loss
@@ -485,7 +556,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         assert self.engine is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self._attached)
         k = self._attached.trainer.accumulate_grad_batches
-        if self.step_skipped:
+        if self.step_skipped or self._caught_up:
             if self._in_step == 0:  # the step's first batch: no earlier batch's gradient to keep
                 for s in self.engine.owned:
                     for p in self.engine.modules[s].parameters():

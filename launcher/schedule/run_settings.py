@@ -4,7 +4,7 @@ here once.
 
 Both entry points build one and nothing else checks these values: the command line
 (:func:`launcher.config.training.run_settings_of`, from the keys ``checkpoint.format``,
-``checkpoint.async_mode``, ``nonfinite``, ``timeout`` and ``runtime.transport``, whose schema takes
+``checkpoint.async_mode``, ``nonfinite``, ``timeout``, ``runtime.transport`` and ``fault.restarts``, whose schema takes
 its defaults from :data:`DEFAULT_RUN`) and ``UnifiedStrategy``'s keywords. Its constructor raises
 :class:`~launcher.schedule.rules.StepError` with one sentence per broken rule, the same sentences
 on both paths. It lives at the bottom layer so that the config, the runtime and the Lightning
@@ -89,11 +89,57 @@ class CheckpointSettings:
         return registered.checkpoint if registered is not None else "single"
 
 
+def every_worker_holds_every_stage(scheme: str, R: int) -> bool:
+    """Whether every worker owns every stage (DDP; LPP with ``R = 1``), so that any survivor of a
+    lost worker holds the whole training state in memory: the schemes ``fault.restarts`` recovers."""
+    return scheme == "ddp" or (scheme == "lpp" and R == 1)
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """The ``fault`` node: ``restarts``, how many lost workers (killed, or hung and then killed) a
+    run recovers from inside the job, training on in the same processes with the survivors
+    (:mod:`launcher.runtime.recovery`); 0 (the default) ends the run at the first failure. Raises
+    :class:`StepError` on a value that is not a non-negative integer."""
+
+    restarts: int = 0
+
+    def __post_init__(self) -> None:
+        r = self.restarts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise StepError([f"fault.restarts={shown(r)} is invalid: the number of lost workers to recover from "
+                             f"must be a non-negative integer (0: a failure ends the run)."])
+
+    def scheme_errors(self, scheme: str, R: int) -> list[str]:
+        """One sentence when ``restarts`` asks to recover a scheme this version cannot (its state is
+        not whole on every survivor: :func:`every_worker_holds_every_stage`)."""
+        if self.restarts == 0 or every_worker_holds_every_stage(scheme, R):
+            return []
+        return [f"fault.restarts={self.restarts} is invalid with strategy={scheme} R={R}: recovery inside the job "
+                f"needs every worker to hold every stage (strategy=ddp, or strategy=lpp with R=1) in this version; "
+                f"use one of those or fault.restarts=0."]
+
+    @classmethod
+    def of(cls, value: FaultSettings | Mapping[str, Any] | None) -> FaultSettings:
+        """``value`` as fault settings: a mapping's keys must be fields (a typo is refused)."""
+        if isinstance(value, FaultSettings):
+            return value
+        if value is None:
+            return cls()
+        if not isinstance(value, Mapping):
+            raise StepError([f"fault={value!r} is invalid: use a mapping with the key restarts."])
+        known = [f"fault.{f.name}" for f in fields(cls)]
+        unknown = [k for k in value if f"fault.{k}" not in known]
+        if unknown:
+            raise StepError([unknown_key(f"fault.{k}", value[k], known) for k in unknown])
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """The run's settings beside the step's (:class:`~launcher.schedule.settings.Settings`).
 
-    ``checkpoint`` may be given as a mapping (``{"format": "sharded"}``), converted here once.
+    ``checkpoint`` and ``fault`` may be given as mappings (``{"format": "sharded"}``), converted here once.
     ``timeout``: seconds a worker may go without progress while its peers wait before it is named
     as hung, and within which every worker stops after one fails. Raises :class:`StepError` with
     one sentence per broken rule.
@@ -103,11 +149,16 @@ class RunSettings:
     nonfinite: Nonfinite = "stop"
     timeout: float = 30.0
     transport: Transport = "auto"
+    fault: FaultSettings = field(default_factory=FaultSettings)
 
     def __post_init__(self) -> None:
         found: list[str] = []
         try:
             object.__setattr__(self, "checkpoint", CheckpointSettings.of(self.checkpoint))
+        except StepError as e:
+            found += e.sentences
+        try:
+            object.__setattr__(self, "fault", FaultSettings.of(self.fault))
         except StepError as e:
             found += e.sentences
         if self.nonfinite not in NONFINITE_MODES:

@@ -1,0 +1,87 @@
+"""A worker lost at a chosen (rank, step), recovered inside the job (``fault.restarts``): the
+survivors re-form the group in the same processes, redo the interrupted step under the re-planned
+scheme, and end with the parameters of an uninterrupted run.
+
+Float64 at the launcher's defaults: gradient clipping 1.0, dropout on (the oracle is one device's
+``strategy=single``, whose micro-batches draw from the random streams as the schemes' do), the
+user's own ``DataLoader(shuffle=True)`` with ``drop_last=False``. The failure is real: the chosen
+worker sends itself ``SIGKILL`` (or ``SIGSTOP``: a hang, which the launcher names and kills) at the
+start of the chosen step, in the first generation only; nothing may be left running afterwards.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+from omegaconf import OmegaConf
+
+from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
+from launcher.lightning import UnifiedStrategy
+from launcher.lightning.single import StreamedSingleDevice
+from launcher.runtime.recovery import current_membership
+
+pytestmark = pytest.mark.timeout(400)
+
+TOL = 1e-10
+CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
+STEPS, B = 4, 4
+
+
+class LoseWorker(L.Callback):
+    """Rank ``rank`` (its original number) sends itself ``sig`` as step ``step`` (1-based) begins,
+    in the first generation only, and writes each survivor's recoveries where the test reads them."""
+
+    def __init__(self, rank: int, step: int, sig: int, out: Path) -> None:
+        self.rank, self.step, self.sig, self.out = rank, step, sig, out
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        m = current_membership()
+        if m is not None and m.generation == 0 and m.rank == self.rank and trainer.global_step + 1 == self.step:
+            os.kill(os.getpid(), self.sig)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        m = current_membership()
+        if m is not None:
+            (self.out / f"rank{m.rank}.txt").write_text(repr(trainer.strategy.recoveries))
+
+
+def fit(strategy: Any, devices: int, callbacks: list | None = None) -> dict:
+    L.seed_everything(0, verbose=False)
+    model = Regressor(max_steps=STEPS).double()
+    tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP,
+                       limit_val_batches=0, callbacks=callbacks or [])
+    tr.fit(model, train_dataloaders=user_loader())
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict:
+    return fit(StreamedSingleDevice(microbatches=B), 1)
+
+
+@pytest.mark.parametrize(("scheme", "rank", "step", "sig"), [
+    ("ddp", 3, 2, signal.SIGKILL),
+    ("ddp", 0, 3, signal.SIGKILL),
+    ("ddp", 1, 2, signal.SIGSTOP),
+])
+def test_a_lost_worker_is_recovered_and_training_equals_an_uninterrupted_run(
+        scheme: str, rank: int, step: int, sig: int, oracle: dict, tmp_path: Path) -> None:
+    # timeout=3: a stopped worker is named (and killed) within 3 s instead of the default 30
+    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1}, timeout=3)
+    state = fit(strategy, 4, [LoseWorker(rank, step, sig, tmp_path)])
+    diff = max_diff(oracle, state)
+    survivors = sorted(int(p.stem[4:]) for p in tmp_path.glob("rank*.txt"))
+    records = [eval(p.read_text()) for p in sorted(tmp_path.glob("rank*.txt"))]  # noqa: S307 - our own repr
+    print(f"{scheme}: rank {rank} lost at step {step} ({signal.Signals(sig).name}); {records[0]}; "
+          f"parameters within {diff:.1e} of one device")
+    assert survivors == [r for r in range(4) if r != rank]
+    assert all(len(r) == 1 and r[0]["lost_ranks"] == [rank] and r[0]["step"] == step for r in records)
+    assert records[0][0]["scheme_after"] == "lpp G=3 R=1 (W=3)"
+    assert diff < TOL
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
