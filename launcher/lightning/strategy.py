@@ -350,6 +350,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
                 module.configure_model()
         self.meta = has_meta(module)
         settings = self._settings_for(module)
+        if settings is not None and (found := self.run.fault.scheme_errors(settings.name, settings.R)):
+            raise ConfigError(found)
         S = settings.stages if settings is not None else None
         if S is None:
             raise ModelError([f"{type(module).__name__} is traced and cut into stages: "

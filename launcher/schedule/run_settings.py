@@ -157,10 +157,6 @@ class RunSettings:
             object.__setattr__(self, "checkpoint", CheckpointSettings.of(self.checkpoint))
         except StepError as e:
             found += e.sentences
-        try:
-            object.__setattr__(self, "fault", FaultSettings.of(self.fault))
-        except StepError as e:
-            found += e.sentences
         if self.nonfinite not in NONFINITE_MODES:
             found.append(f"nonfinite={shown(self.nonfinite)} is invalid: use stop (a NaN or infinite loss or gradient "
                          f"stops the run) or skip (that step is dropped).")
@@ -175,6 +171,10 @@ class RunSettings:
             found.append(f"runtime.transport={shown(self.transport)} is invalid: use auto (shared memory between "
                          f"workers on one host's CPUs, else the backend's), gloo (the backend's point-to-point) or "
                          f"shm (shared memory).")
+        try:
+            object.__setattr__(self, "fault", FaultSettings.of(self.fault))
+        except StepError as e:
+            found += e.sentences
         if found:
             raise StepError(found)
 

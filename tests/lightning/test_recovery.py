@@ -11,6 +11,7 @@ start of the chosen step, in the first generation only; nothing may be left runn
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -85,3 +86,52 @@ def test_a_lost_worker_is_recovered_and_training_equals_an_uninterrupted_run(
     assert records[0][0]["scheme_after"] == "lpp G=3 R=1 (W=3)"
     assert diff < TOL
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
+#: a user's model on the command line (``model=custom``) that loses rank 2 at the start of step 3
+LOSSY = '''
+import os
+import signal
+
+from launcher.models import GPT
+from launcher.runtime.recovery import current_membership
+
+
+class LossyGPT(GPT):
+    def on_train_batch_start(self, batch, batch_idx):
+        m = current_membership()  # None on one device: the oracle trains it undisturbed
+        if m is not None and m.generation == 0 and m.rank == 2 and self.trainer.global_step + 1 == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+@pytest.mark.slow
+def test_the_command_line_recovers_and_equals_strategy_single(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m launcher strategy=ddp G=4 fault.restarts=1``: rank 2 killed at step 3 of 5; the run
+    exits 0, says so in one line, lists the recovery in ``metrics.json``, leaves no process, and its
+    ``last.ckpt`` equals ``strategy=single`` on the same config within 1e-10."""
+    from helpers.cli import SMALL_RUN, run_launcher, survivors
+    from helpers.oracle import single_device
+    from helpers.training import last_state
+
+    (tmp_path / "lossy.py").write_text(LOSSY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = ["model=custom", "model._target_=lossy.LossyGPT", "model.vocab_size=128", "model.seq_len=8",
+             "model.d_model=16", "model.n_head=2", "model.n_layer=2", "model.max_steps=5"]
+    overrides = [*SMALL_RUN, *model, "trainer.max_steps=5", "trainer.precision=64-true", "trainer.limit_val_batches=0",
+                 "logger=none", "png=false"]
+    run = tmp_path / "run"
+    p = run_launcher("strategy=ddp", "G=4", "fault.restarts=1", *overrides, f"hydra.run.dir={run}", cwd=tmp_path,
+                     timeout=300, pythonpath="cwd")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [x for x in p.stderr.splitlines() if "recovered from the loss of rank 2 at step 3" in x]
+    assert len(lines) == 1, p.stderr[-3000:]
+    print(lines[0])
+    recoveries = json.loads((run / "metrics.json").read_text())["recoveries"]
+    assert [(r["lost_ranks"], r["step"], r["steps_lost"], r["scheme_after"]) for r in recoveries] == [
+        ([2], 3, 0, "lpp G=3 R=1 (W=3)")]
+    assert not survivors(str(run))
+    got, want = last_state(run), single_device(overrides)
+    diff = max((got[k].double() - want[k].double()).abs().max().item() for k in want)
+    print(f"command line, ddp W=4 -> 3: last.ckpt within {diff:.1e} of strategy=single")
+    assert diff < TOL
