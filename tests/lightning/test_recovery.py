@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.single import StreamedSingleDevice
+from launcher.runtime import WorkerFailed
 from launcher.runtime.recovery import current_membership
 
 pytestmark = pytest.mark.timeout(400)
@@ -36,14 +37,18 @@ STEPS, B = 4, 4
 
 class LoseWorker(L.Callback):
     """Rank ``rank`` (its original number) sends itself ``sig`` as step ``step`` (1-based) begins,
-    in the first generation only, and writes each survivor's recoveries where the test reads them."""
+    in the first generation only (``more``: further ``(rank, step)`` losses, one per later
+    generation), and writes each survivor's recoveries where the test reads them."""
 
-    def __init__(self, rank: int, step: int, sig: int, out: Path) -> None:
-        self.rank, self.step, self.sig, self.out = rank, step, sig, out
+    def __init__(self, rank: int, step: int, sig: int, out: Path, more: tuple[tuple[int, int], ...] = ()) -> None:
+        self.losses, self.sig, self.out = [(rank, step), *more], sig, out
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         m = current_membership()
-        if m is not None and m.generation == 0 and m.rank == self.rank and trainer.global_step + 1 == self.step:
+        if m is None or m.generation >= len(self.losses):
+            return
+        rank, step = self.losses[m.generation]
+        if m.rank == rank and trainer.global_step + 1 == step:
             os.kill(os.getpid(), self.sig)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
@@ -88,12 +93,29 @@ def test_a_lost_worker_is_recovered_and_training_equals_an_uninterrupted_run(
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
 
 
+def test_each_loss_takes_a_restart_and_one_too_many_ends_the_run_naming_it(oracle: dict, tmp_path: Path) -> None:
+    """Two losses (rank 3 at step 2, then rank 0 at step 3): ``fault.restarts=2`` recovers both
+    (W 4 -> 3 -> 2) and still equals one device; ``fault.restarts=1`` recovers the first and ends
+    the run at the second, naming that rank, with nothing left running."""
+    strategy = UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 2})
+    state = fit(strategy, 4, [LoseWorker(3, 2, signal.SIGKILL, tmp_path, more=((0, 3),))])
+    records = eval((tmp_path / "rank1.txt").read_text())  # noqa: S307 - our own repr
+    assert [(r["lost_ranks"], r["step"], r["scheme_after"]) for r in records] == [
+        ([3], 2, "lpp G=3 R=1 (W=3)"), ([0], 3, "lpp G=2 R=1 (W=2)")]
+    assert max_diff(oracle, state) < TOL
+    with pytest.raises(WorkerFailed, match=r"^rank 0 failed while running .*killed by SIGKILL"):
+        fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}), 4,
+            [LoseWorker(3, 2, signal.SIGKILL, tmp_path, more=((0, 3),))])
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
 #: a user's model on the command line (``model=custom``) that loses rank 2 at the start of step 3
 LOSSY = '''
 import os
 import signal
 
 from launcher.models import GPT
+from launcher.runtime import WorkerFailed
 from launcher.runtime.recovery import current_membership
 
 
