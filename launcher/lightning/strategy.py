@@ -101,8 +101,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     or its fields as keywords, each left out keeping its default there: ``checkpoint`` (a mapping
     ``{"format": "sharded" | "single" | None, "async_mode": "disabled" | "async"}`` or
     :class:`~launcher.schedule.run_settings.CheckpointSettings`), ``nonfinite`` (stop | skip),
-    ``timeout`` (seconds within which every worker stops after one fails) and ``transport`` (auto |
-    gloo | shm). Checked here, once: :class:`~launcher.config.ConfigError` with one sentence per
+    ``timeout`` (seconds within which every worker stops after one fails), ``transport`` (auto |
+    gloo | shm) and ``fault`` (``{"restarts": N}``: recover from N lost workers inside the job,
+    :mod:`.recovery`). Checked here, once: :class:`~launcher.config.ConfigError` with one sentence per
     broken rule, the command line's sentences.
     """
 

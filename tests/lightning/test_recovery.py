@@ -23,6 +23,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
+from launcher.config import ConfigError
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.single import StreamedSingleDevice
 from launcher.runtime import WorkerFailed
@@ -93,6 +94,14 @@ def test_a_lost_worker_is_recovered_and_training_equals_an_uninterrupted_run(
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
 
 
+def test_a_scheme_it_cannot_recover_is_refused_before_any_worker_starts() -> None:
+    with pytest.raises(ConfigError) as e:
+        fit(UnifiedStrategy("gpipe", stages=4, microbatches=B, fault={"restarts": 1}), 4)
+    assert e.value.sentences == [
+        "fault.restarts=1 is invalid with strategy=gpipe R=4: recovery inside the job needs every worker to hold "
+        "every stage (strategy=ddp, or strategy=lpp with R=1) in this version; use one of those or fault.restarts=0."]
+
+
 def test_each_loss_takes_a_restart_and_one_too_many_ends_the_run_naming_it(oracle: dict, tmp_path: Path) -> None:
     """Two losses (rank 3 at step 2, then rank 0 at step 3): ``fault.restarts=2`` recovers both
     (W 4 -> 3 -> 2) and still equals one device; ``fault.restarts=1`` recovers the first and ends
@@ -157,3 +166,14 @@ def test_the_command_line_recovers_and_equals_strategy_single(tmp_path: Path, mo
     diff = max((got[k].double() - want[k].double()).abs().max().item() for k in want)
     print(f"command line, ddp W=4 -> 3: last.ckpt within {diff:.1e} of strategy=single")
     assert diff < TOL
+
+
+def test_recoveries_reach_the_wandb_summary() -> None:
+    from launcher.report.wandb_log import summary_of
+
+    pm = {"predicted": 1.0, "measured": 1.0}
+    metrics = {"latency_s": pm, "throughput_samples_per_s": pm, "bubble_fraction": pm,
+               "recoveries": [{"seconds": 0.5, "steps_lost": 0}, {"seconds": 1.0, "steps_lost": 2}]}
+    got = summary_of(metrics)
+    assert (got["recoveries"], got["recovery_s"], got["recovery_steps_lost"]) == (2, 1.5, 2)
+    assert "recoveries" not in summary_of({**metrics, "recoveries": []})
