@@ -150,7 +150,7 @@ def _fault_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
         fault = FaultSettings.of(_container(_get(cfg, "fault", None)))
     except StepError:
         return []
-    return fault.scheme_errors(str(_get(cfg, "strategy.name", "")), _get(cfg, "R", 1))
+    return fault.scheme_errors(str(_get(cfg, "strategy.name", "")), _get(cfg, "G", 1), _get(cfg, "R", 1))
 
 
 def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ..runtime.failure import Recovering, WorkerAborted, is_transport_error
 from ..runtime.processes import PG_TIMEOUT
 from ..runtime.recovery import announced, current_membership, rejoin
+from ..schedule.run_settings import survives_a_loss
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import SCHEME_DEFAULT, Settings
 
@@ -45,22 +46,24 @@ log = logging.getLogger(__name__)
 
 def replan(settings: Settings, workers: int) -> tuple[Settings, str]:
     """The step for ``workers`` survivors, and how it was chosen: the same scheme when its layout
-    fits them, else the planner's fastest layout that keeps every stage on every worker."""
+    fits them (LPP keeps ``R`` when it divides them), else the planner's fastest layout that would
+    survive another loss (:func:`~launcher.schedule.run_settings.survives_a_loss`)."""
     S, B = settings.stages, settings.microbatches
     registered = SCHEMES.get(settings.name)
     fixed = registered.sizes(S, B) if registered is not None else None
     if fixed is not None and fixed[0] * fixed[1] == workers:
         return settings.replace(G=fixed[0], R=fixed[1]), "the same scheme"
-    if fixed is None and settings.R == 1 and settings.name == "lpp":
-        return settings.replace(G=workers), "the same scheme"
+    if fixed is None and settings.name == "lpp" and workers % settings.R == 0 \
+            and survives_a_loss("lpp", workers // settings.R, settings.R):
+        return settings.replace(G=workers // settings.R), "the same scheme"
     from ..plan.profile import unit
     from ..plan.search import Budget, search
 
     ranking = search(S, [B], workers, unit(settings.durations, settings.comm), Budget(), top=50)
-    for c in ranking.candidates:
+    for c in ranking.candidates:  # the fastest that can itself survive another loss
         p = c.point
-        if p.scheme.name == "lpp" and p.R == 1 and p.G == workers:
-            return settings.replace(scheme="lpp", G=p.G, R=1, order=SCHEME_DEFAULT), "the planner's choice"
+        if p.G * p.R == workers and survives_a_loss(p.scheme.name, p.G, p.R):
+            return settings.replace(scheme=p.scheme.name, G=p.G, R=p.R, order=SCHEME_DEFAULT), "the planner's choice"
     return settings.replace(scheme="lpp", G=workers, R=1, order=SCHEME_DEFAULT), "the data-parallel layout"
 
 
@@ -78,6 +81,11 @@ def _label(s: Settings) -> str:
     return f"{s.name} G={s.G} R={s.R} (W={s.W})"
 
 
+class Unrecoverable(RuntimeError):
+    """The survivors cannot rebuild the training state (a stage's state after the last completed
+    step is on no survivor): the run ends, naming the loss."""
+
+
 def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     """Re-form the group without the lost worker and rebuild the step (the module docstring);
     collective over the survivors. Returns True when this worker must redo the interrupted step,
@@ -90,6 +98,7 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     assert announcement is not None
     generation, survivors, cause = announcement
     lost = sorted(set(m.members) - set(survivors))
+    held = sorted(engine.owned)  # the stages whose state this worker holds
     if engine.links is not None:
         engine.links.close()
     strategy.engine = None
@@ -103,30 +112,31 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     trainer = module.trainer
     done = trainer.global_step
     found: list[Any] = [None] * world
-    dist.all_gather_object(found, done)
-    ahead = max(found)
-    src = found.index(ahead)
-    for t in module.state_dict().values():  # every survivor holds every stage: the same keys, in order
-        if torch.is_tensor(t):
-            dist.broadcast(t, src)
+    dist.all_gather_object(found, (done, held))
+    ahead = max(d for d, _ in found)
     behind = done < ahead
-    box: list[Any] = [([opt.state_dict()["state"] for opt in trainer.optimizers], strategy.last_loss)]
-    dist.broadcast_object_list(box, src)
-    if behind:  # its parameters came with the module's state; its hyperparameters (lr) stay its own,
-        # as its scheduler steps after this step as the others' did
-        states, strategy.last_loss = box[0]
-        for opt, state in zip(trainer.optimizers, states):
-            full = opt.state_dict()
-            full["state"] = state
-            opt.load_state_dict(full)
 
+    sources = _sources(found, ahead)
+    # what this worker sends, copied before the new engine's set-up syncs replicas from their first
+    # owner (who may hold a stage it did not own before, not yet filled)
+    mine = {s: _stage_payload(strategy, s) for s, src in enumerate(sources) if src == new_rank}
     before = strategy.settings
     after, how = replan(before, world)
     strategy.rebuild(after)
+    assert strategy.engine is not None
+    states, moved = _take_stages(strategy, sources, mine, found, ahead)
+    strategy.own_stages()
+    _refill_optimizers(module, trainer, states)
+    box: list[Any] = [strategy.last_loss]
+    dist.broadcast_object_list(box, [d for d, _ in found].index(ahead))
+    if behind:  # the loss of the step this worker now holds the result of
+        strategy.last_loss = box[0]
+
     seconds = time.monotonic() - failed_at
     m.seconds.append(seconds)
     record = {"generation": generation, "cause": cause, "lost_ranks": lost, "step": ahead + 1,
               "seconds": round(seconds, 3), "steps_lost": 0, "redone": 1, "from": "memory",
+              "moved_stages": moved["stages"], "moved_bytes": moved["bytes"],
               "scheme_before": _label(before), "scheme_after": _label(after), "chosen_by": how,
               "workers": [len(survivors) + len(lost), len(survivors)]}
     strategy.recoveries.append(record)
@@ -136,3 +146,83 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
                     ", ".join(map(str, lost)), ahead + 1, seconds, len(survivors) + len(lost), len(survivors),
                     _label(before), _label(after), how, cause)
     return not behind
+
+
+def _sources(found: list[Any], ahead: int) -> list[int]:
+    """Per stage, the new rank it is taken from: the lowest survivor that held it after the last
+    completed step (``found``: per new rank, its completed steps and the stages it held)."""
+    held_by: dict[int, list[int]] = {}
+    for r, (d, held) in enumerate(found):
+        if d == ahead:
+            for s in held:
+                held_by.setdefault(s, []).append(r)
+    S = max((s for _, held in found for s in held), default=-1) + 1
+    missing = [s for s in range(S) if s not in held_by]
+    if missing:
+        raise Unrecoverable(f"no survivor holds stage {missing[0]} as it was after step {ahead}, so training "
+                            f"cannot go on from memory")
+    return [held_by[s][0] for s in range(S)]
+
+
+def _stage_payload(strategy: UnifiedStrategy, s: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Stage ``s``'s parameters and buffers (copies) and its optimizer state by parameter name."""
+    assert strategy._staged_model is not None and strategy.lightning_module is not None
+    stage = strategy._staged_model.stages[s]
+    by_param = {id(p): st for opt in strategy.lightning_module.trainer.optimizers for p, st in opt.state.items()}
+    tensors = {k: v.detach().to("cpu", copy=True) for k, v in stage.state_dict().items()}
+    opt = {n: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in by_param[id(p)].items()}
+           for n, p in stage.named_parameters() if id(p) in by_param}
+    return tensors, opt
+
+
+def _take_stages(strategy: UnifiedStrategy, sources: list[int], mine: dict[int, Any], found: list[Any],
+                 ahead: int) -> tuple[dict[int, dict[int, Any]], dict[str, int]]:
+    """Every stage this worker owns under the new layout that one of its new owners lacks, from its
+    source (``mine``: the payloads this worker is the source of): its parameters and buffers written
+    into the staged stage, and its optimizer state returned by parameter ``id``. A stage every new
+    owner already held after the last step moves nothing. Collective: one broadcast per stage moved.
+    Also returns what moved: ``stages`` and ``bytes`` (parameters, buffers, optimizer state)."""
+    assert strategy._staged_model is not None and strategy.engine is not None
+    stages = strategy._staged_model.stages
+    owners, owned = strategy.engine.lowered.owners, set(strategy.engine.owned)
+    out: dict[int, dict[int, Any]] = {}
+    moved = {"stages": 0, "bytes": 0}
+    for s, src in enumerate(sources):
+        if all(found[r][0] == ahead and s in found[r][1] for r in owners[s]):
+            continue  # its new owners hold it, and its optimizer state, as it was after the last step
+        payload: list[Any] = [mine.get(s)]
+        dist.broadcast_object_list(payload, src)
+        tensors, opt_state = payload[0]
+        moved["stages"] += 1
+        moved["bytes"] += sum(t.numel() * t.element_size() for t in [*tensors.values(),
+                              *(v for st in opt_state.values() for v in st.values())] if torch.is_tensor(t))
+        if s not in owned:
+            continue
+        stages[s].load_state_dict(tensors)
+        named = dict(stages[s].named_parameters())
+        out[s] = {id(named[n]): {k: v.to(named[n].device) if torch.is_tensor(v) and v.dim() else v
+                                 for k, v in st.items()} for n, st in opt_state.items() if n in named}
+    return out, moved
+
+
+def _refill_optimizers(module: Any, trainer: Any, states: dict[int, dict[int, Any]]) -> None:
+    """The trainer's optimizers (the same objects: Lightning's loop and schedulers hold them) over
+    the parameters now on the module, grouped as the module's ``configure_optimizers`` groups them,
+    each parameter's state its own, or the one taken with its stage; hyperparameters (the scheduled learning
+    rate) stay as they were."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    fresh, _ = _init_optimizers_and_lr_schedulers(module)
+    state = {pid: st for per_stage in states.values() for pid, st in per_stage.items()}
+    for old, new in zip(trainer.optimizers, fresh):
+        for p, st in old.state.items():  # a stage kept: its own state
+            state.setdefault(id(p), st)
+        if len(old.param_groups) != len(new.param_groups):
+            raise Unrecoverable("configure_optimizers made a different number of parameter groups for the new "
+                                "layout, so the optimizer state cannot be carried over")
+        old.state.clear()
+        for g_old, g_new in zip(old.param_groups, new.param_groups):
+            g_old["params"] = list(g_new["params"])
+            for p in g_old["params"]:
+                if id(p) in state:
+                    old.state[p] = state[id(p)]

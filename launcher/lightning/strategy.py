@@ -175,6 +175,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self.positions = Positions()  # the training loaders' positions, saved and restored with checkpoints
         self._in_step = 0  # which of the accumulate_grad_batches batches of its optimizer step this batch is
         self._staged_model: Any = None  # the staged model the engine runs (rebuilt on it after a recovery)
+        self._groups: list[list[int]] = []  # each stage's indices into module.stages
+        self._stage_modules: list[Any] = []  # module.stages as the user made it, before keep_owned
         #: each recovery from a lost worker (:mod:`.recovery`), as ``metrics.json`` lists them
         self.recoveries: list[dict[str, Any]] = []
         self.last_loss = 0.0  # the last training step's loss, summed over workers
@@ -275,7 +277,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         assert isinstance(nominal, torch.dtype)  # Lightning types it str | dtype; a module's is a dtype
         self.loss_dtype = loss_dtype(staging.model.stages, nominal)
         self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
-        found = self.run.fault.scheme_errors(self.settings.name, self.settings.R)
+        found = self.run.fault.scheme_errors(self.settings.name, self.settings.G, self.settings.R)
         if found:  # refused before any step (the command line refuses it before the fork)
             raise ConfigError(found)
         self._staged_model = staging.model
@@ -285,7 +287,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         me = self.engine.worker
         self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me],
                                 self.engine.ties)
-        keep_owned(module, staging.groups or [], self.engine.owned, owners, self.root_device)
+        self._groups = staging.groups or []
+        self._stage_modules = list(getattr(module, "stages", []))  # every stage's modules, before keep_owned
+        keep_owned(module, self._groups, self.engine.owned, owners, self.root_device)
         self.model_to_device()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -322,16 +326,25 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self.records.clear()  # measured under the old schedule: metrics.json reports the new one's
 
     def rebuild(self, settings: Settings) -> None:
-        """Train on under ``settings`` (a recovery's re-planned step): the engine built again. Every
-        worker keeps every stage (the schemes recovered are replicated), so the module and its
-        optimizer stay as they are."""
+        """Train on under ``settings`` (a recovery's re-planned step): the engine built again over
+        the staged model; the caller fills the newly owned stages, then calls :meth:`own_stages`."""
         self._settings = settings
         self._build_engine()
+
+    def own_stages(self) -> None:
+        """Leave on the module the stages the (re-built) engine owns, as set-up does: the others'
+        modules become stand-ins again, so the module's parameters are the owned ones."""
         assert self.engine is not None and self._staged_model is not None
+        module = self._attached
+        stages: Any = module.stages
+        for i, m in enumerate(self._stage_modules):
+            stages[i] = m
         owners, me = self.engine.lowered.owners, self.engine.worker
         # who writes each stage into checkpoints and the gathered state: its first owner, under the new layout
-        self.layout = Layout.of(self._attached, self._staged_model.stages,
+        self.layout = Layout.of(module, self._staged_model.stages,
                                 [s for s in self.engine.owned if owners[s][0] == me], self.engine.ties)
+        keep_owned(module, self._groups, self.engine.owned, owners, self.root_device)
+        self.model_to_device()
 
     def check_before_fork(self, module: Any, datamodule: Any = None, train_dataloaders: Any = None) -> None:
         """Stage ``module`` on this process as every worker will (in the trainer's precision), and
@@ -351,7 +364,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
                 module.configure_model()
         self.meta = has_meta(module)
         settings = self._settings_for(module)
-        if settings is not None and (found := self.run.fault.scheme_errors(settings.name, settings.R)):
+        if settings is not None and (found := self.run.fault.scheme_errors(settings.name, settings.G, settings.R)):
             raise ConfigError(found)
         S = settings.stages if settings is not None else None
         if S is None:

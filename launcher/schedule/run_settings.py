@@ -89,10 +89,11 @@ class CheckpointSettings:
         return registered.checkpoint if registered is not None else "single"
 
 
-def every_worker_holds_every_stage(scheme: str, R: int) -> bool:
-    """Whether every worker owns every stage (DDP; LPP with ``R = 1``), so that any survivor of a
-    lost worker holds the whole training state in memory: the schemes ``fault.restarts`` recovers."""
-    return scheme == "ddp" or (scheme == "lpp" and R == 1)
+def survives_a_loss(scheme: str, G: int, R: int) -> bool:
+    """Whether every stage's state stays whole in memory when any one worker is lost: every worker
+    holds every stage (DDP; LPP with ``R = 1``), or each stage has ``G >= 2`` replicas (LPP with
+    ``G > 1``). The schemes ``fault.restarts`` recovers."""
+    return scheme == "ddp" or (scheme == "lpp" and (R == 1 or G > 1))
 
 
 @dataclass(frozen=True)
@@ -110,14 +111,14 @@ class FaultSettings:
             raise StepError([f"fault.restarts={shown(r)} is invalid: the number of lost workers to recover from "
                              f"must be a non-negative integer (0: a failure ends the run)."])
 
-    def scheme_errors(self, scheme: str, R: int) -> list[str]:
-        """One sentence when ``restarts`` asks to recover a scheme this version cannot (its state is
-        not whole on every survivor: :func:`every_worker_holds_every_stage`)."""
-        if self.restarts == 0 or every_worker_holds_every_stage(scheme, R):
+    def scheme_errors(self, scheme: str, G: int, R: int) -> list[str]:
+        """One sentence when ``restarts`` asks to recover a scheme this version cannot: one where a
+        stage's state may be lost with one worker (:func:`survives_a_loss`)."""
+        if self.restarts == 0 or survives_a_loss(scheme, G, R):
             return []
-        return [f"fault.restarts={self.restarts} is invalid with strategy={scheme} R={R}: recovery inside the job "
-                f"needs every worker to hold every stage (strategy=ddp, or strategy=lpp with R=1) in this version; "
-                f"use one of those or fault.restarts=0."]
+        return [f"fault.restarts={self.restarts} is invalid with strategy={scheme} G={G} R={R}: recovery inside the "
+                f"job needs every stage held by more than one worker, or by every worker (strategy=ddp, or "
+                f"strategy=lpp with G>1 or R=1) in this version; use one of those or fault.restarts=0."]
 
     @classmethod
     def of(cls, value: FaultSettings | Mapping[str, Any] | None) -> FaultSettings:

@@ -76,11 +76,14 @@ def oracle() -> dict:
     ("ddp", 3, 2, signal.SIGKILL),
     ("ddp", 0, 3, signal.SIGKILL),
     ("ddp", 1, 2, signal.SIGSTOP),
+    # lpp G=2 R=2: each stage on two workers; the stages the survivors newly own come from their replica
+    ("lpp", 1, 2, signal.SIGKILL),
 ])
 def test_a_lost_worker_is_recovered_and_training_equals_an_uninterrupted_run(
         scheme: str, rank: int, step: int, sig: int, oracle: dict, tmp_path: Path) -> None:
+    sizes = {"G": 2, "R": 2} if scheme == "lpp" else {}
     # timeout=3: a stopped worker is named (and killed) within 3 s instead of the default 30
-    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1}, timeout=3)
+    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1}, timeout=3, **sizes)
     state = fit(strategy, 4, [LoseWorker(rank, step, sig, tmp_path)])
     diff = max_diff(oracle, state)
     survivors = sorted(int(p.stem[4:]) for p in tmp_path.glob("rank*.txt"))
@@ -98,8 +101,9 @@ def test_a_scheme_it_cannot_recover_is_refused_before_any_worker_starts() -> Non
     with pytest.raises(ConfigError) as e:
         fit(UnifiedStrategy("gpipe", stages=4, microbatches=B, fault={"restarts": 1}), 4)
     assert e.value.sentences == [
-        "fault.restarts=1 is invalid with strategy=gpipe R=4: recovery inside the job needs every worker to hold "
-        "every stage (strategy=ddp, or strategy=lpp with R=1) in this version; use one of those or fault.restarts=0."]
+        "fault.restarts=1 is invalid with strategy=gpipe G=1 R=4: recovery inside the job needs every stage held by "
+        "more than one worker, or by every worker (strategy=ddp, or strategy=lpp with G>1 or R=1) in this version; "
+        "use one of those or fault.restarts=0."]
 
 
 def test_each_loss_takes_a_restart_and_one_too_many_ends_the_run_naming_it(oracle: dict, tmp_path: Path) -> None:
