@@ -6,17 +6,19 @@ was killed), :func:`recover`:
 
 1. drops the engine (its sockets and subgroups must close) and joins the generation's group
    (:func:`launcher.runtime.recovery.rejoin`), taking its new rank and world size;
-2. agrees on the state to resume from: every survivor holds every stage (the schemes recovered are
-   replicated: :func:`~launcher.schedule.run_settings.every_worker_holds_every_stage`), but a
-   survivor may have finished the optimizer step before the failure while another had not (an
-   all-reduce can complete on one rank and fail on another). The survivor that completed the most
-   steps (the lowest such rank) broadcasts its module state and optimizer state; the others take them;
+2. agrees on the state to resume from: every stage survives the loss on some worker (the schemes
+   recovered: :func:`~launcher.schedule.run_settings.survives_a_loss`), but a survivor may have
+   finished the optimizer step before the failure while another had not (an all-reduce can complete
+   on one rank and fail on another). Each stage comes from the lowest survivor that held it after
+   the most completed steps (:func:`_sources`);
 3. re-plans the step for the survivors (:func:`replan`): the user's scheme when its layout has the
-   new number of workers, else the planner's fastest replicated layout for them, with the same stages
-   and micro-batches, so the batch, its micro-batches and the data order stay those of an
-   uninterrupted run; and builds the engine again;
-4. records the recovery (cause, lost rank, step, seconds, steps lost, scheme before and after) for
-   ``metrics.json`` and prints one line.
+   new number of workers, else the planner's fastest layout for them that survives another loss,
+   with the same stages and micro-batches, so the batch, its micro-batches and the data order stay
+   those of an uninterrupted run; builds the engine again, broadcasts every stage one of its new
+   owners lacks (:func:`_take_stages`: parameters, buffers, optimizer state), leaves on the module
+   the stages it now owns and refills the trainer's optimizers with them (:func:`_refill_optimizers`);
+4. records the recovery (cause, lost rank, step, seconds, steps lost, what moved, scheme before and
+   after) for ``metrics.json`` and prints one line.
 
 The caller then redoes the interrupted step; a survivor that was one step behind instead ends its
 step without an update (it already holds the state after it), so both enter the next step together.
