@@ -122,6 +122,28 @@ def test_each_loss_takes_a_restart_and_one_too_many_ends_the_run_naming_it(oracl
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
 
 
+class LoseInValidation(L.Callback):
+    """Rank 2 sends itself ``SIGKILL`` as the first validation batch begins."""
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        m = current_membership()
+        if m is not None and m.rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_loss_met_outside_a_training_step_ends_the_run_naming_it() -> None:
+    """Survivors that meet the loss in a validation step cannot redo it: the run ends as without
+    recovery, naming the lost rank, within the timeout, and nothing is left running."""
+    L.seed_everything(0, verbose=False)
+    tr = quiet_trainer(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}, timeout=5), 4,
+                       precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, val_check_interval=2,
+                       limit_val_batches=1, callbacks=[LoseInValidation()])
+    with pytest.raises(WorkerFailed, match=r"^rank 2 failed while running .*killed by SIGKILL"):
+        tr.fit(Regressor(max_steps=STEPS).double(), train_dataloaders=user_loader(), val_dataloaders=user_loader())
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
 #: a user's model on the command line (``model=custom``) that loses rank 2 at the start of step 3
 LOSSY = '''
 import os
