@@ -37,6 +37,11 @@ one does not claim ``abort``; it waits for the cause to be named (:meth:`Watchdo
 if none is named within ``timeout + grace`` reports the lost connection itself, in words, without
 the backend's C++ text (:func:`is_transport_error`, :func:`transport_reason`).
 
+When the local launcher recovers from a lost worker instead (``fault.restarts``,
+:mod:`.recovery`), it writes ``recovery`` (the generation, the survivors, the cause) rather than
+``abort``: the watchdog reads it, :meth:`Watchdog.check` raises :class:`Recovering`, and no hard
+stop follows.
+
 The store is only touched by the watchdog thread, every ``interval`` seconds, never per job.
 """
 

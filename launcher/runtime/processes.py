@@ -15,6 +15,10 @@ The parent also reads every child's heartbeat (:class:`~launcher.runtime.failure
 child that is stuck (stopped, or hung while its peers wait for it) is named, with its job, within
 ``timeout`` seconds and killed at once, so the whole run stops within ``timeout`` plus the grace.
 
+With ``restarts`` (``fault.restarts``) a worker that dies or is killed as hung does not end the
+run: the parent announces a new generation of the survivors in the store instead of ``abort``,
+and they re-form the group and train on (:mod:`.recovery`); the results are then the survivors'.
+
 Which rank is blamed: the one that died without a word (a signal, ``os._exit``), raised, or hung,
 whichever the store recorded first. A child whose connection to a peer broke (gloo's "Connection
 reset by peer") reports no cause of its own: it waits for that peer's failure to be named, and is
