@@ -144,6 +144,27 @@ def test_a_loss_met_outside_a_training_step_ends_the_run_naming_it() -> None:
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
 
 
+def test_a_second_loss_during_recovery_ends_the_run_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """Rank 3 is lost at step 2; while the survivors re-form the group, rank 1 is killed too (as it
+    starts to rejoin): even with a restart left, the run ends within the timeout, naming rank 1, and
+    nothing is left running."""
+    import launcher.lightning.recovery as recovery
+
+    rejoin = recovery.rejoin
+
+    def lose_rank1_first(m: Any, *args: Any, **kwargs: Any) -> None:
+        if m.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        rejoin(m, *args, **kwargs)
+
+    monkeypatch.setattr(recovery, "rejoin", lose_rank1_first)  # the forked workers inherit it
+    with pytest.raises(WorkerFailed, match=r"^rank 1 failed while running .*killed by SIGKILL"):
+        fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 2}, timeout=5), 4,
+            [LoseWorker(3, 2, signal.SIGKILL, tmp_path)])
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
 #: a user's model on the command line (``model=custom``) that loses rank 2 at the start of step 3
 LOSSY = '''
 import os
