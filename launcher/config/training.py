@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..schedule.rules import StepError
 from ..schedule.rules import is_size as _is_size
-from ..schedule.run_settings import FaultSettings, RunSettings
+from ..schedule.run_settings import CheckpointSettings, FaultSettings, RunSettings
 from ..schedule.schemes import SCHEMES
 from .validate import _get, png_errors, step_errors
 
@@ -148,9 +148,10 @@ def _fault_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     ``fault`` node that is itself invalid is :func:`run_settings_of`'s to refuse."""
     try:
         fault = FaultSettings.of(_container(_get(cfg, "fault", None)))
+        checkpoint = CheckpointSettings.of(_container(_get(cfg, "checkpoint", None)))
     except StepError:
         return []
-    return fault.scheme_errors(str(_get(cfg, "strategy.name", "")), _get(cfg, "G", 1), _get(cfg, "R", 1))
+    return fault.scheme_errors(str(_get(cfg, "strategy.name", "")), _get(cfg, "G", 1), _get(cfg, "R", 1), checkpoint)
 
 
 def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:

@@ -118,17 +118,23 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     ahead = max(d for d, _ in found)
     behind = done < ahead
 
-    sources = _sources(found, ahead)
-    # what this worker sends, copied before the new engine's set-up syncs replicas from their first
-    # owner (who may hold a stage it did not own before, not yet filled)
-    mine = {s: _stage_payload(strategy, s) for s, src in enumerate(sources) if src == new_rank}
+    sources = _sources(found, ahead, strategy.settings.stages)
     before = strategy.settings
     after, how = replan(before, world)
-    strategy.rebuild(after)
-    assert strategy.engine is not None
-    states, moved = _take_stages(strategy, sources, mine, found, ahead)
-    strategy.own_stages()
-    _refill_optimizers(module, trainer, states)
+    if sources is not None:
+        # what this worker sends, copied before the new engine's set-up syncs replicas from their
+        # first owner (who may hold a stage it did not own before, not yet filled)
+        mine = {s: _stage_payload(strategy, s) for s, src in enumerate(sources) if src == new_rank}
+        strategy.rebuild(after)
+        states, moved = _take_stages(strategy, sources, mine, found, ahead)
+        strategy.own_stages()
+        _refill_optimizers(module, trainer, states)
+        where, lost_steps = "memory", 0
+    else:  # a stage was only on the lost worker: every stage back to the last checkpoint, the steps since replayed
+        strategy.rebuild(after)
+        strategy.own_stages()
+        _refill_optimizers(module, trainer, {})
+        where, lost_steps, moved = _from_checkpoint(strategy, trainer, ahead)
     box: list[Any] = [strategy.last_loss]
     dist.broadcast_object_list(box, [d for d, _ in found].index(ahead))
     if behind:  # the loss of the step this worker now holds the result of
@@ -137,33 +143,77 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     seconds = time.monotonic() - failed_at
     m.seconds.append(seconds)
     record = {"generation": generation, "cause": cause, "lost_ranks": lost, "step": ahead + 1,
-              "seconds": round(seconds, 3), "steps_lost": 0, "redone": 1, "from": "memory",
+              "seconds": round(seconds, 3), "steps_lost": lost_steps, "redone": 1, "from": where,
               "moved_stages": moved["stages"], "moved_bytes": moved["bytes"],
               "scheme_before": _label(before), "scheme_after": _label(after), "chosen_by": how,
               "workers": [len(survivors) + len(lost), len(survivors)]}
     strategy.recoveries.append(record)
     if new_rank == 0:
         log.warning("recovered from the loss of rank %s at step %d in %.2f s: W %d -> %d, %s -> %s (%s); state "
-                    "from memory, the interrupted step redone, 0 steps lost. Cause: %s",
+                    "from %s, the interrupted step redone, %d steps lost and replayed. Cause: %s",
                     ", ".join(map(str, lost)), ahead + 1, seconds, len(survivors) + len(lost), len(survivors),
-                    _label(before), _label(after), how, cause)
+                    _label(before), _label(after), how, where, lost_steps, cause)
     return not behind
 
 
-def _sources(found: list[Any], ahead: int) -> list[int]:
+def _sources(found: list[Any], ahead: int, S: int) -> list[int] | None:
     """Per stage, the new rank it is taken from: the lowest survivor that held it after the last
-    completed step (``found``: per new rank, its completed steps and the stages it held)."""
+    completed step (``found``: per new rank, its completed steps and the stages it held); None when
+    some stage is on no such survivor (it was only on the lost worker)."""
     held_by: dict[int, list[int]] = {}
     for r, (d, held) in enumerate(found):
         if d == ahead:
             for s in held:
                 held_by.setdefault(s, []).append(r)
-    S = max((s for _, held in found for s in held), default=-1) + 1
-    missing = [s for s in range(S) if s not in held_by]
-    if missing:
-        raise Unrecoverable(f"no survivor holds stage {missing[0]} as it was after step {ahead}, so training "
-                            f"cannot go on from memory")
+    if any(s not in held_by for s in range(S)):
+        return None
     return [held_by[s][0] for s in range(S)]
+
+
+def _from_checkpoint(strategy: UnifiedStrategy, trainer: Any, ahead: int) -> tuple[str, int, dict[str, int]]:
+    """Every worker's (new) stages, their optimizer state and the learning-rate schedules from the
+    last sharded checkpoint, each worker reading only its own stages; then the steps since it
+    replayed from the batches kept (:attr:`UnifiedStrategy.since_checkpoint`) up to ``ahead``
+    completed steps, as Lightning's loop ran them (the loss, the clipping, the optimizer and
+    scheduler steps). Returns where the state came from, the steps replayed, and what was read."""
+    from .checkpoint_hooks import CheckpointingStrategy
+    from .precision import clip_by_global_norm
+
+    if strategy.last_checkpoint is None:
+        raise Unrecoverable(f"a stage was held only by the lost worker and no sharded checkpoint was written yet "
+                            f"(before step {ahead + 1}), so training cannot go on")
+    path, step = strategy.last_checkpoint
+    missing = [k for k in range(step, ahead) if k not in strategy.since_checkpoint]
+    if missing:
+        raise Unrecoverable(f"the batch of step {missing[0] + 1} since the checkpoint {path} is not kept, so the "
+                            f"steps since it cannot be replayed")
+    ckpt = CheckpointingStrategy.load_checkpoint(strategy, path)  # this worker's stages only
+    strategy.load_model_state_dict(ckpt)
+    strategy.load_optimizer_state_dict(ckpt)
+    for config, state in zip(trainer.lr_scheduler_configs, ckpt.get("lr_schedulers", [])):
+        config.scheduler.load_state_dict(state)
+    read = sum(t.numel() * t.element_size() for t in ckpt["state_dict"].values() if torch.is_tensor(t))
+    clip = trainer.gradient_clip_val
+    for k in range(step, ahead):
+        strategy.replay_step = k
+        try:
+            strategy._training_step(strategy.since_checkpoint[k])
+        finally:
+            strategy.replay_step = None
+        assert strategy.engine is not None
+        strategy.engine.install_grads()
+        if clip:
+            clip_by_global_norm(strategy, float(clip))
+        else:
+            strategy.fused_norm_sq = None
+        for opt in trainer.optimizers:
+            opt.step()
+        for config in trainer.lr_scheduler_configs:
+            if config.interval == "step" and (k + 1) % config.frequency == 0:
+                config.scheduler.step()
+    strategy.records.clear()  # the replayed steps are not the run's measured ones
+    return f"checkpoint {path}", ahead - step, {"stages": len(strategy.engine.owned if strategy.engine else []),
+                                                 "bytes": read}
 
 
 def _stage_payload(strategy: UnifiedStrategy, s: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -77,7 +77,15 @@ from .precision import (
     with_global_clipping,
     with_synced_scaler,
 )
-from .staging import example_microbatch, first_batch, keep_owned, split_batch, stage_module, uses_trace
+from .staging import (
+    PLACEHOLDER,
+    example_microbatch,
+    first_batch,
+    keep_owned,
+    split_batch,
+    stage_module,
+    uses_trace,
+)
 from .state import Layout
 
 log = logging.getLogger(__name__)
@@ -181,6 +189,11 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self.recoveries: list[dict[str, Any]] = []
         self.last_loss = 0.0  # the last training step's loss, summed over workers
         self._caught_up = False  # this step ends without an update: a recovery gave this worker its result
+        #: with fault.restarts: the batches of the steps since the last checkpoint (step -> batch), and
+        #: that checkpoint (path, step), so that a recovery from it can replay them (:mod:`.recovery`)
+        self.since_checkpoint: dict[int, Any] = {}
+        self.last_checkpoint: tuple[str, int] | None = None
+        self.replay_step: int | None = None  # the step a recovery replays, while it does
 
     # ---- configuration -------------------------------------------------------------------
     def _from_keywords(self, stages: int) -> Settings:
@@ -277,7 +290,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         assert isinstance(nominal, torch.dtype)  # Lightning types it str | dtype; a module's is a dtype
         self.loss_dtype = loss_dtype(staging.model.stages, nominal)
         self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
-        found = self.run.fault.scheme_errors(self.settings.name, self.settings.G, self.settings.R)
+        found = self.run.fault.scheme_errors(self.settings.name, self.settings.G, self.settings.R, self.run.checkpoint)
         if found:  # refused before any step (the command line refuses it before the fork)
             raise ConfigError(found)
         self._staged_model = staging.model
@@ -339,6 +352,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         stages: Any = module.stages
         for i, m in enumerate(self._stage_modules):
             stages[i] = m
+        module._parameters.pop(PLACEHOLDER, None)  # a worker that owned nothing had one; keep_owned makes it anew
         owners, me = self.engine.lowered.owners, self.engine.worker
         # who writes each stage into checkpoints and the gathered state: its first owner, under the new layout
         self.layout = Layout.of(module, self._staged_model.stages,
@@ -364,7 +378,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
                 module.configure_model()
         self.meta = has_meta(module)
         settings = self._settings_for(module)
-        if settings is not None and (found := self.run.fault.scheme_errors(settings.name, settings.G, settings.R)):
+        if settings is not None and (found := self.run.fault.scheme_errors(settings.name, settings.G, settings.R,
+                                                                          self.run.checkpoint)):
             raise ConfigError(found)
         S = settings.stages if settings is not None else None
         if S is None:
@@ -443,6 +458,16 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self.positions.load(checkpoint)
         return checkpoint
 
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.run.fault.restarts and self._sharded and self.run.checkpoint.async_mode == "disabled":
+            # written whole (in the foreground): a recovery may take lost stages from it and replay
+            # the steps since (:mod:`.recovery`)
+            step = int(checkpoint.get("global_step", 0))
+            self.last_checkpoint = (str(filepath), step)
+            self.since_checkpoint = {k: v for k, v in self.since_checkpoint.items() if k >= step}
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -511,15 +536,18 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
 
     def _training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self.engine is not None
+        trainer = self._attached.trainer
+        step = trainer.global_step if self.replay_step is None else self.replay_step
+        if self.run.fault.restarts and self.replay_step is None:
+            self.since_checkpoint[step] = args[0]
         mbs, items = self._microbatches(args[0])
         with self.precision_plugin.train_step_context():
             scaler = getattr(self.precision_plugin, "scaler", None)
             if scaler is not None:  # 16-mixed: the backward runs here, on the scaled loss; the step unscales
                 self.engine.loss_scale = float(scaler.get_scale())
-            trainer = self._attached.trainer
             # accumulate_grad_batches=k: the j-th batch of an optimizer step draws as micro-batches j*B ..
             self._in_step = batch_in_step(trainer) if trainer.accumulate_grad_batches > 1 else 0
-            record = self.engine.compute_step(mbs, items, step=trainer.global_step,
+            record = self.engine.compute_step(mbs, items, step=step,
                                               first_microbatch=self._in_step * self.B, stand_ins=self._stand_ins)
         self.records.append(record)
         if self._last_batch is None or _samples(mbs) >= _samples(self._last_batch):
@@ -542,7 +570,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             self._nonfinite(finite.describe(bad))
         self.last_loss = float(loss)
         loss = loss.to(self.loss_dtype)
-        self._attached.log("train_loss", loss, prog_bar=True)
+        if self.replay_step is None:
+            self._attached.log("train_loss", loss, prog_bar=True)
         return loss
 
     def _nonfinite(self, what: str) -> None:

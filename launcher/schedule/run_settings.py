@@ -111,14 +111,19 @@ class FaultSettings:
             raise StepError([f"fault.restarts={shown(r)} is invalid: the number of lost workers to recover from "
                              f"must be a non-negative integer (0: a failure ends the run)."])
 
-    def scheme_errors(self, scheme: str, G: int, R: int) -> list[str]:
+    def scheme_errors(self, scheme: str, G: int, R: int, checkpoint: CheckpointSettings) -> list[str]:
         """One sentence when ``restarts`` asks to recover a scheme this version cannot: one where a
-        stage's state may be lost with one worker (:func:`survives_a_loss`)."""
+        stage's state may be lost with one worker (:func:`survives_a_loss`) and the run keeps no
+        sharded checkpoint written in the foreground to take it from."""
         if self.restarts == 0 or survives_a_loss(scheme, G, R):
             return []
-        return [f"fault.restarts={self.restarts} is invalid with strategy={scheme} G={G} R={R}: recovery inside the "
-                f"job needs every stage held by more than one worker, or by every worker (strategy=ddp, or "
-                f"strategy=lpp with G>1 or R=1) in this version; use one of those or fault.restarts=0."]
+        if checkpoint.format_for(scheme) == "sharded" and checkpoint.async_mode == "disabled":
+            return []
+        return [f"fault.restarts={self.restarts} is invalid with strategy={scheme} G={G} R={R} and "
+                f"checkpoint.format={checkpoint.format_for(scheme)} checkpoint.async_mode={checkpoint.async_mode}: "
+                f"a stage held by one worker is recovered from the last sharded checkpoint, so set "
+                f"checkpoint.format=sharded and checkpoint.async_mode=disabled (or use strategy=ddp, or strategy=lpp "
+                f"with G>1 or R=1, recovered from memory), or fault.restarts=0."]
 
     @classmethod
     def of(cls, value: FaultSettings | Mapping[str, Any] | None) -> FaultSettings:
