@@ -140,6 +140,8 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     if behind:  # the loss of the step this worker now holds the result of
         strategy.last_loss = box[0]
 
+    if not strategy._keeps_batches:  # the new layout survives a loss from memory: no replay to keep them for
+        strategy.since_checkpoint.clear()
     seconds = time.monotonic() - failed_at
     m.seconds.append(seconds)
     record = {"generation": generation, "cause": cause, "lost_ranks": lost, "step": ahead + 1,
@@ -179,6 +181,10 @@ def _from_checkpoint(strategy: UnifiedStrategy, trainer: Any, ahead: int) -> tup
     from .checkpoint_hooks import CheckpointingStrategy
     from .precision import clip_by_global_norm
 
+    if trainer.accumulate_grad_batches > 1:
+        raise Unrecoverable("a stage held only by the lost worker is recovered from the last checkpoint by "
+                            "replaying the steps since, which this version does not do under "
+                            "accumulate_grad_batches > 1")
     if strategy.last_checkpoint is None:
         raise Unrecoverable(f"a stage was held only by the lost worker and no sharded checkpoint was written yet "
                             f"(before step {ahead + 1}), so training cannot go on")

@@ -58,7 +58,7 @@ from ..runtime.streams import agreed_seed
 from ..runtime.values import chunk, joined, to_device
 from ..schedule import Step
 from ..schedule.rules import StepError
-from ..schedule.run_settings import CheckpointSettings, RunSettings
+from ..schedule.run_settings import CheckpointSettings, RunSettings, survives_a_loss
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT, SCHEME_DEFAULT, OrderLike, SchemeLike, Settings
 from .checkpoint_hooks import CheckpointingStrategy
@@ -194,6 +194,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self.since_checkpoint: dict[int, Any] = {}
         self.last_checkpoint: tuple[str, int] | None = None
         self.replay_step: int | None = None  # the step a recovery replays, while it does
+        self._keeps_batches = False  # a loss could take a stage with it: keep the batches since the checkpoint
 
     # ---- configuration -------------------------------------------------------------------
     def _from_keywords(self, stages: int) -> Settings:
@@ -324,6 +325,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         # random streams (launcher.runtime.streams): every job's draws from (seed, step, micro-batch,
         # unit), the seed rank 0's (seed_everything's), so processes started apart agree
         self.engine.streams = agreed_seed(self.root_device)
+        s = self.settings
+        self._keeps_batches = bool(self.run.fault.restarts) and not survives_a_loss(s.name, s.G, s.R)
 
     def rejoined(self, rank: int, world: int) -> None:
         """After a recovery (:mod:`.recovery`): this worker's new rank in a group of ``world``."""
@@ -538,7 +541,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         assert self.engine is not None
         trainer = self._attached.trainer
         step = trainer.global_step if self.replay_step is None else self.replay_step
-        if self.run.fault.restarts and self.replay_step is None:
+        if self._keeps_batches and self.replay_step is None:
             self.since_checkpoint[step] = args[0]
         mbs, items = self._microbatches(args[0])
         with self.precision_plugin.train_step_context():
