@@ -344,6 +344,11 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     def rebuild(self, settings: Settings) -> None:
         """Train on under ``settings`` (a recovery's re-planned step): the engine built again over
         the staged model; the caller fills the newly owned stages, then calls :meth:`own_stages`."""
+        import dataclasses
+
+        # the run's checkpoints keep the format they started in (last.ckpt is overwritten in place)
+        kept = {"format": self.run.checkpoint.format_for(self.scheme), "async_mode": self.run.checkpoint.async_mode}
+        self.run = dataclasses.replace(self.run, checkpoint=CheckpointSettings.of(kept))
         self._settings = settings
         self._build_engine()
 

@@ -194,7 +194,7 @@ def test_a_second_loss_during_recovery_ends_the_run_naming_it(monkeypatch: pytes
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
 
 
-#: a user's model on the command line (``model=custom``) that loses rank 2 at the start of step 3
+#: a user's model on the command line (``model=custom``) that loses rank 2 at the start of step 4
 LOSSY = '''
 import os
 import signal
@@ -207,15 +207,18 @@ from launcher.runtime.recovery import current_membership
 class LossyGPT(GPT):
     def on_train_batch_start(self, batch, batch_idx):
         m = current_membership()  # None on one device: the oracle trains it undisturbed
-        if m is not None and m.generation == 0 and m.rank == 2 and self.trainer.global_step + 1 == 3:
+        if m is not None and m.generation == 0 and m.rank == 2 and self.trainer.global_step + 1 == 4:
             os.kill(os.getpid(), signal.SIGKILL)
 '''
 
 
 @pytest.mark.slow
-def test_the_command_line_recovers_and_equals_strategy_single(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``python -m launcher strategy=ddp G=4 fault.restarts=1``: rank 2 killed at step 3 of 5; the run
-    exits 0, says so in one line, lists the recovery in ``metrics.json``, leaves no process, and its
+@pytest.mark.parametrize(("scheme", "source", "steps_lost"), [("ddp", "memory", 0), ("fsdp", "checkpoint", 1)])
+def test_the_command_line_recovers_and_equals_strategy_single(scheme: str, source: str, steps_lost: int,
+                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m launcher strategy=<scheme> G=4 fault.restarts=1``: rank 2 killed at step 4 of 5,
+    a checkpoint every 2 steps (sharded under fsdp, the step-2 one its source); the run exits 0,
+    says so in one line, lists the recovery in ``metrics.json``, leaves no process, and its
     ``last.ckpt`` equals ``strategy=single`` on the same config within 1e-10."""
     from helpers.cli import SMALL_RUN, run_launcher, survivors
     from helpers.oracle import single_device
@@ -225,22 +228,23 @@ def test_the_command_line_recovers_and_equals_strategy_single(tmp_path: Path, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     model = ["model=custom", "model._target_=lossy.LossyGPT", "model.vocab_size=128", "model.seq_len=8",
              "model.d_model=16", "model.n_head=2", "model.n_layer=2", "model.max_steps=5"]
-    overrides = [*SMALL_RUN, *model, "trainer.max_steps=5", "trainer.precision=64-true", "trainer.limit_val_batches=0",
-                 "logger=none", "png=false"]
+    overrides = [*SMALL_RUN, *model, "trainer.max_steps=5", "trainer.precision=64-true", "trainer.val_check_interval=2",
+                 "trainer.limit_val_batches=1", "logger=none", "png=false"]
     run = tmp_path / "run"
-    p = run_launcher("strategy=ddp", "G=4", "fault.restarts=1", *overrides, f"hydra.run.dir={run}", cwd=tmp_path,
+    p = run_launcher(f"strategy={scheme}", "G=4", "fault.restarts=1", *overrides, f"hydra.run.dir={run}", cwd=tmp_path,
                      timeout=300, pythonpath="cwd")
     assert p.returncode == 0, p.stderr[-3000:]
-    lines = [x for x in p.stderr.splitlines() if "recovered from the loss of rank 2 at step 3" in x]
+    lines = [x for x in p.stderr.splitlines() if "recovered from the loss of rank 2 at step 4" in x]
     assert len(lines) == 1, p.stderr[-3000:]
     print(lines[0])
     recoveries = json.loads((run / "metrics.json").read_text())["recoveries"]
     assert [(r["lost_ranks"], r["step"], r["steps_lost"], r["scheme_after"]) for r in recoveries] == [
-        ([2], 3, 0, "lpp G=3 R=1 (W=3)")]
+        ([2], 4, steps_lost, "lpp G=3 R=1 (W=3)")]
+    assert recoveries[0]["from"].startswith(source)
     assert not survivors(str(run))
     got, want = last_state(run), single_device(overrides)
     diff = max((got[k].double() - want[k].double()).abs().max().item() for k in want)
-    print(f"command line, ddp W=4 -> 3: last.ckpt within {diff:.1e} of strategy=single")
+    print(f"command line, {scheme} W=4 -> 3: last.ckpt within {diff:.1e} of strategy=single")
     assert diff < TOL
 
 
