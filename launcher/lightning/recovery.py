@@ -140,6 +140,11 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     if behind:  # the loss of the step this worker now holds the result of
         strategy.last_loss = box[0]
 
+    if not behind and min(d for d, _ in found) < ahead and trainer.world_size > 1:
+        # Lightning's loop broadcasts a SIGTERM flag from rank 0 before every batch
+        # (``_broadcast_sigterm_tensor``): the survivors behind will, before their next batch, which
+        # is the one this worker redoes now; this is its side of that broadcast
+        dist.broadcast(torch.tensor([0], device=strategy.root_device), src=0)
     if not strategy._keeps_batches:  # the new layout survives a loss from memory: no replay to keep them for
         strategy.since_checkpoint.clear()
     seconds = time.monotonic() - failed_at

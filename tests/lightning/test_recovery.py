@@ -15,6 +15,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,39 @@ def test_a_second_loss_during_recovery_ends_the_run_naming_it(monkeypatch: pytes
         fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 2}, timeout=5), 4,
             [LoseWorker(3, 2, signal.SIGKILL, tmp_path)])
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
+def test_a_survivor_a_step_behind_takes_the_state_of_the_others(oracle: dict, monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """Rank 3 dies right after step 3's last all-reduce (``agree``) completed; ranks 0 and 1 finish
+    step 3 and meet the loss in step 4, while rank 2 meets it in step 3 itself, after that
+    all-reduce and before its update (as when an all-reduce completes on some ranks and fails on
+    others, which no callback can place). Rank 2 takes the state after step 3 from rank 0 and ends
+    its step without an update; the run still equals one device."""
+    import launcher.lightning.strategy as strategy_module
+
+    real = strategy_module.agree
+    calls = {"n": 0}
+
+    def agree_then_fail(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        m = current_membership()
+        if m is not None and m.generation == 0:
+            calls["n"] += 1
+            if calls["n"] == 3 and m.rank == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if calls["n"] == 3 and m.rank == 2:
+                time.sleep(0.5)  # the launcher has seen rank 3 die: this is what gloo says to rank 2 then
+                raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+        return out
+
+    monkeypatch.setattr(strategy_module, "agree", agree_then_fail)  # the forked workers inherit it
+    state = fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}), 4,
+                [LoseWorker(9, 0, signal.SIGKILL, tmp_path)])  # LoseWorker only writes the records here
+    records = {int(p.stem[4:]): eval(p.read_text()) for p in tmp_path.glob("rank*.txt")}  # noqa: S307
+    assert sorted(records) == [0, 1, 2]
+    assert all(r[0]["step"] == 4 and r[0]["moved_stages"] == 4 for r in records.values()), records
+    assert max_diff(oracle, state) < TOL
 
 
 #: a user's model on the command line (``model=custom``) that loses rank 2 at the start of step 4
