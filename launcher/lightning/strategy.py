@@ -621,6 +621,23 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         return self.precision_plugin.post_backward(closure_loss, self._attached)
 
     def _evaluate(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A forward-only step; with ``fault.restarts``, one a lost worker interrupted is taken up
+        again in the re-formed group (:mod:`.recovery`), as a training step is."""
+        while True:
+            try:
+                return self._evaluate_once(batch, key)
+            except Exception as e:
+                from .recovery import recoverable
+
+                if not recoverable(self, e):
+                    raise
+                failed_at = time.monotonic()
+            from .recovery import Unrecoverable, recover
+
+            if not recover(self, failed_at):  # every survivor finished the last training step before evaluating
+                raise Unrecoverable("a survivor was a training step behind the others while they evaluated")
+
+    def _evaluate_once(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         assert self.engine is not None
         mbs, items = self._microbatches(batch, weigh=key is not None)
         with self.precision_plugin.val_step_context():

@@ -152,25 +152,53 @@ def test_each_loss_takes_a_restart_and_one_too_many_ends_the_run_naming_it(oracl
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
 
 
-class LoseInValidation(L.Callback):
-    """Rank 2 sends itself ``SIGKILL`` as the first validation batch begins."""
+class LoseIn(L.Callback):
+    """Rank 2 sends itself ``SIGKILL`` as the first validation batch begins (``where="validation"``),
+    or as the first checkpoint is saved (``where="checkpoint"``)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def _lose(self) -> None:
+        m = current_membership()
+        if m is not None and m.rank == 2 and m.generation == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
-        m = current_membership()
-        if m is not None and m.rank == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.where == "validation":
+            self._lose()
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict) -> None:
+        if self.where == "checkpoint":
+            self._lose()
 
 
-def test_a_loss_met_outside_a_training_step_ends_the_run_naming_it() -> None:
-    """Survivors that meet the loss in a validation step cannot redo it: the run ends as without
+def test_a_loss_during_validation_is_recovered_and_one_during_a_checkpoint_save_ends_the_run(
+        oracle: dict, tmp_path: Path) -> None:
+    """A loss met in a validation step is recovered as in a training step (the validation batch
+    redone; the parameters still equal one device's, validation changing none). One met while a
+    checkpoint is saved (Lightning's barrier after the save) cannot be: the run ends as without
     recovery, naming the lost rank, within the timeout, and nothing is left running."""
-    L.seed_everything(0, verbose=False)
-    tr = quiet_trainer(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}, timeout=5), 4,
-                       precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, val_check_interval=2,
-                       limit_val_batches=1, callbacks=[LoseInValidation()])
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(where: str, **kw: Any) -> dict:
+        L.seed_everything(0, verbose=False)
+        model = Regressor(max_steps=STEPS).double()
+        tr = quiet_trainer(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}, timeout=5), 4,
+                           precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, val_check_interval=2,
+                           limit_val_batches=1, callbacks=[LoseIn(where), *kw.pop("callbacks", [])], **kw)
+        # an unshuffled validation loader: validating draws nothing from the training order's generator
+        tr.fit(model, train_dataloaders=user_loader(), val_dataloaders=user_loader(shuffle=False))
+        return model.state_dict()
+
+    state = run("validation", callbacks=[LoseWorker(9, 0, signal.SIGKILL, tmp_path)])  # writes the records
+    records = eval((tmp_path / "rank0.txt").read_text())  # noqa: S307 - our own repr
+    assert [(r["lost_ranks"], r["step"]) for r in records] == [([2], 3)]  # after step 2's validation began
+    assert max_diff(oracle, state) < TOL
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)
     with pytest.raises(WorkerFailed, match=r"^rank 2 failed while running .*killed by SIGKILL"):
-        tr.fit(Regressor(max_steps=STEPS).double(), train_dataloaders=user_loader(), val_dataloaders=user_loader())
+        run("checkpoint", enable_checkpointing=True, callbacks=[saves])
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
 
 
