@@ -96,6 +96,15 @@ class CheckpointConf:
 
 
 @dataclass
+class FaultConf:
+    """mode=train's recovery from a lost worker: ``restarts``, how many lost workers the run
+    recovers from inside the job (0: the first failure ends it). Typed and checked as
+    :class:`~launcher.schedule.run_settings.FaultSettings`."""
+
+    restarts: int = DEFAULT_RUN.fault.restarts
+
+
+@dataclass
 class RuntimeConf:
     """mode=train's workers: ``transport`` auto | gloo | shm, how activations and their gradients
     travel between workers (:data:`launcher.schedule.run_settings.Transport`)."""
@@ -135,6 +144,7 @@ class LauncherConf:
     partition: str = DEFAULT.partition  # mode=train: self.stages cut balanced by params | time (profiled) | memory
     timeout: float = DEFAULT_RUN.timeout  # seconds without progress while peers wait, after which a worker is hung
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)  # mode=train: how checkpoints are written
+    fault: FaultConf = field(default_factory=FaultConf)  # mode=train: recovery from a lost worker
     runtime: RuntimeConf = field(default_factory=RuntimeConf)  # mode=train: how the workers exchange messages
     ckpt_path: Optional[str] = None  # resume from this checkpoint (trainer.fit(ckpt_path=...))
     nonfinite: str = DEFAULT_RUN.nonfinite  # a NaN/inf loss or gradient: stop the run | skip the step

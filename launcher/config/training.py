@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..schedule.rules import StepError, overlap_training_errors
 from ..schedule.rules import is_size as _is_size
-from ..schedule.run_settings import RunSettings
+from ..schedule.run_settings import CheckpointSettings, FaultSettings, RunSettings
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT
 from .validate import _get, png_errors, step_errors
@@ -132,7 +132,7 @@ def is_single(cfg: Any) -> bool:
 
 #: the config key of each field of :class:`RunSettings` (the checkpoint node is read whole)
 RUN_KEYS = {"checkpoint": "checkpoint", "nonfinite": "nonfinite", "timeout": "timeout",
-            "transport": "runtime.transport"}
+            "transport": "runtime.transport", "fault": "fault"}
 _MISSING = object()
 
 
@@ -144,12 +144,24 @@ def run_settings_of(cfg: DictConfig | Mapping[str, Any]) -> RunSettings:
     return RunSettings(**given)
 
 
+def _fault_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
+    """``fault.restarts`` on a scheme it cannot recover (:meth:`FaultSettings.scheme_errors`); a
+    ``fault`` node that is itself invalid is :func:`run_settings_of`'s to refuse."""
+    try:
+        fault = FaultSettings.of(_container(_get(cfg, "fault", None)))
+        checkpoint = CheckpointSettings.of(_container(_get(cfg, "checkpoint", None)))
+    except StepError:
+        return []
+    return fault.scheme_errors(str(_get(cfg, "strategy.name", "")), _get(cfg, "G", 1), _get(cfg, "R", 1), checkpoint)
+
+
 def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
     """One sentence per rule a ``mode=train`` config breaks (the step's rules included)."""
     out: list[str] = png_errors(cfg)
     single = is_single(cfg)
     if not single:
         out += step_errors(cfg)
+        out += _fault_errors(cfg)
     B = _get(cfg, "microbatches")
 
     data = _container(_get(cfg, "data"))

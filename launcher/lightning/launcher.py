@@ -64,7 +64,7 @@ class ForkLauncher(Launcher):
             # trainer.fit's arguments: (model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
             strategy.check_before_fork(args[0], args[3] if len(args) > 3 else None, args[1] if len(args) > 1 else None)
         results = launch(self._work, strategy.num_processes, trainer, function, args, kwargs,
-                         backend=strategy.backend, timeout=self.timeout)
+                         backend=strategy.backend, timeout=self.timeout, restarts=strategy.run.fault.restarts)
         output = results[0]
         if trainer is None:
             return output

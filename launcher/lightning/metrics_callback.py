@@ -134,6 +134,8 @@ class RunMetrics(Callback):
                 peak_memory_bytes=_peak_memory(pl_module.device), memory_kind="cuda_max_allocated"
                 if pl_module.device.type == "cuda" else "rss")
         self.metrics["skipped_steps"] = len(self.skipped)  # dropped for a NaN or infinity (nonfinite=skip)
+        # each lost worker recovered from inside the job (launcher.lightning.recovery), as rank 0 saw it
+        self.metrics["recoveries"] = list(getattr(strategy, "recoveries", []))
         report.write(self.metrics, self.out_dir)
         from ..report import wandb_log
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import time
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -55,7 +56,7 @@ from ..runtime.measure import resident_bytes
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
 from ..schedule import Schedule
 from ..schedule.rules import StepError, overlap_training_errors
-from ..schedule.run_settings import CheckpointSettings, RunSettings
+from ..schedule.run_settings import CheckpointSettings, RunSettings, survives_a_loss
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT, SCHEME_DEFAULT, OrderLike, SchemeLike, Settings
 from ..torch_support.init import empty_init, has_meta
@@ -77,7 +78,15 @@ from .precision import (
     with_synced_scaler,
 )
 from .process_group import agreed_seed
-from .staging import example_microbatch, first_batch, keep_owned, split_batch, stage_module, uses_trace
+from .staging import (
+    PLACEHOLDER,
+    example_microbatch,
+    first_batch,
+    keep_owned,
+    split_batch,
+    stage_module,
+    uses_trace,
+)
 from .state import Layout
 
 log = logging.getLogger(__name__)
@@ -103,8 +112,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     or its fields as keywords, each left out keeping its default there: ``checkpoint`` (a mapping
     ``{"format": "sharded" | "single" | None, "async_mode": "disabled" | "async"}`` or
     :class:`~launcher.schedule.run_settings.CheckpointSettings`), ``nonfinite`` (stop | skip),
-    ``timeout`` (seconds within which every worker stops after one fails) and ``transport`` (auto |
-    gloo | shm). Checked here, once: :class:`~launcher.config.ConfigError` with one sentence per
+    ``timeout`` (seconds within which every worker stops after one fails), ``transport`` (auto |
+    gloo | shm) and ``fault`` (``{"restarts": N}``: recover from N lost workers inside the job,
+    :mod:`.recovery`). Checked here, once: :class:`~launcher.config.ConfigError` with one sentence per
     broken rule, the command line's sentences.
     """
 
@@ -126,6 +136,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         nonfinite: str | None = None,
         timeout: float | None = None,
         transport: str | None = None,
+        fault: Any = None,
         process_group_backend: str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -143,7 +154,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             raise ConfigError(overlap)
         #: the run's settings, typed and checked once here; every later reader trusts them
         self.run = _run_settings(run, checkpoint=checkpoint, nonfinite=nonfinite, timeout=timeout,
-                                 transport=transport)
+                                 transport=transport, fault=fault)
         super().__init__(self.run.timeout, process_group_backend, accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
@@ -181,6 +192,19 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self._pending = None
         self.positions = Positions()  # the training loaders' positions, saved and restored with checkpoints
         self._in_step = 0  # which of the accumulate_grad_batches batches of its optimizer step this batch is
+        self._staged_model: Any = None  # the staged model the engine runs (rebuilt on it after a recovery)
+        self._groups: list[list[int]] = []  # each stage's indices into module.stages
+        self._stage_modules: list[Any] = []  # module.stages as the user made it, before keep_owned
+        #: each recovery from a lost worker (:mod:`.recovery`), as ``metrics.json`` lists them
+        self.recoveries: list[dict[str, Any]] = []
+        self.last_loss = 0.0  # the last training step's loss, summed over workers
+        self._caught_up = False  # this step ends without an update: a recovery gave this worker its result
+        #: with fault.restarts: the batches of the steps since the last checkpoint (step -> batch), and
+        #: that checkpoint (path, step), so that a recovery from it can replay them (:mod:`.recovery`)
+        self.since_checkpoint: dict[int, Any] = {}
+        self.last_checkpoint: tuple[str, int] | None = None
+        self.replay_step: int | None = None  # the step a recovery replays, while it does
+        self._keeps_batches = False  # a loss could take a stage with it: keep the batches since the checkpoint
 
     # ---- configuration -------------------------------------------------------------------
     def _from_keywords(self, stages: int) -> Settings:
@@ -278,7 +302,31 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         assert isinstance(nominal, torch.dtype)  # Lightning types it str | dtype; a module's is a dtype
         self.loss_dtype = loss_dtype(staging.model.stages, nominal)
         self.module_costs, self.stage_durations_s = staging.costs, staging.stage_durations
-        self.engine = Engine(staging.model, self.make_schedule(), None, prefetch=self.settings.prefetch,
+        found = self.run.fault.scheme_errors(self.settings.name, self.settings.G, self.settings.R, self.run.checkpoint)
+        if found:  # refused before any step (the command line refuses it before the fork)
+            raise ConfigError(found)
+        self._staged_model = staging.model
+        self._build_engine()
+        assert self.engine is not None
+        owners = self.engine.lowered.owners
+        me = self.engine.worker
+        self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me],
+                                self.engine.ties)
+        self._groups = staging.groups or []
+        self._stage_modules = list(getattr(module, "stages", []))  # every stage's modules, before keep_owned
+        keep_owned(module, self._groups, self.engine.owned, owners, self.root_device)
+        self.model_to_device()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            with_global_clipping(self)
+            with_synced_scaler(self.precision_plugin)
+            self._norm_in_step = norm_in_step(trainer, module, self.precision_plugin)
+
+    def _build_engine(self) -> None:
+        """The engine of the current settings over the staged model (at set-up, and after a recovery)."""
+        S = self.settings.stages
+        self.engine = Engine(self._staged_model, self.make_schedule(), None, prefetch=self.settings.prefetch,
                              weight_cache=self.settings.weight_cache, device=self.root_device,
                              recompute=self.settings.recompute_stages,
                              compute_dtype=compute_dtype(self.precision_plugin), transport=self.run.transport)
@@ -288,18 +336,49 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         # random streams (launcher.torch_support.streams): every job's draws from (seed, step, micro-batch,
         # unit), the seed rank 0's (seed_everything's), so processes started apart agree
         self.engine.streams = agreed_seed(self.root_device)
-        owners = self.engine.lowered.owners
-        me = self.engine.worker
-        self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me],
-                                self.engine.ties)
-        keep_owned(module, staging.groups or [], self.engine.owned, owners, self.root_device)
+        s = self.settings
+        self._keeps_batches = bool(self.run.fault.restarts) and not survives_a_loss(s.name, s.G, s.R)
+
+    def rejoined(self, rank: int, world: int) -> None:
+        """After a recovery (:mod:`.recovery`): this worker's new rank in a group of ``world``."""
+        import os
+
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(rank)
+        self.cluster_environment.set_world_size(world)
+        os.environ["LOCAL_RANK"] = str(rank)
+        rank_zero_only.rank = rank  # type: ignore[attr-defined]  # Lightning's own attribute of the function
+        self.records.clear()  # measured under the old schedule: metrics.json reports the new one's
+        self._save_pg = None  # the background saves' group belonged to the old process group
+
+    def rebuild(self, settings: Settings) -> None:
+        """Train on under ``settings`` (a recovery's re-planned step): the engine built again over
+        the staged model; the caller fills the newly owned stages, then calls :meth:`own_stages`."""
+        import dataclasses
+
+        # the run's checkpoints keep the format they started in (last.ckpt is overwritten in place)
+        kept = {"format": self.run.checkpoint.format_for(self.scheme), "async_mode": self.run.checkpoint.async_mode}
+        self.run = dataclasses.replace(self.run, checkpoint=CheckpointSettings.of(kept))
+        self._settings = settings
+        self._build_engine()
+
+    def own_stages(self) -> None:
+        """Leave on the module the stages the (re-built) engine owns, as set-up does: the others'
+        modules become stand-ins again, so the module's parameters are the owned ones."""
+        assert self.engine is not None and self._staged_model is not None
+        module = self._attached
+        stages: Any = module.stages
+        for i, m in enumerate(self._stage_modules):
+            stages[i] = m
+        module._parameters.pop(PLACEHOLDER, None)  # a worker that owned nothing had one; keep_owned makes it anew
+        owners, me = self.engine.lowered.owners, self.engine.worker
+        # who writes each stage into checkpoints and the gathered state: its first owner, under the new layout
+        self.layout = Layout.of(module, self._staged_model.stages,
+                                [s for s in self.engine.owned if owners[s][0] == me], self.engine.ties)
+        keep_owned(module, self._groups, self.engine.owned, owners, self.root_device)
         self.model_to_device()
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            with_global_clipping(self)
-            with_synced_scaler(self.precision_plugin)
-            self._norm_in_step = norm_in_step(trainer, module, self.precision_plugin)
 
     def check_before_fork(self, module: Any, datamodule: Any = None, train_dataloaders: Any = None) -> None:
         """Stage ``module`` on this process as every worker will (in the trainer's precision), and
@@ -319,6 +398,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
                 module.configure_model()
         self.meta = has_meta(module)
         settings = self._settings_for(module)
+        if settings is not None and (found := self.run.fault.scheme_errors(settings.name, settings.G, settings.R,
+                                                                          self.run.checkpoint)):
+            raise ConfigError(found)
         S = settings.stages if settings is not None else None
         if S is None:
             raise ModelError([f"{type(module).__name__} is traced and cut into stages: "
@@ -398,6 +480,17 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self.positions.load(checkpoint)
         return checkpoint
 
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        foreground_sharded = self.checkpoint_format == "sharded" and self.run.checkpoint.async_mode == "disabled"
+        if self.run.fault.restarts and foreground_sharded:
+            # written whole (in the foreground): a recovery may take lost stages from it and replay
+            # the steps since (:mod:`.recovery`)
+            step = int(checkpoint.get("global_step", 0))
+            self.last_checkpoint = (str(filepath), step)
+            self.since_checkpoint = {k: v for k, v in self.since_checkpoint.items() if k >= step}
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -437,16 +530,47 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One step through the engine; with ``fault.restarts``, a step a lost worker interrupted is
+        taken up again in the re-formed group (:mod:`.recovery`)."""
+        self._caught_up = False
+        while True:
+            try:
+                return self._training_step(*args, **kwargs)
+            except Exception as e:
+                from .recovery import recoverable
+
+                if not recoverable(self, e):
+                    raise
+                failed_at = time.monotonic()
+            # outside the except clause: the failure's traceback (and the old group it holds) is gone
+            from .recovery import recover
+
+            if not recover(self, failed_at):
+                return self._caught_up_step()
+
+    def _caught_up_step(self) -> torch.Tensor:
+        """This worker was one step behind when a worker was lost and took the state after that
+        step from a survivor: the step ends without an update (no gradient, no clipping norm to sum)."""
+        self._caught_up = True
+        self.fused_norm_sq = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        loss = torch.tensor(self.last_loss, dtype=self.loss_dtype, device=self.root_device)
+        self._attached.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self.engine is not None
+        trainer = self._attached.trainer
+        step = trainer.global_step if self.replay_step is None else self.replay_step
+        if self._keeps_batches and self.replay_step is None:
+            self.since_checkpoint[step] = args[0]
         mbs, items = self._microbatches(args[0])
         with self.precision_plugin.train_step_context():
             scaler = getattr(self.precision_plugin, "scaler", None)
             if scaler is not None:  # 16-mixed: the backward runs here, on the scaled loss; the step unscales
                 self.engine.loss_scale = float(scaler.get_scale())
-            trainer = self._attached.trainer
             # accumulate_grad_batches=k: the j-th batch of an optimizer step draws as micro-batches j*B ..
             self._in_step = batch_in_step(trainer) if trainer.accumulate_grad_batches > 1 else 0
-            record = self.engine.compute_step(mbs, items, step=trainer.global_step,
+            record = self.engine.compute_step(mbs, items, step=step,
                                               first_microbatch=self._in_step * self.microbatches,
                                               stand_ins=self._stand_ins)
         self.records.append(record)
@@ -468,8 +592,10 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             self.fused_norm_sq = None  # the step's gradients are dropped, not clipped
         if bad is not None:
             self._nonfinite(finite.describe(bad))
+        self.last_loss = float(loss)
         loss = loss.to(self.loss_dtype)
-        self._attached.log("train_loss", loss, prog_bar=True)
+        if self.replay_step is None:
+            self._attached.log("train_loss", loss, prog_bar=True)
         return loss
 
     def _nonfinite(self, what: str) -> None:
@@ -499,7 +625,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         assert self.engine is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self._attached)
         k = self._attached.trainer.accumulate_grad_batches
-        if self.step_skipped:
+        if self.step_skipped or self._caught_up:
             if self._in_step == 0:  # the step's first batch: no earlier batch's gradient to keep
                 for s in self.engine.owned:
                     for p in self.engine.modules[s].parameters():
@@ -511,6 +637,23 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         return self.precision_plugin.post_backward(closure_loss, self._attached)
 
     def _evaluate(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A forward-only step; with ``fault.restarts``, one a lost worker interrupted is taken up
+        again in the re-formed group (:mod:`.recovery`), as a training step is."""
+        while True:
+            try:
+                return self._evaluate_once(batch, key)
+            except Exception as e:
+                from .recovery import recoverable
+
+                if not recoverable(self, e):
+                    raise
+                failed_at = time.monotonic()
+            from .recovery import Unrecoverable, recover
+
+            if not recover(self, failed_at):  # every survivor finished the last training step before evaluating
+                raise Unrecoverable("a survivor was a training step behind the others while they evaluated")
+
+    def _evaluate_once(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         assert self.engine is not None
         mbs, items = self._microbatches(batch, weigh=key is not None)
         with self.precision_plugin.val_step_context():

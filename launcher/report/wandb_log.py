@@ -19,6 +19,11 @@ def summary_of(metrics: Mapping[str, Any]) -> dict[str, Any]:
         out["loss/first"], out["loss/last"] = steps[0]["loss"], steps[-1]["loss"]
     if metrics.get("val"):
         out["val_loss/last"] = metrics["val"][-1]["val_loss"]
+    recoveries = metrics.get("recoveries") or []
+    if recoveries:  # lost workers recovered inside the job (fault.restarts)
+        out["recoveries"] = len(recoveries)
+        out["recovery_s"] = sum(r["seconds"] for r in recoveries)
+        out["recovery_steps_lost"] = sum(r["steps_lost"] for r in recoveries)
     return out
 
 

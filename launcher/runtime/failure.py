@@ -37,6 +37,11 @@ one does not claim ``abort``; it waits for the cause to be named (:meth:`Watchdo
 if none is named within ``timeout + grace`` reports the lost connection itself, in words, without
 the backend's C++ text (:func:`is_transport_error`, :func:`transport_reason`).
 
+When the local launcher recovers from a lost worker instead (``fault.restarts``,
+:mod:`.recovery`), it writes ``recovery`` (the generation, the survivors, the cause) rather than
+``abort``: the watchdog reads it, :meth:`Watchdog.check` raises :class:`Recovering`, and no hard
+stop follows.
+
 The store is only touched by the watchdog thread, every ``interval`` seconds, never per job.
 """
 
@@ -57,10 +62,17 @@ from ..schedule.run_settings import DEFAULT_RUN
 DEFAULT_TIMEOUT = DEFAULT_RUN.timeout  # seconds: how long a silent peer may go before it is declared dead
 
 ABORT_KEY = "abort"
+#: where the local launcher announces a recovery (:mod:`.recovery`): ``generation|survivors|cause``
+RECOVERY_KEY = "recovery"
 
 
 class WorkerAborted(RuntimeError):
     """Raised in a worker that stops because another worker failed; the message names it."""
+
+
+class Recovering(WorkerAborted):
+    """Raised in a surviving worker when the launcher recovers from another worker's loss
+    (:mod:`.recovery`): the step stops here and is taken up again in the re-formed group."""
 
 
 class WorkerFailed(RuntimeError):
@@ -157,6 +169,10 @@ class Watchdog:
         self.waiting = False  # the compute thread is blocked waiting for a peer
         self.busy_now = False  # the compute thread is on long work that runs no job (a checkpoint's write)
         self.aborted: str | None = None
+        #: the recovery generation this worker has joined, and one the launcher announced since
+        #: (``(generation, survivors' original ranks, cause)``; :mod:`.recovery`)
+        self.generation = 0
+        self.recovery: tuple[int, list[int], str] | None = None
         self._stop = threading.Event()
         self._done = False
         self._thread: threading.Thread | None = None
@@ -192,9 +208,12 @@ class Watchdog:
             self.progress += 1
 
     def check(self) -> None:
-        """Raise :class:`WorkerAborted` if another worker failed."""
+        """Raise :class:`WorkerAborted` if another worker failed (:class:`Recovering` when the
+        launcher recovers from it)."""
         if self.aborted is not None:
             raise WorkerAborted(self.aborted)
+        if self.recovery is not None:
+            raise Recovering(self.recovery[2])
 
     def fail(self, exc: BaseException) -> str:
         """Record this worker's own failure for the others; returns the message (another rank's,
@@ -221,13 +240,15 @@ class Watchdog:
     def wait_abort(self, seconds: float) -> str | None:
         """After a communication error: give the watchdog up to ``seconds`` to name the culprit."""
         deadline = time.monotonic() + seconds
-        while self.aborted is None and time.monotonic() < deadline:
+        while self.aborted is None and self.recovery is None and time.monotonic() < deadline:
             try:
                 self._poll_abort()
             except Exception:  # the store is gone with whoever hosted it: nobody will name a cause
                 break
-            if self.aborted is None:
+            if self.aborted is None and self.recovery is None:
                 time.sleep(0.02)
+        if self.aborted is None and self.recovery is not None:
+            return self.recovery[2]
         return self.aborted
 
     # ---- the thread -----------------------------------------------------------------------
@@ -263,6 +284,10 @@ class Watchdog:
     def _poll_abort(self) -> None:
         if self.aborted is None and self.store.check([ABORT_KEY]):
             self.aborted = self.store.get(ABORT_KEY).decode()
+        if self.aborted is None and self.store.check([RECOVERY_KEY]):
+            found = parse_recovery(self.store.get(RECOVERY_KEY).decode())
+            if found[0] > self.generation and (self.recovery is None or found[0] > self.recovery[0]):
+                self.recovery = found
 
     def _run(self) -> None:
         last: dict[int, tuple[str, float]] = {}  # peer -> (heartbeat, when it last changed)
@@ -323,6 +348,12 @@ class Watchdog:
             except OSError:
                 pass
         os._exit(1)
+
+
+def parse_recovery(value: str) -> tuple[int, list[int], str]:
+    """The store's :data:`RECOVERY_KEY`: ``(generation, survivors' original ranks, cause)``."""
+    generation, survivors, cause = value.split("|", 2)
+    return int(generation), [int(r) for r in survivors.split(",")], cause
 
 
 def hang_message(state: dict[int, tuple[int, bool, str]], timeout: float) -> str | None:

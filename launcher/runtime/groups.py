@@ -67,6 +67,12 @@ def _group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     return _made[key]
 
 
+def forget_groups() -> None:
+    """Drop the cached subgroups: a new process group (a recovery, :mod:`.recovery`) makes them
+    stale, and their sockets must close with the old group."""
+    _made.clear()
+
+
 @dataclass
 class Bucket:
     """Replicated stages of one owner set and dtype, all-reduced as one flat buffer."""

@@ -15,6 +15,10 @@ The parent also reads every child's heartbeat (:class:`~launcher.runtime.failure
 child that is stuck (stopped, or hung while its peers wait for it) is named, with its job, within
 ``timeout`` seconds and killed at once, so the whole run stops within ``timeout`` plus the grace.
 
+With ``restarts`` (``fault.restarts``) a worker that dies or is killed as hung does not end the
+run: the parent announces a new generation of the survivors in the store instead of ``abort``,
+and they re-form the group and train on (:mod:`.recovery`); the results are then the survivors'.
+
 Which rank is blamed: the one that died without a word (a signal, ``os._exit``), raised, or hung,
 whichever the store recorded first. A child whose connection to a peer broke (gloo's "Connection
 reset by peer") reports no cause of its own: it waits for that peer's failure to be named, and is
@@ -48,6 +52,7 @@ from ..torch_support.signatures import warm_up_meta
 from .failure import (
     ABORT_KEY,
     DEFAULT_TIMEOUT,
+    RECOVERY_KEY,
     HangMonitor,
     Stop,
     Watchdog,
@@ -58,6 +63,7 @@ from .failure import (
     set_current_watchdog,
     transport_reason,
 )
+from .recovery import Membership, recovered_key, set_membership
 
 #: how long a blocking collective may take before the backend itself gives up; failure detection
 #: is the watchdog's job (a slow but healthy peer keeps beating), so this is generous
@@ -182,6 +188,7 @@ def _child(
         wd.start()
         set_current_watchdog(wd)
         _join_group(rank, world, backend, store)
+        set_membership(Membership(store, backend, rank, list(range(world))))
         report("started", None)
         result = fn(*args, **kwargs)
         wd.stop(done=True)
@@ -215,7 +222,7 @@ class Supervisor:
 
     def __init__(
         self, fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, backend: str, timeout: float,
-        deadline: float | None, start_timeout: float,
+        deadline: float | None, start_timeout: float, restarts: int = 0,
     ) -> None:
         self.fn, self.world_size, self.args, self.kwargs = fn, world_size, args, kwargs
         self.backend, self.timeout, self.deadline, self.start_timeout = backend, timeout, deadline, start_timeout
@@ -244,6 +251,15 @@ class Supervisor:
         self.end_by: float | None = None
         self.stop_by: float | None = None
         self._previous_term: dict[int, Any] = {}
+        # recovery (:mod:`.recovery`): lost workers still to recover from, the generation, its
+        # members (original ranks, in new-rank order), the ranks lost, and the bound on the
+        # survivors' joining the generation's group
+        self.restarts = restarts
+        self.generation = 0
+        self.members = list(range(world_size))
+        self.lost: set[int] = set()
+        self.recoveries: list[dict[str, Any]] = []
+        self.rejoin_by: float | None = None
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -331,6 +347,40 @@ class Supervisor:
                  if t is not None]
         return max(0.0, min(limit)) if limit else None
 
+    def _recover(self, r: int, msg: str) -> bool:
+        """Rank ``r`` is lost (``msg`` says how): with a restart left and survivors to go on, announce
+        the next generation without it (the survivors re-form the group and train on) and return
+        True; else False (the caller ends the run as before)."""
+        survivors = [m for m in self.members if m != r and m in self.alive and m not in self.reports]
+        if self.failure is not None or self.restarts <= 0 or not survivors or self.rejoin_by is not None:
+            return False
+        self.restarts -= 1
+        self.generation += 1
+        self.members = survivors
+        self.lost.add(r)
+        self.recoveries.append({"generation": self.generation, "rank": r, "cause": msg,
+                                "at": time.monotonic(), "survivors": survivors})
+        self.causes.append(msg)
+        self.monitor = HangMonitor(self.timeout)  # the survivors' progress starts afresh
+        self.rejoin_by = time.monotonic() + self.timeout + self.grace
+        self._watch_store.set(RECOVERY_KEY, f"{self.generation}|{','.join(map(str, survivors))}|{msg}")
+        return True
+
+    def _rejoined(self, now: float) -> None:
+        """Whether every survivor joined the generation's group; past the bound, the run ends."""
+        assert self.store is not None and self.rejoin_by is not None
+        keys = [recovered_key(self.generation, m) for m in self.members]
+        try:
+            joined = self.store.check(keys)
+        except Exception:  # noqa: BLE001 - a store hiccup: look again next time
+            joined = False
+        if joined:
+            self.recoveries[-1]["rejoined_s"] = now - self.recoveries[-1]["at"]
+            self.rejoin_by = None
+        elif now >= self.rejoin_by:
+            self._set_failure(f"{self.recoveries[-1]['cause']}; the survivors did not re-form the group within "
+                              f"{self.timeout + self.grace:g} s")
+
     def _receive(self, conn: mp.connection.Connection) -> None:
         """One message from a running rank: it joined the group, or its report."""
         r = self.open_conns[conn]
@@ -356,6 +406,8 @@ class Supervisor:
         self.procs[r].join()
         self.alive.discard(r)
         self._take(r)
+        if r in self.lost:  # a hung rank killed and recovered from: its exit is no news
+            return
         kind, payload = self.reports.get(r, ("died", None))
         if kind == "ok":
             self.results[r] = payload
@@ -366,16 +418,23 @@ class Supervisor:
             how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
             msg = failure_message(r, self._job(r), f"the process died ({how})")
             self.reports[r] = ("died", msg)
-            self.causes.append(msg)
-            self._set_failure(msg)
+            if not self._recover(r, msg):
+                self.causes.append(msg)
+                self._set_failure(msg)
         else:  # aborted because of someone else: that one is (or will be) the failure
             if self.failure is None and self._watch_store.check([ABORT_KEY]):
                 self._set_failure(self._watch_store.get(ABORT_KEY).decode())
+            elif self.failure is None and self.recoveries and r in self.members:
+                # a survivor that stopped where it could not recover (outside a training step):
+                # the run ends, blaming the loss it could not recover from
+                self._set_failure(f"{self.recoveries[-1]['cause']}; rank {r} could not recover from it ({payload})")
 
     def _check(self, now: float) -> bool:
         """The timed decisions: a hang, ranks late to start, the grace or the deadline spent (False)."""
         if self.failure is None and self.start_by is None and self.alive and now >= self.next_look:
             self.next_look = now + self.interval
+            if self.rejoin_by is not None:
+                self._rejoined(now)
             self._look_for_hangs(now)
         if self.start_by is not None and now >= self.start_by and self.failure is None:
             late = sorted(set(range(self.world_size)) - self.started)
@@ -400,6 +459,9 @@ class Supervisor:
         if found is None:
             return
         r, msg = found
+        if self._recover(r, msg):  # kill it; the survivors go on without it
+            os.kill(self.procs[r].pid, signal.SIGKILL)
+            return
         self._set_failure(msg)
         if self.failure == msg:  # nobody failed before it: it is the cause
             self.causes.append(msg)
@@ -453,11 +515,12 @@ class Supervisor:
         self.phase = "done"
 
     def outcome(self) -> list[Any]:
-        """Each rank's result; raises :class:`Interrupted`, or :class:`WorkerFailed` naming the culprit."""
+        """Each rank's result (after a recovery: each survivor's, in the order of their new ranks);
+        raises :class:`Interrupted`, or :class:`WorkerFailed` naming the culprit."""
         if self.interrupted is not None:
             raise self.interrupted
         if self.failure is None:
-            return self.results
+            return [self.results[m] for m in self.members]
         failure = self.failure
         # a lost connection is the last thing to blame: a death or a hang seen meanwhile comes first
         if failure in {p for k, p in self.reports.values() if k == "transport"} and self.causes:
@@ -476,6 +539,7 @@ def launch(
     timeout: float = DEFAULT_TIMEOUT,
     deadline: float | None = None,
     start_timeout: float = 120.0,
+    restarts: int = 0,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return each rank's result.
@@ -484,10 +548,12 @@ def launch(
     a heartbeat) before it is declared hung; it must exceed the longest single job. After a
     failure every worker stops within the watchdog's grace (``min(2, timeout / 4)`` s) plus
     about a second. ``deadline``: optional bound on the whole run. Raises :class:`WorkerFailed`
-    naming the failed rank and job.
+    naming the failed rank and job. ``restarts``: how many lost workers (died, or hung and killed)
+    the run recovers from instead (:mod:`.recovery`; ``fn`` must re-form the group itself, as
+    :class:`~launcher.lightning.UnifiedStrategy` does); the results are then the survivors'.
     """
     supervisor = Supervisor(fn, world_size, args, kwargs, backend=auto_backend(backend), timeout=timeout,
-                            deadline=deadline, start_timeout=start_timeout)
+                            deadline=deadline, start_timeout=start_timeout, restarts=restarts)
     try:
         supervisor.start()
     except BaseException:  # a stop (SIGTERM, Ctrl-C) or a store that failed between the fork and the watch

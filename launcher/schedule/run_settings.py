@@ -4,7 +4,7 @@ here once.
 
 Both entry points build one and nothing else checks these values: the command line
 (:func:`launcher.config.training.run_settings_of`, from the keys ``checkpoint.format``,
-``checkpoint.async_mode``, ``nonfinite``, ``timeout`` and ``runtime.transport``, whose schema takes
+``checkpoint.async_mode``, ``nonfinite``, ``timeout``, ``runtime.transport`` and ``fault.restarts``, whose schema takes
 its defaults from :data:`DEFAULT_RUN`) and ``UnifiedStrategy``'s keywords. Its constructor raises
 :class:`~launcher.schedule.rules.StepError` with one sentence per broken rule, the same sentences
 on both paths. It lives at the bottom layer so that the config, the runtime and the Lightning
@@ -89,11 +89,63 @@ class CheckpointSettings:
         return registered.checkpoint if registered is not None else "single"
 
 
+def survives_a_loss(scheme: str, G: int, R: int) -> bool:
+    """Whether every stage's state stays whole in memory when any one worker is lost: every worker
+    holds every stage (DDP; LPP with ``R = 1``), or each stage has ``G >= 2`` replicas (LPP with
+    ``G > 1``). The schemes ``fault.restarts`` recovers."""
+    return scheme == "ddp" or (scheme == "lpp" and (R == 1 or G > 1))
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """The ``fault`` node: ``restarts``, how many lost workers (killed, or hung and then killed) a
+    run recovers from inside the job, training on in the same processes with the survivors
+    (:mod:`launcher.runtime.recovery`); 0 (the default) ends the run at the first failure. Raises
+    :class:`StepError` on a value that is not a non-negative integer."""
+
+    restarts: int = 0
+
+    def __post_init__(self) -> None:
+        r = self.restarts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise StepError([f"fault.restarts={shown(r)} is invalid: the number of lost workers to recover from "
+                             f"must be a non-negative integer (0: a failure ends the run)."])
+
+    def scheme_errors(self, scheme: str, G: int, R: int, checkpoint: CheckpointSettings) -> list[str]:
+        """One sentence when ``restarts`` asks to recover a scheme this version cannot: one where a
+        stage's state may be lost with one worker (:func:`survives_a_loss`) and the run keeps no
+        sharded checkpoint written in the foreground to take it from."""
+        if self.restarts == 0 or survives_a_loss(scheme, G, R):
+            return []
+        if checkpoint.format_for(scheme) == "sharded" and checkpoint.async_mode == "disabled":
+            return []
+        return [f"fault.restarts={self.restarts} is invalid with strategy={scheme} G={G} R={R} and "
+                f"checkpoint.format={checkpoint.format_for(scheme)} checkpoint.async_mode={checkpoint.async_mode}: "
+                f"a stage held by one worker is recovered from the last sharded checkpoint, so set "
+                f"checkpoint.format=sharded and checkpoint.async_mode=disabled (or use strategy=ddp, or strategy=lpp "
+                f"with G>1 or R=1, recovered from memory), or fault.restarts=0."]
+
+    @classmethod
+    def of(cls, value: FaultSettings | Mapping[str, Any] | None) -> FaultSettings:
+        """``value`` as fault settings: a mapping's keys must be fields (a typo is refused)."""
+        if isinstance(value, FaultSettings):
+            return value
+        if value is None:
+            return cls()
+        if not isinstance(value, Mapping):
+            raise StepError([f"fault={value!r} is invalid: use a mapping with the key restarts."])
+        known = [f"fault.{f.name}" for f in fields(cls)]
+        unknown = [k for k in value if f"fault.{k}" not in known]
+        if unknown:
+            raise StepError([unknown_key(f"fault.{k}", value[k], known) for k in unknown])
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """The run's settings beside the step's (:class:`~launcher.schedule.settings.Settings`).
 
-    ``checkpoint`` may be given as a mapping (``{"format": "sharded"}``), converted here once.
+    ``checkpoint`` and ``fault`` may be given as mappings (``{"format": "sharded"}``), converted here once.
     ``timeout``: seconds a worker may go without progress while its peers wait before it is named
     as hung, and within which every worker stops after one fails. Raises :class:`StepError` with
     one sentence per broken rule.
@@ -103,6 +155,7 @@ class RunSettings:
     nonfinite: Nonfinite = "stop"
     timeout: float = 30.0
     transport: Transport = "auto"
+    fault: FaultSettings = field(default_factory=FaultSettings)
 
     def __post_init__(self) -> None:
         found: list[str] = []
@@ -124,6 +177,10 @@ class RunSettings:
             found.append(f"runtime.transport={shown(self.transport)} is invalid: use auto (shared memory between "
                          f"workers on one host's CPUs, else the backend's), gloo (the backend's point-to-point) or "
                          f"shm (shared memory).")
+        try:
+            object.__setattr__(self, "fault", FaultSettings.of(self.fault))
+        except StepError as e:
+            found += e.sentences
         if found:
             raise StepError(found)
 

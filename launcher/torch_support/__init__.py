@@ -8,6 +8,7 @@ the cutter (:mod:`launcher.split`) and the Lightning strategies all use; none of
 - :mod:`.init`: models built on the meta device and materialised where they are owned;
 - :mod:`.streams`: random draws that belong to the job, not to the worker; :mod:`.rng`: the user's
   random state kept through what the launcher runs before training;
+- :mod:`.post_validation`: a stage's provisional optimizer step and its in-place rollback;
 - :mod:`.torch_private`: every private name of torch the launcher relies on, in one place.
 
 At the layer of :mod:`launcher.runtime`, below it: it imports :mod:`launcher.schedule` only.

@@ -34,6 +34,11 @@ BAD = [
     (["runtime.transport=tcp"], dict(transport="tcp"),
      "runtime.transport=tcp is invalid: use auto (shared memory between workers on one host's CPUs, else the "
      "backend's), gloo (the backend's point-to-point) or shm (shared memory)."),
+    (["fault.restarts=-1"], dict(fault={"restarts": -1}),
+     "fault.restarts=-1 is invalid: the number of lost workers to recover from must be a non-negative integer "
+     "(0: a failure ends the run)."),
+    (["+fault.retries=1"], dict(fault={"retries": 1}),
+     "fault.retries=1 is invalid: fault.retries is not a known key; did you mean fault.restarts?"),
 ]
 
 

@@ -1,0 +1,321 @@
+"""A worker lost at a chosen (rank, step), recovered inside the job (``fault.restarts``): the
+survivors re-form the group in the same processes, redo the interrupted step under the re-planned
+scheme, and end with the parameters of an uninterrupted run.
+
+Float64 at the launcher's defaults: gradient clipping 1.0, dropout on (the oracle is one device's
+``strategy=single``, whose micro-batches draw from the random streams as the schemes' do), the
+user's own ``DataLoader(shuffle=True)`` with ``drop_last=False``. The failure is real: the chosen
+worker sends itself ``SIGKILL`` (or ``SIGSTOP``: a hang, which the launcher names and kills) at the
+start of the chosen step, in the first generation only; nothing may be left running afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+from omegaconf import OmegaConf
+
+from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
+from launcher.config import ConfigError
+from launcher.lightning import UnifiedStrategy
+from launcher.lightning.single import StreamedSingleDevice
+from launcher.runtime import WorkerFailed
+from launcher.runtime.recovery import current_membership
+
+pytestmark = pytest.mark.timeout(400)
+
+TOL = 1e-10
+CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
+STEPS, B = 4, 4
+
+
+class LoseWorker(L.Callback):
+    """Rank ``rank`` (its original number) sends itself ``sig`` as step ``step`` (1-based) begins,
+    in the first generation only (``more``: further ``(rank, step)`` losses, one per later
+    generation), and writes each survivor's recoveries where the test reads them."""
+
+    def __init__(self, rank: int, step: int, sig: int, out: Path, more: tuple[tuple[int, int], ...] = ()) -> None:
+        self.losses, self.sig, self.out = [(rank, step), *more], sig, out
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        m = current_membership()
+        if m is None or m.generation >= len(self.losses):
+            return
+        rank, step = self.losses[m.generation]
+        if m.rank == rank and trainer.global_step + 1 == step:
+            os.kill(os.getpid(), self.sig)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        m = current_membership()
+        if m is not None:
+            (self.out / f"rank{m.rank}.txt").write_text(repr(trainer.strategy.recoveries))
+
+
+def fit(strategy: Any, devices: int, callbacks: list | None = None) -> dict:
+    L.seed_everything(0, verbose=False)
+    model = Regressor(max_steps=STEPS).double()
+    tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP,
+                       limit_val_batches=0, callbacks=callbacks or [])
+    tr.fit(model, train_dataloaders=user_loader())
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict:
+    return fit(StreamedSingleDevice(microbatches=B), 1)
+
+
+@pytest.mark.parametrize(("scheme", "rank", "step", "sig"), [
+    ("ddp", 3, 2, signal.SIGKILL),
+    ("ddp", 0, 3, signal.SIGKILL),
+    ("ddp", 1, 2, signal.SIGSTOP),
+    # lpp G=2 R=2: each stage on two workers; the stages the survivors newly own come from their replica
+    ("lpp", 1, 2, signal.SIGKILL),
+])
+def test_a_lost_worker_is_recovered_and_training_equals_an_uninterrupted_run(
+        scheme: str, rank: int, step: int, sig: int, oracle: dict, tmp_path: Path) -> None:
+    sizes = {"G": 2, "R": 2} if scheme == "lpp" else {}
+    # timeout=3: a stopped worker is named (and killed) within 3 s instead of the default 30
+    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1}, timeout=3, **sizes)
+    state = fit(strategy, 4, [LoseWorker(rank, step, sig, tmp_path)])
+    diff = max_diff(oracle, state)
+    survivors = sorted(int(p.stem[4:]) for p in tmp_path.glob("rank*.txt"))
+    records = [eval(p.read_text()) for p in sorted(tmp_path.glob("rank*.txt"))]  # noqa: S307 - our own repr
+    print(f"{scheme}: rank {rank} lost at step {step} ({signal.Signals(sig).name}); {records[0]}; "
+          f"parameters within {diff:.1e} of one device")
+    assert survivors == [r for r in range(4) if r != rank]
+    assert all(len(r) == 1 and r[0]["lost_ranks"] == [rank] and r[0]["step"] == step for r in records)
+    assert records[0][0]["scheme_after"] == "lpp G=3 R=1 (W=3)"
+    assert diff < TOL
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
+@pytest.mark.parametrize(("scheme", "sizes", "rank"), [
+    ("gpipe", {}, 1), ("fsdp", {}, 1), ("lpp", {"G": 1, "R": 4}, 1),
+    # fslpp G=2 R=2 keeps every stage's weights on workers 0 and 3 (w_owner = h(s, s)): lose one of them
+    ("fslpp", {"G": 2, "R": 2}, 3)])
+def test_a_stage_on_one_worker_is_recovered_from_the_last_sharded_checkpoint(
+        scheme: str, sizes: dict, rank: int, oracle: dict, tmp_path: Path) -> None:
+    """Each stage on one worker: a worker lost at step 4, the last (sharded) checkpoint at step 2;
+    every worker reads its new stages from it and the steps since are replayed from the kept batches."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1},
+                               checkpoint={"format": "sharded"}, **sizes)
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    L.seed_everything(0, verbose=False)
+    model = Regressor(max_steps=STEPS).double()
+    tr = quiet_trainer(strategy, 4, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, limit_val_batches=0,
+                       enable_checkpointing=True, callbacks=[saves, LoseWorker(rank, 4, signal.SIGKILL, tmp_path)])
+    tr.fit(model, train_dataloaders=user_loader())
+    records = eval((tmp_path / "rank0.txt").read_text())  # noqa: S307 - our own repr
+    diff = max_diff(oracle, model.state_dict())
+    print(f"{scheme}: {records}; parameters within {diff:.1e} of one device")
+    assert [(r["lost_ranks"], r["step"], r["steps_lost"]) for r in records] == [([rank], 4, 1)]
+    assert records[0]["from"].startswith("checkpoint ")
+    assert diff < TOL
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
+def test_a_scheme_it_cannot_recover_is_refused_before_any_worker_starts() -> None:
+    with pytest.raises(ConfigError) as e:
+        fit(UnifiedStrategy("gpipe", stages=4, microbatches=B, fault={"restarts": 1}, checkpoint={"format": "single"}),
+            4)
+    assert e.value.sentences == [
+        "fault.restarts=1 is invalid with strategy=gpipe G=1 R=4 and checkpoint.format=single "
+        "checkpoint.async_mode=disabled: a stage held by one worker is recovered from the last sharded checkpoint, "
+        "so set checkpoint.format=sharded and checkpoint.async_mode=disabled (or use strategy=ddp, or strategy=lpp "
+        "with G>1 or R=1, recovered from memory), or fault.restarts=0."]
+
+
+def test_each_loss_takes_a_restart_and_one_too_many_ends_the_run_naming_it(oracle: dict, tmp_path: Path) -> None:
+    """Two losses (rank 3 at step 2, then rank 0 at step 3): ``fault.restarts=2`` recovers both
+    (W 4 -> 3 -> 2) and still equals one device; ``fault.restarts=1`` recovers the first and ends
+    the run at the second, naming that rank, with nothing left running."""
+    strategy = UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 2})
+    state = fit(strategy, 4, [LoseWorker(3, 2, signal.SIGKILL, tmp_path, more=((0, 3),))])
+    records = eval((tmp_path / "rank1.txt").read_text())  # noqa: S307 - our own repr
+    assert [(r["lost_ranks"], r["step"], r["scheme_after"]) for r in records] == [
+        ([3], 2, "lpp G=3 R=1 (W=3)"), ([0], 3, "lpp G=2 R=1 (W=2)")]
+    assert max_diff(oracle, state) < TOL
+    with pytest.raises(WorkerFailed, match=r"^rank 0 failed while running .*killed by SIGKILL"):
+        fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}), 4,
+            [LoseWorker(3, 2, signal.SIGKILL, tmp_path, more=((0, 3),))])
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
+class LoseIn(L.Callback):
+    """Rank 2 sends itself ``SIGKILL`` as the first validation batch begins (``where="validation"``),
+    or as the first checkpoint is saved (``where="checkpoint"``)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def _lose(self) -> None:
+        m = current_membership()
+        if m is not None and m.rank == 2 and m.generation == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if self.where == "validation":
+            self._lose()
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict) -> None:
+        if self.where == "checkpoint":
+            self._lose()
+
+
+def test_a_loss_during_validation_is_recovered_and_one_during_a_checkpoint_save_ends_the_run(
+        oracle: dict, tmp_path: Path) -> None:
+    """A loss met in a validation step is recovered as in a training step (the validation batch
+    redone; the parameters still equal one device's, validation changing none). One met while a
+    checkpoint is saved (Lightning's barrier after the save) cannot be: the run ends as without
+    recovery, naming the lost rank, within the timeout, and nothing is left running."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(where: str, **kw: Any) -> dict:
+        L.seed_everything(0, verbose=False)
+        model = Regressor(max_steps=STEPS).double()
+        tr = quiet_trainer(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}, timeout=5), 4,
+                           precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, val_check_interval=2,
+                           limit_val_batches=1, callbacks=[LoseIn(where), *kw.pop("callbacks", [])], **kw)
+        # an unshuffled validation loader: validating draws nothing from the training order's generator
+        tr.fit(model, train_dataloaders=user_loader(), val_dataloaders=user_loader(shuffle=False))
+        return model.state_dict()
+
+    state = run("validation", callbacks=[LoseWorker(9, 0, signal.SIGKILL, tmp_path)])  # writes the records
+    records = eval((tmp_path / "rank0.txt").read_text())  # noqa: S307 - our own repr
+    assert [(r["lost_ranks"], r["step"]) for r in records] == [([2], 3)]  # after step 2's validation began
+    assert max_diff(oracle, state) < TOL
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)
+    with pytest.raises(WorkerFailed, match=r"^rank 2 failed while running .*killed by SIGKILL"):
+        run("checkpoint", enable_checkpointing=True, callbacks=[saves])
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
+def test_a_second_loss_during_recovery_ends_the_run_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """Rank 3 is lost at step 2; while the survivors re-form the group, rank 1 is killed too (as it
+    starts to rejoin): even with a restart left, the run ends within the timeout, naming rank 1, and
+    nothing is left running."""
+    import launcher.lightning.recovery as recovery
+
+    rejoin = recovery.rejoin
+
+    def lose_rank1_first(m: Any, *args: Any, **kwargs: Any) -> None:
+        if m.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        rejoin(m, *args, **kwargs)
+
+    monkeypatch.setattr(recovery, "rejoin", lose_rank1_first)  # the forked workers inherit it
+    with pytest.raises(WorkerFailed, match=r"^rank 1 failed while running .*killed by SIGKILL"):
+        fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 2}, timeout=5), 4,
+            [LoseWorker(3, 2, signal.SIGKILL, tmp_path)])
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
+def test_a_survivor_a_step_behind_takes_the_state_of_the_others(oracle: dict, monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """Rank 3 dies right after step 3's last all-reduce (``agree``) completed; ranks 0 and 1 finish
+    step 3 and meet the loss in step 4, while rank 2 meets it in step 3 itself, after that
+    all-reduce and before its update (as when an all-reduce completes on some ranks and fails on
+    others, which no callback can place). Rank 2 takes the state after step 3 from rank 0 and ends
+    its step without an update; the run still equals one device."""
+    import launcher.lightning.strategy as strategy_module
+
+    real = strategy_module.agree
+    calls = {"n": 0}
+
+    def agree_then_fail(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        m = current_membership()
+        if m is not None and m.generation == 0:
+            calls["n"] += 1
+            if calls["n"] == 3 and m.rank == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if calls["n"] == 3 and m.rank == 2:
+                time.sleep(0.5)  # the launcher has seen rank 3 die: this is what gloo says to rank 2 then
+                raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+        return out
+
+    monkeypatch.setattr(strategy_module, "agree", agree_then_fail)  # the forked workers inherit it
+    state = fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}), 4,
+                [LoseWorker(9, 0, signal.SIGKILL, tmp_path)])  # LoseWorker only writes the records here
+    records = {int(p.stem[4:]): eval(p.read_text()) for p in tmp_path.glob("rank*.txt")}  # noqa: S307
+    assert sorted(records) == [0, 1, 2]
+    assert all(r[0]["step"] == 4 and r[0]["moved_stages"] == 4 for r in records.values()), records
+    assert max_diff(oracle, state) < TOL
+
+
+#: a user's model on the command line (``model=custom``) that loses rank 2 at the start of step 4
+LOSSY = '''
+import os
+import signal
+
+from launcher.models import GPT
+from launcher.runtime import WorkerFailed
+from launcher.runtime.recovery import current_membership
+
+
+class LossyGPT(GPT):
+    def on_train_batch_start(self, batch, batch_idx):
+        m = current_membership()  # None on one device: the oracle trains it undisturbed
+        if m is not None and m.generation == 0 and m.rank == 2 and self.trainer.global_step + 1 == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("scheme", "source", "steps_lost"), [("ddp", "memory", 0), ("fsdp", "checkpoint", 1)])
+def test_the_command_line_recovers_and_equals_strategy_single(scheme: str, source: str, steps_lost: int,
+                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m launcher strategy=<scheme> G=4 fault.restarts=1``: rank 2 killed at step 4 of 5,
+    a checkpoint every 2 steps (sharded under fsdp, the step-2 one its source); the run exits 0,
+    says so in one line, lists the recovery in ``metrics.json``, leaves no process, and its
+    ``last.ckpt`` equals ``strategy=single`` on the same config within 1e-10."""
+    from helpers.cli import SMALL_RUN, run_launcher, survivors
+    from helpers.oracle import single_device
+    from helpers.training import last_state
+
+    (tmp_path / "lossy.py").write_text(LOSSY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = ["model=custom", "model._target_=lossy.LossyGPT", "model.vocab_size=128", "model.seq_len=8",
+             "model.d_model=16", "model.n_head=2", "model.n_layer=2", "model.max_steps=5"]
+    overrides = [*SMALL_RUN, *model, "trainer.max_steps=5", "trainer.precision=64-true", "trainer.val_check_interval=2",
+                 "trainer.limit_val_batches=1", "logger=none", "png=false"]
+    run = tmp_path / "run"
+    p = run_launcher(f"strategy={scheme}", "G=4", "fault.restarts=1", *overrides, f"hydra.run.dir={run}", cwd=tmp_path,
+                     timeout=300, pythonpath="cwd")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [x for x in p.stderr.splitlines() if "recovered from the loss of rank 2 at step 4" in x]
+    assert len(lines) == 1, p.stderr[-3000:]
+    print(lines[0])
+    recoveries = json.loads((run / "metrics.json").read_text())["recoveries"]
+    assert [(r["lost_ranks"], r["step"], r["steps_lost"], r["scheme_after"]) for r in recoveries] == [
+        ([2], 4, steps_lost, "lpp G=3 R=1 (W=3)")]
+    assert recoveries[0]["from"].startswith(source)
+    assert not survivors(str(run))
+    got, want = last_state(run), single_device(overrides)
+    diff = max((got[k].double() - want[k].double()).abs().max().item() for k in want)
+    print(f"command line, {scheme} W=4 -> 3: last.ckpt within {diff:.1e} of strategy=single")
+    assert diff < TOL
+
+
+def test_recoveries_reach_the_wandb_summary() -> None:
+    from launcher.report.wandb_log import summary_of
+
+    pm = {"predicted": 1.0, "measured": 1.0}
+    metrics = {"latency_s": pm, "throughput_samples_per_s": pm, "bubble_fraction": pm,
+               "recoveries": [{"seconds": 0.5, "steps_lost": 0}, {"seconds": 1.0, "steps_lost": 2}]}
+    got = summary_of(metrics)
+    assert (got["recoveries"], got["recovery_s"], got["recovery_steps_lost"]) == (2, 1.5, 2)
+    assert "recoveries" not in summary_of({**metrics, "recoveries": []})
