@@ -97,15 +97,10 @@ def unit_peaks(tl: Timeline) -> list[float]:
     return [round(p, 9) for p in peaks]
 
 
-def recomputed_forwards(tl: Timeline, weight_cache: str | None = None) -> list[bool]:
+def recomputed_forwards(tl: Timeline, weight_cache: str) -> list[bool]:
     """Per forward job ``j = s * B + b``: whether it keeps only its input, its backward
     recomputing it: its stage is in ``sched.recompute``, or, under ``weight_cache="job"``, it runs
-    on a fetched copy that it frees when it ends (the runtime's rule). ``weight_cache``: the
-    setting's default when ``None``."""
-    if weight_cache is None:
-        from .settings import DEFAULT
-
-        weight_cache = DEFAULT.weight_cache
+    on a fetched copy that it frees when it ends (the runtime's rule)."""
     space, rc = tl.schedule.space, tl.schedule.recompute
     B = space.microbatches
     return [j // B in rc or (weight_cache == "job" and tl.compute[j] != tl.owner[j])
