@@ -79,6 +79,7 @@ from .precision import (
 from .process_group import agreed_seed
 from .staging import example_microbatch, first_batch, keep_owned, split_batch, stage_module, uses_trace
 from .state import Layout
+from .step_overlap import PostValidation, synchronous_reason
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         unknown = keyword_errors(config, [p for p in inspect.signature(UnifiedStrategy).parameters if p != "config"])
         if unknown:
             raise ConfigError(unknown)
-        overlap = overlap_training_errors(settings.step_overlap if settings is not None else config.get("step_overlap"))
+        named = settings.name if settings is not None else getattr(scheme, "__name__", scheme)
+        overlap = overlap_training_errors(settings.step_overlap if settings is not None else config.get("step_overlap"),
+                                          named)
         if overlap:
             raise ConfigError(overlap)
         #: the run's settings, typed and checked once here; every later reader trusts them
@@ -168,6 +171,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         #: clipping reads them (None: the clipping sums them itself; :func:`.precision.norm_in_step`)
         self.fused_norm_sq: torch.Tensor | None = None
         self._norm_in_step = False
+        #: step_overlap=post_validation, when this run's steps overlap (:mod:`.step_overlap`); else None
+        self.post_validation: PostValidation | None = None
         #: the step's settings: given (trusted: the command line checked them), or the keywords'
         #: once the stage count is known (here, or from the module: :meth:`_settings_for`)
         self._settings = settings if settings is not None or stages is None else self._from_keywords(stages)
@@ -299,6 +304,12 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             with_global_clipping(self)
             with_synced_scaler(self.precision_plugin)
             self._norm_in_step = norm_in_step(trainer, module, self.precision_plugin)
+            if self.settings.step_overlap == "post_validation":
+                why = synchronous_reason(trainer, module, self.precision_plugin, self.optimizers)
+                if why is None:
+                    self.post_validation = PostValidation(self.engine, self.optimizers[0])  # collective
+                elif self.global_rank == 0:
+                    log.warning("warning: %s", why)
 
     def check_before_fork(self, module: Any, datamodule: Any = None, train_dataloaders: Any = None) -> None:
         """Stage ``module`` on this process as every worker will (in the trainer's precision), and
@@ -451,6 +462,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         elif record:  # a last, smaller batch stands neither for the run's messages nor for its job times
             record["measured_only"]["short_batch"] = True
         finite = self.engine.finite
+        if self.post_validation is not None:
+            return self._partial_step(record, finite)
         # one all-reduce for the loss, the non-finite check and the clipping norm (docs/performance.md,
         # "Collectives per step"); the gradients are those the backward hook installs next
         share = None
@@ -467,6 +480,57 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         loss = loss.to(self.loss_dtype)
         self._attached.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def _partial_step(self, record: dict[str, Any] | None, finite: Any) -> torch.Tensor:
+        """``step_overlap=post_validation``: the partial state from the later stages in place of the
+        all-reduce (:mod:`.step_overlap`). The loss logged is this stage's and the later stages' share:
+        under gpipe the loss stage is the last, so every worker logs the step's whole loss."""
+        pv = self.post_validation
+        assert pv is not None and self.engine is not None
+        sq = 0.0
+        if self._attached.trainer.gradient_clip_val:
+            grads = {s: self.engine.grad_views(s) for s in self.engine.owned}
+            sq = float(squared_norm(clipped_gradients(self.engine, grads)[0], self.root_device))
+        code = finite.first() if finite else None
+        state = pv.reduce_partial(record["measured_only"]["loss"] if record else 0.0, code, sq)
+        self.step_skipped = float(state[1]) > 0
+        if self.step_skipped:
+            if self.run.nonfinite == "stop":  # stopped on with the full state's sentence, as every worker is
+                full = pv.receive_full()
+                self._nonfinite(finite.describe(int(full[3])))
+            self._nonfinite(finite.describe(int(state[3])))
+        loss = state[0].to(self.root_device, self.loss_dtype)
+        self._attached.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """``step_overlap=post_validation``: the optimizer's step taken provisionally (the partial
+        norm's coefficient), then validated against the full state, rolled back and taken again (or
+        dropped, or stopped on) where it was wrong, before Lightning's batch-end hooks run."""
+        pv = self.post_validation
+        if pv is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        raw = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, or the optimizer itself
+
+        def provisional(closure: Any = None, **_: Any) -> Any:
+            del raw.step  # the optimizer's own step again, for ProvisionalStep to call
+            out = closure() if closure is not None else None
+            pv.take(self.step_skipped)
+            return out
+
+        raw.step = provisional
+        try:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            raw.__dict__.pop("step", None)
+        was_skipped = self.step_skipped
+        rolled, code = pv.validate()
+        if code is not None and not was_skipped:  # a non-finite value at an earlier stage: undone, then as before
+            self.step_skipped = True
+            assert self.engine is not None and self.engine.finite is not None
+            self._nonfinite(self.engine.finite.describe(code))
+        return out
 
     def _nonfinite(self, what: str) -> None:
         """A step with a non-finite value, the same on every rank: stop (raise, before any weight
@@ -549,6 +613,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.post_validation is not None:
+            self.post_validation.close()
         self.finish_checkpoint()
         self.stop_watchdog()
         module = self._attached

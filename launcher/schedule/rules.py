@@ -33,14 +33,20 @@ STEP_OVERLAPS = ("none", "post_validation")
 RECOMPUTE = ("none", "full")
 
 
-def overlap_training_errors(overlap: object) -> list[str]:
+#: the schemes whose training runs ``step_overlap=post_validation`` (:mod:`launcher.lightning.step_overlap`)
+OVERLAP_TRAINING_SCHEMES = ("gpipe",)
+
+
+def overlap_training_errors(overlap: object, scheme: object = None) -> list[str]:
     """The sentence for a valid ``step_overlap`` other than ``none`` when training (the command line's
-    check and ``UnifiedStrategy``'s): the simulator prices an overlap, the workers still end every
-    step together. An unknown value is not this check's to name (the step's own checks say why)."""
-    if overlap == "none" or overlap not in STEP_OVERLAPS:
+    check and ``UnifiedStrategy``'s) under a scheme whose runtime does not overlap steps: only
+    :data:`OVERLAP_TRAINING_SCHEMES` (one stage per worker) train with post-validation. An unknown
+    value is not this check's to name (the step's own checks say why)."""
+    if overlap == "none" or overlap not in STEP_OVERLAPS or scheme in OVERLAP_TRAINING_SCHEMES:
         return []
-    return [f"step_overlap={overlap} is invalid with mode=train: the runtime ends every step on every worker "
-            f"before the next begins; price the overlap with mode=simulate or mode=plan."]
+    return [f"step_overlap={overlap} is invalid with mode=train and strategy={scheme}: the runtime overlaps steps "
+            f"only under strategy={' or '.join(OVERLAP_TRAINING_SCHEMES)} (one stage per worker); price the overlap "
+            f"with mode=simulate or mode=plan."]
 
 RECOMPUTE_RULE = "use none, full (every stage) or a list of stage indices"
 #: the most jobs (stages * microbatches * kinds) a step may have. The simulator holds about

@@ -1,0 +1,94 @@
+"""``step_overlap=post_validation`` under ``strategy=gpipe`` (:mod:`launcher.lightning.step_overlap`):
+no end-of-step all-reduce, each stage steps on the partial state from the stages after it and is
+validated against the full one. Float64 at the launcher's defaults (clipping 1.0, dropout, shuffled
+loader with a smaller last batch); the loss is scaled up so that clipping binds at some steps and the
+later stages' provisional steps really roll back (asserted). Equal to Lightning's single-device
+strategy; a planted non-finite gradient at the first stage is dropped as the synchronous step drops it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
+from launcher.lightning import UnifiedStrategy
+from launcher.lightning.single import StreamedSingleDevice
+
+pytestmark = pytest.mark.timeout(400)
+
+TOL = 1e-10
+STEPS = 5  # 36 samples in batches of 8: the 5th batch holds 4
+#: the gradient clipping a user of the launcher gets
+CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
+SCALE = 2.5
+
+
+class Scaled(Regressor):
+    """The user's regressor, its loss scaled so the clipping at 1.0 binds at some steps and not others;
+    ``optimizer``: AdamW with the cosine schedule, or SGD with momentum."""
+
+    def __init__(self, scale: float, optimizer: str = "adamw") -> None:
+        super().__init__(max_steps=STEPS)
+        self.scale, self.opt_name = scale, optimizer
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.scale * super().loss(out, y)
+
+    def configure_optimizers(self) -> Any:
+        if self.opt_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return super().configure_optimizers()
+
+
+class Rollbacks(L.Callback):
+    """Each worker's rollbacks and dropped steps, written where the test reads them (forked workers)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pv = getattr(trainer.strategy, "post_validation", None)
+        if pv is not None:
+            torch.save({"stage": pv.stage, "rollbacks": pv.step.rollbacks, "skipped": pv.step.skipped},
+                       self.out / f"rank{dist.get_rank()}.pt")
+
+
+def fit(strategy: Any, devices: int, optimizer: str, scale: float = SCALE, out: Path | None = None,
+        model_class: type[Scaled] = Scaled, **trainer: Any) -> L.LightningModule:
+    L.seed_everything(0, verbose=False)
+    model = model_class(scale, optimizer).double()
+    cbs = [Rollbacks(out)] if out is not None else []
+    tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP,
+                       limit_val_batches=0, callbacks=cbs, **trainer)
+    tr.fit(model, train_dataloaders=user_loader(36))
+    return model
+
+
+def per_worker(out: Path) -> dict[int, dict[str, int]]:
+    found = [torch.load(p) for p in sorted(out.glob("rank*.pt"))]
+    return {f["stage"]: f for f in found}
+
+
+#: (optimizer, loss scale, the steps of 5 whose clipping binds only on the full norm): rolled back at stages 1-3
+CASES = [("adamw", 2.5, 3), ("sgd", 2.0, 1)]
+
+
+@pytest.mark.parametrize("optimizer,scale,bound", CASES, ids=[c[0] for c in CASES])
+def test_gpipe_post_validation_equals_one_device(tmp_path, optimizer, scale, bound):
+    # strategy=single: the same module on one device, dropout drawn per micro-batch as the workers draw it
+    ref = fit(StreamedSingleDevice(microbatches=4), 1, optimizer, scale)
+    st = UnifiedStrategy("gpipe", stages=4, microbatches=4, step_overlap="post_validation")
+    model = fit(st, 4, optimizer, scale, out=tmp_path)
+    assert max_diff(ref, model) < TOL
+    workers = per_worker(tmp_path)
+    # the first stage steps on the full state; each later one on a partial norm under 1.0 where the full
+    # one binds: rolled back and stepped again at some steps, not at all (the clipping binds at some only)
+    assert {s: w["rollbacks"] for s, w in workers.items()} == {0: 0, 1: bound, 2: bound, 3: bound}
+    assert 0 < bound < STEPS
+    assert all(w["skipped"] == 0 for w in workers.values())
