@@ -66,7 +66,8 @@ INVALID = [
     (["G=2.5"], "G=2.5 is invalid"),
     (["mode=fly"], "mode=fly"),
     (["png=maybe"], "png=maybe is invalid: use true, false or auto."),
-    (["step_overlap=post_validation"], "step_overlap=post_validation is invalid with mode=train: the runtime ends"),
+    (["step_overlap=post_validation"], "step_overlap=post_validation is invalid with mode=train and strategy=lpp: the "
+                                       "runtime overlaps steps only under strategy=gpipe (one stage per worker)"),
 ]
 
 

@@ -15,8 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
+from helpers.training import Regressor, max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.single import StreamedSingleDevice
 
@@ -60,14 +62,55 @@ class Rollbacks(L.Callback):
 
 
 def fit(strategy: Any, devices: int, optimizer: str, scale: float = SCALE, out: Path | None = None,
-        model_class: type[Scaled] = Scaled, **trainer: Any) -> L.LightningModule:
+        model_class: type[Scaled] = Scaled, planted: bool = False, **trainer: Any) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
     model = model_class(scale, optimizer).double()
     cbs = [Rollbacks(out)] if out is not None else []
     tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP,
                        limit_val_batches=0, callbacks=cbs, **trainer)
-    tr.fit(model, train_dataloaders=user_loader(36))
+    tr.fit(model, train_dataloaders=loader(planted))
     return model
+
+
+def loader(planted: bool = False) -> DataLoader:
+    """``helpers.training.user_loader(36)``'s data (shuffled, the last batch of 4), one sample marked
+    where ``planted`` (:class:`Planted` makes its gradient at the first stage nan)."""
+    g = torch.Generator().manual_seed(36)
+    x, y = torch.randn(36, 8, generator=g, dtype=torch.float64), torch.randn(36, 8, generator=g, dtype=torch.float64)
+    if planted:
+        x[5, 0] = 1e3
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+
+
+class _NanBackward(torch.autograd.Function):
+    """The identity, whose backward is nan on the marked rows: a finite forward, a non-finite gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(marked)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (marked,) = ctx.saved_tensors
+        return g.masked_fill(marked, float("nan")), None
+
+
+class _PlantedLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NanBackward.apply(super().forward(x), x[:, :1] > 100)
+
+
+class Planted(Scaled):
+    """The first stage's weight gradient is nan in the step that reads the marked sample: only the first
+    stage sees it, after the later stages have stepped provisionally on a finite partial state."""
+
+    def __init__(self, scale: float, optimizer: str = "adamw") -> None:
+        super().__init__(scale, optimizer)
+        first = self.stages[0][0]
+        planted = _PlantedLinear(first.in_features, first.out_features)
+        planted.load_state_dict(first.state_dict())
+        self.stages[0][0] = planted
 
 
 def per_worker(out: Path) -> dict[int, dict[str, int]]:
@@ -92,3 +135,18 @@ def test_gpipe_post_validation_equals_one_device(tmp_path, optimizer, scale, bou
     assert {s: w["rollbacks"] for s, w in workers.items()} == {0: 0, 1: bound, 2: bound, 3: bound}
     assert 0 < bound < STEPS
     assert all(w["skipped"] == 0 for w in workers.values())
+
+
+def test_planted_nonfinite_is_rolled_back_and_skipped(tmp_path):
+    """nonfinite=skip: the step whose first stage finds a nan is dropped by every stage (the later ones
+    roll their provisional steps back), as the synchronous step drops it; the other steps go on."""
+    sync = fit(UnifiedStrategy("gpipe", stages=4, microbatches=4, nonfinite="skip"), 4, "adamw", planted=True,
+               model_class=Planted)
+    st = UnifiedStrategy("gpipe", stages=4, microbatches=4, nonfinite="skip", step_overlap="post_validation")
+    model = fit(st, 4, "adamw", out=tmp_path, planted=True, model_class=Planted)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert max_diff(sync, model) < TOL
+    workers = per_worker(tmp_path)
+    assert workers[0]["rollbacks"] == workers[0]["skipped"] == 0  # it saw the nan itself: no step taken
+    for s in (1, 2, 3):  # the dropped step's rollback, and those of the steps whose clipping binds
+        assert (workers[s]["rollbacks"], workers[s]["skipped"]) == (3, 1), workers
