@@ -7,6 +7,7 @@ strategy; a planted non-finite gradient at the first stage is dropped as the syn
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.cli import SMALL_RUN, run_launcher
 from helpers.training import Regressor, max_diff, quiet_trainer
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.single import StreamedSingleDevice
@@ -150,3 +152,18 @@ def test_planted_nonfinite_is_rolled_back_and_skipped(tmp_path):
     assert workers[0]["rollbacks"] == workers[0]["skipped"] == 0  # it saw the nan itself: no step taken
     for s in (1, 2, 3):  # the dropped step's rollback, and those of the steps whose clipping binds
         assert (workers[s]["rollbacks"], workers[s]["skipped"]) == (3, 1), workers
+
+
+@pytest.mark.slow
+def test_command_line_counts_rollbacks(tmp_path):
+    """``python -m launcher strategy=gpipe step_overlap=post_validation``: each worker's rollbacks in
+    ``metrics.json`` and on the console; the run's step cost is marked as the overlapped one's."""
+    run = tmp_path / "run"
+    p = run_launcher("strategy=gpipe", *SMALL_RUN, "trainer.max_steps=4", "logger=none",
+                     "step_overlap=post_validation", f"hydra.run.dir={run}", cwd=tmp_path, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = json.loads((run / "metrics.json").read_text())
+    rollbacks = m["post_validation"]["rollbacks"]
+    assert len(rollbacks) == 4 and rollbacks[0] == 0 and m["post_validation"]["skipped"] == [0, 0, 0, 0]
+    assert m["step_cost_s"]["step_overlap"] == "post_validation"
+    assert f"post_validation: rollbacks per worker {rollbacks}" in p.stdout
