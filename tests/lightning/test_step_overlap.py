@@ -120,15 +120,18 @@ def per_worker(out: Path) -> dict[int, dict[str, int]]:
     return {f["stage"]: f for f in found}
 
 
-#: (optimizer, loss scale, the steps of 5 whose clipping binds only on the full norm): rolled back at stages 1-3
-CASES = [("adamw", 2.5, 3), ("sgd", 2.0, 1)]
+#: (optimizer, loss scale, the steps of 5 whose clipping binds only on the full norm: rolled back at
+#: stages 1-3, order and its settings): gpipe's default order, and the zero-bubble orders (W deferred)
+CASES = [("adamw", 2.5, 3, "1f1b", {}), ("sgd", 2.0, 1, "1f1b", {}),
+         ("adamw", 2.5, 3, "zb_h1", {"split_backward": True}), ("adamw", 2.5, 3, "zb_h2", {"split_backward": True}),
+         ("adamw", 2.5, 3, "auto", {"split_backward": True, "memory_limit": 8})]  # memory_limit=2p at p=4
 
 
-@pytest.mark.parametrize("optimizer,scale,bound", CASES, ids=[c[0] for c in CASES])
-def test_gpipe_post_validation_equals_one_device(tmp_path, optimizer, scale, bound):
+@pytest.mark.parametrize("optimizer,scale,bound,order,extra", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
+def test_gpipe_post_validation_equals_one_device(tmp_path, optimizer, scale, bound, order, extra):
     # strategy=single: the same module on one device, dropout drawn per micro-batch as the workers draw it
     ref = fit(StreamedSingleDevice(microbatches=4), 1, optimizer, scale)
-    st = UnifiedStrategy("gpipe", stages=4, microbatches=4, step_overlap="post_validation")
+    st = UnifiedStrategy("gpipe", stages=4, microbatches=4, order=order, step_overlap="post_validation", **extra)
     model = fit(st, 4, optimizer, scale, out=tmp_path)
     assert max_diff(ref, model) < TOL
     workers = per_worker(tmp_path)
