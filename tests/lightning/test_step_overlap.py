@@ -170,3 +170,12 @@ def test_command_line_counts_rollbacks(tmp_path):
     assert len(rollbacks) == 4 and rollbacks[0] == 0 and m["post_validation"]["skipped"] == [0, 0, 0, 0]
     assert m["step_cost_s"]["step_overlap"] == "post_validation"
     assert f"post_validation: rollbacks per worker {rollbacks}" in p.stdout
+
+
+def test_planted_nonfinite_stops_with_the_synchronous_sentence(tmp_path):
+    """nonfinite=stop (the default): the later stages roll their provisional steps back, then every worker
+    stops with the sentence the synchronous step gives."""
+    st = UnifiedStrategy("gpipe", stages=4, microbatches=4, step_overlap="post_validation")
+    with pytest.raises(Exception, match="step 3: the gradient from stage 0's backward on micro-batch 0 is nan, so "
+                                        r"training stopped before the step's update \(nonfinite=stop"):
+        fit(st, 4, "adamw", planted=True, model_class=Planted)
