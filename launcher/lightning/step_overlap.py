@@ -80,7 +80,7 @@ class PostValidation:
     provisional step and the validation (module docstring). Collective to build (a process group)."""
 
     def __init__(self, engine: Any, optimizer: torch.optim.Optimizer) -> None:
-        owners, me, ranks = engine.lowered.owners, engine.worker, engine.ranks
+        owners, ranks = engine.lowered.owners, engine.ranks
         (self.stage,) = engine.owned  # gpipe: one stage per worker (rules.OVERLAP_TRAINING_SCHEMES)
         S = len(owners)
         self.group = dist.new_group(backend="gloo")  # collective, on every rank
@@ -88,7 +88,6 @@ class PostValidation:
         self.earlier = ranks[owners[self.stage - 1][0]] if self.stage > 0 else None
         self.first = ranks[owners[0][0]]
         self.others = [ranks[owners[s][0]] for s in range(1, S)]
-        del me
         self.step = ProvisionalStep(optimizer)
         self.max_norm: float | None = None  # Lightning's gradient_clip_val, as the clipping passes it
         self.coef: float = 1.0  # the provisional coefficient, from the partial norm
