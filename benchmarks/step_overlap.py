@@ -13,7 +13,10 @@ the machine's drift falls on both alike. Per run ``metrics.json``'s ``step_cost_
 rule the run followed, from that run's own profile (``predicted`` under ``none``, the replayed step
 behind its barrier; ``predicted_post_validation`` under post_validation, the same programs back to
 back). Printed per case: the medians and the two ratios post_validation / none (measured, predicted),
-and each worker's rollbacks of the last post_validation run.
+and each worker's rollbacks of the last post_validation run. "one profile's": the ratio each run's own
+profile predicts for its programs (``predicted_post_validation / predicted``), the median over all
+runs: free of the profiles' run-to-run noise (under ``order=auto`` it keeps each run's order, where
+the two rules search different ones).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def run(m: int, order: str, extra: list[str], rule: str, steps: int, out: Path) 
     cost = m_json["step_cost_s"]
     return {"measured": cost["measured"],
             "predicted": cost["predicted_post_validation"] if rule == "post_validation" else cost["predicted"],
+            "own": cost["predicted_post_validation"] / cost["predicted"],
             "rollbacks": (m_json.get("post_validation") or {}).get("rollbacks")}
 
 
@@ -66,9 +70,11 @@ def main() -> None:
                 print(f"{case:<32} {r:<16} {med[r]['measured'] * 1e3:12.2f} {med[r]['predicted'] * 1e3:13.2f}")
             pairs = [p["measured"] / n["measured"] for p, n in zip(got["post_validation"], got["none"])]
             rollbacks = got["post_validation"][-1]["rollbacks"]
+            own = statistics.median(x["own"] for r in RULES for x in got[r])
             print(f"{case:<32} {'ratio pv/none':<16} {statistics.median(pairs):12.3f} "
                   f"{med['post_validation']['predicted'] / med['none']['predicted']:13.3f}   "
-                  f"(pairs {', '.join(f'{x:.3f}' for x in pairs)}; rollbacks {rollbacks})", flush=True)
+                  f"(pairs {', '.join(f'{x:.3f}' for x in pairs)}; one profile's {own:.3f}; rollbacks {rollbacks})",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -81,13 +81,25 @@ class PostValidation:
 
     def __init__(self, engine: Any, optimizer: torch.optim.Optimizer) -> None:
         owners, ranks = engine.lowered.owners, engine.ranks
-        (self.stage,) = engine.owned  # gpipe: one stage per worker (rules.OVERLAP_TRAINING_SCHEMES)
-        S = len(owners)
+        # one owner per stage (rules.OVERLAP_TRAINING_SCHEMES); the workers in the order of their lowest
+        # stage: a worker's gradients are final with its lowest stage's, so the later ones' come first
+        lowest: dict[int, int] = {}
+        for s, (w, *replicas) in enumerate(owners):
+            assert not replicas, "post-validation needs one owner per stage"
+            lowest.setdefault(w, s)
+        chain = sorted(lowest, key=lowest.__getitem__)
+        if owners[-1][0] != chain[-1]:  # the loss travels with the partial state: every worker logs it whole
+            raise ValueError(f"step_overlap=post_validation is invalid with stages={len(owners)} on {len(chain)} "
+                             f"workers: the loss stage must be on the pipeline's last worker (lpp: stages a "
+                             f"multiple of R).")
+        i = chain.index(engine.worker)
+        #: this worker's lowest stage (under gpipe its one stage)
+        self.lowest = lowest[engine.worker]
         self.group = dist.new_group(backend="gloo")  # collective, on every rank
-        self.later = ranks[owners[self.stage + 1][0]] if self.stage + 1 < S else None
-        self.earlier = ranks[owners[self.stage - 1][0]] if self.stage > 0 else None
-        self.first = ranks[owners[0][0]]
-        self.others = [ranks[owners[s][0]] for s in range(1, S)]
+        self.later = ranks[chain[i + 1]] if i + 1 < len(chain) else None
+        self.earlier = ranks[chain[i - 1]] if i > 0 else None
+        self.first = ranks[chain[0]]
+        self.others = [ranks[w] for w in chain[1:]]
         self.step = ProvisionalStep(optimizer)
         self.max_norm: float | None = None  # Lightning's gradient_clip_val, as the clipping passes it
         self.coef: float = 1.0  # the provisional coefficient, from the partial norm

@@ -141,7 +141,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             raise ConfigError(unknown)
         named = settings.name if settings is not None else getattr(scheme, "__name__", scheme)
         overlap = overlap_training_errors(settings.step_overlap if settings is not None else config.get("step_overlap"),
-                                          named)
+                                          named, *((settings.G, settings.R, settings.stages) if settings is not None
+                                                   else (G, R, stages)))
         if overlap:
             raise ConfigError(overlap)
         #: the run's settings, typed and checked once here; every later reader trusts them
@@ -305,6 +306,10 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             with_synced_scaler(self.precision_plugin)
             self._norm_in_step = norm_in_step(trainer, module, self.precision_plugin)
             if self.settings.step_overlap == "post_validation":
+                st = self.settings
+                refused = overlap_training_errors("post_validation", st.name, st.G, st.R, st.stages)
+                if refused:  # G was left to the scheme's default when the strategy was made
+                    raise ConfigError(refused)
                 why = synchronous_reason(trainer, module, self.precision_plugin, self.optimizers)
                 if why is None:
                     self.post_validation = PostValidation(self.engine, self.optimizers[0])  # collective

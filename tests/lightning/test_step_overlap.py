@@ -59,7 +59,7 @@ class Rollbacks(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pv = getattr(trainer.strategy, "post_validation", None)
         if pv is not None:
-            torch.save({"stage": pv.stage, "rollbacks": pv.step.rollbacks, "skipped": pv.step.skipped},
+            torch.save({"stage": pv.lowest, "rollbacks": pv.step.rollbacks, "skipped": pv.step.skipped},
                        self.out / f"rank{dist.get_rank()}.pt")
 
 
@@ -120,26 +120,42 @@ def per_worker(out: Path) -> dict[int, dict[str, int]]:
     return {f["stage"]: f for f in found}
 
 
-#: (optimizer, loss scale, the steps of 5 whose clipping binds only on the full norm: rolled back at
-#: stages 1-3, order and its settings): gpipe's default order, and the zero-bubble orders (W deferred)
-CASES = [("adamw", 2.5, 3, "1f1b", {}), ("sgd", 2.0, 1, "1f1b", {}),
-         ("adamw", 2.5, 3, "zb_h1", {"split_backward": True}), ("adamw", 2.5, 3, "zb_h2", {"split_backward": True}),
-         ("adamw", 2.5, 3, "auto", {"split_backward": True, "memory_limit": 8})]  # memory_limit=2p at p=4
+#: (optimizer, loss scale, the steps of 5 whose clipping binds only on the full norm: rolled back on every
+#: worker but the first, scheme and its settings): gpipe (4 workers) in its default order and the
+#: zero-bubble orders (W deferred), and a looped pipeline (lpp): 2 workers of two stages each
+SPLIT = {"split_backward": True}
+CASES = [("adamw", 2.5, 3, "gpipe", {}), ("sgd", 2.0, 1, "gpipe", {}),
+         ("adamw", 2.5, 3, "gpipe", {"order": "zb_h1", **SPLIT}),
+         ("adamw", 2.5, 3, "gpipe", {"order": "zb_h2", **SPLIT}),
+         ("adamw", 2.5, 3, "gpipe", {"order": "auto", "memory_limit": 8, **SPLIT}),  # memory_limit=2p at p=4
+         ("adamw", 2.5, 3, "lpp", {"G": 1, "R": 2, "order": "interleaved_1f1b", **SPLIT}),
+         ("sgd", 2.0, 1, "lpp", {"G": 1, "R": 2, "order": "1f1b"})]
 
 
-@pytest.mark.parametrize("optimizer,scale,bound,order,extra", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
-def test_gpipe_post_validation_equals_one_device(tmp_path, optimizer, scale, bound, order, extra):
+@pytest.mark.parametrize("optimizer,scale,bound,scheme,kw", CASES,
+                         ids=[f"{c[0]}-{c[3]}-{c[4].get('order', 'default')}" for c in CASES])
+def test_post_validation_equals_one_device(tmp_path, optimizer, scale, bound, scheme, kw):
     # strategy=single: the same module on one device, dropout drawn per micro-batch as the workers draw it
     ref = fit(StreamedSingleDevice(microbatches=4), 1, optimizer, scale)
-    st = UnifiedStrategy("gpipe", stages=4, microbatches=4, order=order, step_overlap="post_validation", **extra)
-    model = fit(st, 4, optimizer, scale, out=tmp_path)
+    st = UnifiedStrategy(scheme, stages=4, microbatches=4, step_overlap="post_validation", **kw)
+    model = fit(st, st.W, optimizer, scale, out=tmp_path)
     assert max_diff(ref, model) < TOL
-    workers = per_worker(tmp_path)
-    # the first stage steps on the full state; each later one on a partial norm under 1.0 where the full
+    workers = per_worker(tmp_path)  # by each worker's lowest stage
+    # the first worker steps on the full state; each later one on a partial norm under 1.0 where the full
     # one binds: rolled back and stepped again at some steps, not at all (the clipping binds at some only)
-    assert {s: w["rollbacks"] for s, w in workers.items()} == {0: 0, 1: bound, 2: bound, 3: bound}
+    assert {s: w["rollbacks"] for s, w in workers.items()} == {s: bound if s else 0 for s in range(st.W)}
     assert 0 < bound < STEPS
     assert all(w["skipped"] == 0 for w in workers.values())
+
+
+@pytest.mark.parametrize("scheme,kw", [("fslpp", {"G": 2, "R": 2}), ("lpp", {"G": 2, "R": 2}), ("ddp", {}),
+                                       ("vshape", {})])
+def test_refused_where_a_stage_has_several_owners_or_the_loss_is_not_last(scheme, kw):
+    from launcher.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"step_overlap=post_validation is invalid with mode=train and "
+                                          f"strategy={scheme}"):
+        UnifiedStrategy(scheme, stages=4, microbatches=4, step_overlap="post_validation", **kw)
 
 
 def test_planted_nonfinite_is_rolled_back_and_skipped(tmp_path):
