@@ -1,20 +1,22 @@
-"""``step_overlap=post_validation`` under :class:`~.strategy.UnifiedStrategy` (``strategy=gpipe``: one
-stage per worker): the zero-bubble paper's post-validation (seed 004, section 4) in place of the
-step's closing all-reduce.
+"""``step_overlap=post_validation`` under :class:`~.strategy.UnifiedStrategy` (``strategy=gpipe``, and
+``lpp`` with ``G=1``: every stage has one owner, the loss stage on the last worker): the zero-bubble
+paper's post-validation (seed 004, section 4) in place of the step's closing all-reduce.
 
-A step ends, on each worker, as soon as its own stage's gradients are final. The partially reduced
-global state (loss, non-finite flag with the lowest non-finite code, squared clipping norm) goes from
-the last stage to the first, one small point-to-point message per hop: each stage waits for the state
-of the stages after it (under gpipe their gradients are final before its own), adds its own, passes
-it on, and steps provisionally (:class:`~launcher.torch_support.post_validation.ProvisionalStep`)
-with the clipping coefficient of that partial norm, or not at all when a non-finite value was seen.
-The first stage then holds the full state, steps exactly, and sends the full state to every other
-stage. Each stage validates its step when it arrives, at the end of its own optimizer step (before
-Lightning's batch-end hooks, so checkpoints, validation loops and the end of ``fit`` see validated
-weights): a step whose coefficient was not the true one is rolled back in place and taken again; a
-step with a non-finite value elsewhere is rolled back and dropped (``nonfinite=skip``) or rolled
-back and then stopped on (``nonfinite=stop``). The wait is off the critical path: a later stage's
-next forward waits for the first stage's next activation anyway, which it sends after its step.
+A step ends, on each worker, as soon as its own gradients are final. The workers form a chain in the
+order of their lowest stage (a worker's gradients are final with its lowest stage's, so the later
+ones' are final first). The partially reduced global state (loss, non-finite flag with the lowest
+non-finite code, squared clipping norm) goes from the last worker to the first, one small
+point-to-point message per hop: each worker waits for the state of the workers after it, adds its
+own, passes it on, and steps provisionally
+(:class:`~launcher.torch_support.post_validation.ProvisionalStep`) with the clipping coefficient of
+that partial norm, or not at all when a non-finite value was seen. The first worker then holds the
+full state, steps exactly, and sends the full state to every other worker. Each validates its step
+when it arrives, at the end of its own optimizer step (before Lightning's batch-end hooks, so
+checkpoints, validation loops and the end of ``fit`` see validated weights): a step whose
+coefficient was not the true one is rolled back in place and taken again; a step with a non-finite
+value elsewhere is rolled back and dropped (``nonfinite=skip``) or rolled back and then stopped on
+(``nonfinite=stop``). The wait is off the critical path: a later worker's next forward waits for the
+first worker's next activation anyway, which it sends after its step.
 
 The messages travel on a process group of their own (gloo, host tensors), so their tags never meet
 the engine's (:data:`launcher.schedule.assembly.TAG_LIMIT`). Under ``step_overlap=none`` nothing here

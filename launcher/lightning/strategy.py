@@ -488,8 +488,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
 
     def _partial_step(self, record: dict[str, Any] | None, finite: Any) -> torch.Tensor:
         """``step_overlap=post_validation``: the partial state from the later stages in place of the
-        all-reduce (:mod:`.step_overlap`). The loss logged is this stage's and the later stages' share:
-        under gpipe the loss stage is the last, so every worker logs the step's whole loss."""
+        all-reduce (:mod:`.step_overlap`). The loss logged is this worker's and the later workers' share:
+        the loss stage is on the last worker, so every worker logs the step's whole loss."""
         pv = self.post_validation
         assert pv is not None and self.engine is not None
         sq = 0.0

@@ -22,7 +22,7 @@ Keys (the comparison dashboard reads them):
   ``latency_s``: behind the barrier a step costs the replayed step, its end-of-step exchange and
   the time outside the engine), and ``predicted_post_validation``: the same programs and measured
   times if each stage stepped as soon as its own gradients were final (issue 49; under
-  ``strategy=gpipe step_overlap=post_validation`` the run does, and ``step_overlap`` and
+  ``step_overlap=post_validation`` (gpipe, lpp with G=1) the run does, and ``step_overlap`` and
   ``measured`` are then its own, :mod:`launcher.lightning.step_overlap`);
   ``two_steps_post_validation``: that steady state's last two steps as they interleave,
   ``{"ends": [s, s], "jobs": [[worker, stage, microbatch, kind, step, start_s, end_s], ...]}``
