@@ -4,6 +4,7 @@ predicted one.
 
     python benchmarks/step_overlap.py                 # 3 alternated pairs per case
     python benchmarks/step_overlap.py --reps 5 --steps 16
+    python benchmarks/step_overlap.py --cases 1 --reps 1 --steps 3   # its run test
 
 Cases: ``strategy=gpipe`` at p=4 (4 workers), m=8 and m=16 micro-batches, the built-in GPT, under
 ``order=zb_h2`` and ``order=auto memory_limit=8`` (2p), split backward. Each case runs the command
@@ -46,6 +47,8 @@ def run(m: int, order: str, extra: list[str], rule: str, steps: int, out: Path) 
         raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-3000:]}")
     m_json = json.loads((out / "metrics.json").read_text())
     cost = m_json["step_cost_s"]
+    if cost["step_overlap"] != rule or (rule == "post_validation") != ("post_validation" in m_json):
+        raise SystemExit(f"{' '.join(args)} ran step_overlap={cost['step_overlap']}, not {rule}")
     return {"measured": cost["measured"],
             "predicted": cost["predicted_post_validation"] if rule == "post_validation" else cost["predicted"],
             "own": cost["predicted_post_validation"] / cost["predicted"],
@@ -56,10 +59,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="runs per rule and case, alternated")
     ap.add_argument("--steps", type=int, default=12, help="training steps per run")
+    ap.add_argument("--cases", type=int, default=len(CASES), help="run the first CASES cases only")
     a = ap.parse_args()
     print(f"{'case':<32} {'rule':<16} {'measured ms':>12} {'predicted ms':>13}")
     with tempfile.TemporaryDirectory() as tmp:
-        for m, order, extra in CASES:
+        for m, order, extra in CASES[:a.cases]:
             got: dict[str, list[dict]] = {r: [] for r in RULES}
             for i in range(a.reps):
                 for rule in RULES:
