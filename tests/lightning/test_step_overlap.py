@@ -8,6 +8,7 @@ strategy; a planted non-finite gradient at the first stage is dropped as the syn
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,8 @@ class Scaled(Regressor):
     def configure_optimizers(self) -> Any:
         if self.opt_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if self.opt_name == "adagrad":  # no in-place inverse here: the synchronous step
+            return torch.optim.Adagrad(self.parameters(), lr=0.05)
         return super().configure_optimizers()
 
 
@@ -195,3 +198,22 @@ def test_planted_nonfinite_stops_with_the_synchronous_sentence(tmp_path):
     with pytest.raises(Exception, match="step 3: the gradient from stage 0's backward on micro-batch 0 is nan, so "
                                         r"training stopped before the step's update \(nonfinite=stop"):
         fit(st, 4, "adamw", planted=True, model_class=Planted)
+
+
+def test_an_optimizer_that_cannot_roll_back_takes_the_synchronous_step(tmp_path):
+    """Adagrad under post_validation: one warning saying why, and the synchronous step (equal to one device)."""
+    ref = fit(StreamedSingleDevice(microbatches=4), 1, "adagrad")
+    st = UnifiedStrategy("gpipe", stages=4, microbatches=4, step_overlap="post_validation")
+    said = logging.FileHandler(tmp_path / "warnings.log")  # the forked workers inherit it
+    logger = logging.getLogger("launcher.lightning.strategy")
+    logger.addHandler(said)
+    try:
+        model = fit(st, 4, "adagrad", out=tmp_path)
+    finally:
+        logger.removeHandler(said)
+        said.close()
+    assert max_diff(ref, model) < TOL
+    assert not list(tmp_path.glob("rank*.pt"))  # no worker built the post-validation
+    assert (tmp_path / "warnings.log").read_text().splitlines() == [
+        "warning: step_overlap=post_validation takes the synchronous step here: Adagrad cannot be rolled back in "
+        "place: its accumulated squared gradients are not implemented here."]
