@@ -194,7 +194,8 @@ def train_errors(cfg: DictConfig | Mapping[str, Any]) -> list[str]:
 
     out += _trainer_errors(cfg, single)
     out += _split_errors(cfg)
-    out += overlap_training_errors(_get(cfg, "step_overlap", DEFAULT.step_overlap))
+    out += overlap_training_errors(_get(cfg, "step_overlap", DEFAULT.step_overlap), _get(cfg, "strategy.name", None),
+                                  _get(cfg, "G", None), _get(cfg, "R", None), _get(cfg, "stages", None))
 
     seed = _get(cfg, "seed")
     if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED):

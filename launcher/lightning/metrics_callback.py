@@ -125,6 +125,7 @@ class RunMetrics(Callback):
             else:
                 self.metrics["diagram"] = None
             _write_trace(self.out_dir, gathered, tl, self.run, len(self.walls), self.metrics["latency_s"]["predicted"])
+            _post_validation(self.metrics, gathered)
         else:
             if trainer.global_rank != 0:
                 return
@@ -224,6 +225,19 @@ def _peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _post_validation(metrics: dict[str, Any], gathered: list[dict[str, Any]]) -> None:
+    """``step_overlap=post_validation``: each worker's rollbacks and dropped provisional steps (by rank)
+    in ``metrics.json`` and on the console; the measured step cost is then the overlapped one's."""
+    ranks = sorted(gathered, key=lambda r: r["rank"])
+    if not any(r.get("post_validation") for r in ranks):
+        return
+    rollbacks = [r["post_validation"]["rollbacks"] for r in ranks]
+    skipped = [r["post_validation"]["skipped"] for r in ranks]
+    metrics["post_validation"] = {"rollbacks": rollbacks, "skipped": skipped}
+    metrics["step_cost_s"]["step_overlap"] = "post_validation"
+    print(f"post_validation: rollbacks per worker {rollbacks} (of them dropped, non-finite: {skipped})", flush=True)
+
+
 def gather_run(strategy: UnifiedStrategy, walls: list[float], cpus: list[float] | None = None,
                span: tuple[float, float] | None = None) -> list[dict[str, Any]] | None:
     """Every worker's step records, step wall and CPU times (``walls``, ``cpus``), peak memory and optimizer-state
@@ -249,6 +263,9 @@ def gather_run(strategy: UnifiedStrategy, walls: list[float], cpus: list[float] 
             "memory_kind": "cuda_max_allocated" if strategy.root_device.type == "cuda" else "rss",
             "optimizer_bytes": opt_bytes, "tied_optimizer_bytes": tied_opt,
             "link": link.to_json() if link else None}
+    pv = strategy.post_validation
+    if pv is not None:  # step_overlap=post_validation: this worker's provisional steps undone (and dropped)
+        mine["post_validation"] = {"rollbacks": pv.step.rollbacks, "skipped": pv.step.skipped}
     trace = strategy.engine.trace()
     if trace is not None:
         trace["span"] = list(span) if span else None

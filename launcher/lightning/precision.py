@@ -78,6 +78,13 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
     else it is summed here, by an all-reduce of its own."""
     engine = strategy.engine
     assert engine is not None
+    pv = strategy.post_validation
+    if pv is not None:  # step_overlap=post_validation: the provisional step scales by the partial norm
+        from .step_overlap import clip_coef
+
+        pv.max_norm = max_norm
+        pv.coef = clip_coef(pv.partial[2], max_norm)
+        return pv.partial[2].sqrt()
     counted, scaled = clipped_gradients(engine)
     fused, strategy.fused_norm_sq = strategy.fused_norm_sq, None
     if fused is not None:

@@ -88,6 +88,7 @@ from .staging import (
     uses_trace,
 )
 from .state import Layout
+from .step_overlap import PostValidation, synchronous_reason
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,10 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         unknown = keyword_errors(config, [p for p in inspect.signature(UnifiedStrategy).parameters if p != "config"])
         if unknown:
             raise ConfigError(unknown)
-        overlap = overlap_training_errors(settings.step_overlap if settings is not None else config.get("step_overlap"))
+        named = settings.name if settings is not None else getattr(scheme, "__name__", scheme)
+        overlap = overlap_training_errors(settings.step_overlap if settings is not None else config.get("step_overlap"),
+                                          named, *((settings.G, settings.R, settings.stages) if settings is not None
+                                                   else (G, R, stages)))
         if overlap:
             raise ConfigError(overlap)
         #: the run's settings, typed and checked once here; every later reader trusts them
@@ -179,6 +183,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         #: clipping reads them (None: the clipping sums them itself; :func:`.precision.norm_in_step`)
         self.fused_norm_sq: torch.Tensor | None = None
         self._norm_in_step = False
+        #: step_overlap=post_validation, when this run's steps overlap (:mod:`.step_overlap`); else None
+        self.post_validation: PostValidation | None = None
         #: the step's settings: given (trusted: the command line checked them), or the keywords'
         #: once the stage count is known (here, or from the module: :meth:`_settings_for`)
         self._settings = settings if settings is not None or stages is None else self._from_keywords(stages)
@@ -322,6 +328,16 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             with_global_clipping(self)
             with_synced_scaler(self.precision_plugin)
             self._norm_in_step = norm_in_step(trainer, module, self.precision_plugin)
+            if self.settings.step_overlap == "post_validation":
+                st = self.settings
+                refused = overlap_training_errors("post_validation", st.name, st.G, st.R, st.stages)
+                if refused:  # G was left to the scheme's default when the strategy was made
+                    raise ConfigError(refused)
+                why = synchronous_reason(trainer, module, self.precision_plugin, self.optimizers)
+                if why is None:
+                    self.post_validation = PostValidation(self.engine, self.optimizers[0])  # collective
+                elif self.global_rank == 0:
+                    log.warning("warning: %s", why)
 
     def _build_engine(self) -> None:
         """The engine of the current settings over the staged model (at set-up, and after a recovery)."""
@@ -579,6 +595,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         elif record:  # a last, smaller batch stands neither for the run's messages nor for its job times
             record["measured_only"]["short_batch"] = True
         finite = self.engine.finite
+        if self.post_validation is not None:
+            return self._partial_step(record, finite)
         # one all-reduce for the loss, the non-finite check and the clipping norm (docs/performance.md,
         # "Collectives per step"); the gradients are those the backward hook installs next
         share = None
@@ -597,6 +615,57 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         if self.replay_step is None:
             self._attached.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def _partial_step(self, record: dict[str, Any] | None, finite: Any) -> torch.Tensor:
+        """``step_overlap=post_validation``: the partial state from the later stages in place of the
+        all-reduce (:mod:`.step_overlap`). The loss logged is this worker's and the later workers' share:
+        the loss stage is on the last worker, so every worker logs the step's whole loss."""
+        pv = self.post_validation
+        assert pv is not None and self.engine is not None
+        sq = 0.0
+        if self._attached.trainer.gradient_clip_val:
+            grads = {s: self.engine.grad_views(s) for s in self.engine.owned}
+            sq = float(squared_norm(clipped_gradients(self.engine, grads)[0], self.root_device))
+        code = finite.first() if finite else None
+        state = pv.reduce_partial(record["measured_only"]["loss"] if record else 0.0, code, sq)
+        self.step_skipped = float(state[1]) > 0
+        if self.step_skipped:
+            if self.run.nonfinite == "stop":  # stopped on with the full state's sentence, as every worker is
+                full = pv.receive_full()
+                self._nonfinite(finite.describe(int(full[3])))
+            self._nonfinite(finite.describe(int(state[3])))
+        loss = state[0].to(self.root_device, self.loss_dtype)
+        self._attached.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """``step_overlap=post_validation``: the optimizer's step taken provisionally (the partial
+        norm's coefficient), then validated against the full state, rolled back and taken again (or
+        dropped, or stopped on) where it was wrong, before Lightning's batch-end hooks run."""
+        pv = self.post_validation
+        if pv is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        raw = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, or the optimizer itself
+
+        def provisional(closure: Any = None, **_: Any) -> Any:
+            del raw.step  # the optimizer's own step again, for ProvisionalStep to call
+            out = closure() if closure is not None else None
+            pv.take(self.step_skipped)
+            return out
+
+        raw.step = provisional
+        try:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            raw.__dict__.pop("step", None)
+        was_skipped = self.step_skipped
+        rolled, code = pv.validate()
+        if code is not None and not was_skipped:  # a non-finite value at an earlier stage: undone, then as before
+            self.step_skipped = True
+            assert self.engine is not None and self.engine.finite is not None
+            self._nonfinite(self.engine.finite.describe(code))
+        return out
 
     def _nonfinite(self, what: str) -> None:
         """A step with a non-finite value, the same on every rank: stop (raise, before any weight
@@ -696,6 +765,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.post_validation is not None:
+            self.post_validation.close()
         self.finish_checkpoint()
         self.stop_watchdog()
         module = self._attached

@@ -18,11 +18,13 @@ Keys (the comparison dashboard reads them):
 - ``latency_s``, ``throughput_samples_per_s``, ``bubble_fraction``: ``{"predicted", "measured"}``
   (measured = the median over the steps after the first);
 - ``step_cost_s``: what a step costs back to back (:mod:`launcher.schedule.overlap`):
-  ``step_overlap`` (the rule the run followed: ``none``), ``predicted`` and ``measured`` (as
+  ``step_overlap`` (the rule the run followed), ``predicted`` and ``measured`` (as
   ``latency_s``: behind the barrier a step costs the replayed step, its end-of-step exchange and
   the time outside the engine), and ``predicted_post_validation``: the same programs and measured
-  times if each stage stepped as soon as its own gradients were final (issue 49; the runtime does
-  not yet); ``two_steps_post_validation``: that steady state's last two steps as they interleave,
+  times if each stage stepped as soon as its own gradients were final (issue 49; under
+  ``step_overlap=post_validation`` (gpipe, lpp with G=1) the run does, and ``step_overlap`` and
+  ``measured`` are then its own, :mod:`launcher.lightning.step_overlap`);
+  ``two_steps_post_validation``: that steady state's last two steps as they interleave,
   ``{"ends": [s, s], "jobs": [[worker, stage, microbatch, kind, step, start_s, end_s], ...]}``
   (null past :data:`TWO_STEPS_MAX_JOBS` jobs a step), which the comparison page draws;
 - ``profile``: ``durations_s`` per job kind (the compute thread's CPU seconds on CPU workers),

@@ -33,14 +33,34 @@ STEP_OVERLAPS = ("none", "post_validation")
 RECOMPUTE = ("none", "full")
 
 
-def overlap_training_errors(overlap: object) -> list[str]:
+#: the schemes whose training runs ``step_overlap=post_validation`` (:mod:`launcher.lightning.step_overlap`):
+#: those whose every stage has one owner (lpp with G = 1) and whose loss stage is on the pipeline's last worker
+OVERLAP_TRAINING_SCHEMES = ("gpipe", "lpp")
+
+
+def overlap_training_errors(overlap: object, scheme: object = None, G: object = None, R: object = None,
+                            stages: object = None) -> list[str]:
     """The sentence for a valid ``step_overlap`` other than ``none`` when training (the command line's
-    check and ``UnifiedStrategy``'s): the simulator prices an overlap, the workers still end every
-    step together. An unknown value is not this check's to name (the step's own checks say why)."""
+    check and ``UnifiedStrategy``'s) under a scheme whose runtime does not overlap steps: only
+    :data:`OVERLAP_TRAINING_SCHEMES`, one owner per stage and the loss stage on the last worker (a
+    size None: not known yet), train with post-validation. An unknown value is not this check's to
+    name (the step's own checks say why)."""
     if overlap == "none" or overlap not in STEP_OVERLAPS:
         return []
-    return [f"step_overlap={overlap} is invalid with mode=train: the runtime ends every step on every worker "
-            f"before the next begins; price the overlap with mode=simulate or mode=plan."]
+    if scheme == "lpp" and G not in (None, 1):
+        return [f"step_overlap={overlap} is invalid with mode=train and strategy=lpp G={G}: the runtime overlaps "
+                f"steps only where each stage has one owner (lpp with G=1); price the overlap with mode=simulate "
+                f"or mode=plan."]
+    if scheme == "lpp" and isinstance(R, int) and isinstance(stages, int) and R > 0 and stages % R:
+        return [f"step_overlap={overlap} is invalid with mode=train and strategy=lpp stages={stages} R={R}: the loss "
+                f"stage must be on the pipeline's last worker (stages a multiple of R); price the overlap with "
+                f"mode=simulate or mode=plan."]
+    if scheme in OVERLAP_TRAINING_SCHEMES:
+        return []
+    return [f"step_overlap={overlap} is invalid with mode=train and strategy={scheme}: the runtime overlaps steps "
+            f"only under strategy=gpipe or lpp with G=1 (one owner per stage); price the overlap with "
+            f"mode=simulate or mode=plan."]
+
 
 RECOMPUTE_RULE = "use none, full (every stage) or a list of stage indices"
 #: the most jobs (stages * microbatches * kinds) a step may have. The simulator holds about

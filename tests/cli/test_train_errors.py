@@ -66,7 +66,11 @@ INVALID = [
     (["G=2.5"], "G=2.5 is invalid"),
     (["mode=fly"], "mode=fly"),
     (["png=maybe"], "png=maybe is invalid: use true, false or auto."),
-    (["step_overlap=post_validation"], "step_overlap=post_validation is invalid with mode=train: the runtime ends"),
+    (["step_overlap=post_validation"], "step_overlap=post_validation is invalid with mode=train and strategy=lpp G=2: "
+                                       "the runtime overlaps steps only where each stage has one owner (lpp with G=1)"),
+    (["strategy=fslpp", "G=2", "R=2", "step_overlap=post_validation"],
+     "step_overlap=post_validation is invalid with mode=train and strategy=fslpp: the runtime overlaps steps only "
+     "under strategy=gpipe or lpp with G=1 (one owner per stage)"),
 ]
 
 

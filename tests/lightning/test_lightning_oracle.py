@@ -136,10 +136,6 @@ UNKNOWN = [
                              "for the scheme is scheme."),
     (dict(plan={"top": 3}), "plan.top=3 is invalid: plan.top is not a keyword of UnifiedStrategy's plan; did you "
                             "mean plan.memory?"),
-    # a keyword it takes, at a value training cannot honour: the same sentence as the command line's
-    (dict(step_overlap="post_validation"), "step_overlap=post_validation is invalid with mode=train: the runtime "
-                                           "ends every step on every worker before the next begins; price the "
-                                           "overlap with mode=simulate or mode=plan."),
 ]
 
 
