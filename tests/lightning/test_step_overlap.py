@@ -141,12 +141,12 @@ def test_post_validation_equals_one_device(tmp_path, optimizer, scale, bound, sc
     # strategy=single: the same module on one device, dropout drawn per micro-batch as the workers draw it
     ref = fit(StreamedSingleDevice(microbatches=4), 1, optimizer, scale)
     st = UnifiedStrategy(scheme, stages=4, microbatches=4, step_overlap="post_validation", **kw)
-    model = fit(st, st.W, optimizer, scale, out=tmp_path)
+    model = fit(st, st.workers, optimizer, scale, out=tmp_path)
     assert max_diff(ref, model) < TOL
     workers = per_worker(tmp_path)  # by each worker's lowest stage
     # the first worker steps on the full state; each later one on a partial norm under 1.0 where the full
     # one binds: rolled back and stepped again at some steps, not at all (the clipping binds at some only)
-    assert {s: w["rollbacks"] for s, w in workers.items()} == {s: bound if s else 0 for s in range(st.W)}
+    assert {s: w["rollbacks"] for s, w in workers.items()} == {s: bound if s else 0 for s in range(st.workers)}
     assert 0 < bound < STEPS
     assert all(w["skipped"] == 0 for w in workers.values())
 
