@@ -68,6 +68,14 @@ def squared_norm(counted: list[torch.Tensor], device: torch.device) -> torch.Ten
     return sq
 
 
+def clip_coef(sq: torch.Tensor, max_norm: float | None) -> float:
+    """The clipping coefficient of a squared global norm, as ``clip_grad_norm_`` computes it (1 when
+    clipping is off)."""
+    if not max_norm:
+        return 1.0
+    return float((max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0))
+
+
 def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Tensor:
     """Scale every owned gradient by ``max_norm / (norm + 1e-6)`` (at most 1), where ``norm`` is
     the 2-norm over every parameter's gradient counted once (:func:`clipped_gradients`), summed
@@ -80,8 +88,6 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
     assert engine is not None
     pv = strategy.post_validation
     if pv is not None:  # step_overlap=post_validation: the provisional step scales by the partial norm
-        from .step_overlap import clip_coef
-
         pv.max_norm = max_norm
         pv.coef = clip_coef(pv.partial[2], max_norm)
         return pv.partial[2].sqrt()

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..runtime.failure import blocked, current_watchdog
 from ..torch_support.post_validation import ProvisionalStep, rollback_support
-from .precision import _BETWEEN
+from .precision import _BETWEEN, clip_coef
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,6 @@ def synchronous_reason(trainer: Any, module: Any, plugin: Any, optimizers: list[
                 return f"{head}: {type(obj).__name__} overrides {h}, which may change the gradients the norm is of."
     why = rollback_support(optimizers[0])
     return f"{head}: {why}" if why is not None else None
-
-
-def clip_coef(sq: torch.Tensor, max_norm: float | None) -> float:
-    """The clipping coefficient of a squared global norm, as ``clip_grad_norm_`` computes it (1 when
-    clipping is off)."""
-    if not max_norm:
-        return 1.0
-    return float((max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0))
 
 
 class PostValidation:
