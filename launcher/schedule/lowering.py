@@ -50,6 +50,7 @@ from .assembly import (
     OP,
     Edge,
     Programs,
+    assemble,
     assemble_with,
     check_options,
     marked_error,
@@ -57,6 +58,7 @@ from .assembly import (
     timeline_jobs,
 )
 from .assembly import LoweringError as LoweringError  # what lowering raises, with it: callers catch it here
+from .order_file import file_placed
 from .program import ACT, GRAD, Lowered
 from .settings import DEFAULT
 from .simulate import Timeline
@@ -334,7 +336,16 @@ def lower_actions(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefet
     progs = job_actions(tl)
     for add in PASSES:
         progs = add(tl, progs, weight_cache)
-    return post_early(tl, progs, prefetch)
+    return _file_placed(tl, post_early(tl, progs, prefetch))
+
+
+def _file_placed(tl: Timeline, progs: Programs) -> Programs:
+    """``progs`` with the messages where a schedule file that places them puts them (torch's full
+    CSV: :func:`~launcher.schedule.order_file.file_placed`); ``progs`` itself otherwise."""
+    try:
+        return file_placed(tl.schedule.order, progs)
+    except ValueError as e:
+        raise LoweringError(str(e)) from e
 
 
 def lower(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int = DEFAULT.prefetch) -> Lowered:
@@ -356,7 +367,11 @@ def lower(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int 
         for add in PASSES:
             if add is not add_act_grad:
                 progs = add(tl, progs, weight_cache)
-        return assemble_with(tl, post_early(tl, progs, prefetch), found, weight_cache, prefetch)
+        progs = post_early(tl, progs, prefetch)
+        placed = _file_placed(tl, progs)
+        if placed is not progs:  # the file's places, checked against the timeline: its messages read from it
+            return assemble(tl, placed, weight_cache, prefetch)
+        return assemble_with(tl, progs, found, weight_cache, prefetch)
 
 
 @contextmanager

@@ -10,7 +10,9 @@ Two forms:
   row per rank, cells like ``0F0``, ``1I3``, ``2W1``, ``0B2`` (stage, kind, micro-batch). Its
   stage is our stage and its rank our worker; ``B`` is the full backward, ``I``/``W`` the split
   one. Empty cells (torch's idle slots) and its communication or sharding actions
-  (``SEND_F``, ``UNSHARD``, ``REDUCE_GRAD``, ...) are ignored.
+  (``SEND_F``, ``UNSHARD``, ``REDUCE_GRAD``, ...) are ignored for the order. The full CSV torch
+  writes after lowering (``compute_comms``) also says where each rank sends and receives:
+  :func:`torch_messages` reads that and :func:`place_torch_messages` puts our messages there.
 
 A path ending in ``.csv`` is torch's form, any other ours. :class:`FileOrder` runs the sequences
 (``order=file order.path=...``); :func:`write_schedule` writes a simulated step's.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Sequence
 
-from .actions import JOBS, Action, format_programs, parse_programs
+from .actions import AFTER, JOBS, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, format_programs, parse_programs
 from .graph import JobSpace
 from .order import Sequenced
 
@@ -33,6 +35,14 @@ _TORCH_CELL = re.compile(r"(\d+)([A-Z_]+?)(\d*)")
 
 #: a file's jobs: per worker, (kind, stage, micro-batch) in the order it runs them
 Jobs = list[list[tuple[str, int, int]]]
+
+#: torch's point-to-point actions and ours: the stage is the local one on both sides (torch's
+#: ``RECV_F`` names the receiving stage, ``SEND_B`` the stage whose backward sends), the micro-batch the same
+TORCH_MESSAGES = {"SEND_F": SEND_ACT, "RECV_F": RECV_ACT, "SEND_B": SEND_GRAD, "RECV_B": RECV_GRAD}
+#: torch's actions with no counterpart in our action lists (FSDP's per-stage all-gather, free and
+#: reduce-scatter; no-ops in torch's own runtime for a stage that is not FSDP-sharded)
+TORCH_IGNORED = frozenset(("UNSHARD", "RESHARD", "REDUCE_GRAD"))
+_MESSAGES = frozenset(TORCH_MESSAGES.values())
 
 
 def is_torch_csv(path: str | Path) -> bool:
@@ -47,21 +57,34 @@ def parse_ours(text: str) -> Jobs:
 
 def parse_torch_csv(text: str) -> Jobs:
     """The compute actions of torch's CSV, row ``r`` = rank ``r``."""
-    out: Jobs = []
+    return [[(d, s, b) for d, s, b, _ in row if d in JOBS] for row in _torch_cells(text)]
+
+
+def torch_messages(text: str) -> list[list[tuple[str, int, int, int]]]:
+    """Torch's CSV with its jobs and point-to-point actions, row ``r`` = rank ``r``: each as
+    (our kind, stage, micro-batch, the cell's position in the row); empty if the file has none of
+    those actions (a ``compute_only`` CSV)."""
+    rows = [[(TORCH_MESSAGES.get(d, d), s, b, i) for d, s, b, i in row if d in JOBS or d in TORCH_MESSAGES]
+            for row in _torch_cells(text)]
+    return rows if any(d in _MESSAGES for row in rows for d, *_ in row) else []
+
+
+def _torch_cells(text: str) -> list[list[tuple[str, int, int, int]]]:
+    """Every non-empty cell of torch's CSV as (torch's kind, stage, micro-batch or -1, position)."""
+    out = []
     for r, row in enumerate(csv.reader(io.StringIO(text))):
-        jobs = []
-        for cell in map(str.strip, row):
+        cells = []
+        for i, cell in enumerate(map(str.strip, row)):
             if not cell:
                 continue  # an idle slot
             m = _TORCH_CELL.fullmatch(cell)
-            if m is None:
+            if m is None or not (m[2] in JOBS or m[2] in TORCH_MESSAGES or m[2] in TORCH_IGNORED):
                 raise ValueError(f"row {r} cell {cell!r} is not a torch action (write it as 2F0: stage, kind, "
                                  f"micro-batch)")
-            if m[2] in JOBS:
-                if not m[3]:
-                    raise ValueError(f"row {r} cell {cell!r} names no micro-batch")
-                jobs.append((m[2], int(m[1]), int(m[3])))
-        out.append(jobs)
+            if (m[2] in JOBS or m[2] in TORCH_MESSAGES) and not m[3]:
+                raise ValueError(f"row {r} cell {cell!r} names no micro-batch")
+            cells.append((m[2], int(m[1]), int(m[3]) if m[3] else -1, i))
+        out.append(cells)
     return out
 
 
@@ -90,6 +113,78 @@ def to_sequences(jobs: Jobs, space: JobSpace, compute: Sequence[int], where: str
                                  f"{space.microbatches} micro-batches")
             seqs[w].append(space.id(s, b, d))
     return seqs
+
+
+def place_torch_messages(ours: Sequence[Sequence[Action]], rows: Sequence[Sequence[tuple[str, int, int, int]]],
+                         where: str) -> list[list[Action]]:
+    """``ours`` (the step :func:`~launcher.schedule.lowering.lower_actions` lowers for the file's
+    order) with its activation and gradient messages where torch's full CSV puts them
+    (:func:`torch_messages`): between the same two jobs, a gap's sends first, as torch writes them.
+    Torch posts a receive as soon as its sender has run in its own lowering's pass over the ranks
+    (``_add_send_recv``), ours ``prefetch`` jobs ahead of the job that needs it; the rest of ours
+    (weight copies, partial sums, reductions) stays where ours has it. ``ValueError`` naming
+    ``where``, the rank, the cell's position and both actions where a row's jobs are not the
+    step's, it names a message the step does not have, or lacks one it has."""
+    out = []
+    for w, prog in enumerate(ours):
+        row = rows[w] if w < len(rows) else []
+        msgs = {(a.op, a.stage, a.microbatch): a for a in prog if a.op in _MESSAGES}
+        jobs = [a for a in prog if a.is_job]
+        theirs: list[list[Action]] = [[] for _ in range(len(jobs) + 1)]  # per gap: torch's messages, in its order
+        n = 0  # jobs so far in the row
+        for d, s, b, i in row:
+            if d in JOBS:
+                if n >= len(jobs) or jobs[n] != Action(d, s, b):
+                    ours_at = repr(jobs[n]) if n < len(jobs) else "nothing (its jobs are done)"
+                    raise ValueError(f"{where}: rank {w} position {i} is torch's {_torch_name(d, s, b)}, where "
+                                     f"worker {w} runs {ours_at}")
+                n += 1
+            elif (a := msgs.pop((d, s, b), None)) is None:
+                raise ValueError(f"{where}: rank {w} position {i} is torch's {_torch_name(d, s, b)}, a message "
+                                 f"worker {w} does not have in this step (its peer stage runs on the same worker)")
+            else:
+                theirs[n].append(a)
+        if n < len(jobs) or msgs:
+            missing = jobs[n] if n < len(jobs) else next(a for a in prog if (a.op, a.stage, a.microbatch) in msgs)
+            raise ValueError(f"{where}: rank {w} has no {_torch_name(*missing[:3])} (ours: {missing!r}), which "
+                             f"worker {w} runs in this step")
+        new: list[Action] = []
+        gap: list[Action] = []
+        n = 0
+        for a in [*prog, None]:  # None: the end of the step, the last gap's close
+            if a is not None and not a.is_job:
+                if a.op not in _MESSAGES:
+                    gap.append(a)
+                continue
+            k = next((m for m, x in enumerate(gap) if x.op not in AFTER), len(gap))  # the job before's, then the next's
+            new += [x for x in theirs[n] if x.op in AFTER] + gap[:k] + [x for x in theirs[n] if x.op not in AFTER]
+            new += gap[k:]
+            if a is not None:
+                new.append(a)
+            gap = []
+            n += 1
+        out.append(new)
+    return out
+
+
+def file_placed(order: object, progs: list[list[Action]]) -> list[list[Action]]:
+    """``progs`` (the lowered step of ``order``) with its messages where ``order``'s file puts
+    them: a torch full CSV's places (:func:`place_torch_messages`); ``progs`` itself for any other
+    order or file. ``ValueError`` as there, or if the file cannot be read."""
+    if not (isinstance(order, FileOrder) and is_torch_csv(order.path)):
+        return progs
+    try:
+        text = Path(order.path).read_text()
+    except OSError as e:
+        raise ValueError(f"{order.where} cannot be read: {e.strerror or e}") from e
+    rows = torch_messages(text)
+    return place_torch_messages(progs, rows, order.where) if rows else progs
+
+
+def _torch_name(kind: str, stage: int, microbatch: int) -> str:
+    """Our kind of job or message as torch's CSV writes it (``1RECV_F0``)."""
+    torch_kind = next((t for t, o in TORCH_MESSAGES.items() if o == kind), kind)
+    return f"{stage}{torch_kind}{microbatch}"
 
 
 @dataclass(frozen=True)

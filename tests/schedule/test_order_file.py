@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.torch_csv import dump_torch_csv, torch_full_order, torch_order
 from launcher.plan.space import ORDERS, order_fits
 from launcher.schedule import make_schedule, simulate
 from launcher.schedule.actions import format_programs
@@ -46,33 +47,16 @@ def test_round_trip_every_order(tmp_path: Path, shape: tuple, suffix: str) -> No
     assert tried >= 6
 
 
-def torch_order(kind: str, ranks: int, per_rank: int, B: int) -> dict[int, list]:
-    """``pipeline_order`` of torch's own schedule class, computed without a process group."""
-    order = {}
-    for rank in range(ranks):
-        if kind == "interleaved":
-            rounds = max(1, B // ranks)
-            sched = types.SimpleNamespace(n_local_stages=per_rank, microbatches_per_round=B // rounds,
-                                          pp_group_size=ranks, _n_microbatches=B)
-            order[rank] = pipelining.ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, rank)
-        else:  # looped breadth-first (GPipe when one stage per rank)
-            sched = types.SimpleNamespace(_stages=[None] * per_rank, pp_group_size=ranks, _n_microbatches=B,
-                                          stage_index_to_group_rank={s: s % ranks for s in range(ranks * per_rank)})
-            order[rank] = pipelining.ScheduleLoopedBFS._calculate_single_rank_operations(sched, rank)
-    return order
-
-
 @pytest.mark.parametrize("kind,ranks,per,B", [("interleaved", 2, 2, 4), ("interleaved", 4, 2, 8),
                                               ("bfs", 2, 2, 4), ("bfs", 4, 1, 6)])
 def test_torch_dump_csv_runs_here(tmp_path: Path, kind: str, ranks: int, per: int, B: int) -> None:
     path = tmp_path / "torch.csv"
-    fake = types.SimpleNamespace(pipeline_order=torch_order(kind, ranks, per, B))
-    pipelining.PipelineScheduleMulti._dump_csv(fake, str(path))  # torch's own writer
+    dump_torch_csv(path, kind, ranks, per, B)  # torch's own writer
     S = ranks * per
     step = make_schedule("lpp" if per > 1 else "gpipe", S, B, 1, ranks, order=FileOrder(path=str(path)))
     tl = simulate(step)
     want = [[f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}" for a in row if a is not None]
-            for row in fake.pipeline_order.values()]
+            for row in torch_order(kind, ranks, per, B).values()]
     got = [[f"{s}{d}{b}" for s, b, d in map(step.space.job, seq)] for seq in tl.sequences]
     assert got == want  # each rank ran exactly torch's sequence
     if kind == "interleaved":  # and it is our own interleaved_1f1b, job for job
@@ -125,3 +109,73 @@ def test_wrong_files_are_refused_in_one_sentence(tmp_path: Path) -> None:
     refused("w0: nonsense", "not a schedule")
     with pytest.raises(ValueError, match="cannot be read"):
         simulate(make_schedule("gpipe", 2, 2, 1, 2, order=FileOrder(path=str(tmp_path / "absent.txt"))))
+
+
+# torch's full CSV (its compute_comms dump): (kind, ranks, stages per rank, micro-batches) and our scheme
+FULL = [("bfs", 2, 1, 3, "gpipe"), ("interleaved", 2, 2, 4, "lpp"), ("zbv", 2, 2, 4, "vshape")]
+
+
+@pytest.mark.parametrize("kind,ranks,per,B,scheme", FULL, ids=lambda v: str(v))
+def test_torch_full_csv_runs_its_message_places(tmp_path: Path, kind: str, ranks: int, per: int, B: int,
+                                                scheme: str) -> None:
+    """A full CSV's sends and receives stand where torch put them, among the same jobs; the messages
+    are ours (their peers from the placement), the rest of the step is ours too."""
+    from launcher.schedule.actions import JOBS
+    from launcher.schedule.lowering import lower, lower_actions
+    from launcher.schedule.order_file import TORCH_MESSAGES
+
+    S, split = ranks * per, kind == "zbv"
+    full = dump_torch_csv(tmp_path / "full.csv", kind, ranks, per, B, comms=True)
+    only = dump_torch_csv(tmp_path / "only.csv", kind, ranks, per, B)
+    tl = simulate(make_schedule(scheme, S, B, 1, ranks, order=FileOrder(path=str(full)), split_backward=split))
+    ours = simulate(make_schedule(scheme, S, B, 1, ranks, order=FileOrder(path=str(only)), split_backward=split))
+    same(tl, ours)  # the same order: the messages do not change the jobs
+    rows = torch_full_order(kind, ranks, per, B)
+    want = [[(TORCH_MESSAGES.get(a.computation_type.value, a.computation_type.value), a.stage_index,
+              a.microbatch_index) for a in row if a.computation_type.value in JOBS | TORCH_MESSAGES.keys()]
+            for row in rows.values()]
+    moved = 0
+    for prefetch in (0, 1):
+        got, mine = lower_actions(tl, "step", prefetch), lower_actions(ours, "step", prefetch)
+        assert [[(a.op, a.stage, a.microbatch) for a in p] for p in got] == want  # torch's places, exactly
+        assert [sorted(p) for p in got] == [sorted(p) for p in mine]  # the same messages, peers included
+        assert lower(tl, "step", prefetch).programs  # and the timeline check passes (no receive after its job)
+        moved += got != mine
+    assert moved >= 1  # torch posts some receive elsewhere than ours at one of the two lookaheads
+
+
+def test_gpipe_torch_places_receives_as_ours_without_lookahead(tmp_path: Path) -> None:
+    """GPipe (one stage per rank): torch posts each receive just before its job, as ours at prefetch=0."""
+    from launcher.schedule.lowering import lower_actions
+
+    full = dump_torch_csv(tmp_path / "full.csv", "bfs", 4, 1, 8, comms=True)
+    only = dump_torch_csv(tmp_path / "only.csv", "bfs", 4, 1, 8)
+    tl = simulate(make_schedule("gpipe", 4, 8, 1, 4, order=FileOrder(path=str(full))))
+    mine = simulate(make_schedule("gpipe", 4, 8, 1, 4, order=FileOrder(path=str(only))))
+    assert lower_actions(tl, "step", 0) == lower_actions(mine, "step", 0)
+    assert lower_actions(tl, "step", 1) != lower_actions(mine, "step", 1)
+
+
+def test_torch_full_csv_refusals_name_rank_position_and_action(tmp_path: Path) -> None:
+    from launcher.schedule.lowering import LoweringError, lower
+
+    path = dump_torch_csv(tmp_path / "full.csv", "bfs", 2, 1, 2, comms=True)
+    rows = [line.split(",") for line in path.read_text().splitlines()]
+    assert rows[1][:3] == ["1UNSHARD", "1RECV_F0", "1F0"]
+    where = f"order.path={path}"
+
+    def refused(edited: list[list[str]]) -> str:
+        path.write_text("\n".join(map(",".join, edited)) + "\n")
+        with pytest.raises(LoweringError) as e:
+            lower(simulate(make_schedule("gpipe", 2, 2, 1, 2, order=FileOrder(path=str(path)))))
+        return str(e.value)
+
+    assert refused([rows[0], [c for c in rows[1] if c != "1RECV_F0"]]) == (
+        f"{where}: rank 1 has no 1RECV_F0 (ours: RECV_ACT s1.b0 <-w0.s0), which worker 1 runs in this step")
+    assert refused([rows[0], ["1UNSHARD", "1RECV_F0", "1SEND_F0", *rows[1][2:]]]) == (
+        f"{where}: rank 1 position 2 is torch's 1SEND_F0, a message worker 1 does not have in this step (its "
+        f"peer stage runs on the same worker)")
+    # a receive after the job that needs it: the timeline check's refusal, the action marked
+    late = [c for c in rows[1] if c != "1RECV_F0"]
+    late.insert(late.index("1F0") + 1, "1RECV_F0")
+    assert ">>RECV_ACT s1.b0 <-w0.s0<<" in refused([rows[0], late])
