@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the last commit whose lowering built the programs directly (9208a66 made it passes)
 OLD = "86a3bf2"
 OLD_PATH = "launcher/runtime/plan.py"
-#: modules the old code imports that have moved since
-MOVED = {"launcher.schedule.memory": "launcher.schedule.activations"}
+#: modules the old code imports that have moved since, and names renamed since (issue 48)
+MOVED = {"launcher.schedule.memory": "launcher.schedule.activations", "tl.step": "tl.schedule",
+         "tl.program": "tl.sequences", "tl.weights": "tl.owner", "space.B": "space.microbatches"}
 
 
 def old_module(commit: str) -> ModuleType:
