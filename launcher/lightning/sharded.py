@@ -119,8 +119,8 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, staged: set[str], 
         for k, entry in enumerate(checkpoint.get("optimizer_states", [])):
             groups = [dict(h, params=set()) for h in entry["groups"]]
             for part in every:
-                for gi, group in enumerate(part[k]):
-                    groups[gi]["params"].update(index[n] for n in group if n in index)
+                for gi, in_group in enumerate(part[k]):  # not ``group``: that is the save's process group
+                    groups[gi]["params"].update(index[n] for n in in_group if n in index)
             optimizers.append({"param_groups": [dict(g, params=sorted(g["params"])) for g in groups]})
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta.update(state_dict=rest, optimizer_states=optimizers, **{MARK: {"names": names, "aliases": aliases}})
