@@ -7,21 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.runtime import launch
-from runtime.test_recompute import RC, _run_one
+from runtime.test_recompute import RC, run_on_workers
 
 ORDERS = ("1f1b", "breadth_first", "zb_h1", "zb_h2", "auto")
 CASES = [RC("gpipe", 1, 4, 4, 8, split=True, order=o) for o in ORDERS]
 
 
-def _run_all(cases: list[RC]) -> list[dict]:
-    return [_run_one(c) for c in cases]
-
-
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[dict]]:
-    per_rank = launch(_run_all, 4, CASES, timeout=20, deadline=240)
-    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(CASES)}
+    return run_on_workers(CASES)
 
 
 @pytest.mark.timeout(300)

@@ -77,10 +77,15 @@ CASES = [
 ]
 
 
+def run_on_workers(cases: list[RC]) -> dict[str, list[dict]]:
+    """Every case on the same 4 workers, one launch: each case's per-rank results by its name."""
+    per_rank = launch(_run_all, 4, cases, timeout=20, deadline=240)
+    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(cases)}
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[dict]]:
-    per_rank = launch(_run_all, 4, CASES, timeout=20, deadline=240)
-    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(CASES)}
+    return run_on_workers(CASES)
 
 
 @pytest.mark.timeout(300)
