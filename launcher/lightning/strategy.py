@@ -319,7 +319,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self.layout = Layout.of(module, staging.model.stages, [s for s in self.engine.owned if owners[s][0] == me],
                                 self.engine.ties)
         self._groups = staging.groups or []
-        self._stage_modules = list(getattr(module, "stages", []))  # every stage's modules, before keep_owned
+        # every stage's modules, before keep_owned (a traced module has no list of stages: None)
+        self._stage_modules = list(getattr(module, "stages", None) or [])
         keep_owned(module, self._groups, self.engine.owned, owners, self.root_device)
         self.model_to_device()
         self.setup_precision_plugin()
