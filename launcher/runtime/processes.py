@@ -352,6 +352,10 @@ class Supervisor:
         the next generation without it (the survivors re-form the group and train on) and return
         True; else False (the caller ends the run as before)."""
         survivors = [m for m in self.members if m != r and m in self.alive and m not in self.reports]
+        if self.rejoin_by is not None and self.failure is None:
+            # the last recovery may be over though this loop has not looked yet: look now, so a loss
+            # soon after it is a new loss, not one during the recovery
+            self._rejoined(time.monotonic())
         if self.failure is not None or self.restarts <= 0 or not survivors or self.rejoin_by is not None:
             return False
         self.restarts -= 1
