@@ -42,6 +42,25 @@ def _or(choices: tuple[str, ...]) -> str:
     return ", ".join(choices[:-1]) + " or " + choices[-1]
 
 
+def _node_of(cls: Any, value: Any, node: str) -> Any:
+    """``value`` as the settings ``cls`` of the config node ``node``: itself, the defaults for
+    ``None``, or a mapping whose keys must be fields (a misspelt key gets the command line's
+    sentence)."""
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    names = tuple(f.name for f in fields(cls))
+    if not isinstance(value, Mapping):
+        keys = f"the key {names[0]}" if len(names) == 1 else f"the keys {_or(names)}"
+        raise StepError([f"{node}={value!r} is invalid: use a mapping with {keys}."])
+    known = [f"{node}.{n}" for n in names]
+    unknown = [k for k in value if f"{node}.{k}" not in known]
+    if unknown:
+        raise StepError([unknown_key(f"{node}.{k}", value[k], known) for k in unknown])
+    return cls(**value)
+
+
 @dataclass(frozen=True)
 class CheckpointSettings:
     """The ``checkpoint`` node: ``format`` (``None``: the scheme's, :meth:`format_for`) and
@@ -67,18 +86,7 @@ class CheckpointSettings:
     @classmethod
     def of(cls, value: CheckpointSettings | Mapping[str, Any] | None) -> CheckpointSettings:
         """``value`` as checkpoint settings: a mapping's keys must be fields (a typo is refused)."""
-        if isinstance(value, CheckpointSettings):
-            return value
-        if value is None:
-            return cls()
-        if not isinstance(value, Mapping):
-            raise StepError([f"checkpoint={value!r} is invalid: use a mapping with the keys "
-                             f"{_or(tuple(f.name for f in fields(cls)))}."])
-        known = [f"checkpoint.{f.name}" for f in fields(cls)]
-        unknown = [k for k in value if f"checkpoint.{k}" not in known]
-        if unknown:  # the command line's sentence for a misspelt key
-            raise StepError([unknown_key(f"checkpoint.{k}", value[k], known) for k in unknown])
-        return cls(**value)
+        return _node_of(cls, value, "checkpoint")
 
     def format_for(self, scheme: Any) -> str:
         """The format a run of ``scheme`` (a name, or a placement callable) writes: ``format``, else
@@ -128,17 +136,7 @@ class FaultSettings:
     @classmethod
     def of(cls, value: FaultSettings | Mapping[str, Any] | None) -> FaultSettings:
         """``value`` as fault settings: a mapping's keys must be fields (a typo is refused)."""
-        if isinstance(value, FaultSettings):
-            return value
-        if value is None:
-            return cls()
-        if not isinstance(value, Mapping):
-            raise StepError([f"fault={value!r} is invalid: use a mapping with the key restarts."])
-        known = [f"fault.{f.name}" for f in fields(cls)]
-        unknown = [k for k in value if f"fault.{k}" not in known]
-        if unknown:
-            raise StepError([unknown_key(f"fault.{k}", value[k], known) for k in unknown])
-        return cls(**value)
+        return _node_of(cls, value, "fault")
 
 
 @dataclass(frozen=True)
