@@ -98,10 +98,12 @@ class CheckpointConf:
 @dataclass
 class FaultConf:
     """mode=train's recovery from a lost worker: ``restarts``, how many lost workers the run
-    recovers from inside the job (0: the first failure ends it). Typed and checked as
-    :class:`~launcher.schedule.run_settings.FaultSettings`."""
+    recovers from inside the job (0: the first failure ends it); ``copies`` 0 | 1, a copy of each
+    stage held by one worker kept on the next worker, so such stages are recovered from memory. Typed
+    and checked as :class:`~launcher.schedule.run_settings.FaultSettings`."""
 
     restarts: int = DEFAULT_RUN.fault.restarts
+    copies: int = DEFAULT_RUN.fault.copies
 
 
 @dataclass

@@ -137,6 +137,9 @@ class RunMetrics(Callback):
         self.metrics["skipped_steps"] = len(self.skipped)  # dropped for a NaN or infinity (nonfinite=skip)
         # each lost worker recovered from inside the job (launcher.lightning.recovery), as rank 0 saw it
         self.metrics["recoveries"] = list(getattr(strategy, "recoveries", []))
+        copies = getattr(strategy, "copies", None)
+        if copies is not None:  # fault.copies=1: what keeping them cost rank 0 (launcher.lightning.copies)
+            self.metrics["copies"] = copies.summary()
         report.write(self.metrics, self.out_dir)
         from ..report import wandb_log
 

@@ -7,7 +7,8 @@ was killed), :func:`recover`:
 1. drops the engine (its sockets and subgroups must close) and joins the generation's group
    (:func:`launcher.runtime.recovery.rejoin`), taking its new rank and world size;
 2. agrees on the state to resume from: every stage survives the loss on some worker (the schemes
-   recovered: :func:`~launcher.schedule.run_settings.survives_a_loss`), but a survivor may have
+   recovered: :func:`~launcher.schedule.run_settings.survives_a_loss`; or as a copy, with
+   ``fault.copies=1``: :mod:`.copies`), but a survivor may have
    finished the optimizer step before the failure while another had not (an all-reduce can complete
    on one rank and fail on another). Each stage comes from the lowest survivor that held it after
    the most completed steps (:func:`_sources`);
@@ -101,6 +102,7 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     generation, survivors, cause = announcement
     lost = sorted(set(m.members) - set(survivors))
     held = sorted(engine.owned)  # the stages whose state this worker holds
+    kept = strategy.copies.tags() if strategy.copies is not None else {}  # fault.copies: stage -> its copy's step
     if engine.links is not None:
         engine.links.close()
     strategy.engine = None
@@ -114,33 +116,38 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     trainer = module.trainer
     done = trainer.global_step
     found: list[Any] = [None] * world
-    dist.all_gather_object(found, (done, held))
-    ahead = max(d for d, _ in found)
+    dist.all_gather_object(found, (done, held, kept))
+    ahead = max(f[0] for f in found)
     behind = done < ahead
 
     sources = _sources(found, ahead, strategy.settings.stages)
     before = strategy.settings
     after, how = replan(before, world)
     if sources is not None:
+        # the stages taken from a copy (fault.copies): their source does not hold them itself
+        copied = {s for s, src in enumerate(sources) if not (found[src][0] == ahead and s in found[src][1])}
         # what this worker sends, copied before the new engine's set-up syncs replicas from their
         # first owner (who may hold a stage it did not own before, not yet filled)
-        mine = {s: _stage_payload(strategy, s) for s, src in enumerate(sources) if src == new_rank}
+        mine = {s: strategy.copies.stages[s] if s in copied and strategy.copies is not None
+                else _stage_payload(strategy, s) for s, src in enumerate(sources) if src == new_rank}
         strategy.rebuild(after)
         states, moved = _take_stages(strategy, sources, mine, found, ahead)
         strategy.own_stages()
         _refill_optimizers(module, trainer, states)
-        where, lost_steps = "memory", 0
+        where, lost_steps = "memory (copy)" if copied else "memory", 0
     else:  # a stage was only on the lost worker: every stage back to the last checkpoint, the steps since replayed
         strategy.rebuild(after)
         strategy.own_stages()
         _refill_optimizers(module, trainer, {})
         where, lost_steps, moved = _from_checkpoint(strategy, trainer, ahead)
+    if strategy.copies is not None:
+        strategy.copies.reset()  # of the old ring: the redone step copies the state anew
     box: list[Any] = [strategy.last_loss]
-    dist.broadcast_object_list(box, [d for d, _ in found].index(ahead))
+    dist.broadcast_object_list(box, [f[0] for f in found].index(ahead))
     if behind:  # the loss of the step this worker now holds the result of
         strategy.last_loss = box[0]
 
-    if not behind and min(d for d, _ in found) < ahead and trainer.world_size > 1:
+    if not behind and min(f[0] for f in found) < ahead and trainer.world_size > 1:
         # Lightning's loop broadcasts a SIGTERM flag from rank 0 before every batch
         # (``_broadcast_sigterm_tensor``): the survivors behind will, before their next batch, which
         # is the one this worker redoes now; this is its side of that broadcast
@@ -165,13 +172,18 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
 
 def _sources(found: list[Any], ahead: int, S: int) -> list[int] | None:
     """Per stage, the new rank it is taken from: the lowest survivor that held it after the last
-    completed step (``found``: per new rank, its completed steps and the stages it held); None when
-    some stage is on no such survivor (it was only on the lost worker)."""
+    completed step, else the lowest that keeps a copy of it of that step (``found``: per new rank,
+    its completed steps, the stages it held, and its copies' steps by stage, :mod:`.copies`); None
+    when some stage is on no such survivor (it was only on the lost worker)."""
     held_by: dict[int, list[int]] = {}
-    for r, (d, held) in enumerate(found):
+    for r, (d, held, _) in enumerate(found):
         if d == ahead:
             for s in held:
                 held_by.setdefault(s, []).append(r)
+    for r, (_, _, kept) in enumerate(found):  # after every holder: a copy is the fallback
+        for s, step in kept.items():
+            if step == ahead and s not in held_by:
+                held_by[s] = [r]
     if any(s not in held_by for s in range(S)):
         return None
     return [held_by[s][0] for s in range(S)]

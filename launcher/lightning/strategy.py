@@ -62,6 +62,7 @@ from ..schedule.settings import DEFAULT, SCHEME_DEFAULT, OrderLike, SchemeLike, 
 from ..torch_support.init import empty_init, has_meta
 from ..torch_support.values import chunk, joined, to_device
 from .checkpoint_hooks import CheckpointingStrategy
+from .copies import StageCopies, after_step, exchange
 from .item_counts import loss_items
 from .keywords import keyword_errors, keyword_settings
 from .launcher import ForkLauncher
@@ -211,6 +212,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self.last_checkpoint: tuple[str, int] | None = None
         self.replay_step: int | None = None  # the step a recovery replays, while it does
         self._keeps_batches = False  # a loss could take a stage with it: keep the batches since the checkpoint
+        #: with fault.copies=1: the copies of the previous worker's lone stages this worker keeps (:mod:`.copies`)
+        self.copies: StageCopies | None = StageCopies() if self.run.fault.copies else None
 
     # ---- configuration -------------------------------------------------------------------
     def _from_keywords(self, stages: int) -> Settings:
@@ -354,7 +357,11 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         # unit), the seed rank 0's (seed_everything's), so processes started apart agree
         self.engine.streams = agreed_seed(self.root_device)
         s = self.settings
-        self._keeps_batches = bool(self.run.fault.restarts) and not survives_a_loss(s.name, s.G, s.R)
+        # with fault.copies=1 the last checkpoint is only a fallback, where one is written to fall back to
+        c = self.run.checkpoint
+        usable = c.format_for(s.name) == "sharded" and c.async_mode == "disabled"
+        self._keeps_batches = bool(self.run.fault.restarts) and not survives_a_loss(s.name, s.G, s.R) and \
+            (usable or not self.run.fault.copies)
 
     def rejoined(self, rank: int, world: int) -> None:
         """After a recovery (:mod:`.recovery`): this worker's new rank in a group of ``world``."""
@@ -552,6 +559,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self._caught_up = False
         while True:
             try:
+                step = self._attached.trainer.global_step
+                if self.copies is not None and self.copies.sent_step != step:  # first step, after a resume or recovery
+                    exchange(self, step)
                 return self._training_step(*args, **kwargs)
             except Exception as e:
                 from .recovery import recoverable
@@ -646,7 +656,10 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         dropped, or stopped on) where it was wrong, before Lightning's batch-end hooks run."""
         pv = self.post_validation
         if pv is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self.copies is not None:  # the state after this step, copied before the next can lose it
+                after_step(self, self._attached.trainer.global_step + 1)  # Lightning counts the step after this
+            return out
         raw = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, or the optimizer itself
 
         def provisional(closure: Any = None, **_: Any) -> Any:
@@ -666,6 +679,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             self.step_skipped = True
             assert self.engine is not None and self.engine.finite is not None
             self._nonfinite(self.engine.finite.describe(code))
+        if self.copies is not None:
+            after_step(self, self._attached.trainer.global_step + 1)
         return out
 
     def _nonfinite(self, what: str) -> None:

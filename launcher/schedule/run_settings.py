@@ -4,11 +4,11 @@ here once.
 
 Both entry points build one and nothing else checks these values: the command line
 (:func:`launcher.config.training.run_settings_of`, from the keys ``checkpoint.format``,
-``checkpoint.async_mode``, ``nonfinite``, ``timeout``, ``runtime.transport`` and ``fault.restarts``, whose schema takes
-its defaults from :data:`DEFAULT_RUN`) and ``UnifiedStrategy``'s keywords. Its constructor raises
-:class:`~launcher.schedule.rules.StepError` with one sentence per broken rule, the same sentences
-on both paths. It lives at the bottom layer so that the config, the runtime and the Lightning
-strategy all read it without an upward import. Pure Python: no torch, no omegaconf.
+``checkpoint.async_mode``, ``nonfinite``, ``timeout``, ``runtime.transport``, ``fault.restarts`` and
+``fault.copies``, whose schema takes its defaults from :data:`DEFAULT_RUN`) and ``UnifiedStrategy``'s
+keywords. Its constructor raises :class:`~launcher.schedule.rules.StepError` with one sentence per
+broken rule, the same sentences on both paths. It lives at the bottom layer so that the config, the
+runtime and the Lightning strategy all read it without an upward import. Pure Python: no torch, no omegaconf.
 """
 
 from __future__ import annotations
@@ -112,18 +112,33 @@ class FaultSettings:
     :class:`StepError` on a value that is not a non-negative integer."""
 
     restarts: int = 0
+    #: 1: after each optimizer step, every stage held by a single worker is copied (its parameters,
+    #: buffers and optimizer state) into the CPU memory of the next worker in a ring
+    #: (:mod:`launcher.lightning.copies`), so that a loss of that worker is recovered from memory
+    copies: int = 0
 
     def __post_init__(self) -> None:
+        found: list[str] = []
         r = self.restarts
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            raise StepError([f"fault.restarts={shown(r)} is invalid: the number of lost workers to recover from "
-                             f"must be a non-negative integer (0: a failure ends the run)."])
+            found.append(f"fault.restarts={shown(r)} is invalid: the number of lost workers to recover from "
+                         f"must be a non-negative integer (0: a failure ends the run).")
+        c = self.copies
+        if isinstance(c, bool) or c not in (0, 1):
+            found.append(f"fault.copies={shown(c)} is invalid: use 0 (no copies) or 1 (each stage held by one "
+                         f"worker copied to the next worker after every step).")
+        elif c and not found and r == 0:
+            # the copies serve only a recovery inside the job: without one they cost memory and traffic for nothing
+            found.append("fault.copies=1 is invalid with fault.restarts=0: the copies are what a recovery inside the "
+                         "job takes lost stages from, so set fault.restarts to 1 or more, or fault.copies=0.")
+        if found:
+            raise StepError(found)
 
     def scheme_errors(self, scheme: str, G: int, R: int, checkpoint: CheckpointSettings) -> list[str]:
         """One sentence when ``restarts`` asks to recover a scheme this version cannot: one where a
         stage's state may be lost with one worker (:func:`survives_a_loss`) and the run keeps no
-        sharded checkpoint written in the foreground to take it from."""
-        if self.restarts == 0 or survives_a_loss(scheme, G, R):
+        sharded checkpoint written in the foreground to take it from (and no ``copies``)."""
+        if self.restarts == 0 or self.copies or survives_a_loss(scheme, G, R):
             return []
         if checkpoint.format_for(scheme) == "sharded" and checkpoint.async_mode == "disabled":
             return []
@@ -131,7 +146,7 @@ class FaultSettings:
                 f"checkpoint.format={checkpoint.format_for(scheme)} checkpoint.async_mode={checkpoint.async_mode}: "
                 f"a stage held by one worker is recovered from the last sharded checkpoint, so set "
                 f"checkpoint.format=sharded and checkpoint.async_mode=disabled (or use strategy=ddp, or strategy=lpp "
-                f"with G>1 or R=1, recovered from memory), or fault.restarts=0."]
+                f"with G>1 or R=1, recovered from memory), or fault.copies=1, or fault.restarts=0."]
 
     @classmethod
     def of(cls, value: FaultSettings | Mapping[str, Any] | None) -> FaultSettings:

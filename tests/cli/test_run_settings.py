@@ -37,8 +37,11 @@ BAD = [
     (["fault.restarts=-1"], dict(fault={"restarts": -1}),
      "fault.restarts=-1 is invalid: the number of lost workers to recover from must be a non-negative integer "
      "(0: a failure ends the run)."),
-    (["+fault.retries=1"], dict(fault={"retries": 1}),
-     "fault.retries=1 is invalid: fault.retries is not a known key; did you mean fault.restarts?"),
+    (["fault.copies=2"], dict(fault={"restarts": 1, "copies": 2}),
+     "fault.copies=2 is invalid: use 0 (no copies) or 1 (each stage held by one worker copied to the next worker "
+     "after every step)."),
+    (["+fault.restart=1"], dict(fault={"restart": 1}),
+     "fault.restart=1 is invalid: fault.restart is not a known key; did you mean fault.restarts?"),
 ]
 
 
@@ -90,3 +93,18 @@ def test_runtime_transport_from_the_command_line_trains_and_is_recorded(tmp_path
     m = json.loads((run / "metrics.json").read_text())
     assert m["transport"] == {"setting": transport, "used": transport}
     assert len(m["steps"]) == 2 and m["config"]["runtime"]["transport"] == transport
+
+
+def test_copies_without_restarts_are_refused_in_one_sentence():
+    """The copies serve a recovery inside the job: ``fault.copies=1`` alone would cost memory and
+    traffic for nothing, so it is refused, the same from Python and the command line."""
+    sentence = ("fault.copies=1 is invalid with fault.restarts=0: the copies are what a recovery inside the job "
+                "takes lost stages from, so set fault.restarts to 1 or more, or fault.copies=0.")
+    with pytest.raises(ConfigError) as e:
+        UnifiedStrategy("fsdp", stages=4, microbatches=4, fault={"copies": 1})
+    assert e.value.sentences == [sentence]
+    _, found = _preflight(["fault.copies=1"])
+    assert found.fatal == [sentence]
+    # with restarts, fsdp's default single-file checkpoint is no longer required to be sharded: copies recover it
+    assert UnifiedStrategy("fsdp", stages=4, microbatches=4, fault={"restarts": 1, "copies": 1},
+                           checkpoint={"format": "single"}).run.fault.copies == 1

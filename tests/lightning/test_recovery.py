@@ -133,7 +133,7 @@ def test_a_scheme_it_cannot_recover_is_refused_before_any_worker_starts() -> Non
         "fault.restarts=1 is invalid with strategy=gpipe G=1 R=4 and checkpoint.format=single "
         "checkpoint.async_mode=disabled: a stage held by one worker is recovered from the last sharded checkpoint, "
         "so set checkpoint.format=sharded and checkpoint.async_mode=disabled (or use strategy=ddp, or strategy=lpp "
-        "with G>1 or R=1, recovered from memory), or fault.restarts=0."]
+        "with G>1 or R=1, recovered from memory), or fault.copies=1, or fault.restarts=0."]
 
 
 def test_each_loss_takes_a_restart_and_one_too_many_ends_the_run_naming_it(oracle: dict, tmp_path: Path) -> None:

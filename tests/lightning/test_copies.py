@@ -1,0 +1,103 @@
+"""``fault.copies=1``: each stage held by one worker is also kept in the next worker's memory, so a
+scheme with a stage on one worker (fsdp, fslpp) recovers a lost worker from memory: no disk read,
+no replay, 0 steps lost, the interrupted step redone.
+
+As in ``test_recovery.py``: float64 at the launcher's defaults (gradient clipping 1.0, dropout on,
+``DataLoader(shuffle=True)``, ``drop_last=False``); the oracle is one device's ``strategy=single``;
+the loss is a real ``SIGKILL`` the chosen worker sends itself as the chosen step begins. No
+checkpoint is written at all (``enable_checkpointing=False``): the copies alone must carry the state.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+from omegaconf import OmegaConf
+
+from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
+from launcher.lightning import UnifiedStrategy
+from launcher.lightning.single import StreamedSingleDevice
+from launcher.runtime.recovery import current_membership
+
+pytestmark = pytest.mark.timeout(400)
+
+TOL = 1e-10
+CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
+STEPS, B, LOST_AT = 4, 4, 3
+
+
+class LoseAndReport(L.Callback):
+    """Rank ``rank`` sends itself ``SIGKILL`` as step ``LOST_AT`` begins (first generation only);
+    each survivor writes its recoveries and what its copies cost where the test reads them."""
+
+    def __init__(self, rank: int, out: Path) -> None:
+        self.rank, self.out = rank, out
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        m = current_membership()
+        if m is not None and m.generation == 0 and m.rank == self.rank and trainer.global_step + 1 == LOST_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        m = current_membership()
+        if m is not None:
+            s = trainer.strategy
+            (self.out / f"rank{m.rank}.txt").write_text(repr((s.recoveries, s.copies.summary())))
+
+
+def fit(strategy: Any, devices: int, callbacks: list) -> dict:
+    L.seed_everything(0, verbose=False)
+    model = Regressor(max_steps=STEPS).double()
+    tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP,
+                       limit_val_batches=0, callbacks=callbacks)
+    tr.fit(model, train_dataloaders=user_loader())
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict:
+    L.seed_everything(0, verbose=False)
+    model = Regressor(max_steps=STEPS).double()
+    tr = quiet_trainer(StreamedSingleDevice(microbatches=B), 1, precision="64-true", max_steps=STEPS,
+                       gradient_clip_val=CLIP, limit_val_batches=0)
+    tr.fit(model, train_dataloaders=user_loader())
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(("scheme", "sizes", "rank", "source"), [
+    # fsdp: stage s on worker s; rank 2's stage comes from its copy on rank 3, and rank 2 also held
+    # the only copy of rank 1's stage, whose owner survives
+    ("fsdp", {}, 2, "memory (copy)"),
+    # fslpp G=2 R=2 keeps the weights on workers 0 (stages 0, 2) and 3 (stages 1, 3): rank 3's copy is
+    # on rank 0 (the ring wraps), an owner itself
+    ("fslpp", {"G": 2, "R": 2}, 3, "memory (copy)"),
+    # rank 1 owns nothing and held the only copy of rank 0's stages: their owner survives, no copy is used
+    ("fslpp", {"G": 2, "R": 2}, 1, "memory"),
+])
+def test_a_lone_stage_is_recovered_from_its_copy_and_training_equals_one_device(
+        scheme: str, sizes: dict, rank: int, source: str, oracle: dict, tmp_path: Path) -> None:
+    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1, "copies": 1}, **sizes)
+    state = fit(strategy, 4, [LoseAndReport(rank, tmp_path)])
+    diff = max_diff(oracle, state)
+    out = {int(p.stem[4:]): eval(p.read_text()) for p in tmp_path.glob("rank*.txt")}  # noqa: S307 - our own repr
+    records, copies = out[min(out)]
+    print(f"{scheme} {sizes}: rank {rank} lost at step {LOST_AT}; {records}; copies {copies}; "
+          f"parameters within {diff:.1e} of one device")
+    assert sorted(out) == [r for r in range(4) if r != rank]
+    assert [(r["lost_ranks"], r["step"], r["steps_lost"], r["redone"], r["from"]) for r in records] == [
+        ([rank], LOST_AT, 0, 1, source)]
+    assert records[0]["scheme_after"] == "lpp G=3 R=1 (W=3)"
+    # every step before the loss sent a copy (the first also before it began); after the recovery
+    # every stage is on every survivor, so nothing more is copied
+    assert copies["exchanges"] >= LOST_AT - 1 and copies["held_bytes"] == 0
+    # rank 0 keeps the copy of rank 3's stages (fsdp: 1, fslpp: 2), each one Linear(8, 8): its
+    # parameters and AdamW's two moments in float64 (72 * 8 * 3 bytes) and the step count (8 bytes)
+    assert copies["peak_held_bytes"] == {"fsdp": 1, "fslpp": 2}[scheme] * 1736
+    assert diff < TOL
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
