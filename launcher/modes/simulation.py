@@ -53,7 +53,21 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
     if cfg.weight_cache == "job":
         with phase(f"predicting the runtime's resident weights for prefetch={cfg.prefetch}", tl.schedule.space.N):
             runtime_peaks(tl, summary, cfg.prefetch)
+    if OmegaConf.select(cfg, "fault.copies", default=0):
+        copies(tl, summary)
     return tl, summary
+
+
+def copies(tl: Timeline, summary: dict[str, Any]) -> None:
+    """``fault.copies=1``: per worker, the stages whose state it sends round the ring after each step
+    and those whose copy it keeps (:mod:`launcher.schedule.copies`), in stages as the weights are."""
+    from ..plan.memory import owned_and_fetched
+    from ..schedule.copies import ring_copies
+
+    sent, kept = ring_copies(owned_and_fetched(tl)[0])
+    for key, per in (("copies_sent", sent), ("copies_kept", kept)):
+        summary["per_worker"][key] = [len(st) for st in per]
+        summary["total"][key] = sum(len(st) for st in per)
 
 
 def runtime_peaks(tl: Timeline, summary: dict[str, Any], prefetch: int) -> None:

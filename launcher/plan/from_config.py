@@ -4,7 +4,8 @@ Keys (schema: :class:`launcher.config.schema.PlanConf`): ``plan.workers`` (null:
 ``W``), ``plan.microbatches`` (null: ``microbatches``; or a list to try), ``plan.max_activations``
 and/or ``plan.memory`` (e.g. ``2GB``, needs a profile with bytes), ``plan.profile`` (a run's
 ``metrics.json`` or a bare profile JSON; null: the config's ``durations`` and ``comm``),
-``plan.top`` (candidates kept).
+``plan.top`` (candidates kept); ``fault.copies`` (1: each candidate's copies counted,
+:class:`~launcher.plan.search.Budget`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def profile_of(cfg: Mapping[str, Any]) -> Profile:
 
 def budget_of(cfg: Mapping[str, Any]) -> Budget:
     memory = _get(cfg, "plan.memory")
-    return Budget(_get(cfg, "plan.max_activations"), float(parse_bytes(memory)) if memory is not None else None)
+    # fault.copies=1: every candidate also keeps (and sends) a copy of its lone stages
+    return Budget(_get(cfg, "plan.max_activations"), float(parse_bytes(memory)) if memory is not None else None,
+                  copies=int(_get(cfg, "fault.copies", 0)))
 
 
 def microbatches_of(cfg: Mapping[str, Any]) -> list[int]:

@@ -15,6 +15,9 @@ For worker ``w`` (``p_s``, ``g_s``, ``o_s``: parameter, gradient and optimizer-s
                                                                      #   x the largest fetched p_s
              + peak over time of sum of a_s over live x_s^b          # exact, from the timeline
                (+ the forwards' graphs, v_s each, unless recomputed)
+             + with fault.copies=1: sum over the stages whose copy   # launcher.schedule.copies: the previous
+               w keeps of (p_s + o_s)                                #   worker's lone stages (host memory
+                                                                     #   on GPUs; counted here all the same)
 
 Under cache ``step`` a fetched stage's gradient buffer lives to the end of the step, so it is
 counted for every fetched stage the worker computes; under ``job`` the owner takes each sum in
@@ -27,6 +30,7 @@ simulator).
 from __future__ import annotations
 
 from ..schedule.activations import activation_peaks, gradient_peaks, recomputed_forwards
+from ..schedule.copies import ring_copies
 from ..schedule.settings import DEFAULT
 from ..schedule.simulate import Timeline
 from .profile import Profile
@@ -84,3 +88,16 @@ def worker_bytes(tl: Timeline, prof: Profile, cache: str, peak_resident: list[in
         packed = sum(sb("params", s) for s in owned[w] if s in sent)
         out.append(state[w] + grads[w] + packed + copies + act[w])
     return out
+
+
+def copy_bytes(stages: list[set[int]], prof: Profile) -> list[float]:
+    """Per worker, the bytes of a stage copy (``fault.copies``): parameters and optimizer state of
+    each of its ``stages`` (buffers are not profiled)."""
+    return [sum(prof.stage_bytes("params", s) + prof.stage_bytes("optimizer", s) for s in st) for st in stages]
+
+
+def copies_of(owned: list[set[int]], prof: Profile) -> tuple[list[float], list[float]]:
+    """``fault.copies=1``: per worker, the bytes it sends after each step and the bytes of the copy it
+    keeps (:func:`launcher.schedule.copies.ring_copies`)."""
+    sent, kept = ring_copies(owned)
+    return copy_bytes(sent, prof), copy_bytes(kept, prof)

@@ -70,6 +70,7 @@ from typing import Any, Mapping, Sequence
 
 from ..schedule import ScheduleError, make_schedule, simulate
 from ..schedule.activations import unit_peaks
+from ..schedule.copies import ring_copies
 from ..schedule.cores import job_work, replay, with_weight_messages
 from ..schedule.link import end_of_step, exchanges
 from ..schedule.link import step_time as link_step_time
@@ -91,10 +92,14 @@ AUTO_TOP = 3
 
 @dataclass(frozen=True)
 class Budget:
-    """Per-worker budget: live activations and/or bytes (``None``: no limit of that kind)."""
+    """Per-worker budget: live activations and/or bytes (``None``: no limit of that kind).
+    ``copies`` (``fault.copies``): 1 when each worker also keeps a copy of the previous worker's
+    lone stages, sent after every step (:mod:`launcher.schedule.copies`): its bytes count against
+    ``bytes``, and its traffic and link time are added to each candidate's."""
 
     activations: int | None = None
     bytes: float | None = None
+    copies: int = 0
 
 
 @dataclass
@@ -540,6 +545,11 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             tails = end_of_step(view, grads, link) if grads and link is not None else None
             cached = moves[sch] = (traffic(view), tails)
         t, tails = cached
+        # fault.copies=1: the lone stages' state sent round the ring after the step, and the copy kept
+        sent_stages = ring_copies(owned)[0] if budget.copies else [set() for _ in owned]
+        sent_b, kept_b = memory.copies_of(owned, prof) if budget.copies and prof.bytes else (None, None)
+        # the ring's messages travel at once, after the optimizer step: the largest one's link time
+        copy_s = max((link.seconds(b) for b in sent_b if b), default=0.0) if sent_b and link is not None else 0.0
         if overlap:  # who owns what decides when each stage steps, and so the next step's start
             step_time[sch] = steady_state(view, step_overlap).step_cost + prof.outside
         elif prof.cores is not None:  # CPU workers: they share the cores
@@ -555,7 +565,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
                                        _weight_work(work, view, "job", prof))
         step_fits = False
         for cache in CACHES:
-            seconds = recompute if cache == "job" else step_time[sch]
+            seconds = (recompute if cache == "job" else step_time[sch]) + copy_s
             if cache == "job" and monotone and step_fits and seconds > worst:
                 continue  # slower than the whole top, and cache step fits: the scan learns nothing more
             if cache == "job" and overlap and any(fetched):
@@ -571,19 +581,23 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             act_c = memory.activation_bytes(view, prof, cache) if cache == "job" and job_act and any(fetched) else act
             peak_bytes = (memory.worker_bytes(view, prof, cache, resident, owned, fetched, act_c)
                           if act_c is not None else None)  # None exactly when act is (no profiled bytes)
+            if peak_bytes is not None and kept_b is not None:
+                peak_bytes = [b + k for b, k in zip(peak_bytes, kept_b)]
             if budget.bytes is not None and peak_bytes is not None and max(peak_bytes) > budget.bytes:
                 plan.did_not_fit += 1
                 continue
             msgs = sum(t["act_recv"]) + sum(t["grad_recv"]) + sum(t["stash_recv"]) + sum(fetch) \
-                + sum(t["weight_grad_send"]) + sum(t["weight_allreduce"])
+                + sum(t["weight_grad_send"]) + sum(t["weight_allreduce"]) + sum(1 for st in sent_stages if st)
+            traffic_b = _traffic_bytes(t, fetch, prof, S)
+            if traffic_b is not None and sent_b is not None:
+                traffic_b += sum(sent_b)
             point = Point(sch, G, R, S, B, order, warmup, split, mlt, cache, d, prof.comm, recompute=rc,
                           step_overlap=step_overlap, graph_share=share)
             # what runs: each worker's jobs in order (the runtime runs them as soon as they can
             # start, whatever waits chose that order) and who owns which weights; FSLPP's two ownerships
             # coincide when R = 1, and DDP is LPP at G = B
             runs = (tuple(weights), cache if any(fetched) else "step", split, B, G, R, programs, rc)
-            out.append(Candidate(point, seconds, bubble, peak_act, peak_bytes, msgs,
-                                 _traffic_bytes(t, fetch, prof, S), runs))
+            out.append(Candidate(point, seconds, bubble, peak_act, peak_bytes, msgs, traffic_b, runs))
             step_fits = cache == "step"
     return out
 

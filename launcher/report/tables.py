@@ -20,6 +20,8 @@ COLUMNS = (
     ("peak_activation_units", "peak units"),  # what memory_limit bounds (schedule.activations); simulate only
     ("weights_owned", "owned"),
     ("weights_peak_resident", "peak resident"),
+    ("copies_sent", "copy sent"),  # fault.copies=1: stages sent after each step (launcher.schedule.copies)
+    ("copies_kept", "copy kept"),  # and stages whose copy the worker keeps
 )
 
 METRIC_NOTES = {
