@@ -77,7 +77,12 @@ class ProcessGroupStrategy(ParallelStrategy):
     def setup_distributed(self) -> None:
         self.set_world_ranks()
         if not process_group_up():  # torchrun or Slurm started us; the fork launcher did it already
-            init_dist_connection(self.cluster_environment, self.backend, timeout=default_pg_timeout)
+            from .elastic import attempt_store
+
+            # a torchrun restart: the agent's store, under this attempt's prefix (.elastic)
+            store = attempt_store(self.world_size)
+            init_dist_connection(self.cluster_environment, self.backend, timeout=default_pg_timeout,
+                                 **({"store": store} if store is not None else {}))
             store = default_store()
             self._watchdog = Watchdog(dist.PrefixStore("launcher/watchdog", store), self.global_rank,
                                       self.world_size, self.timeout).start()

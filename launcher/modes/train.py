@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -41,6 +42,8 @@ from .outcomes import error_line, record_failure, record_interrupted
 
 #: what a run directory holds about how the run ended; a new run removes the old ones
 OUTCOMES = ("metrics.json", "failed.json", "invalid.json", "pipeline.png")
+#: how long a rank other than 0 of a torchrun or Slurm job waits for rank 0's metrics.json
+METRICS_WAIT_S = 120.0
 
 
 @dataclass
@@ -374,10 +377,11 @@ def previous_checkpoint(cfg: DictConfig, out: Path, sweep: bool = False) -> str 
     overwrites a checkpoint it did not write), and which one is the run's would be a guess. Not
     refused: resuming from a checkpoint of that directory (it goes on writing there), a requeued
     Slurm job (it resumes from its own checkpoint), and a run that writes no checkpoints."""
-    from ..lightning import requeue
+    from ..lightning import elastic, requeue
 
     folder = Path(out) / "checkpoints"
-    if not bool(cfg.trainer.get("enable_checkpointing", True)) or requeue.resume_path(out) is not None:
+    if not bool(cfg.trainer.get("enable_checkpointing", True)) or requeue.resume_path(out) is not None \
+            or elastic.resume_path(out) is not None:  # a restarted torchrun worker resumes from it
         return None
     try:
         found = sorted(folder.glob("*.ckpt"), key=lambda p: (p.name != "last.ckpt", -p.stat().st_mtime))
@@ -417,7 +421,7 @@ def run(cfg: DictConfig, checked: Built | None = None) -> dict[str, Any]:
 
 
 def _run(cfg: DictConfig, out: Path, where: str, checked: Built | None) -> dict[str, Any]:
-    from ..lightning import requeue
+    from ..lightning import elastic, requeue
     from ..report import progress
     from ..runtime import Interrupted, WorkerFailed
 
@@ -439,6 +443,13 @@ def _run(cfg: DictConfig, out: Path, where: str, checked: Built | None) -> dict[
     if resumed is not None:  # a requeued Slurm job: go on from where the warning stopped it
         ckpt_path = str(resumed)
         console().print(f"slurm: requeued; resuming from {resumed}", highlight=False, soft_wrap=True)
+    elif (restarted := elastic.resume_path(out)) is not None:  # torchrun's agent restarted every worker
+        ckpt_path = str(restarted)
+        console().print(f"torchrun: restart {elastic.restart_count()} of the workers (a worker was lost); "
+                        f"resuming from {restarted}", highlight=False, soft_wrap=True)
+    note = elastic.fallback_note(run_settings_of(cfg).fault.restarts) if elastic.restart_count() == 0 else None
+    if note is not None and joined_rank() == 0:
+        console().print(note, highlight=False, soft_wrap=True)
     saved = set(requeue.hpc_checkpoints(out))
     try:
         with requeue.Watch() as watch, signals.while_training():
@@ -462,6 +473,12 @@ def _run(cfg: DictConfig, out: Path, where: str, checked: Built | None) -> dict[
         else:
             p.unlink(missing_ok=True)
     path = out / "metrics.json"
+    if joined_rank() != 0:
+        # torchrun or Slurm started every worker: rank 0 writes metrics.json after the run's last
+        # collective, so another rank's fit can return before the file is there
+        deadline = time.monotonic() + METRICS_WAIT_S
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
     if not path.exists():
         return record_failure(cfg, out, where, "training ended without writing metrics.json")
     metrics = json.loads(path.read_text())
