@@ -1,0 +1,119 @@
+"""One run, a worker lost, four ways: the table of ``docs/faults.md`` ("fault.copies=1 against
+checkpoint restart").
+
+    python benchmarks/recovery_table.py                         # fsdp W=4, 40 steps, rank 2 lost at step 25
+    python benchmarks/recovery_table.py --strategy fsdp --steps 40 --every 10 --rank 2 --step 25
+
+The tiny GPT (``d_model=16``, 2 blocks, 4 stages, 4 micro-batches, float32), a checkpoint every
+``--every`` steps (``trainer.val_check_interval``, one validation batch; sharded under fsdp), and
+rank ``--rank`` sending itself ``SIGKILL`` as step ``--step`` begins (once: a marker file keeps a
+resumed run from losing it again). Each row is one ``python -m launcher`` command (or two), timed
+wall to wall on this machine:
+
+- ``uninterrupted``: no loss;
+- ``fault.copies=1, no loss``: what keeping the copies costs a run that loses nothing;
+- ``fault.copies=1``: recovered from the copy on the next worker (``fault.restarts=1``);
+- ``fault.copies=0``: recovered from the last sharded checkpoint, the steps since replayed;
+- ``checkpoint restart``: ``fault.restarts=0``, so the job fails; then ``ckpt_path=.../last.ckpt``
+  resumes it in a second command;
+- with ``--torchrun``: the same run under ``torchrun --nproc-per-node 4 --max-restarts 1``, without a
+  loss and with it (the agent ends every worker and starts them again; they resume from ``last.ckpt``).
+
+Printed: wall seconds, the recovery's seconds and steps lost (``metrics.json``'s ``recoveries``),
+and the copies' cost (``metrics.json``'s ``copies``: rank 0's bytes kept and sent per step, and its
+seconds per exchange).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LOSSY = '''
+import os
+import signal
+from pathlib import Path
+
+from launcher.models import GPT
+from launcher.runtime.recovery import current_membership
+
+MARK = Path(os.environ["LOSE_MARK"])
+
+
+class LossyGPT(GPT):
+    def on_train_batch_start(self, batch, batch_idx):
+        m = current_membership()
+        rank = m.rank if m is not None else int(os.environ.get("RANK", "-1"))
+        if rank == int(os.environ["LOSE_RANK"]) and self.trainer.global_step + 1 == int(os.environ["LOSE_STEP"]) \\
+                and not MARK.exists():
+            MARK.write_text("lost")
+            os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
+            "--max-restarts", "1", "-m", "launcher"]
+
+
+def launch(cwd: Path, env: dict[str, str], *args: str, command: list[str] | None = None) -> tuple[float, int, str]:
+    start = time.monotonic()
+    p = subprocess.run([*(command or [sys.executable, "-m", "launcher"]), *args], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=900)
+    return time.monotonic() - start, p.returncode, p.stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--strategy", default="fsdp")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--rank", type=int, default=2)
+    ap.add_argument("--step", type=int, default=25)
+    ap.add_argument("--torchrun", action="store_true", help="also under torchrun --nproc-per-node 4 --max-restarts 1: "
+                    "uninterrupted, and the loss (the agent restarts every worker, which resume from last.ckpt)")
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="recovery_table_"))
+    (work / "lossy.py").write_text(LOSSY)
+    base = ["stages=4", "microbatches=4", "data.batch_size=8", "data.seq_len=8", "data.chars=20000",
+            "model=custom", "model._target_=lossy.LossyGPT", "model.vocab_size=128", "model.seq_len=8",
+            "model.d_model=16", "model.n_head=2", "model.n_layer=2", f"model.max_steps={a.steps}",
+            f"strategy={a.strategy}", "G=4", f"trainer.max_steps={a.steps}", f"trainer.val_check_interval={a.every}",
+            "trainer.limit_val_batches=1", "logger=none", "png=false"]
+    env = {**os.environ, "PYTHONPATH": str(work), "LOSE_RANK": str(a.rank), "LOSE_STEP": str(a.step)}
+    rows = []
+    runs = [("uninterrupted", None), ("fault.copies=1, no loss", ["fault.restarts=1", "fault.copies=1"]),
+                        ("fault.copies=1", ["fault.restarts=1", "fault.copies=1"]),
+                        ("fault.copies=0", ["fault.restarts=1"]), ("checkpoint restart", [])]
+    if a.torchrun:
+        runs += [("torchrun, no loss", ["fault.restarts=1"]), ("torchrun, agent restart", ["fault.restarts=1"])]
+    for name, extra in runs:
+        run = work / name.replace(" ", "_").replace("=", "").replace(",", "")
+        mark = work / f"{run.name}.lost"
+        if extra is None or "no loss" in name:
+            mark.write_text("no loss")
+        wall, rc, err = launch(work, {**env, "LOSE_MARK": str(mark)}, *base, *(extra or []), f"hydra.run.dir={run}",
+                               command=TORCHRUN if name.startswith("torchrun") else None)
+        note = ""
+        if name == "checkpoint restart":
+            assert rc != 0, "the job was meant to fail"
+            again, rc, err = launch(work, {**env, "LOSE_MARK": str(mark)}, *base,
+                                    f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={run}_resumed")
+            note = f"failed after {wall:.1f} s, resumed in {again:.1f} s"
+            wall += again
+            run = Path(f"{run}_resumed")
+        assert rc == 0, err[-3000:]
+        metrics = json.loads((run / "metrics.json").read_text())
+        rows.append({"run": name, "wall_s": round(wall, 1), "note": note, "recoveries": metrics.get("recoveries"),
+                     "copies": metrics.get("copies")})
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"runs in {work}")
+
+
+if __name__ == "__main__":
+    main()
