@@ -61,9 +61,11 @@ class StageCopies:
     sent_step: int = -1
     held_bytes: int = 0
     peak_held_bytes: int = 0
-    #: per exchange: bytes this worker sent, and its wall seconds (serialise, send, receive, load)
-    sent_bytes: list[int] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
+    #: exchanges made, the most bytes this worker sent in one, and their wall seconds in all
+    #: (serialise, send, receive, load): running figures, so a long run keeps no per-step list
+    exchanges: int = 0
+    sent_bytes_max: int = 0
+    seconds_total: float = 0.0
 
     def tags(self) -> dict[int, int]:
         """Per stage copied here, the completed steps its copy reflects."""
@@ -75,10 +77,10 @@ class StageCopies:
 
     def summary(self) -> dict[str, Any]:
         """This worker's costs, as ``metrics.json``'s ``copies`` lists them."""
-        n = len(self.seconds)
+        n = self.exchanges
         return {"exchanges": n, "held_bytes": self.held_bytes, "peak_held_bytes": self.peak_held_bytes,
-                "sent_bytes_per_step": max(self.sent_bytes) if self.sent_bytes else 0,
-                "seconds_per_step": round(sum(self.seconds) / n, 6) if n else 0.0}
+                "sent_bytes_per_step": self.sent_bytes_max,
+                "seconds_per_step": round(self.seconds_total / n, 6) if n else 0.0}
 
 
 def _both(*reqs: Any) -> None:
@@ -119,8 +121,9 @@ def exchange(strategy: UnifiedStrategy, step: int) -> None:
     copies.step, copies.stages = int(kept["step"]), kept["stages"]
     copies.held_bytes = sum(_nbytes(p) for p in copies.stages.values())
     copies.peak_held_bytes = max(copies.peak_held_bytes, copies.held_bytes)
-    copies.sent_bytes.append(sum(_nbytes(p) for p in mine.values()))
-    copies.seconds.append(time.monotonic() - start)
+    copies.exchanges += 1
+    copies.sent_bytes_max = max(copies.sent_bytes_max, sum(_nbytes(p) for p in mine.values()))
+    copies.seconds_total += time.monotonic() - start
 
 
 def after_step(strategy: UnifiedStrategy, step: int) -> None:

@@ -116,7 +116,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     :class:`~launcher.schedule.run_settings.CheckpointSettings`), ``nonfinite`` (stop | skip),
     ``timeout`` (seconds within which every worker stops after one fails), ``transport`` (auto |
     gloo | shm) and ``fault`` (``{"restarts": N}``: recover from N lost workers inside the job,
-    :mod:`.recovery`). Checked here, once: :class:`~launcher.config.ConfigError` with one sentence per
+    :mod:`.recovery`; ``"copies": 1``: with a copy of each lone stage on the next worker,
+    :mod:`.copies`). Checked here, once: :class:`~launcher.config.ConfigError` with one sentence per
     broken rule, the command line's sentences.
     """
 
