@@ -323,9 +323,10 @@ def test_the_v_shape_is_planned_and_reproduces(cfg_of):
 def test_overlapped_steps_are_ranked_by_their_steady_state(cfg_of, budget):
     """``step_overlap=post_validation``: candidates are ranked by the steady state's step cost
     (:mod:`launcher.schedule.overlap`); the best's overrides carry the rule and reproduce its cost
-    under mode=simulate; it is never slower than the barrier's best priced the same way (its
-    makespan plus the step's all-reduce: mode=simulate's step cost under step_overlap=none), nor
-    faster than the busiest worker's work (the bound left when steps overlap)."""
+    under mode=simulate; it is at most the partial state's ``W - 1`` hops slower than the barrier's
+    best priced the same way (its makespan plus the step's all-reduce: mode=simulate's step cost under
+    step_overlap=none; the runtime's chain, last worker to first, can cost more than one all-reduce),
+    nor faster than the busiest worker's work (the bound left when steps overlap)."""
     common = ["mode=plan", "stages=4", "microbatches=8", "plan.workers=4", budget, "comm=0.25"]
     over = plan_of(cfg_of([*common, "step_overlap=post_validation"])).best
     barrier = plan_of(cfg_of(common)).best
@@ -336,7 +337,7 @@ def test_overlapped_steps_are_ranked_by_their_steady_state(cfg_of, budget):
     _, summary = simulate_config(again)
     assert summary["step_cost"] == pytest.approx(over.step_time, rel=1e-12)
     _, behind = simulate_config(cfg_of(["mode=simulate", *barrier.overrides]))
-    assert behind["step_overlap"] == "none" and over.step_time < behind["step_cost"]
+    assert behind["step_overlap"] == "none" and over.step_time <= behind["step_cost"] + (4 - 1) * 0.25 + 1e-9
     p = over.point
     split = p.split
     d = dict(p.durations)
