@@ -74,13 +74,15 @@ class SteadyState:
 
 def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEADY_STEPS, *,
                  cores: int | None = None, work: Sequence[float] | None = None,
-                 redo: Sequence[float] | None = None) -> SteadyState:
+                 redo: Sequence[float] | None = None, tails: Sequence[float] | None = None) -> SteadyState:
     """The steady state of ``steps`` consecutive steps of ``tl``'s programs under ``rule``
     (:data:`STEP_OVERLAPS`; module docstring). ``work``: per job, its seconds (default: the
     timeline's durations); ``cores``: the cores the workers share (``None``, or at least ``W``: a
     core each; fewer: processor sharing, as :mod:`launcher.schedule.cores`); ``redo``: per worker,
     the seconds it spends after its step's validation (a rolled-back step's optimizer step taken
-    again, times the share of steps rolled back; only under ``post_validation``)."""
+    again, times the share of steps rolled back; only under ``post_validation``); ``tails``: per
+    worker, the seconds of work at its step's end (its optimizer step, the framework's work around
+    the step; default none)."""
     if rule not in STEP_OVERLAPS:
         raise ValueError(f"step_overlap={rule!r} is invalid: use {' or '.join(STEP_OVERLAPS)}")
     if steps < 1:
@@ -93,6 +95,7 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
     comm = float(step.comm)
     dur = [tl.finish[j] - tl.start[j] for j in range(N)] if work is None else [float(x) for x in work]
     redo = [0.0] * W if redo is None else [float(x) for x in redo]
+    tails = [0.0] * W if tails is None else [float(x) for x in tails]
     grad_kind = space.K - 1  # B, or W when split: the job whose end makes a gradient final
     owners: list[set[int]] = [set() for _ in range(S)]
     for j in range(N):
@@ -142,13 +145,13 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
             every = [(base + g, c + allreduce) for s in range(S) for g, c in grads[s]]
             every += [(base + prog[-1], allreduce) for prog in tl.sequences if prog]
             for w in range(W):
-                gate[w] = task(w, 0.0, every)
+                gate[w] = task(w, tails[w], every)
                 programs[w].append(gate[w])
         else:
             later: int | None = None
             for w in reversed(chain):  # each steps once its gradients and the later workers' state are in
                 d = [(base + g, c) for g, c in own_grads[w]] + ([(later, comm)] if later is not None else [])
-                gate[w] = later = task(w, 0.0, d)
+                gate[w] = later = task(w, tails[w], d)
                 programs[w].append(later)
             for w in range(W):  # the first sends the full state to every other, who validates
                 if later is not None and w != chain[0]:

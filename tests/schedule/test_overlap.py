@@ -98,16 +98,19 @@ def test_the_partial_state_goes_from_the_last_worker_to_the_first():
 @pytest.mark.parametrize("rule", ["none", "post_validation"])
 def test_shared_cores_and_redone_steps(rule):
     """On workers that share ``cores`` cores (processor sharing): with ``cores >= W`` the same as a
-    core each; on one core with ``comm = 0`` a step costs all its work, serial, plus each redone
-    optimizer step (``redo``, post_validation only: the first worker steps exactly); on two cores
+    core each; on one core with ``comm = 0`` a step costs all its work, serial: its jobs, each
+    worker's step end (``tails``) and each redone optimizer step (``redo``, post_validation only:
+    the first worker steps exactly); on two cores
     between the two (work / 2 at best)."""
     p, m = 4, 8
     tl = simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h2", split_backward=True, durations=UNIT))
     work = 3 * m * p
     redo = [0.0, 0.5, 0.25, 1.0]
     assert steady_state(tl, rule, cores=p).ends == steady_state(tl, rule).ends
-    one = steady_state(tl, rule, cores=1, redo=redo)
-    assert one.step_cost == pytest.approx(work + (sum(redo) if rule == "post_validation" else 0.0), rel=1e-9)
+    tails = [0.5] * p  # each worker's step end (its optimizer step): work on the one core too
+    one = steady_state(tl, rule, cores=1, redo=redo, tails=tails)
+    assert one.step_cost == pytest.approx(work + sum(tails) + (sum(redo) if rule == "post_validation" else 0.0),
+                                          rel=1e-9)
     two = steady_state(tl, rule, cores=2).step_cost
     assert work / 2 - 1e-9 <= two <= work + 1e-9 and two >= steady_state(tl, rule).step_cost - 1e-9
     with pytest.raises(ValueError, match="cores=0 is invalid"):
