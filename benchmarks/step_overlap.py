@@ -13,11 +13,13 @@ the machine's drift falls on both alike. Per run ``metrics.json``'s ``step_cost_
 (the median step wall, the slowest worker's, after the first step), and the prediction for the
 rule the run followed, from that run's own profile (``predicted`` under ``none``, the replayed step
 behind its barrier; ``predicted_post_validation`` under post_validation, the same programs back to
-back). Printed per case: the medians and the two ratios post_validation / none (measured, predicted),
+back under the runtime's chain; both on the cores the workers shared, :mod:`launcher.schedule.overlap`).
+Printed per case: the medians and the two ratios post_validation / none (measured, predicted),
 and each worker's rollbacks of the last post_validation run. "one profile's": the ratio each run's own
 profile predicts for its programs (``predicted_post_validation / predicted``), the median over all
 runs: free of the profiles' run-to-run noise (under ``order=auto`` it keeps each run's order, where
-the two rules search different ones).
+the two rules search different ones). "agree": whether the measured ratio is within 10% of the
+predicted one. Rollbacks are not in the prediction (the redone optimizer steps).
 """
 
 from __future__ import annotations
@@ -75,9 +77,11 @@ def main() -> None:
             pairs = [p["measured"] / n["measured"] for p, n in zip(got["post_validation"], got["none"])]
             rollbacks = got["post_validation"][-1]["rollbacks"]
             own = statistics.median(x["own"] for r in RULES for x in got[r])
-            print(f"{case:<32} {'ratio pv/none':<16} {statistics.median(pairs):12.3f} "
-                  f"{med['post_validation']['predicted'] / med['none']['predicted']:13.3f}   "
-                  f"(pairs {', '.join(f'{x:.3f}' for x in pairs)}; one profile's {own:.3f}; rollbacks {rollbacks})",
+            ratio = med["post_validation"]["predicted"] / med["none"]["predicted"]
+            agree = abs(statistics.median(pairs) / ratio - 1) <= 0.10
+            print(f"{case:<32} {'ratio pv/none':<16} {statistics.median(pairs):12.3f} {ratio:13.3f}   "
+                  f"(agree within 10%: {'yes' if agree else 'no'}; "
+                  f"pairs {', '.join(f'{x:.3f}' for x in pairs)}; one profile's {own:.3f}; rollbacks {rollbacks})",
                   flush=True)
 
 
