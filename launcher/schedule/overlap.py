@@ -26,6 +26,16 @@ Optimizer steps take no time (a redone one takes ``redo``, below).
   save the all-reduce at best, and cost ``(W - 2) comm`` more than the barrier where the last
   worker's gradients are final last (ZB-H2); the paper's cost (the longest worker span,
   :func:`launcher.schedule.auto_order.span`, its formula 3) needs the state to flow the other way.
+- ``post_validation_paper``: the paper's own chain (its Figure 4), priced only (``mode=simulate``,
+  ``mode=plan``; training refuses it). The partial state goes from the first worker of the chain to
+  the last, ``comm`` a hop, each worker stepping provisionally once its gradients are final and the
+  state of the workers before it has come; its next step's forwards then run on those provisional
+  weights, without waiting for the full state, which goes back from the last worker hop by hop
+  during the next step and must be in before the worker's next optimizer step (which also pays its
+  ``redo``). That is speculative: a rolled-back step would invalidate the forwards already run on
+  its weights, so a step equal to one device's cannot start before the full state is known, which is
+  why the runtime runs ``post_validation``. Its steady state tends to the longest worker span (the
+  paper's cost): Table 5's ZB-2p column at the printed decimals.
 
 Both rules replay the programs on a core per worker, or (``cores``) on fewer cores than workers
 with processor sharing (:mod:`launcher.schedule.cores`): the workers with a task in hand share the
@@ -147,6 +157,14 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
             for w in range(W):
                 gate[w] = task(w, tails[w], every)
                 programs[w].append(gate[w])
+        elif rule == "post_validation_paper":  # the paper's chain: first to last, the next step on provisional weights
+            earlier: int | None = None
+            for i, w in enumerate(chain):
+                d = [(base + g, c) for g, c in own_grads[w]] + ([(earlier, comm)] if earlier is not None else [])
+                if gate_prev:  # the step before validated: its full state back from the last worker, hop by hop
+                    d.append((gate_prev[chain[-1]], (len(chain) - 1 - i) * comm))
+                gate[w] = earlier = task(w, tails[w] + redo[w], d)
+                programs[w].append(earlier)
         else:
             later: int | None = None
             for w in reversed(chain):  # each steps once its gradients and the later workers' state are in
