@@ -17,11 +17,13 @@ Optimizer steps take no time (a redone one takes ``redo``, below).
 - ``post_validation``: the zero-bubble paper's section 4 (seed 004, Figure 4) as the runtime runs
   it (:mod:`launcher.lightning.step_overlap`). The workers form a chain in the order of their lowest
   owned stage; the partially reduced global state (the non-finite flag, the gradient norm) goes from
-  the last worker to the first, ``comm`` a hop: each worker steps (provisionally) once its own
-  gradients are final and the state of the workers after it has come. The first worker then holds
-  the full state, steps exactly and sends it to every other worker (``comm``), who validates its
-  step before its next step begins, and then spends ``redo`` seconds (a rolled-back step's
-  optimizer step taken again, priced as an expected share). No barrier otherwise. On a pipeline
+  the last worker to the first, ``comm`` a hop: each worker passes it on once its own gradients
+  are final and the state of the workers after it has come, and then steps (provisionally: its
+  step end, ``tails``, runs while the state travels on). The first worker then holds the full
+  state, sends it to every other worker (``comm``) and steps exactly; every other worker validates
+  its step when the full state is in, before its next step begins, and then spends ``redo``
+  seconds (a rolled-back step's optimizer step taken again, priced as an expected share). No
+  barrier otherwise. On a pipeline
   the first worker's next forward thus waits for every gradient of the step: overlapped steps
   save the all-reduce at best, and cost ``(W - 2) comm`` more than the barrier where the last
   worker's gradients are final last (ZB-H2); the paper's cost (the longest worker span,
@@ -84,7 +86,8 @@ class SteadyState:
 
 def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEADY_STEPS, *,
                  cores: int | None = None, work: Sequence[float] | None = None,
-                 redo: Sequence[float] | None = None, tails: Sequence[float] | None = None) -> SteadyState:
+                 redo: Sequence[float] | None = None, tails: Sequence[float] | None = None,
+                 state_comm: float | None = None) -> SteadyState:
     """The steady state of ``steps`` consecutive steps of ``tl``'s programs under ``rule``
     (:data:`STEP_OVERLAPS`; module docstring). ``work``: per job, its seconds (default: the
     timeline's durations); ``cores``: the cores the workers share (``None``, or at least ``W``: a
@@ -92,7 +95,9 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
     the seconds it spends after its step's validation (a rolled-back step's optimizer step taken
     again, times the share of steps rolled back; only under ``post_validation``); ``tails``: per
     worker, the seconds of work at its step's end (its optimizer step, the framework's work around
-    the step; default none)."""
+    the step; default none); ``state_comm``: what a message of the global state takes (the
+    barrier's all-reduce, a hop of the chain, the full state back; default ``comm``, the step's
+    messages: a few bytes may travel faster than an activation)."""
     if rule not in STEP_OVERLAPS:
         raise ValueError(f"step_overlap={rule!r} is invalid: use {' or '.join(STEP_OVERLAPS)}")
     if steps < 1:
@@ -121,7 +126,8 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
     lowest = {w: min(s for s in range(S) if w in owners[s]) for w in set().union(*owners)}
     chain = sorted(lowest, key=lambda w: (lowest[w], w))
     own_grads = {w: [g for s in range(S) if w in owners[s] for g in grads[s]] for w in chain}
-    allreduce = comm if W > 1 else 0.0  # the barrier's all-reduce (loss, non-finite flag, clipping norm)
+    hop = comm if state_comm is None else float(state_comm)  # a message of the global state
+    allreduce = hop if W > 1 else 0.0  # the barrier's all-reduce (loss, non-finite flag, clipping norm)
 
     # the steps unrolled into tasks: (worker, seconds, dependencies (task, delay)), run per worker in program order
     worker: list[int] = []
@@ -150,7 +156,8 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
             task(tl.compute[j], dur[j], d)
         for w, prog in enumerate(tl.sequences):
             programs[w] += [base + j for j in prog]
-        gate: dict[int, int] = {}
+        gate: dict[int, int] = {}  # per owner, the task after which its weights are the step's (validated)
+        stepped: dict[int, int] = gate  # per owner, its optimizer step (provisional under post_validation)
         if rule == "none":  # every worker waits for the step's all-reduce, then every owner steps
             every = [(base + g, c + allreduce) for s in range(S) for g, c in grads[s]]
             every += [(base + prog[-1], allreduce) for prog in tl.sequences if prog]
@@ -160,22 +167,28 @@ def steady_state(tl: Timeline, rule: str = "post_validation", steps: int = STEAD
         elif rule == "post_validation_paper":  # the paper's chain: first to last, the next step on provisional weights
             earlier: int | None = None
             for i, w in enumerate(chain):
-                d = [(base + g, c) for g, c in own_grads[w]] + ([(earlier, comm)] if earlier is not None else [])
+                d = [(base + g, c) for g, c in own_grads[w]] + ([(earlier, hop)] if earlier is not None else [])
                 if gate_prev:  # the step before validated: its full state back from the last worker, hop by hop
-                    d.append((gate_prev[chain[-1]], (len(chain) - 1 - i) * comm))
+                    d.append((gate_prev[chain[-1]], (len(chain) - 1 - i) * hop))
                 gate[w] = earlier = task(w, tails[w] + redo[w], d)
                 programs[w].append(earlier)
         else:
+            stepped = {}
+            # each passes the state on once its gradients and the later workers' state are in, then
+            # steps (its step end, ``tails``): the runtime sends before its optimizer step
             later: int | None = None
-            for w in reversed(chain):  # each steps once its gradients and the later workers' state are in
-                d = [(base + g, c) for g, c in own_grads[w]] + ([(later, comm)] if later is not None else [])
-                gate[w] = later = task(w, tails[w], d)
+            for w in reversed(chain):
+                d = [(base + g, c) for g, c in own_grads[w]] + ([(later, hop)] if later is not None else [])
+                later = task(w, 0.0, d)
                 programs[w].append(later)
-            for w in range(W):  # the first sends the full state to every other, who validates
+                gate[w] = stepped[w] = task(w, tails[w], [])
+                programs[w].append(gate[w])
+            for w in range(W):  # the first sends the full state to every other, who validates after its step
                 if later is not None and w != chain[0]:
-                    programs[w].append(task(w, redo[w], [(later, comm)]))
+                    gate[w] = task(w, redo[w], [(later, hop)])
+                    programs[w].append(gate[w])
         gate_prev = gate
-        gates.append(gate)
+        gates.append(stepped)
     start, finish = _run(worker, secs, deps, programs, W if cores is None else cores)
     firsts.append(len(worker))
     gates = gates[:steps]
