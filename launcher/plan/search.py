@@ -542,9 +542,11 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
             cached = moves[sch] = (traffic(view), tails)
         t, tails = cached
         if overlap and prof.cores is not None:  # CPU workers share the cores across the overlapping steps too
+            # the global state's messages are a few bytes: the link's latency (as metrics.json prices them)
             step_time[sch] = steady_state(view, step_overlap, cores=prof.cores,
                                           work=_weight_work(work, view, "step", prof),
-                                          tails=[prof.outside] * tl.schedule.workers).step_cost
+                                          tails=[prof.outside] * tl.schedule.workers,
+                                          state_comm=prof.link.latency_s if prof.link else None).step_cost
         elif overlap:  # who owns what decides when each stage steps, and so the next step's start
             step_time[sch] = steady_state(view, step_overlap).step_cost + prof.outside
         elif prof.cores is not None:  # CPU workers: they share the cores

@@ -359,6 +359,7 @@ def test_overlapped_steps_share_the_cores(cfg_of):
     assert "step_overlap=post_validation" in best.overrides
     work = job_work(tl, dict(tl.schedule.durations), prof.message_cpu, "step")
     W = tl.schedule.workers
-    shared = steady_state(tl, "post_validation", cores=2, work=work, tails=[prof.outside] * W).step_cost
+    shared = steady_state(tl, "post_validation", cores=2, work=work, tails=[prof.outside] * W,
+                          state_comm=prof.link.latency_s).step_cost
     assert best.step_time == pytest.approx(shared, rel=1e-12)
     assert W > 2 and shared >= steady_state(tl, "post_validation").step_cost + prof.outside - 1e-9
