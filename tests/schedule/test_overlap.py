@@ -111,6 +111,19 @@ def test_the_partial_state_goes_from_the_last_worker_to_the_first():
     assert len(ss.ends) == STEADY_STEPS
 
 
+def test_each_worker_passes_the_state_on_before_its_step_end():
+    """The runtime sends the partial state right after the engine's step, before its optimizer step
+    and the framework's work (``tails``): the step ends run while the state travels, not one after
+    another down the chain. ZB-H2 at unit times and ``comm = 0``, whose last worker's gradients are
+    final last: overlapped, a step costs the makespan plus one step end, as behind the barrier (not
+    ``W`` step ends, which a chain of step ends would cost)."""
+    p, m, t = 4, 8, 0.5
+    tl = simulate(make_schedule("gpipe", p, m, 1, p, order="zb_h2", split_backward=True, durations=UNIT))
+    tails = [t] * p
+    assert steady_state(tl, tails=tails).step_cost == pytest.approx(tl.latency + t)
+    assert steady_state(tl, "none", tails=tails).step_cost == pytest.approx(tl.latency + t)
+
+
 @pytest.mark.parametrize("rule", ["none", "post_validation"])
 def test_shared_cores_and_redone_steps(rule):
     """On workers that share ``cores`` cores (processor sharing): with ``cores >= W`` the same as a
