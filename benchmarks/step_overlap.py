@@ -13,17 +13,26 @@ the machine's drift falls on both alike. Per run ``metrics.json``'s ``step_cost_
 (the median step wall, the slowest worker's, after the first step), and the prediction for the
 rule the run followed, from that run's own profile (``predicted`` under ``none``, the replayed step
 behind its barrier; ``predicted_post_validation`` under post_validation, the same programs back to
-back). Printed per case: the medians and the two ratios post_validation / none (measured, predicted),
-and each worker's rollbacks of the last post_validation run. "one profile's": the ratio each run's own
-profile predicts for its programs (``predicted_post_validation / predicted``), the median over all
-runs: free of the profiles' run-to-run noise (under ``order=auto`` it keeps each run's order, where
-the two rules search different ones).
+back under the runtime's chain; both on the cores the workers shared, :mod:`launcher.schedule.overlap`).
+Printed per case: per rule the medians of the measured step wall and of the predicted step (each
+run's own rule); then the ratio post_validation / none, measured (the median of the alternated
+pairs' ratios) beside predicted by one model (``step_cost_s.predicted_steady``, the steady state of
+:mod:`launcher.schedule.overlap` on the cores the workers shared): each run's own rule priced from
+its own profile (its jobs, its step ends, post_validation's with the run's own rolled-back steps
+taken again), the median of the pairs' ratios, so each side carries what its rule costs and the
+load its run saw. "agree": whether the two are within 10%. "one profile's": each post_validation
+run's profile priced under both rules (the median): what overlapping would save for the same
+jobs and step ends. "cpu": the same ratio of a step's CPU seconds over all workers (``cpu_s``:
+measured, and the work the prediction replays), which moves less with the machine's load than the
+wall; "load": the 1-minute load average before and after the case; each worker's rollbacks of the
+last post_validation run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,9 +58,9 @@ def run(m: int, order: str, extra: list[str], rule: str, steps: int, out: Path) 
     cost = m_json["step_cost_s"]
     if cost["step_overlap"] != rule or (rule == "post_validation") != ("post_validation" in m_json):
         raise SystemExit(f"{' '.join(args)} ran step_overlap={cost['step_overlap']}, not {rule}")
-    return {"measured": cost["measured"],
-            "predicted": cost["predicted_post_validation"] if rule == "post_validation" else cost["predicted"],
-            "own": cost["predicted_post_validation"] / cost["predicted"],
+    steady = cost["predicted_steady"]
+    return {"measured": cost["measured"], "predicted": steady[rule], "own": steady["post_validation"] / steady["none"],
+            "cpu": cost["cpu_s"]["measured"], "cpu_predicted": cost["cpu_s"]["predicted"],
             "rollbacks": (m_json.get("post_validation") or {}).get("rollbacks")}
 
 
@@ -62,8 +71,10 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=len(CASES), help="run the first CASES cases only")
     a = ap.parse_args()
     print(f"{'case':<32} {'rule':<16} {'measured ms':>12} {'predicted ms':>13}")
+    agreed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for m, order, extra in CASES[:a.cases]:
+            load0 = os.getloadavg()[0]
             got: dict[str, list[dict]] = {r: [] for r in RULES}
             for i in range(a.reps):
                 for rule in RULES:
@@ -72,13 +83,22 @@ def main() -> None:
             med = {r: {k: statistics.median(x[k] for x in got[r]) for k in ("measured", "predicted")} for r in RULES}
             for r in RULES:
                 print(f"{case:<32} {r:<16} {med[r]['measured'] * 1e3:12.2f} {med[r]['predicted'] * 1e3:13.2f}")
-            pairs = [p["measured"] / n["measured"] for p, n in zip(got["post_validation"], got["none"])]
+            both = list(zip(got["post_validation"], got["none"]))
+            pairs = [p["measured"] / n["measured"] for p, n in both]
+            measured = statistics.median(pairs)
+            ratio = statistics.median(p["predicted"] / n["predicted"] for p, n in both)
+            own = statistics.median(x["own"] for x in got["post_validation"])
+            agree = abs(measured / ratio - 1) <= 0.10
+            agreed += agree
+            cpu = [p["cpu"] / n["cpu"] for p, n in both if p["cpu"] and n["cpu"]]
+            cpu_pred = statistics.median(p["cpu_predicted"] / n["cpu_predicted"] for p, n in both)
             rollbacks = got["post_validation"][-1]["rollbacks"]
-            own = statistics.median(x["own"] for r in RULES for x in got[r])
-            print(f"{case:<32} {'ratio pv/none':<16} {statistics.median(pairs):12.3f} "
-                  f"{med['post_validation']['predicted'] / med['none']['predicted']:13.3f}   "
-                  f"(pairs {', '.join(f'{x:.3f}' for x in pairs)}; one profile's {own:.3f}; rollbacks {rollbacks})",
-                  flush=True)
+            print(f"{case:<32} {'ratio pv/none':<16} {measured:12.3f} {ratio:13.3f}   "
+                  f"(agree within 10%: {'yes' if agree else 'no'}; pairs {', '.join(f'{x:.3f}' for x in pairs)}; "
+                  f"one profile's {own:.3f}; "
+                  f"cpu {statistics.median(cpu) if cpu else float('nan'):.3f} against {cpu_pred:.3f}; "
+                  f"load {load0:.1f}-{os.getloadavg()[0]:.1f}; rollbacks {rollbacks})", flush=True)
+    print(f"agree within 10%: {agreed} of {min(a.cases, len(CASES))} cases")
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ class LauncherConf:
     split_backward: bool = DEFAULT.split_backward
     weight_cache: str = DEFAULT.weight_cache  # step | job
     recompute: Any = DEFAULT.recompute  # none | full | [stage indices]: their backward recomputes the forward
-    step_overlap: str = DEFAULT.step_overlap  # none | post_validation: how a step's end meets the next's start
+    step_overlap: str = DEFAULT.step_overlap  # none | post_validation | post_validation_paper (priced only)
     prefetch: int = DEFAULT.prefetch  # jobs of lookahead of the runtime; mode=simulate reports its resident weights
     seed: int = 0  # mode=train: seed_everything(seed) before the model and data are built
     png: Any = "auto"  # pipeline.png: true | false | auto (drawn up to report.png.AUTO_MAX_JOBS jobs)

@@ -236,7 +236,8 @@ def _post_validation(metrics: dict[str, Any], gathered: list[dict[str, Any]]) ->
         return
     rollbacks = [r["post_validation"]["rollbacks"] for r in ranks]
     skipped = [r["post_validation"]["skipped"] for r in ranks]
-    metrics["post_validation"] = {"rollbacks": rollbacks, "skipped": skipped}
+    metrics["post_validation"] = {"rollbacks": rollbacks, "skipped": skipped,
+                                  "redo_s": [r["post_validation"].get("redo_s", 0.0) for r in ranks]}
     metrics["step_cost_s"]["step_overlap"] = "post_validation"
     print(f"post_validation: rollbacks per worker {rollbacks} (of them dropped, non-finite: {skipped})", flush=True)
 
@@ -268,7 +269,8 @@ def gather_run(strategy: UnifiedStrategy, walls: list[float], cpus: list[float] 
             "link": link.to_json() if link else None}
     pv = strategy.post_validation
     if pv is not None:  # step_overlap=post_validation: this worker's provisional steps undone (and dropped)
-        mine["post_validation"] = {"rollbacks": pv.step.rollbacks, "skipped": pv.step.skipped}
+        mine["post_validation"] = {"rollbacks": pv.step.rollbacks, "skipped": pv.step.skipped,
+                                   "redo_s": pv.step.redo_s}
     trace = strategy.engine.trace()
     if trace is not None:
         trace["span"] = list(span) if span else None

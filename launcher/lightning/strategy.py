@@ -333,9 +333,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
             with_global_clipping(self)
             with_synced_scaler(self.precision_plugin)
             self._norm_in_step = norm_in_step(trainer, module, self.precision_plugin)
-            if self.settings.step_overlap == "post_validation":
+            if self.settings.step_overlap != "none":
                 st = self.settings
-                refused = overlap_training_errors("post_validation", st.name, st.G, st.R, st.stages)
+                refused = overlap_training_errors(st.step_overlap, st.name, st.G, st.R, st.stages)
                 if refused:  # G was left to the scheme's default when the strategy was made
                     raise ConfigError(refused)
                 why = synchronous_reason(trainer, module, self.precision_plugin, self.optimizers)

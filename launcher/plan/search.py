@@ -505,7 +505,8 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
               moves: dict, worst: float = math.inf, step_overlap: str = DEFAULT.step_overlap) -> list[Candidate]:
     """Every scheme, ownership and cache on one simulated timeline, keeping those that fit.
     Under an overlap (``step_overlap``), a step's time is its steady state's step cost
-    (:func:`~launcher.schedule.overlap.steady_state`, a core per worker, no link model) and its
+    (:func:`~launcher.schedule.overlap.steady_state`, on the profile's shared cores where it has
+    them, no link model) and its
     bubble the idle share of that.
     ``moves`` caches each scheme's traffic and gradient exchange tails: they depend on the placement
     and the split only.
@@ -550,7 +551,13 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
         sent_b, kept_b = memory.copies_of(owned, prof) if budget.copies and prof.bytes else (None, None)
         # the ring's messages travel at once, after the optimizer step: the largest one's link time
         copy_s = max((link.seconds(b) for b in sent_b if b), default=0.0) if sent_b and link is not None else 0.0
-        if overlap:  # who owns what decides when each stage steps, and so the next step's start
+        if overlap and prof.cores is not None:  # CPU workers share the cores across the overlapping steps too
+            # the global state's messages are a few bytes: the link's latency (as metrics.json prices them)
+            step_time[sch] = steady_state(view, step_overlap, cores=prof.cores,
+                                          work=_weight_work(work, view, "step", prof),
+                                          tails=[prof.outside] * tl.schedule.workers,
+                                          state_comm=prof.link.latency_s if prof.link else None).step_cost
+        elif overlap:  # who owns what decides when each stage steps, and so the next step's start
             step_time[sch] = steady_state(view, step_overlap).step_cost + prof.outside
         elif prof.cores is not None:  # CPU workers: they share the cores
             step_time[sch] = shared_cores_time(view, prof, grads, _weight_work(work, view, "step", prof))

@@ -21,9 +21,15 @@ Keys (the comparison dashboard reads them):
   ``step_overlap`` (the rule the run followed), ``predicted`` and ``measured`` (as
   ``latency_s``: behind the barrier a step costs the replayed step, its end-of-step exchange and
   the time outside the engine), and ``predicted_post_validation``: the same programs and measured
-  times if each stage stepped as soon as its own gradients were final (issue 49; under
+  times under post-validation's chain (issue 49; on the cores the workers shared, with their
+  work at each step's end, where they were fewer than the workers; under
   ``step_overlap=post_validation`` (gpipe, lpp with G=1) the run does, and ``step_overlap`` and
   ``measured`` are then its own, :mod:`launcher.lightning.step_overlap`);
+  ``predicted_steady``: ``{"none", "post_validation"}``, both rules' steady states from the same
+  inputs (the same model: their ratio is what overlapping is predicted to save; post_validation's
+  with the run's own rolled-back steps taken again, ``post_validation.redo_s``, when it ran them);
+  ``cpu_s``: a step's CPU seconds over all workers, ``{"predicted", "measured"}`` (the replayed
+  work; the workers' process CPU, the median after the first step);
   ``two_steps_post_validation``: that steady state's last two steps as they interleave,
   ``{"ends": [s, s], "jobs": [[worker, stage, microbatch, kind, step, start_s, end_s], ...]}``
   (null past :data:`TWO_STEPS_MAX_JOBS` jobs a step), which the comparison page draws;
@@ -124,7 +130,7 @@ def build(
     W = lowered.workers
     ranks = [r for r in per_rank if r["rank"] < W]
     measured = _measure(ranks, lowered.timeline.schedule, act_bytes)
-    replayed, tl = _predict(lowered, ranks, measured, stage_bytes["grads"])
+    replayed, tl, work, tails = _predict(lowered, ranks, measured, stage_bytes["grads"])
     predicted_s = replayed.seconds
     measured_s = _median_after_first([s["step_s"] for s in steps])
     bubble, bubble_per_worker = _bubble_fractions(replayed.busy, predicted_s, W, _measured_bubbles(ranks, steps))
@@ -138,7 +144,8 @@ def build(
         "throughput_samples_per_s": {"predicted": samples_per_step / predicted_s if predicted_s else None,
                                      "measured": samples_per_step / measured_s if measured_s else None},
         "bubble_fraction": bubble,
-        "step_cost_s": _step_costs(tl, measured, predicted_s, measured_s),
+        "step_cost_s": _step_costs(tl, measured, predicted_s, measured_s, work, tails, _redo_seconds(ranks))
+        | {"cpu_s": _cpu_per_step(ranks, work, tails, _redo_seconds(ranks))},
         "profile": _profile(measured, module_costs, stage_bytes),
         "per_worker": _per_worker(lowered, ranks, tl, msg_bytes, act_bytes, saved_bytes, recomputed, bubble_per_worker),
         "memory_kind": ranks[0]["memory_kind"] if ranks else None,
@@ -178,9 +185,10 @@ def _measure(ranks: Sequence[Mapping[str, Any]], step: Schedule, act_bytes: Sequ
 
 
 def _predict(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Measured,
-             grad_bytes: Sequence[int]) -> tuple[Replayed, Timeline]:
+             grad_bytes: Sequence[int]) -> tuple[Replayed, Timeline, list[float], list[float]]:
     """The programs the workers ran, timed by what they measured and replayed on the cores they
-    shared: the replay, and its timeline (drawn and reported: what ran, as predicted)."""
+    shared: the replay, its timeline (drawn and reported: what ran, as predicted), and the work
+    it replayed: per job, and per worker at the step's end."""
     W = lowered.workers
     step = lowered.timeline.schedule
     # measured backwards include any recomputation: the replay adds none
@@ -191,29 +199,65 @@ def _predict(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Me
     # after its jobs a worker finishes the step's exchange, then the framework's work around the
     # step (the loss is summed over every worker there, so each waits for all)
     tails = [e + o for e, o in zip(end_seconds(ranks), measured.outside_s)]
-    replayed = replay(tl, measured.cores or W, tails, [list(range(W))] * W, delays,
-                      durations=job_work(tl, timed, measured.message_cpu, lowered.weight_cache),
+    work = job_work(tl, timed, measured.message_cpu, lowered.weight_cache)
+    replayed = replay(tl, measured.cores or W, tails, [list(range(W))] * W, delays, durations=work,
                       comm=measured.comm_s, fetched=weight_arrivals(tl, lowered.weight_cache, lowered.prefetch))
-    return replayed, replayed.timeline(tl)
+    return replayed, replayed.timeline(tl), work, tails
 
 
 #: the most jobs a step may have for ``two_steps_post_validation`` to be written (it lists every job twice)
 TWO_STEPS_MAX_JOBS = 2000
 
 
-def _step_costs(tl: Timeline, measured: _Measured, predicted_s: float, measured_s: float) -> dict[str, Any]:
-    """``step_cost_s`` of the module docstring: the replayed timeline (in seconds, ``comm`` the
-    measured message time) stepped back to back under each rule, plus the most time a worker spends
-    outside the engine per step (serial with its jobs under either rule)."""
+def _redo_seconds(ranks: Sequence[Mapping[str, Any]]) -> list[float] | None:
+    """Per worker, the seconds its rolled-back steps took again, per step (the run's own rollbacks
+    under ``step_overlap=post_validation``); ``None`` when the run took none."""
+    out = [(r.get("post_validation") or {}).get("redo_s", 0.0) / max(1, len(r["records"])) for r in ranks]
+    return out if any(out) else None
+
+
+def _cpu_per_step(ranks: Sequence[Mapping[str, Any]], work: Sequence[float], tails: Sequence[float],
+                  redo: Sequence[float] | None) -> dict[str, float | None]:
+    """A step's CPU seconds summed over the workers: ``predicted``, the work the prediction replays
+    (jobs, step ends, redone steps); ``measured``, the workers' process CPU per step, the median over
+    the steps after the first (``None`` where not measured). Unlike a step's wall time it does not
+    move with what else the machine runs."""
+    cpus = [r.get("cpus") or [] for r in ranks]
+    n = min((len(c) for c in cpus), default=0)
+    total = [sum(c[i] for c in cpus) for i in range(n)]
+    return {"predicted": sum(work) + sum(tails) + sum(redo or ()),
+            "measured": _median_after_first(total) if total else None}
+
+
+def _step_costs(tl: Timeline, measured: _Measured, predicted_s: float, measured_s: float,
+                work: Sequence[float], tails: Sequence[float], redo: Sequence[float] | None = None) -> dict[str, Any]:
+    """``step_cost_s`` of the module docstring: the replayed programs (in seconds, ``comm`` the
+    measured message time) stepped back to back under each rule. Where the workers shared fewer
+    cores than they are, the same work as the replay's (per job, and each worker's step end) on
+    those cores; else the replayed timeline, plus the most time a worker spends outside the engine
+    per step (serial with its jobs under either rule). ``redo``: per worker, its rolled-back steps'
+    seconds per step (post_validation only)."""
     timed = replace(tl, schedule=replace(tl.schedule, comm=measured.comm_s))
-    outside = max(measured.outside_s, default=0.0)
-    ss = steady_state(timed, "post_validation")
+    # the global state is a few bytes: a hop takes the link's latency (the ping-pong's), not what an
+    # activation took while its receiver waited (that includes the sender's descheduled time)
+    hop = measured.link.latency_s if measured.link else measured.comm_s
+    if measured.cores is not None and measured.cores < len(tails):
+        ss = steady_state(timed, "post_validation", cores=measured.cores, work=work, tails=tails, redo=redo,
+                          state_comm=hop)
+        barrier = steady_state(timed, "none", cores=measured.cores, work=work, tails=tails, state_comm=hop)
+        outside = 0.0
+    else:
+        ss = steady_state(timed, "post_validation", redo=redo, state_comm=hop)
+        barrier = steady_state(timed, "none", state_comm=hop)
+        outside = max(measured.outside_s, default=0.0)
     two = None
     if tl.schedule.space.N <= TWO_STEPS_MAX_JOBS:
         t0 = min(ss.starts[-2])
         two = {"ends": [e - t0 for e in ss.ends[-2:]], "jobs": [list(x) for x in last_two_steps(timed, ss)]}
     return {"step_overlap": "none", "predicted": predicted_s, "measured": measured_s,
-            "predicted_post_validation": ss.step_cost + outside, "two_steps_post_validation": two}
+            "predicted_post_validation": ss.step_cost + outside,
+            "predicted_steady": {"none": barrier.step_cost + outside, "post_validation": ss.step_cost + outside},
+            "two_steps_post_validation": two}
 
 
 def _measured_bubbles(ranks: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]]) -> list[float | None]:

@@ -28,7 +28,7 @@ STRATEGIES = tuple(sorted(SCHEMES))
 DURATION_KINDS = ("F", "B", "I", "W")
 WEIGHT_CACHES = ("step", "job")
 #: how one step's end meets the next's start (:mod:`launcher.schedule.overlap`)
-STEP_OVERLAPS = ("none", "post_validation")
+STEP_OVERLAPS = ("none", "post_validation", "post_validation_paper")
 #: ``recompute``: which stages' backward recomputes their forward (activation checkpointing)
 RECOMPUTE = ("none", "full")
 
@@ -47,6 +47,10 @@ def overlap_training_errors(overlap: object, scheme: object = None, G: object = 
     name (the step's own checks say why)."""
     if overlap == "none" or overlap not in STEP_OVERLAPS:
         return []
+    if overlap == "post_validation_paper":
+        return ["step_overlap=post_validation_paper is invalid with mode=train: the paper's chain runs the next "
+                "step's forwards on weights not yet validated, which a rollback would invalidate; train with "
+                "step_overlap=post_validation, or price it with mode=simulate or mode=plan."]
     if scheme == "lpp" and G not in (None, 1):
         return [f"step_overlap={overlap} is invalid with mode=train and strategy=lpp G={G}: the runtime overlaps "
                 f"steps only where each stage has one owner (lpp with G=1); price the overlap with mode=simulate "
@@ -145,7 +149,8 @@ def value_error(key: str, v: Any) -> str | None:
     elif key == "step_overlap":
         if v not in STEP_OVERLAPS:
             return (f"step_overlap={shown(v)} is invalid: use none (every step ends on every worker before the next "
-                    f"begins) or post_validation (each stage steps as soon as its own gradients are final).")
+                    f"begins), post_validation (each stage steps as soon as its own gradients are final) or "
+                    f"post_validation_paper (priced only: the paper's speculative chain).")
     elif key == "prefetch":
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             return f"prefetch={shown(v)} is invalid: the prefetch lookahead must be an integer >= 0."

@@ -31,6 +31,7 @@ exact fallback: a copy of what the step changes, copied back on a rollback.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +108,8 @@ class ProvisionalStep:
     sets them to ``None``, is fine: they are held by reference), and nothing else may step the
     optimizer; a learning-rate scheduler may change the groups (the values used are recorded).
 
-    ``rollbacks`` counts the steps undone, ``skipped`` those of them not taken again (non-finite).
+    ``rollbacks`` counts the steps undone, ``skipped`` those of them not taken again (non-finite);
+    ``redo_s`` is the CPU seconds (this thread's) the rollbacks took: undoing and stepping again.
     The extra memory is the gradients' lifetime until ``validate``, and nothing else.
 
     Precision: parameters come back within a rounding or two; Adam's ``exp_avg_sq`` (and, less so,
@@ -131,6 +133,7 @@ class ProvisionalStep:
         self._buffers: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
         self.rollbacks = 0
         self.skipped = 0
+        self.redo_s = 0.0
         self._taken: _Taken | None = None
 
     @property
@@ -196,19 +199,23 @@ class ProvisionalStep:
                              "a partial state cannot be non-finite when the full one is finite.")
         if true_coef is not None and not (math.isfinite(true_coef) and true_coef > 0):
             raise ValueError(f"true_coef={true_coef} must be a finite positive number (or None: non-finite).")
-        self._undo(taken)
-        self.rollbacks += 1
-        if true_coef is None:
-            self.skipped += 1
-            if taken.coef != 1.0:
-                for g in taken.grads.values():
-                    g.div_(taken.coef)
+        t0 = time.thread_time()
+        try:
+            self._undo(taken)
+            self.rollbacks += 1
+            if true_coef is None:
+                self.skipped += 1
+                if taken.coef != 1.0:
+                    for g in taken.grads.values():
+                        g.div_(taken.coef)
+                return True
+            scale = true_coef / taken.coef
+            for g in taken.grads.values():
+                g.mul_(scale)
+            self._step_as(taken)
             return True
-        scale = true_coef / taken.coef
-        for g in taken.grads.values():
-            g.mul_(scale)
-        self._step_as(taken)
-        return True
+        finally:
+            self.redo_s += time.thread_time() - t0
 
     def _undo(self, taken: _Taken) -> None:
         opt = self.optimizer

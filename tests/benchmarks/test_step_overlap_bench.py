@@ -21,5 +21,9 @@ def test_step_overlap_benchmark_runs_both_rules(tmp_path):
                        capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = p.stdout.splitlines()[1:]
-    assert [r.split()[4] for r in rows] == ["post_validation", "none", "ratio"]
-    assert re.search(r"rollbacks \[0, \d+, \d+, \d+\]", rows[-1]), rows[-1]
+    assert [r.split()[4] for r in rows[:3]] == ["post_validation", "none", "ratio"]
+    assert re.search(r"rollbacks \[0, \d+, \d+, \d+\]", rows[2]), rows[2]
+    # the same model's ratio beside the measured one, the CPU ratio and the load it ran under
+    assert re.search(r"agree within 10%: (yes|no); .*one profile's \d\.\d+; cpu \d\.\d+ against \d\.\d+; "
+                     r"load \d+\.\d-\d+\.\d", rows[2]), rows[2]
+    assert re.fullmatch(r"agree within 10%: [01] of 1 cases", rows[3]), rows[3]

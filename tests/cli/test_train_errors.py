@@ -71,6 +71,9 @@ INVALID = [
     (["strategy=fslpp", "G=2", "R=2", "step_overlap=post_validation"],
      "step_overlap=post_validation is invalid with mode=train and strategy=fslpp: the runtime overlaps steps only "
      "under strategy=gpipe or lpp with G=1 (one owner per stage)"),
+    (["strategy=gpipe", "stages=4", "step_overlap=post_validation_paper"],
+     "step_overlap=post_validation_paper is invalid with mode=train: the paper's chain runs the next step's forwards "
+     "on weights not yet validated"),
 ]
 
 

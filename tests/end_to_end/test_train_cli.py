@@ -58,11 +58,12 @@ def test_metrics_json(fslpp_run):
     assert [v["step"] for v in m["val"]] == [2, 4]
     for key in ("latency_s", "throughput_samples_per_s", "bubble_fraction"):
         assert m[key]["predicted"] > 0 and m[key]["measured"] > 0
-    # what a step would cost if each stage stepped once its own gradients were final (issue 49): a
-    # prediction only, from the same programs and measured times, never above the barrier's
+    # what a step would cost under post-validation's chain (issue 49): a prediction only, from the
+    # same programs and measured times; the chain's W - 1 hops can cost more than the barrier's one
+    # all-reduce (exact prices: tests/schedule/test_overlap.py), but not a second step
     cost = m["step_cost_s"]
     assert cost["step_overlap"] == "none" and cost["predicted"] == m["latency_s"]["predicted"]
-    assert 0 < cost["predicted_post_validation"] <= cost["predicted"] * 1.05
+    assert 0 < cost["predicted_post_validation"] < cost["predicted"] * 2
     pw = m["per_worker"]
     for key in ("peak_activations", "weights_owned", "weights_peak_resident"):
         assert pw[key]["predicted"] == pw[key]["measured"], key

@@ -188,6 +188,12 @@ def test_command_line_counts_rollbacks(tmp_path):
     rollbacks = m["post_validation"]["rollbacks"]
     assert len(rollbacks) == 4 and rollbacks[0] == 0 and m["post_validation"]["skipped"] == [0, 0, 0, 0]
     assert m["step_cost_s"]["step_overlap"] == "post_validation"
+    # the prediction charges each worker's redone steps (measured), and prices both rules with one model
+    redo = m["post_validation"]["redo_s"]
+    assert len(redo) == 4 and redo[0] == 0.0 and all((r > 0) == (n > 0) for r, n in zip(redo, rollbacks))
+    steady, cpu = m["step_cost_s"]["predicted_steady"], m["step_cost_s"]["cpu_s"]
+    assert steady["post_validation"] == m["step_cost_s"]["predicted_post_validation"] and steady["none"] > 0
+    assert cpu["predicted"] > 0 and cpu["measured"] > 0
     assert f"post_validation: rollbacks per worker {rollbacks}" in p.stdout
 
 

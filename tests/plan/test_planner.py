@@ -21,8 +21,10 @@ from launcher.plan.profile import from_dict
 from launcher.plan.search import graph_shares, job_cache_time, shared_cores_time, time_bound
 from launcher.schedule import ScheduleError, make_schedule, simulate
 from launcher.schedule.activations import unit_peaks
+from launcher.schedule.cores import job_work
 from launcher.schedule.link import step_time as link_step_time
 from launcher.schedule.metrics import per_worker
+from launcher.schedule.overlap import steady_state
 
 PROFILE = {"durations_s": {"F": 1.0, "B": 2.2, "I": 1.3, "W": 0.9}, "comm_s": 0.1,
            "bytes": {"params": [10, 20, 20, 10], "grads": [10, 20, 20, 10], "optimizer": [20, 40, 40, 20],
@@ -323,9 +325,10 @@ def test_the_v_shape_is_planned_and_reproduces(cfg_of):
 def test_overlapped_steps_are_ranked_by_their_steady_state(cfg_of, budget):
     """``step_overlap=post_validation``: candidates are ranked by the steady state's step cost
     (:mod:`launcher.schedule.overlap`); the best's overrides carry the rule and reproduce its cost
-    under mode=simulate; it is never slower than the barrier's best priced the same way (its
-    makespan plus the step's all-reduce: mode=simulate's step cost under step_overlap=none), nor
-    faster than the busiest worker's work (the bound left when steps overlap)."""
+    under mode=simulate; it is at most the partial state's ``W - 1`` hops slower than the barrier's
+    best priced the same way (its makespan plus the step's all-reduce: mode=simulate's step cost under
+    step_overlap=none; the runtime's chain, last worker to first, can cost more than one all-reduce),
+    nor faster than the busiest worker's work (the bound left when steps overlap)."""
     common = ["mode=plan", "stages=4", "microbatches=8", "plan.workers=4", budget, "comm=0.25"]
     over = plan_of(cfg_of([*common, "step_overlap=post_validation"])).best
     barrier = plan_of(cfg_of(common)).best
@@ -336,8 +339,27 @@ def test_overlapped_steps_are_ranked_by_their_steady_state(cfg_of, budget):
     _, summary = simulate_config(again)
     assert summary["step_cost"] == pytest.approx(over.step_time, rel=1e-12)
     _, behind = simulate_config(cfg_of(["mode=simulate", *barrier.overrides]))
-    assert behind["step_overlap"] == "none" and over.step_time < behind["step_cost"]
+    assert behind["step_overlap"] == "none" and over.step_time <= behind["step_cost"] + (4 - 1) * 0.25 + 1e-9
     p = over.point
     split = p.split
     d = dict(p.durations)
     assert over.step_time >= time_bound(4, 8, p.G, p.R, split, d, 0.25, work_only=True) - 1e-9
+
+
+def test_overlapped_steps_share_the_cores(cfg_of):
+    """``step_overlap=post_validation`` on a profile of workers that share 2 cores: the best's step
+    time is its programs' steady state replayed on those cores (each job's work with its messages'
+    CPU, each worker's time outside the engine at its step's end), and no less than the same
+    programs' steady state with a core per worker plus that time (a candidate on 4 workers)."""
+    prof = from_dict(SHARED)
+    ranked = search(4, [4], 4, prof, Budget(), top=40, step_overlap="post_validation").candidates
+    # the best on more workers than cores (the best overall may run on 2)
+    best, tl = next((c, tl) for c in ranked for tl, _ in [simulate_config(cfg_of(c.overrides))]
+                    if tl.schedule.workers > 2)
+    assert "step_overlap=post_validation" in best.overrides
+    work = job_work(tl, dict(tl.schedule.durations), prof.message_cpu, "step")
+    W = tl.schedule.workers
+    shared = steady_state(tl, "post_validation", cores=2, work=work, tails=[prof.outside] * W,
+                          state_comm=prof.link.latency_s).step_cost
+    assert best.step_time == pytest.approx(shared, rel=1e-12)
+    assert W > 2 and shared >= steady_state(tl, "post_validation").step_cost + prof.outside - 1e-9

@@ -108,6 +108,7 @@ def test_a_step_validated_with_another_coefficient_ends_as_a_direct_step(name, k
                        for k, v in s.items())
         assert opt.param_groups[0]["lr"] == rsched.get_last_lr()[0]  # the scheduler's value is put back
     assert step.rollbacks == rollbacks == 5 and step.skipped == 2
+    assert step.redo_s > 0  # the rollbacks' CPU, which metrics.json's prediction charges
     print(f"\n{name}{' keep_copy' if keep_copy else ''}: largest relative error {worst:.2e}")
 
 
@@ -228,6 +229,7 @@ def test_validate_after_a_skipped_step_needs_a_non_finite_state():
         step.validate(0.5)
     step.take(None)
     assert not step.validate(None) and step.rollbacks == 0 and torch.equal(p, torch.zeros(2, dtype=torch.float64))
+    assert step.redo_s == 0.0  # nothing rolled back, nothing redone
 
 
 @pytest.mark.parametrize("name", ["sgd_momentum", "adam"])
