@@ -42,7 +42,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -288,6 +288,7 @@ class Engine:
         self.compute_dtype = compute_dtype
         self.loss_scale = 1.0  # 16-mixed: the GradScaler's scale, applied to every loss's backward
         self.finite: Any = None  # nonfinite: a launcher.runtime.nonfinite.Finite marking each job's values
+        self._meter = Meter()  # the current (or last) training step's meter
 
     # ---- shapes ------------------------------------------------------------------------------
     def shapes(self, microbatches: Sequence[Batch]) -> list[Shapes]:
@@ -421,6 +422,7 @@ class Engine:
             if copy.training != mine.training:  # by submodule (a frozen part in eval mode stays so)
                 copy.training = mine.training
         with kept_generators(self.device) if self.streams is not None else contextlib.nullcontext():
+            self._meter = meter  # its losses, for loss_share (called at the end of the step)
             st = run_program(self, lowered, microbatches, meter, train=True, shares=shares)
         t, cpu = time.perf_counter(), time.process_time()
         sums = self.grad_totals
@@ -441,6 +443,19 @@ class Engine:
         self._traced = {"step": self.steps, "start": meter.t0, "end": end, "sync": (t, end), "meter": meter,
                         "waits": st.comm.waits, "sends": st.comm.handed}
         return worker_record(w, lowered.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type)
+
+    def after_reduce_launched(self, fn: Callable[[], None] | None) -> None:
+        """Call ``fn`` on this worker's compute thread at the end of every training step, once
+        every collective of its replicated stages' gradients is launched and before it waits for
+        them, so that a small collective ``fn`` launches there (the step's loss and non-finite
+        flag, :meth:`~launcher.lightning.strategy.UnifiedStrategy.training_step`) overlaps the
+        gradient's. Only on a worker that owns replicated stages (it has such collectives); None: nothing."""
+        self.replicas.on_launched = fn
+
+    def loss_share(self) -> torch.Tensor:
+        """This worker's share of the current step's loss so far (its loss jobs' losses, added in
+        job order in float64: the bits of the record's ``loss``), on the device, with no read back."""
+        return self._meter.loss_tensor(self.device)
 
     def trace(self) -> dict[str, Any] | None:
         """This worker's events of its last training step (None before one, or on a rank with

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -144,6 +144,9 @@ class Replicas:
                 self.slices[s] = part
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._make_groups(every, worker, group)
+        #: called at the end of each step once every collective of the step's buckets is launched,
+        #: before any is waited for (:meth:`~launcher.runtime.engine.Engine.after_reduce_launched`)
+        self.on_launched: Callable[[], None] | None = None
         # what the point-to-point all-reduces receive into, allocated once (a fresh megabyte
         # buffer each step costs a page fault per 4 KiB on first touch)
         sizes = [(len(b.owners) - 1) * f.numel() for b, f in zip(self.buckets, self.flats) if self._by_root(b)]
@@ -227,18 +230,21 @@ class Replicas:
         if self.worker is None:
             return
         self.launch_ready(len(self.lowered.programs[self.worker].jobs))
+        ends = [i for i, b in enumerate(self.buckets) if not self._overlaps(b)]  # the end of the step's
+        for i in ends:
+            self._zero_unwritten(self.buckets[i])
+            if self.nccl:  # in the common order
+                self.pending.append(dist.all_reduce(self.flats[i], group=self.groups[self.buckets[i].owners],
+                                                    async_op=True))
+        if self.on_launched is not None:  # every collective of the buckets is on its way
+            self.on_launched()
         with blocked(watchdog):
-            for i, b in enumerate(self.buckets):  # the end of the step's, in the common order
-                if self._overlaps(b):
-                    continue
-                flat = self.flats[i]
-                self._zero_unwritten(b)
-                if self.nccl:
-                    self.pending.append(dist.all_reduce(flat, group=self.groups[b.owners], async_op=True))
-                    continue
-                through_root(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
-                             functools.partial(self.lowered.reduce_tag, b.index), self.group, clock,
-                             self.scratch if self.scratch.dtype == flat.dtype else None)
+            if not self.nccl:
+                for i in ends:  # through a root, in the common order
+                    b, flat = self.buckets[i], self.flats[i]
+                    through_root(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
+                                 functools.partial(self.lowered.reduce_tag, b.index), self.group, clock,
+                                 self.scratch if self.scratch.dtype == flat.dtype else None)
             for work in self.pending:
                 work.wait()
 
