@@ -289,6 +289,7 @@ class Engine:
         self.loss_scale = 1.0  # 16-mixed: the GradScaler's scale, applied to every loss's backward
         self.finite: Any = None  # nonfinite: a launcher.runtime.nonfinite.Finite marking each job's values
         self._meter = Meter()  # the current (or last) training step's meter
+        self._trainable: dict[int, list[torch.Tensor]] = {}  # owned stage -> its trainable parameters
 
     # ---- shapes ------------------------------------------------------------------------------
     def shapes(self, microbatches: Sequence[Batch]) -> list[Shapes]:
@@ -443,6 +444,15 @@ class Engine:
         self._traced = {"step": self.steps, "start": meter.t0, "end": end, "sync": (t, end), "meter": meter,
                         "waits": st.comm.waits, "sends": st.comm.handed}
         return worker_record(w, lowered.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type)
+
+    def trainable(self, s: int) -> list[torch.Tensor]:
+        """Owned stage ``s``'s trainable parameters in its gradient's order, looked up once (a walk
+        over the stage's modules costs tens of microseconds a job): the parameters the optimizer
+        steps, which the engine never replaces."""
+        params = self._trainable.get(s)
+        if params is None:
+            params = self._trainable[s] = self.layouts[s].ordered(self.modules[s], trainable_only=True)
+        return params
 
     def after_reduce_launched(self, fn: Callable[[], None] | None) -> None:
         """Call ``fn`` on this worker's compute thread at the end of every training step, once
