@@ -280,6 +280,15 @@ class Engine:
             sum(1 for c in space.stage_succs[j // B] if comp[c * B + j % B] == comp[j]) for j in range(SB)
         ]
         self._grad_kind = space.K - 1
+        # split backward: the (stage, micro-batch) whose I this worker runs right before its W and
+        # that sends no gradient to another worker run as one whole backward at I (its W does
+        # nothing): one autograd call instead of two (I then W cost 1.36 to 1.43 times a whole
+        # backward on a GPT stage, docs/performance.md), and nobody waits for what I would send
+        # earlier. DualPipeV's own full backwards are such pairs where its gradient stays local.
+        jobs = self.lowered.programs[self.worker].jobs if self.worker is not None else []
+        self.whole: frozenset[tuple[int, int]] = frozenset(
+            (a.stage, a.microbatch) for a, b in zip(jobs, jobs[1:])
+            if a.kind == "I" and b.kind == "W" and (a.stage, a.microbatch) == (b.stage, b.microbatch) and not a.send)
         self._eval_lowered: Lowered | None = None
         # mixed precision (bf16-mixed, 16-mixed): owners keep their weights (fp32 masters) and
         # compute under the caller's autocast; fetched weights, activations and their gradients

@@ -100,8 +100,8 @@ class StepState:
     def run(self, op: JobOp) -> None:
         if op.kind == "F":
             self.forward(op)
-        elif op.kind in ("B", "I"):
-            backward(self, op, split_backward=op.kind == "I")
+        elif op.kind in ("B", "I"):  # an I its W follows at once, sending nothing: one whole backward
+            backward(self, op, split_backward=op.kind == "I" and (op.stage, op.microbatch) not in self.engine.whole)
         else:
             weight_grad(self, op)
 
