@@ -10,9 +10,11 @@ at all of them finds this worker's first non-finite value. "First" is an order e
 not the time a job ran: the lowest micro-batch, and within it forwards by stage, then the loss,
 then backwards from the last stage down (how a NaN travels), then the summed gradients. The workers
 agree on it within the step's existing loss all-reduce (:func:`agree`: one extra element, and a
-second tiny all-reduce only in a step that has a non-finite value), so every rank stops, or skips,
-together. The same all-reduce carries the gradient-clipping norm's squared shares where the
-strategy can compute them then (see docs/performance.md, "Collectives per step").
+second tiny all-reduce only in a step that has a non-finite value, :func:`lowest`), so every rank
+stops, or skips, together. The same all-reduce carries the gradient-clipping norm's squared shares
+where the strategy can compute them then; under ddp the flag is computed on the device
+(:meth:`Finite.flag`) and the all-reduce launched beside the last gradient bucket's (see
+docs/performance.md, "Collectives per step").
 
 Under a GradScaler (``16-mixed``) gradients are not checked: an overflow there is the scaler's
 to handle (it skips the step and lowers the scale); losses and activations still are.
