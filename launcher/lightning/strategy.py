@@ -568,7 +568,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
                 if not recoverable(self, e):
                     raise
                 failed_at = time.monotonic()
-            # outside the except clause: the failure's traceback (and the old group it holds) is gone
+            # outside the except clause: the failure's traceback (and the old group it holds) is gone;
+            # so is the step's small all-reduce launched beside the gradient's (a work of the old group)
+            self._early = None
             from .recovery import recover
 
             if not recover(self, failed_at):
