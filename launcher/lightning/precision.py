@@ -32,8 +32,17 @@ def compute_dtype(plugin: Any) -> torch.dtype | None:
     return None
 
 
-def clipped_gradients(engine: Engine, grads: dict[int, dict[int, torch.Tensor]] | None = None
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def norm_is_local(engine: Engine) -> bool:
+    """Whether every worker holds every parameter's whole gradient after the step (every rank of
+    the group a worker that owns every stage, as under DDP): the global norm is then each worker's
+    own, computed alike on every worker from the same reduced bits, with no collective."""
+    W = engine.lowered.workers
+    return engine.worker is not None and dist.get_world_size(engine.group) == W \
+        and all(len(owners) == W for owners in engine.lowered.owners)
+
+
+def clipped_gradients(engine: Engine, grads: dict[int, dict[int, torch.Tensor]] | None = None,
+                      local: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """This worker's share of the global gradient norm, and the gradients it scales.
 
     ``counted``: every parameter's gradient once over all workers, as one device's module lists it:
@@ -43,13 +52,14 @@ def clipped_gradients(engine: Engine, grads: dict[int, dict[int, torch.Tensor]] 
     once, on every worker that holds a copy: a parameter held by two stages of this worker (DDP's
     tied embedding) is one tensor, scaled once. ``grads``: per owned stage, its trainable
     parameters' gradients by ``id`` (:meth:`Engine.grad_views`, before they are installed); None:
-    their ``.grad``."""
+    their ``.grad``. ``local`` (:func:`norm_is_local`): ``counted`` is every parameter once on this
+    worker, the whole norm's terms."""
     owners, me = engine.lowered.owners, engine.worker
     later = {use for uses in engine.ties for use in sorted(uses)[1:]}
     counted: list[torch.Tensor] = []
     scaled: dict[int, torch.Tensor] = {}
     for s in engine.owned:
-        first = owners[s][0] == me
+        first = local or owners[s][0] == me
         for i, p in enumerate(engine.modules[s].parameters()):  # i: the index Engine.ties uses
             g = p.grad if grads is None else grads[s].get(id(p))
             if g is None:
@@ -83,7 +93,8 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
 
     The squared norm summed across workers comes from the step's one fused all-reduce when the
     strategy took it there (``strategy.fused_norm_sq``, see :meth:`UnifiedStrategy.training_step`);
-    else it is summed here, by an all-reduce of its own."""
+    else it is summed here, by an all-reduce of its own, or, where every worker holds every
+    gradient (:func:`norm_is_local`), computed here with none."""
     engine = strategy.engine
     assert engine is not None
     pv = strategy.post_validation
@@ -91,13 +102,15 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
         pv.max_norm = max_norm
         pv.coef = clip_coef(pv.partial[2], max_norm)
         return pv.partial[2].sqrt()
-    counted, scaled = clipped_gradients(engine)
+    local = norm_is_local(engine)
+    counted, scaled = clipped_gradients(engine, local=local)
     fused, strategy.fused_norm_sq = strategy.fused_norm_sq, None
     if fused is not None:
         sq = fused
     else:
         sq = squared_norm(counted, strategy.root_device)
-        all_reduce(sq)
+        if not local:  # DDP: the same bits the sum of the first owner's share and zeros gives
+            all_reduce(sq)
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in scaled:

@@ -51,9 +51,10 @@ from typing_extensions import override
 
 from ..config import ConfigError
 from ..runtime import Engine
+from ..runtime.failure import blocked
 from ..runtime.items import rows
 from ..runtime.measure import resident_bytes
-from ..runtime.nonfinite import Finite, NonFiniteError, agree, undo_statistics
+from ..runtime.nonfinite import Finite, NonFiniteError, agree, lowest, undo_statistics
 from ..schedule import Schedule
 from ..schedule.rules import StepError, overlap_training_errors
 from ..schedule.run_settings import CheckpointSettings, RunSettings, survives_a_loss
@@ -74,6 +75,7 @@ from .precision import (
     compute_dtype,
     loss_dtype,
     norm_in_step,
+    norm_is_local,
     squared_norm,
     with_global_clipping,
     with_synced_scaler,
@@ -185,6 +187,10 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         #: clipping reads them (None: the clipping sums them itself; :func:`.precision.norm_in_step`)
         self.fused_norm_sq: torch.Tensor | None = None
         self._norm_in_step = False
+        #: where every worker holds every gradient (DDP, :func:`.precision.norm_is_local`): the step's
+        #: all-reduce of the loss and the non-finite flag, launched with the last gradient bucket's
+        #: (:meth:`_launch_agree`), and the tensor it sums, until the step waits for it
+        self._early: tuple[Any, torch.Tensor] | None = None
         #: step_overlap=post_validation, when this run's steps overlap (:mod:`.step_overlap`); else None
         self.post_validation: PostValidation | None = None
         #: the step's settings: given (trusted: the command line checked them), or the keywords'
@@ -357,6 +363,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         # random streams (launcher.torch_support.streams): every job's draws from (seed, step, micro-batch,
         # unit), the seed rank 0's (seed_everything's), so processes started apart agree
         self.engine.streams = agreed_seed(self.root_device)
+        # DDP: the loss and the non-finite flag ride beside the last gradient bucket (overlapped),
+        # and the clipping norm needs no collective (every worker holds every gradient)
+        self.engine.after_reduce_launched(self._launch_agree if norm_is_local(self.engine) else None)
         s = self.settings
         # with fault.copies=1 the last checkpoint is only a fallback, where one is written to fall back to
         c = self.run.checkpoint
@@ -570,7 +579,9 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
                 if not recoverable(self, e):
                     raise
                 failed_at = time.monotonic()
-            # outside the except clause: the failure's traceback (and the old group it holds) is gone
+            # outside the except clause: the failure's traceback (and the old group it holds) is gone;
+            # so is the step's small all-reduce launched beside the gradient's (a work of the old group)
+            self._early = None
             from .recovery import recover
 
             if not recover(self, failed_at):
@@ -592,6 +603,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         if self._keeps_batches and self.replay_step is None:
             self.since_checkpoint[step] = args[0]
         mbs, items = self._microbatches(args[0])
+        self._early = None  # none from a step a failure interrupted: this step's is launched in it
         with self.precision_plugin.train_step_context():
             scaler = getattr(self.precision_plugin, "scaler", None)
             if scaler is not None:  # 16-mixed: the backward runs here, on the scaled loss; the step unscales
@@ -609,24 +621,63 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         finite = self.engine.finite
         if self.post_validation is not None:
             return self._partial_step(record, finite)
-        # one all-reduce for the loss, the non-finite check and the clipping norm (docs/performance.md,
-        # "Collectives per step"); the gradients are those the backward hook installs next
-        share = None
-        if self._norm_in_step:
-            grads = {s: self.engine.grad_views(s) for s in self.engine.owned}
-            share = squared_norm(clipped_gradients(self.engine, grads)[0], self.root_device)
-        loss, bad, self.fused_norm_sq = agree(record["measured_only"]["loss"] if record else 0.0,
-                                              finite.first() if finite else None, self.root_device, extra=share)
+        if norm_is_local(self.engine):
+            loss, bad, self.fused_norm_sq = self._agreed_locally(finite)
+        else:
+            # one all-reduce for the loss, the non-finite check and the clipping norm (docs/performance.md,
+            # "Collectives per step"); the gradients are those the backward hook installs next
+            share = None
+            if self._norm_in_step:
+                grads = {s: self.engine.grad_views(s) for s in self.engine.owned}
+                share = squared_norm(clipped_gradients(self.engine, grads)[0], self.root_device)
+            loss, bad, self.fused_norm_sq = agree(record["measured_only"]["loss"] if record else 0.0,
+                                                  finite.first() if finite else None, self.root_device, extra=share)
+            self.last_loss = float(loss)
         self.step_skipped = bad is not None
         if bad is not None:
             self.fused_norm_sq = None  # the step's gradients are dropped, not clipped
         if bad is not None:
             self._nonfinite(finite.describe(bad))
-        self.last_loss = float(loss)
         loss = loss.to(self.loss_dtype)
         if self.replay_step is None:
             self._attached.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def _launch_agree(self) -> None:
+        """At the end of the engine's step, once its gradient buckets' all-reduces are launched
+        (:meth:`Engine.after_reduce_launched`): launch the all-reduce of this worker's loss share
+        and its non-finite flag (of its jobs' marks), both still on the device, so that it runs
+        beside the gradient's."""
+        assert self.engine is not None
+        finite, device = self.engine.finite, self.root_device
+        flag = finite.flag(device) if finite is not None else torch.zeros((), dtype=torch.float64, device=device)
+        # the third element: agree's layout, so the loss is summed in the same order
+        t = torch.stack([self.engine.loss_share(), flag, torch.zeros((), dtype=torch.float64, device=device)])
+        self._early = (dist.all_reduce(t, async_op=True), t)
+
+    def _agreed_locally(self, finite: Any) -> tuple[torch.Tensor, int | None, torch.Tensor | None]:
+        """:func:`~launcher.runtime.nonfinite.agree`'s result where every worker holds every
+        gradient (DDP): the loss and the flag from the all-reduce :meth:`_launch_agree` launched
+        (launched here if the step had none, e.g. nothing to reduce), the flag of the reduced
+        gradients' marks and the clipping norm computed on this worker (the same bits on every
+        worker), and one read back to the host for the loss and the flag together."""
+        assert self.engine is not None
+        if self._early is None:
+            self._launch_agree()
+        assert self._early is not None
+        (work, t), self._early = self._early, None
+        with blocked(self.engine.watchdog):
+            work.wait()
+        device = self.root_device
+        flag = t[1] + (finite.flag(device) if finite is not None else 0.0)  # the reduced gradients' marks too
+        sq = None
+        if self._norm_in_step:
+            grads = {s: self.engine.grad_views(s) for s in self.engine.owned}
+            sq = squared_norm(clipped_gradients(self.engine, grads, local=True)[0], device)
+        self.last_loss, bad = torch.stack([t[0], flag]).tolist()
+        if bad == 0:
+            return t[0], None, sq
+        return t[0], lowest(finite.first() if finite is not None else None, device), sq
 
     def _partial_step(self, record: dict[str, Any] | None, finite: Any) -> torch.Tensor:
         """``step_overlap=post_validation``: the partial state from the later stages in place of the

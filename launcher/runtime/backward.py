@@ -423,6 +423,10 @@ def _output_grads(st: StepState, op: JobOp, out: Any) -> tuple[list[torch.Tensor
 
 def weight_grad(st: StepState, op: JobOp) -> None:
     """``W(s, b)``: the weights' gradient from where ``I`` left off, added into the stage's total."""
+    if (op.stage, op.microbatch) in st.engine.whole:  # its I ran as the whole backward (Engine.whole)
+        if op.weights_mid is not None:
+            st.fetch(op)
+        return
     deferred, targets, hold, saved = st.wstash.pop((op.stage, op.microbatch))
     if op.weights_mid is not None:
         # cache "step" only: W on the step's copy, counted as a job on fetched weights; the

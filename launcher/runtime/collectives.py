@@ -1,20 +1,14 @@
-"""All-reduce over point-to-point messages: recursive halving and doubling (Rabenseifner), and
-through one root for small buffers.
+"""All-reduce over point-to-point messages through one root, for small buffers.
 
-Among ``n`` workers, a reduce-scatter by recursive halving (each round, partners ``i`` and
-``i xor d`` swap halves of their current range and keep the sum of one half) followed by an
-all-gather by recursive doubling (the same rounds backwards). Each worker sends and receives
-``2 (n - 1) / n`` of the buffer, as a ring does (bandwidth-optimal), but in ``2 log2(n)`` rounds
-instead of ``2 (n - 1)``. When ``n`` is not a power of two, the first ``2r`` workers
-(``r = n - p``, ``p`` the largest power of two below ``n``) pair up first: the odd one hands its
-buffer to the even one, which takes its place, and gets the result back at the end.
-
-Why not ``torch.distributed.all_reduce`` on gloo: gloo's ring takes ``2 (n - 1)`` rounds, and on
-workers that share cores each round waits for a peer to be scheduled. Measured alone (2 cores,
-``benchmarks/vs_torch_native.py`` and the notes of issue 8): 264 KB among 4 workers, gloo 5-7 ms,
-halving-doubling 2.7 ms, through a root 1.4 ms; among 8, 20, 10 and 3.6 ms; 4 MB among 8: gloo
-25 ms, halving-doubling 19 ms, through a root 25 ms. Both algorithms leave every worker with the
-same bits (each sum is computed once and copied, or adds the same terms in a commuted order).
+Every member sends its buffer to the first, which adds them in rank order and sends the total
+back: two rounds, where gloo's ring takes ``2 (n - 1)``. On workers that share cores each round
+waits for a peer to be scheduled, so for a small buffer (the root moves ``(n - 1)`` times it each
+way) the rounds are the cost. Measured alone (2 cores, ``benchmarks/vs_torch_native.py`` and the
+notes of issue 8): 264 KB among 4 workers, gloo 5-7 ms, through a root 1.4 ms; among 8, 20 and
+3.6 ms. Every member ends with the same bits (each sum is computed once and copied). A large
+buffer goes to gloo's own ring (:mod:`launcher.runtime.groups`): it used to be reduced here by
+recursive halving-doubling, on the compute thread, which cost that thread what DDP's ring costs
+gloo's threads (docs/performance.md, "Collectives per step").
 """
 
 from __future__ import annotations
@@ -52,73 +46,6 @@ class _Messages:
         if self.clock is not None:
             t1 = time.perf_counter()
             self.clock.arrived((tag, self.ranks[peer]), t1, t1 - t0, exchange=True)
-
-
-def halving_doubling(
-    flat: torch.Tensor,
-    ranks: Sequence[int],
-    me: int,
-    tag: Callable[[int], int],
-    group: dist.ProcessGroup | None = None,
-    clock: Any = None,
-    scratch: torch.Tensor | None = None,
-) -> None:
-    """Sum ``flat`` (1-D, contiguous) in place across ``ranks`` (ranks of ``group``; ``ranks[me]``
-    is this process). Round ``k``'s messages carry tag ``tag(k)``, so concurrent reductions and
-    other messages between the same ranks never match each other's. ``clock`` (a
-    :class:`~launcher.runtime.comm.Clock`) times the messages; ``scratch`` (at least ``flat``'s
-    size, reused from step to step) receives the peers' halves, so a step allocates nothing."""
-    n = len(ranks)
-    if n < 2:
-        return
-    io = _Messages(ranks, me, group, clock)
-    p = 1 << (n.bit_length() - 1)
-    r = n - p
-    round_ = 2
-    if scratch is None:
-        scratch = torch.empty_like(flat)
-
-    def exchange(peer: int, send: torch.Tensor, recv: torch.Tensor) -> None:
-        nonlocal round_
-        t = tag(round_)
-        round_ += 1
-        # the receive first: the peer's data never waits for a buffer to land in
-        incoming = io.recv(recv, peer, t)
-        outgoing = io.send(send, peer, t)
-        io.wait(incoming, peer, t)
-        outgoing.wait()
-
-    # fold: of the first 2r workers the odd ones hand their buffer to their even neighbour
-    if me < 2 * r:
-        if me % 2:
-            io.send(flat, me - 1, tag(0)).wait()
-            io.wait(io.recv(flat, me - 1, tag(1)), me - 1, tag(1))
-            return
-        buf = scratch[: flat.numel()]
-        io.wait(io.recv(buf, me + 1, tag(0)), me + 1, tag(0))
-        flat += buf
-    v = me // 2 if me < 2 * r else me - r  # this worker's place among the p that remain
-
-    def real(u: int) -> int:
-        return 2 * u if u < r else u + r
-
-    lo, hi = 0, flat.numel()
-    steps: list[tuple[int, int, int, int, int]] = []  # (peer, kept lo, kept hi, given lo, given hi)
-    d = p // 2
-    while d >= 1:
-        peer = v ^ d
-        mid = (lo + hi) // 2
-        (klo, khi), (glo, ghi) = ((mid, hi), (lo, mid)) if v & d else ((lo, mid), (mid, hi))
-        buf = scratch[: khi - klo]
-        exchange(real(peer), flat[glo:ghi], buf)
-        flat[klo:khi] += buf
-        steps.append((real(peer), klo, khi, glo, ghi))
-        lo, hi = klo, khi
-        d //= 2
-    for peer, klo, khi, glo, ghi in reversed(steps):
-        exchange(peer, flat[klo:khi], flat[glo:ghi])
-    if me < 2 * r:  # hand the result back to the odd neighbour
-        io.send(flat, me + 1, tag(1)).wait()
 
 
 def through_root(

@@ -42,7 +42,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -280,6 +280,15 @@ class Engine:
             sum(1 for c in space.stage_succs[j // B] if comp[c * B + j % B] == comp[j]) for j in range(SB)
         ]
         self._grad_kind = space.K - 1
+        # split backward: the (stage, micro-batch) whose I this worker runs right before its W and
+        # that sends no gradient to another worker run as one whole backward at I (its W does
+        # nothing): one autograd call instead of two (I then W cost 1.36 to 1.43 times a whole
+        # backward on a GPT stage, docs/performance.md), and nobody waits for what I would send
+        # earlier. DualPipeV's own full backwards are such pairs where its gradient stays local.
+        jobs = self.lowered.programs[self.worker].jobs if self.worker is not None else []
+        self.whole: frozenset[tuple[int, int]] = frozenset(
+            (a.stage, a.microbatch) for a, b in zip(jobs, jobs[1:])
+            if a.kind == "I" and b.kind == "W" and (a.stage, a.microbatch) == (b.stage, b.microbatch) and not a.send)
         self._eval_lowered: Lowered | None = None
         # mixed precision (bf16-mixed, 16-mixed): owners keep their weights (fp32 masters) and
         # compute under the caller's autocast; fetched weights, activations and their gradients
@@ -288,6 +297,8 @@ class Engine:
         self.compute_dtype = compute_dtype
         self.loss_scale = 1.0  # 16-mixed: the GradScaler's scale, applied to every loss's backward
         self.finite: Any = None  # nonfinite: a launcher.runtime.nonfinite.Finite marking each job's values
+        self._meter = Meter()  # the current (or last) training step's meter
+        self._trainable: dict[int, list[torch.Tensor]] = {}  # owned stage -> its trainable parameters
 
     # ---- shapes ------------------------------------------------------------------------------
     def shapes(self, microbatches: Sequence[Batch]) -> list[Shapes]:
@@ -421,6 +432,7 @@ class Engine:
             if copy.training != mine.training:  # by submodule (a frozen part in eval mode stays so)
                 copy.training = mine.training
         with kept_generators(self.device) if self.streams is not None else contextlib.nullcontext():
+            self._meter = meter  # its losses, for loss_share (called at the end of the step)
             st = run_program(self, lowered, microbatches, meter, train=True, shares=shares)
         t, cpu = time.perf_counter(), time.process_time()
         sums = self.grad_totals
@@ -441,6 +453,28 @@ class Engine:
         self._traced = {"step": self.steps, "start": meter.t0, "end": end, "sync": (t, end), "meter": meter,
                         "waits": st.comm.waits, "sends": st.comm.handed}
         return worker_record(w, lowered.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type)
+
+    def trainable(self, s: int) -> list[torch.Tensor]:
+        """Owned stage ``s``'s trainable parameters in its gradient's order, looked up once (a walk
+        over the stage's modules costs tens of microseconds a job): the parameters the optimizer
+        steps, which the engine never replaces."""
+        params = self._trainable.get(s)
+        if params is None:
+            params = self._trainable[s] = self.layouts[s].ordered(self.modules[s], trainable_only=True)
+        return params
+
+    def after_reduce_launched(self, fn: Callable[[], None] | None) -> None:
+        """Call ``fn`` on this worker's compute thread at the end of every training step, once
+        every collective of its replicated stages' gradients is launched and before it waits for
+        them, so that a small collective ``fn`` launches there (the step's loss and non-finite
+        flag, :meth:`~launcher.lightning.strategy.UnifiedStrategy.training_step`) overlaps the
+        gradient's. Only on a worker that owns replicated stages (it has such collectives); None: nothing."""
+        self.replicas.on_launched = fn
+
+    def loss_share(self) -> torch.Tensor:
+        """This worker's share of the current step's loss so far (its loss jobs' losses, added in
+        job order in float64: the bits of the record's ``loss``), on the device, with no read back."""
+        return self._meter.loss_tensor(self.device)
 
     def trace(self) -> dict[str, Any] | None:
         """This worker's events of its last training step (None before one, or on a rank with

@@ -17,17 +17,21 @@ Algorithm, per bucket:
   asynchronous on NCCL's stream, launched at the end of the step once every point-to-point
   message of the step is issued (kernels of two communicators that wait on each other across
   ranks are not promised to progress);
-- under gloo, a bucket that some owner completes before its last job (so it can overlap compute)
-  goes to gloo's own asynchronous ``all_reduce`` (its ring runs on gloo's threads) as soon as this
-  worker's share is complete; a bucket that every owner completes only with its last job is
-  reduced at the end of the step over point-to-point messages
-  (:mod:`launcher.runtime.collectives`): by recursive halving and doubling (bandwidth-optimal,
-  in ``2 log2 n`` rounds instead of the ring's ``2 (n - 1)``), or, when it is small
-  (``ROOT_BYTES``), through one root in two rounds. On workers that share cores a round costs a
-  peer's turn on a core, so few rounds win: DDP on 8 workers, 264 KB of gradient, 36 ms a step
-  with gloo's ring and 20 ms through a root; 4 MB, 88 ms with the ring and 81 ms with
-  halving-doubling (``benchmarks/vs_torch_native.py``). Which is which follows from the program, so
-  every owner of a bucket reduces it the same way.
+- under gloo, gloo's own asynchronous ``all_reduce`` (its ring runs on gloo's threads, as
+  DistributedDataParallel's does) as soon as this worker's share is complete: during the backward
+  for a bucket some owner completes before its last job, after the last job otherwise;
+- except, under gloo, a *small* bucket that every owner completes only with its last job
+  (``ROOT_BYTES``: the root moves at most that much each way): it goes through one root in two
+  rounds of point-to-point messages (:func:`~launcher.runtime.collectives.through_root`), where
+  gloo's ring takes ``2 (n - 1)``. On workers that share cores a round costs a peer's turn on a
+  core, so few rounds win: DDP on 8 workers, 264 KB of gradient, 36 ms a step with gloo's ring and
+  20 ms through a root (``benchmarks/vs_torch_native.py``). A large one is bandwidth-bound: it
+  used to be reduced by recursive halving-doubling on the compute thread, which cost that thread
+  its sends and adds (0.7 to 1 ms a step on the MLP benchmark's 3 MB bucket among 4 workers) where
+  DDP's ring costs its compute thread nothing (docs/performance.md, "Collectives per step").
+
+Which is which follows from the program and the stages' sizes, so every owner of a bucket reduces
+it the same way.
 
 NCCL pairs: point-to-point communicators are created lazily on a pair's first message, which
 blocks both ends; two pairs whose first messages form a cycle deadlock. :func:`warm_pairs`
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,7 +50,7 @@ import torch.distributed as dist
 from launcher.schedule.link import ROOT_BYTES
 from launcher.schedule.program import Lowered
 
-from .collectives import halving_doubling, through_root
+from .collectives import through_root
 from .failure import Watchdog, blocked
 
 #: buckets close once they hold this many bytes, the first one sooner: DistributedDataParallel's
@@ -83,6 +87,7 @@ class Bucket:
     numels: list[int]
     ready: int = -1  # this worker's job index after which its share of every stage is complete
     at_end: bool = False  # every owner completes it with its last job: nothing left to overlap
+    small: bool = False  # its root would move at most ROOT_BYTES each way (through a root, at the end)
 
     @property
     def numel(self) -> int:
@@ -113,6 +118,7 @@ def plan_buckets(lowered: Lowered, nbytes: Sequence[int], numels: Sequence[int],
     for i, b in enumerate(every):
         b.index = i
         b.at_end = all(max(points[o][s] for s in b.stages) >= len(lowered.programs[o].jobs) - 1 for o in b.owners)
+        b.small = (len(b.owners) - 1) * sum(nbytes[s] for s in b.stages) <= ROOT_BYTES
     return every
 
 
@@ -138,18 +144,20 @@ class Replicas:
                 self.slices[s] = part
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._make_groups(every, worker, group)
+        #: called at the end of each step once every collective of the step's buckets is launched,
+        #: before any is waited for (:meth:`~launcher.runtime.engine.Engine.after_reduce_launched`)
+        self.on_launched: Callable[[], None] | None = None
         # what the point-to-point all-reduces receive into, allocated once (a fresh megabyte
         # buffer each step costs a page fault per 4 KiB on first touch)
-        sizes = [(len(b.owners) - 1 if self._small(b, f) else 1) * f.numel()
-                 for b, f in zip(self.buckets, self.flats) if not self.nccl and b.at_end]
+        sizes = [(len(b.owners) - 1) * f.numel() for b, f in zip(self.buckets, self.flats) if self._by_root(b)]
         dtype = self.flats[0].dtype if self.flats else torch.float32
         self.scratch = torch.empty(max(sizes, default=0), dtype=dtype, device=device)
         self.reset()
 
-    @staticmethod
-    def _small(b: Bucket, flat: torch.Tensor) -> bool:
-        """Whether a bucket goes through one root: that root moves at most ``ROOT_BYTES`` each way."""
-        return (len(b.owners) - 1) * flat.numel() * flat.element_size() <= ROOT_BYTES
+    def _by_root(self, b: Bucket) -> bool:
+        """Whether ``b`` is reduced through one root at the end of the step (gloo, small, and
+        nothing to overlap): every other bucket is a collective of the backend."""
+        return not self.nccl and b.at_end and b.small
 
     def _make_groups(self, every: list[Bucket], worker: int | None, group: dist.ProcessGroup | None) -> None:
         """A process group per owner set that some bucket all-reduces with a collective.
@@ -159,7 +167,7 @@ class Replicas:
         the world builds its engine, ranks with no worker too, and makes every such group; the
         decision is the program's, the same on every process. A set of every rank of the engine's
         group uses that group."""
-        sets = sorted({b.owners for b in every if self.nccl or not b.at_end})  # those with a collective
+        sets = sorted({b.owners for b in every if not self._by_root(b)})  # those with a collective
         if not sets:
             return
         if group is not None and dist.get_world_size(group) != dist.get_world_size():
@@ -192,11 +200,11 @@ class Replicas:
         return first
 
     def _overlaps(self, b: Bucket) -> bool:
-        """Whether ``b`` is all-reduced during the step: under gloo a bucket some owner completes
-        before its last job (gloo's own all-reduce, on its threads). Under NCCL every bucket waits
-        for the end of the step: an all-reduce kernel on its group's communicator while the step's
-        point-to-point kernels still run on the pairs' could wait on each other across ranks."""
-        return not self.nccl and not b.at_end
+        """Whether ``b`` is launched as soon as this worker's share is complete: under gloo every
+        bucket not reduced through a root (gloo's own all-reduce, on its threads). Under NCCL every
+        bucket waits for the end of the step: an all-reduce kernel on its group's communicator while
+        the step's point-to-point kernels still run on the pairs' could wait on each other across ranks."""
+        return not self.nccl and not self._by_root(b)
 
     def launch_ready(self, done: int) -> None:
         """Launch, in order, every bucket reduced during the step whose shares are complete once
@@ -222,19 +230,21 @@ class Replicas:
         if self.worker is None:
             return
         self.launch_ready(len(self.lowered.programs[self.worker].jobs))
+        ends = [i for i, b in enumerate(self.buckets) if not self._overlaps(b)]  # the end of the step's
+        for i in ends:
+            self._zero_unwritten(self.buckets[i])
+            if self.nccl:  # in the common order
+                self.pending.append(dist.all_reduce(self.flats[i], group=self.groups[self.buckets[i].owners],
+                                                    async_op=True))
+        if self.on_launched is not None:  # every collective of the buckets is on its way
+            self.on_launched()
         with blocked(watchdog):
-            for i, b in enumerate(self.buckets):  # the end of the step's, in the common order
-                if self._overlaps(b):
-                    continue
-                flat = self.flats[i]
-                self._zero_unwritten(b)
-                if self.nccl:
-                    self.pending.append(dist.all_reduce(flat, group=self.groups[b.owners], async_op=True))
-                    continue
-                algorithm = through_root if self._small(b, flat) else halving_doubling
-                algorithm(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
-                          functools.partial(self.lowered.reduce_tag, b.index), self.group, clock,
-                          self.scratch if self.scratch.dtype == flat.dtype else None)
+            if not self.nccl:
+                for i in ends:  # through a root, in the common order
+                    b, flat = self.buckets[i], self.flats[i]
+                    through_root(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
+                                 functools.partial(self.lowered.reduce_tag, b.index), self.group, clock,
+                                 self.scratch if self.scratch.dtype == flat.dtype else None)
             for work in self.pending:
                 work.wait()
 

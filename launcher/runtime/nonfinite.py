@@ -10,9 +10,11 @@ at all of them finds this worker's first non-finite value. "First" is an order e
 not the time a job ran: the lowest micro-batch, and within it forwards by stage, then the loss,
 then backwards from the last stage down (how a NaN travels), then the summed gradients. The workers
 agree on it within the step's existing loss all-reduce (:func:`agree`: one extra element, and a
-second tiny all-reduce only in a step that has a non-finite value), so every rank stops, or skips,
-together. The same all-reduce carries the gradient-clipping norm's squared shares where the
-strategy can compute them then (see docs/performance.md, "Collectives per step").
+second tiny all-reduce only in a step that has a non-finite value, :func:`lowest`), so every rank
+stops, or skips, together. The same all-reduce carries the gradient-clipping norm's squared shares
+where the strategy can compute them then; under ddp the flag is computed on the device
+(:meth:`Finite.flag`) and the all-reduce launched beside the last gradient bucket's (see
+docs/performance.md, "Collectives per step").
 
 Under a GradScaler (``16-mixed``) gradients are not checked: an overflow there is the scaler's
 to handle (it skips the step and lowers the scale); losses and activations still are.
@@ -87,6 +89,14 @@ class Finite:
                 if total is not None:  # a stage with no floating-point gradient has nothing to mark
                     self.marks.append((self._key(self.B, self.S - 1 - s), total))
 
+    def flag(self, device: torch.device) -> torch.Tensor:
+        """1.0 if any mark so far is non-finite, else 0.0: a 0-d float64 tensor on ``device``,
+        computed there, with no read back (:meth:`first` says which, when it is 1)."""
+        if not self.marks:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        values = torch.stack([v.to(device, torch.float64).reshape(()) for _, v in self.marks])
+        return (~torch.isfinite(values)).any().to(torch.float64)
+
     def first(self) -> int | None:
         """This worker's first non-finite value of the step, as a code :func:`describe` reads
         (``3 * position + kind``), or None; reads the marks back once."""
@@ -126,9 +136,15 @@ def agree(share: float, code: int | None, device: torch.device, group: Any = Non
     summed = t[2] if extra is not None else None
     if t[1].item() == 0:
         return t[0], None, summed
+    return t[0], lowest(code, device, group), summed
+
+
+def lowest(code: int | None, device: torch.device, group: Any = None) -> int:
+    """The lowest of every rank's first non-finite code (``None``: none on this rank), in a step
+    where some rank has one; collective."""
     c = torch.tensor([_NONE if code is None else code], dtype=torch.int64, device=device)
     dist.all_reduce(c, op=dist.ReduceOp.MIN, group=group)
-    return t[0], int(c.item()), summed
+    return int(c.item())
 
 
 def undo_statistics(stats: Any) -> None:

@@ -61,7 +61,6 @@ class StepState:
         # weights message -> (fetched flat copy, the leaf its gradient is taken against: the copy
         # itself, its trainable prefix, or None when nothing of the stage trains)
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
         self.static_keys: dict[tuple[int, bool], tuple] = {}  # (stage, own weights) -> its forwards' fixed key part
         self.outbox: dict[int, torch.Tensor] = {}  # act/grad message -> its data, packed by its job, until sent
         self.packed: dict[int, torch.Tensor] = {}  # owned stage -> its weights packed for sending, once a step
@@ -74,10 +73,7 @@ class StepState:
         s = op.stage
         if op.weights_mid is None:
             mod = self.engine.modules[s]
-            params = self.params.get(s)
-            if params is None:
-                params = self.params[s] = self.engine.layouts[s].ordered(mod, trainable_only=True)
-            return mod, None, params
+            return mod, None, self.engine.trainable(s)
         mid = op.weights_mid
         L = self.engine.layouts[s]
         if mid not in self.weights:
@@ -104,8 +100,8 @@ class StepState:
     def run(self, op: JobOp) -> None:
         if op.kind == "F":
             self.forward(op)
-        elif op.kind in ("B", "I"):
-            backward(self, op, split_backward=op.kind == "I")
+        elif op.kind in ("B", "I"):  # an I its W follows at once, sending nothing: one whole backward
+            backward(self, op, split_backward=op.kind == "I" and (op.stage, op.microbatch) not in self.engine.whole)
         else:
             weight_grad(self, op)
 

@@ -7,8 +7,8 @@ The simulator's timeline ends with each worker's last job; the runtime then fini
   and each owner receives them: one message of ``grad_bytes[s]`` per ``(s, sender, owner)``, all
   at once (one round);
 - the ``n`` owners of replicated stages (DDP, LPP with G > 1) all-reduce them with the runtime's
-  point-to-point algorithms (:mod:`launcher.runtime.groups`): through one root in 2 rounds when
-  small, else by halving-doubling (:func:`exchanges`). A model of the runtime, not a copy: one
+  algorithms (:mod:`launcher.runtime.groups`): through one root in 2 rounds when small, else
+  by the backend's ring (:func:`exchanges`). A model of the runtime, not a copy: one
   exchange per owner set after the compute, where the runtime cuts large sets into buckets and
   reduces those a worker completes early during its backward (gloo's ring), or all with NCCL's.
 
@@ -47,7 +47,7 @@ class Link:
 
 
 #: a replicated stage set whose root would move at most this many bytes each way ((n - 1) x size)
-#: is all-reduced through one root in two rounds, a larger one by halving-doubling (the runtime's
+#: is all-reduced through one root in two rounds, a larger one by the backend's ring (the runtime's
 #: choice, :mod:`launcher.runtime.groups`)
 ROOT_BYTES = 2 * 2**20
 
@@ -69,8 +69,7 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
     """Per worker: its partial sums to owners (one message each, all at once: one round) and the
     all-reduce of the replicated stages it owns, per owner set, with the runtime's end-of-step
     algorithms: through one root (2 rounds; the root moves ``(n - 1)`` times the bytes each way) when small, else by
-    halving-doubling (``2 log2 p`` rounds, plus 2 when ``n`` is not a power of two ``p``;
-    ``2 (n - 1) / n`` of the bytes each way)."""
+    the backend's ring (``2 (n - 1)`` rounds, ``2 (n - 1) / n`` of the bytes each way)."""
     space, W = tl.schedule.space, tl.schedule.workers
     S, B = space.S, space.microbatches
     grad_kind = space.K - 1  # B, or W when split: the job that makes stage s's weight gradient
@@ -104,11 +103,10 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
                 received[o] += moved
                 rounds[o] += 2
         else:
-            p = 1 << (n.bit_length() - 1)
             for o in group:
                 sent[o] += 2 * (n - 1) / n * nbytes
                 received[o] += 2 * (n - 1) / n * nbytes
-                rounds[o] += 2 * (p.bit_length() - 1) + (2 if p != n else 0)
+                rounds[o] += 2 * (n - 1)
     return [Exchange(max(sends[w], receives[w]) + rounds[w], sent[w], received[w]) for w in range(W)]
 
 

@@ -225,14 +225,15 @@ def test_a_second_loss_during_recovery_ends_the_run_naming_it(monkeypatch: pytes
 
 def test_a_survivor_a_step_behind_takes_the_state_of_the_others(oracle: dict, monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:
-    """Rank 3 dies right after step 3's last all-reduce (``agree``) completed; ranks 0 and 1 finish
+    """Rank 3 dies right after step 3's last all-reduce (ddp's loss and flag, waited for in
+    ``_agreed_locally``) completed; ranks 0 and 1 finish
     step 3 and meet the loss in step 4, while rank 2 meets it in step 3 itself, after that
     all-reduce and before its update (as when an all-reduce completes on some ranks and fails on
     others, which no callback can place). Rank 2 takes the state after step 3 from rank 0 and ends
     its step without an update; the run still equals one device."""
     import launcher.lightning.strategy as strategy_module
 
-    real = strategy_module.agree
+    real = strategy_module.UnifiedStrategy._agreed_locally
     calls = {"n": 0}
 
     def agree_then_fail(*args: Any, **kwargs: Any) -> Any:
@@ -247,7 +248,8 @@ def test_a_survivor_a_step_behind_takes_the_state_of_the_others(oracle: dict, mo
                 raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
         return out
 
-    monkeypatch.setattr(strategy_module, "agree", agree_then_fail)  # the forked workers inherit it
+    # the forked workers inherit it
+    monkeypatch.setattr(strategy_module.UnifiedStrategy, "_agreed_locally", agree_then_fail)
     state = fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}), 4,
                 [LoseWorker(9, 0, signal.SIGKILL, tmp_path)])  # LoseWorker only writes the records here
     records = {int(p.stem[4:]): eval(p.read_text()) for p in tmp_path.glob("rank*.txt")}  # noqa: S307

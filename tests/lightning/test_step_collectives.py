@@ -1,8 +1,15 @@
 """The collectives a training step makes through Lightning beyond the gradient reduction
-(docs/performance.md, "Collectives per step"): at the defaults (clipping by norm at 1.0, non-finite
-check on) the loss, the non-finite check and the clipping norm share one all-reduce; a hook that may
-change gradients between the step and the clipping puts the norm back in its own all-reduce. Both
-give the same parameters, bit for bit (W = 2: a sum of two terms has one order)."""
+(docs/performance.md, "Collectives per step"), at the defaults (clipping by norm at 1.0, non-finite
+check on):
+
+- ddp: every worker holds every gradient, so the clipping norm is each worker's own (no collective),
+  and the loss and the non-finite flag share one all-reduce launched beside the last gradient
+  bucket's (asynchronous), a hook or not;
+- a scheme whose workers hold different stages (lpp, two workers): the loss, the flag and the norm
+  share one all-reduce; a hook that may change gradients between the step and the clipping puts the
+  norm back in its own all-reduce.
+
+Each pair of runs gives the same parameters, bit for bit (W = 2: a sum of two terms has one order)."""
 
 from __future__ import annotations
 
@@ -22,18 +29,19 @@ pytestmark = pytest.mark.timeout(240)
 
 
 class CountSmallAllReduces(L.Callback):
-    """Counts, per training batch, the all-reduces of at most 3 elements (the step's scalars; the
-    gradient buckets are larger) and writes the counts to ``out/rank<r>.json``."""
+    """Records, per training batch, the all-reduces of at most 3 elements (the step's scalars; the
+    gradient buckets are larger), each as ``"async"`` or ``"sync"``, and writes them to
+    ``out/rank<r>.json``."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.counts, self.real = out, [], dist.all_reduce
+        self.out, self.calls, self.real = out, [], dist.all_reduce
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.counts.append(0)
+        self.calls.append([])
 
         def counting(t, *a, **kw):
             if t.numel() <= 3:
-                self.counts[-1] += 1
+                self.calls[-1].append("async" if kw.get("async_op") else "sync")
             return self.real(t, *a, **kw)
 
         dist.all_reduce = counting
@@ -42,7 +50,7 @@ class CountSmallAllReduces(L.Callback):
         dist.all_reduce = self.real
 
     def on_train_end(self, trainer, pl_module) -> None:
-        (self.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(self.counts))
+        (self.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(self.calls))
 
 
 class Hooked(GPT):
@@ -50,11 +58,12 @@ class Hooked(GPT):
         pass
 
 
-def _fit(tmp_path: Path, cls: type[GPT]) -> tuple[GPT, list[list[int]]]:
+def _fit(tmp_path: Path, cls: type[GPT], scheme: str) -> tuple[GPT, list[list[list[str]]]]:
     tmp_path.mkdir()
     torch.manual_seed(0)
     model = cls(seq_len=8, d_model=16, n_head=2, n_layer=2, max_steps=2)  # tiny_gpt's, as a subclass may be
-    st = UnifiedStrategy("ddp", stages=4, microbatches=2)
+    st = UnifiedStrategy(scheme, stages=4, microbatches=2, **({"G": 1, "R": 2} if scheme == "lpp" else {}))
+    assert st.workers == 2
     # gradient_clip_val=1.0: the launcher's default
     tr = quiet_trainer(st, st.workers, max_steps=2, precision="64-true", gradient_clip_val=1.0,
                        callbacks=[CountSmallAllReduces(tmp_path)])
@@ -62,11 +71,15 @@ def _fit(tmp_path: Path, cls: type[GPT]) -> tuple[GPT, list[list[int]]]:
     return model, [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(st.workers)]
 
 
-def test_one_small_all_reduce_per_step(tmp_path):
-    fused, counts = _fit(tmp_path / "fused", GPT)
-    assert counts == [[1, 1], [1, 1]]  # loss + non-finite flag + clipping norm, together
-    apart, counts = _fit(tmp_path / "apart", Hooked)
-    assert counts == [[2, 2], [2, 2]]  # the norm in its own all-reduce, after the hook
-    assert tiny_gpt().state_dict().keys() == fused.state_dict().keys()
-    for k, v in fused.state_dict().items():
-        assert torch.equal(v, apart.state_dict()[k]), k
+@pytest.mark.parametrize("scheme,fused,apart", [
+    ("ddp", ["async"], ["async"]),  # loss + flag beside the last bucket; the norm local, hook or not
+    ("lpp", ["sync"], ["sync", "sync"]),  # loss + flag + norm together; the norm apart after a hook
+])
+def test_small_all_reduces_per_step(tmp_path, scheme, fused, apart):
+    together, calls = _fit(tmp_path / "fused", GPT, scheme)
+    assert calls == [[fused, fused], [fused, fused]]
+    hooked, calls = _fit(tmp_path / "apart", Hooked, scheme)
+    assert calls == [[apart, apart], [apart, apart]]
+    assert tiny_gpt().state_dict().keys() == together.state_dict().keys()
+    for k, v in together.state_dict().items():
+        assert torch.equal(v, hooked.state_dict()[k]), k

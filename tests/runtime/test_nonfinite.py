@@ -85,7 +85,9 @@ def all_finite(ckpt: dict) -> bool:
     (["strategy=gpipe", "G=1", "R=4"], [], "step 3: the loss of micro-batch 0 (at stage 3) is nan"),
     (["strategy=lpp", "G=2", "R=2"], ["+model.where=grad"],
      "step 3: the gradient from stage 2's backward on micro-batch 0 is nan"),
-], ids=["loss-gpipe", "gradient-lpp"])
+    # ddp agrees the flag beside its last gradient bucket, and finds the first value as every scheme does
+    (["strategy=ddp"], ["+model.where=grad"], "step 3: the gradient from stage 2's backward on micro-batch 0 is nan"),
+], ids=["loss-gpipe", "gradient-lpp", "gradient-ddp"])
 def test_stop_names_step_microbatch_stage_and_keeps_the_last_finite_checkpoint(tmp_path, scheme, where, sentence):
     run = tmp_path / "run"
     code, out, err = finished(launcher(*scheme, *SMALL, *where, "trainer.max_steps=6", f"hydra.run.dir={run}",

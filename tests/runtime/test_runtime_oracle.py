@@ -53,7 +53,7 @@ CASES_W4 = (
     # the automatic schedule: each worker's searched sequence, run strictly
     + [Case("gpipe", 1, 4, 4, 8, order="auto", split=True)]
     # replicas' all-reduce: a bucket per stage, launched mid-step (gloo's collective) rather than
-    # at the end (halving-doubling); three replicas (not a power of two) on a subgroup of the four
+    # at the end (through a root: small); three replicas (not a power of two) on a subgroup of the four
     + [Case("ddp", 4, 1, 3, 4, bucket_bytes=1), Case("lpp", 2, 2, 8, 8, order="breadth_first", bucket_bytes=1),
        Case("ddp", 3, 1, 3, 3), Case("ddp", 3, 1, 3, 3, bucket_bytes=1, optimizer="adam")]
     # every case above sends its activations and gradients as a user's run does (transport auto:

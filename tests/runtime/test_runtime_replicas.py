@@ -31,3 +31,33 @@ def test_replicas_start_from_the_root_owners_weights():
     for s, got in enumerate(state):
         for (name, want), (_, have) in zip(oracle.stages[s].named_parameters(), got.items()):
             torch.testing.assert_close(have, want.detach(), rtol=0, atol=1e-12, msg=f"stage {s} {name}")
+
+
+def _ddp_with_the_end_bucket_on_gloos_ring(root_bytes: int | None) -> tuple[list[dict[str, torch.Tensor]] | None, str]:
+    from launcher.runtime import groups
+
+    if root_bytes is not None:  # 0: no bucket is small, so the one reduced at the end goes to gloo's ring
+        groups.ROOT_BYTES = root_bytes
+    engine = Engine(staged_mlp(4), make_schedule("ddp", 4, 4, G=4, R=1), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    last = engine.replicas.buckets[-1]
+    how = "root" if engine.replicas._by_root(last) else "ring" if last.at_end else "overlapped"
+    for seed in (1, 2):  # two steps
+        engine.train_step(mlp_batches(4, seed=seed))
+    return engine.gather_state(0), how
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("root_bytes,how", [(None, "root"), (0, "ring")])
+def test_ddps_end_bucket_through_a_root_or_gloos_ring_equals_one_process(root_bytes, how):
+    """The bucket every owner completes only with its last job: a small one through one root, a large
+    one (here: every one, ROOT_BYTES=0) on gloo's own all-reduce; both train as one process does."""
+    state, used = launch(_ddp_with_the_end_bucket_on_gloos_ring, 4, root_bytes, timeout=20)[0]
+    assert used == how
+    oracle = staged_mlp(4)
+    params = [p for m in oracle.stages for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for seed in (1, 2):
+        reference_step(oracle, opt, mlp_batches(4, seed=seed))  # steps the optimizer
+    for s, got in enumerate(state):
+        for (name, want), (_, have) in zip(oracle.stages[s].named_parameters(), got.items()):
+            torch.testing.assert_close(have, want.detach(), rtol=0, atol=1e-12, msg=f"stage {s} {name}")
