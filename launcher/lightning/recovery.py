@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: where a loss met a survivor when it was in a checkpoint save (:mod:`.outside_step`)
+SAVE = "a checkpoint save"
+
 
 def replan(settings: Settings, workers: int) -> tuple[Settings, str]:
     """The step for ``workers`` survivors, and how it was chosen: the same scheme when its layout
@@ -88,10 +91,11 @@ class Unrecoverable(RuntimeError):
     step is on no survivor): the run ends, naming the loss."""
 
 
-def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
+def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a training step") -> bool:
     """Re-form the group without the lost worker and rebuild the step (the module docstring);
     collective over the survivors. Returns True when this worker must redo the interrupted step,
-    False when it was one step behind and now holds the state after it."""
+    False when it was one step behind and now holds the state after it. ``during``: where the loss
+    met this worker (a training step, a checkpoint save, ...: :mod:`.outside_step`), which is redone."""
     m = current_membership()
     engine = strategy.engine
     assert m is not None and engine is not None and engine.watchdog is not None
@@ -149,17 +153,20 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
         strategy.since_checkpoint.clear()
     seconds = time.monotonic() - failed_at
     m.seconds.append(seconds)
-    record = {"generation": generation, "cause": cause, "lost_ranks": lost, "step": ahead + 1,
-              "seconds": round(seconds, 3), "steps_lost": lost_steps, "redone": 1, "from": where,
+    # the step the loss interrupted; a save's loss came after the step whose state it saved
+    at = ahead if during == SAVE else ahead + 1
+    record = {"generation": generation, "cause": cause, "lost_ranks": lost, "step": at,
+              "seconds": round(seconds, 3), "steps_lost": lost_steps, "redone": 1, "during": during, "from": where,
               "moved_stages": moved["stages"], "moved_bytes": moved["bytes"],
               "scheme_before": _label(before), "scheme_after": _label(after), "chosen_by": how,
               "workers": [len(survivors) + len(lost), len(survivors)]}
     strategy.recoveries.append(record)
     if new_rank == 0:
         log.warning("recovered from the loss of rank %s at step %d in %.2f s: W %d -> %d, %s -> %s (%s); state "
-                    "from %s, the interrupted step redone, %d steps lost and replayed. Cause: %s",
-                    ", ".join(map(str, lost)), ahead + 1, seconds, len(survivors) + len(lost), len(survivors),
-                    _label(before), _label(after), how, where, lost_steps, cause)
+                    "from %s, the interrupted %s redone, %d steps lost and replayed. Cause: %s",
+                    ", ".join(map(str, lost)), at, seconds, len(survivors) + len(lost), len(survivors),
+                    _label(before), _label(after), how, where, during.removeprefix("a ").removeprefix("the "),
+                    lost_steps, cause)
     return not behind
 
 

@@ -154,51 +154,77 @@ def test_each_loss_takes_a_restart_and_one_too_many_ends_the_run_naming_it(oracl
 
 class LoseIn(L.Callback):
     """Rank 2 sends itself ``SIGKILL`` as the first validation batch begins (``where="validation"``),
-    or as the first checkpoint is saved (``where="checkpoint"``)."""
+    inside the checkpoint save of step ``step`` (``where="save"``: Lightning calls
+    ``on_save_checkpoint`` within ``Trainer.save_checkpoint``, between gathering the state and writing
+    it), or after the backward of step ``step`` (``where="clip"``: an ``on_after_backward`` hook, so
+    the clipping norm takes an all-reduce of its own, which the survivors meet the loss in); in the
+    first generation only."""
 
-    def __init__(self, where: str) -> None:
-        self.where = where
+    def __init__(self, where: str, step: int = 0) -> None:
+        self.where, self.step = where, step
 
-    def _lose(self) -> None:
+    def _lose(self, trainer: L.Trainer, where: str, step: int) -> None:
         m = current_membership()
-        if m is not None and m.rank == 2 and m.generation == 0:
+        if where == self.where and m is not None and m.rank == 2 and m.generation == 0 and step >= self.step:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
-        if self.where == "validation":
-            self._lose()
+        self._lose(trainer, "validation", self.step)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict) -> None:
-        if self.where == "checkpoint":
-            self._lose()
+        self._lose(trainer, "save", trainer.global_step)
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self._lose(trainer, "clip", trainer.global_step + 1)
 
 
-def test_a_loss_during_validation_is_recovered_and_one_during_a_checkpoint_save_ends_the_run(
-        oracle: dict, tmp_path: Path) -> None:
+def test_a_loss_during_validation_is_recovered(oracle: dict, tmp_path: Path) -> None:
     """A loss met in a validation step is recovered as in a training step (the validation batch
-    redone; the parameters still equal one device's, validation changing none). One met while a
-    checkpoint is saved (Lightning's barrier after the save) cannot be: the run ends as without
-    recovery, naming the lost rank, within the timeout, and nothing is left running."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    def run(where: str, **kw: Any) -> dict:
-        L.seed_everything(0, verbose=False)
-        model = Regressor(max_steps=STEPS).double()
-        tr = quiet_trainer(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}, timeout=5), 4,
-                           precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, val_check_interval=2,
-                           limit_val_batches=1, callbacks=[LoseIn(where), *kw.pop("callbacks", [])], **kw)
-        # an unshuffled validation loader: validating draws nothing from the training order's generator
-        tr.fit(model, train_dataloaders=user_loader(), val_dataloaders=user_loader(shuffle=False))
-        return model.state_dict()
-
-    state = run("validation", callbacks=[LoseWorker(9, 0, signal.SIGKILL, tmp_path)])  # writes the records
+    redone; the parameters still equal one device's, validation changing none)."""
+    L.seed_everything(0, verbose=False)
+    model = Regressor(max_steps=STEPS).double()
+    tr = quiet_trainer(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}, timeout=5), 4,
+                       precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, val_check_interval=2,
+                       limit_val_batches=1,
+                       callbacks=[LoseIn("validation"), LoseWorker(9, 0, signal.SIGKILL, tmp_path)])
+    # an unshuffled validation loader: validating draws nothing from the training order's generator
+    tr.fit(model, train_dataloaders=user_loader(), val_dataloaders=user_loader(shuffle=False))
     records = eval((tmp_path / "rank0.txt").read_text())  # noqa: S307 - our own repr
     assert [(r["lost_ranks"], r["step"]) for r in records] == [([2], 3)]  # after step 2's validation began
-    assert max_diff(oracle, state) < TOL
-    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)
-    with pytest.raises(WorkerFailed, match=r"^rank 2 failed while running .*killed by SIGKILL"):
-        run("checkpoint", enable_checkpointing=True, callbacks=[saves])
+    assert max_diff(oracle, model.state_dict()) < TOL
+
+
+@pytest.mark.parametrize(("scheme", "where", "steps_lost"), [
+    ("ddp", "save", 0),  # single-file checkpoints, state from memory
+    ("fsdp", "save", 2),  # sharded: the failed step-4 save discarded, state from the step-2 one, 3-4 replayed
+    ("ddp", "clip", 0), ("gpipe", "clip", 1)])  # gpipe: from the step-2 checkpoint, step 3 replayed
+def test_a_loss_outside_a_step_is_recovered_and_what_it_interrupted_redone(
+        scheme: str, where: str, steps_lost: int, oracle: dict, tmp_path: Path) -> None:
+    """Rank 2 lost inside step 4's checkpoint save, or in the clipping's own all-reduce of step 4
+    (checkpoints every 2 steps, all kept): the save (or the step) is redone after the recovery, every
+    checkpoint on disk is whole (none half-written, no temporary left), the step-4 one holds the
+    final parameters, and those equal one device's."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from helpers.training import load_checkpoint
+
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    L.seed_everything(0, verbose=False)
+    model = Regressor(max_steps=STEPS).double()
+    tr = quiet_trainer(UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1}), 4,
+                       precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, limit_val_batches=0,
+                       enable_checkpointing=True,
+                       callbacks=[saves, LoseIn(where, 4), LoseWorker(9, 0, signal.SIGKILL, tmp_path)])
+    tr.fit(model, train_dataloaders=user_loader())
+    records = eval((tmp_path / "rank0.txt").read_text())  # noqa: S307 - our own repr
+    diff = max_diff(oracle, model.state_dict())
+    print(f"{scheme}, a loss in {where}: {records}; parameters within {diff:.1e} of one device")
+    during = "a checkpoint save" if where == "save" else "the clipping's all-reduce"
+    assert [(r["lost_ranks"], r["during"], r["steps_lost"]) for r in records] == [([2], during, steps_lost)]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    assert max_diff(model.state_dict(), load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")["state_dict"]) == 0
+    assert diff < TOL
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
 
 
