@@ -103,13 +103,16 @@ def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a traini
     announcement = watchdog.recovery
     assert announcement is not None
     generation, survivors, cause = announcement
-    lost = sorted(set(m.members) - set(survivors))
+    before_members = list(m.members)
     held = sorted(engine.owned)  # the stages whose state this worker holds
     if engine.links is not None:
         engine.links.close()
     strategy.engine = None
     del engine
-    rejoin(m, watchdog, generation, survivors, PG_TIMEOUT)
+    # a further loss while the group re-forms is folded in: the generation joined may be a later one
+    generation, survivors, causes = rejoin(m, watchdog, generation, survivors, PG_TIMEOUT)
+    cause = "; then ".join(causes) or cause
+    lost = sorted(set(before_members) - set(survivors))
     new_rank, world = m.new_rank, len(survivors)
     strategy.rejoined(new_rank, world)
 
