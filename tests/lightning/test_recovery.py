@@ -346,12 +346,32 @@ def test_the_command_line_recovers_and_equals_strategy_single(scheme: str, sourc
     assert diff < TOL
 
 
-def test_recoveries_reach_the_wandb_summary() -> None:
-    from launcher.report.wandb_log import summary_of
+def test_recoveries_reach_the_wandb_summary_and_one_row_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offline W&B run, read back from its ``.wandb`` file: the summary counts the recoveries,
+    their seconds and steps lost; the ``recovery_events`` table has one row per recovery."""
+    import wandb
+
+    from launcher.report.wandb_log import RECOVERY_COLUMNS, log_summary, summary_of
+    from launcher.report.wandb_read import find_runs, read_run
 
     pm = {"predicted": 1.0, "measured": 1.0}
-    metrics = {"latency_s": pm, "throughput_samples_per_s": pm, "bubble_fraction": pm,
-               "recoveries": [{"seconds": 0.5, "steps_lost": 0}, {"seconds": 1.0, "steps_lost": 2}]}
+    recoveries = [{"generation": 1, "step": 3, "seconds": 0.5, "steps_lost": 0, "lost_ranks": [2], "workers": [4, 3],
+                   "cause": "rank 2 failed", "during": "a training step", "from": "memory"},
+                  {"generation": 2, "step": 5, "seconds": 1.0, "steps_lost": 2, "lost_ranks": [0], "workers": [3, 2],
+                   "cause": "rank 0 failed", "during": "a checkpoint save", "from": "checkpoint c"}]
+    metrics = {"latency_s": pm, "throughput_samples_per_s": pm, "bubble_fraction": pm, "per_worker": {},
+               "recoveries": recoveries}
     got = summary_of(metrics)
     assert (got["recoveries"], got["recovery_s"], got["recovery_steps_lost"]) == (2, 1.5, 2)
     assert "recoveries" not in summary_of({**metrics, "recoveries": []})
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(dir=str(tmp_path), project="recoveries")
+    log_summary(run, metrics, tmp_path)
+    run.finish()
+    r = read_run(find_runs(tmp_path)[0])
+    assert (r.summary["recoveries"], r.summary["recovery_s"]) == (2, 1.5)
+    table = json.loads((Path(r.dir) / "files" / r.summary["recovery_events/path"]).read_text())
+    assert table["columns"] == RECOVERY_COLUMNS
+    assert [(row[1], row[2], row[5]) for row in table["data"]] == [(3, 0.5, "a training step"),
+                                                                  (5, 1.0, "a checkpoint save")]
