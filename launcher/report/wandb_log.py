@@ -48,7 +48,7 @@ RECOVERY_COLUMNS = ["generation", "step", "seconds", "steps_lost", "lost_ranks",
 
 def recovery_rows(metrics: Mapping[str, Any]) -> list[list[Any]]:
     """One row per entry of ``metrics.json``'s ``recoveries`` (:data:`RECOVERY_COLUMNS`)."""
-    rows = []
+    rows: list[list[Any]] = []
     for r in metrics.get("recoveries") or []:
         before, after = (r.get("workers") or [None, None])[:2]
         rows.append([r.get("generation"), r.get("step"), r.get("seconds"), r.get("steps_lost"),
