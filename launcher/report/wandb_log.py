@@ -66,7 +66,7 @@ def log_summary(run: Any, metrics: Mapping[str, Any], out_dir: str | Path) -> No
     extra: dict[str, Any] = {"per_worker": wandb.Table(columns=["worker", "metric", "predicted", "measured"],
                                                         data=per_worker_rows(metrics))}
     if metrics.get("recoveries"):
-        extra["recovery_events"] = wandb.Table(columns=RECOVERY_COLUMNS, data=recovery_rows(metrics))
+        extra["recovery_events"] = wandb.Table(columns=list[str | int](RECOVERY_COLUMNS), data=recovery_rows(metrics))
     png = Path(out_dir) / metrics["diagram"] if metrics.get("diagram") else None
     if png is not None and png.exists():
         extra["pipeline"] = wandb.Image(str(png))
