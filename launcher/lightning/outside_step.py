@@ -6,7 +6,8 @@ redone after it).
   gathered state, the sharded write's collectives, the barrier after it) on a survivor whose peer
   was lost. Both formats write under a temporary name and swap it in whole, so the failed save left
   nothing under the checkpoint's name (the previous checkpoint stays the last one; a sharded run's
-  recovery reads it). After the recovery the survivors save again, under the new layout.
+  recovery reads it). After the recovery the survivors save again, under the new layout; the
+  temporary file a lost writer left is removed first.
 - **The clipping's own all-reduce** (:func:`reduce_norm_or_recover`): when the norm is not fused
   into the step's all-reduce (a hook between the backward and the clipping, such as
   ``on_after_backward``), a survivor meets the loss after its training step returned, inside
@@ -21,6 +22,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+from ..atomic import remove_leftovers
 
 if TYPE_CHECKING:
     from .strategy import UnifiedStrategy
@@ -47,6 +50,11 @@ def recovering_saves(strategy: UnifiedStrategy, trainer: Any) -> None:
             # Every survivor had completed the same steps (the save comes after the step), so the
             # state is the one after the last step, whether this worker redoes a step or not.
             recover(strategy, failed_at, during=SAVE)
+            path = kwargs.get("filepath", args[0] if args else None)
+            if strategy.global_rank == 0 and path is not None:
+                # a single file's writer (the old rank 0) lost mid-write left its temporary file; a
+                # sharded save's temporary directory is removed by the save itself
+                remove_leftovers(path)
 
     save_checkpoint.recovers = True  # type: ignore[attr-defined]
     trainer.save_checkpoint = save_checkpoint

@@ -11,6 +11,7 @@ start of the chosen step, in the first generation only; nothing may be left runn
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -195,33 +196,71 @@ def test_a_loss_during_validation_is_recovered(oracle: dict, tmp_path: Path) -> 
     assert max_diff(oracle, model.state_dict()) < TOL
 
 
-@pytest.mark.parametrize(("scheme", "where", "steps_lost"), [
-    ("ddp", "save", 0),  # single-file checkpoints, state from memory
-    ("fsdp", "save", 2),  # sharded: the failed step-4 save discarded, state from the step-2 one, 3-4 replayed
-    ("ddp", "clip", 0), ("gpipe", "clip", 1)])  # gpipe: from the step-2 checkpoint, step 3 replayed
+def lose_in_the_write(monkeypatch: pytest.MonkeyPatch, rank: int, step: int) -> None:
+    """Rank ``rank`` sends itself ``SIGKILL`` in the middle of writing step ``step``'s checkpoint, in
+    the first generation: a single file after some of its bytes are in the temporary file (rank 0
+    writes it), a sharded one as DCP writes this rank's shard (between DCP's collectives)."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    import launcher.lightning.checkpoint_io as checkpoint_io
+
+    def lost(path: Any) -> bool:
+        m = current_membership()
+        return m is not None and m.generation == 0 and m.rank == rank and f"step={step}." in str(path)
+
+    replacing, write_data = checkpoint_io.replacing, dcp_fs._FileSystemWriter.write_data
+
+    @contextlib.contextmanager
+    def half_then_lost(path: Any, *args: Any, **kwargs: Any) -> Any:
+        with replacing(path, *args, **kwargs) as f:
+            if lost(path):
+                f.write(b"half a checkpoint")
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield f
+
+    def lost_in_dcp(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if lost(self.path):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_io, "replacing", half_then_lost)  # the forked workers inherit both
+    monkeypatch.setattr(dcp_fs._FileSystemWriter, "write_data", lost_in_dcp)
+
+
+@pytest.mark.parametrize(("scheme", "where", "rank", "steps_lost"), [
+    ("ddp", "save", 2, 0),  # single-file checkpoints, state from memory
+    ("fsdp", "save", 2, 2),  # sharded: the failed step-4 save discarded, state from the step-2 one, 3-4 replayed
+    ("ddp", "write", 0, 0),  # the writer itself lost halfway through the file
+    ("fsdp", "write", 2, 2),  # lost inside DCP's write, between its collectives
+    ("ddp", "clip", 2, 0), ("gpipe", "clip", 2, 1)])  # gpipe: from the step-2 checkpoint, step 3 replayed
 def test_a_loss_outside_a_step_is_recovered_and_what_it_interrupted_redone(
-        scheme: str, where: str, steps_lost: int, oracle: dict, tmp_path: Path) -> None:
-    """Rank 2 lost inside step 4's checkpoint save, or in the clipping's own all-reduce of step 4
-    (checkpoints every 2 steps, all kept): the save (or the step) is redone after the recovery, every
-    checkpoint on disk is whole (none half-written, no temporary left), the step-4 one holds the
-    final parameters, and those equal one device's."""
+        scheme: str, where: str, rank: int, steps_lost: int, oracle: dict, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank ``rank`` lost inside step 4's checkpoint save (in a hook, or in the middle of the write),
+    or in the clipping's own all-reduce of step 4 (checkpoints every 2 steps, all kept): the save (or
+    the step) is redone after the recovery, every checkpoint on disk is whole (none half-written, no
+    temporary left), the step-4 one holds the final parameters, and those equal one device's."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from helpers.training import load_checkpoint
+    from launcher.lightning.checkpoint_io import AtomicCheckpointIO
 
+    if where == "write":
+        lose_in_the_write(monkeypatch, rank, 4)
     saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     L.seed_everything(0, verbose=False)
     model = Regressor(max_steps=STEPS).double()
     tr = quiet_trainer(UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1}), 4,
                        precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, limit_val_batches=0,
-                       enable_checkpointing=True,
+                       enable_checkpointing=True, plugins=[AtomicCheckpointIO()],  # the command line's writer
                        callbacks=[saves, LoseIn(where, 4), LoseWorker(9, 0, signal.SIGKILL, tmp_path)])
     tr.fit(model, train_dataloaders=user_loader())
-    records = eval((tmp_path / "rank0.txt").read_text())  # noqa: S307 - our own repr
+    records = eval((tmp_path / f"rank{1 if rank == 0 else 0}.txt").read_text())  # noqa: S307 - our own repr
     diff = max_diff(oracle, model.state_dict())
     print(f"{scheme}, a loss in {where}: {records}; parameters within {diff:.1e} of one device")
-    during = "a checkpoint save" if where == "save" else "the clipping's all-reduce"
-    assert [(r["lost_ranks"], r["during"], r["steps_lost"]) for r in records] == [([2], during, steps_lost)]
+    during = "the clipping's all-reduce" if where == "clip" else "a checkpoint save"
+    assert [(r["lost_ranks"], r["during"], r["steps_lost"]) for r in records] == [([rank], during, steps_lost)]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
     assert max_diff(model.state_dict(), load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")["state_dict"]) == 0
     assert diff < TOL
