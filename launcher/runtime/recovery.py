@@ -129,12 +129,13 @@ def _gathered(store: dist.Store, watchdog: Watchdog, generation: int,
     announces a later generation (returned). The launcher ends the run (the watchdog's ``aborted``,
     or this process killed) when neither comes within its bound."""
     keys = [joining_key(generation, r) for r in survivors]
-    while True:
-        found = watchdog.recovery
-        if found is not None and found[0] > generation:
-            return found
-        if watchdog.aborted is not None:
-            raise WorkerAborted(watchdog.aborted)
-        if store.check(keys):
-            return None
-        time.sleep(0.02)
+    with watchdog.blocked():  # waiting for peers: one that hangs meanwhile is named as in a collective
+        while True:
+            found = watchdog.recovery
+            if found is not None and found[0] > generation:
+                return found
+            if watchdog.aborted is not None:
+                raise WorkerAborted(watchdog.aborted)
+            if store.check(keys):
+                return None
+            time.sleep(0.02)
