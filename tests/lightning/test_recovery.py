@@ -137,6 +137,16 @@ def test_a_scheme_it_cannot_recover_is_refused_before_any_worker_starts() -> Non
         "with G>1 or R=1, recovered from memory), or fault.restarts=0."]
 
 
+def test_a_loss_before_the_first_checkpoint_ends_the_run_naming_it(tmp_path: Path) -> None:
+    """fsdp (each stage on one worker) loses rank 2 at step 2, before any checkpoint: the lost stage
+    is nowhere, so the run ends, its sentence naming the lost rank and why, and nothing is left running."""
+    with pytest.raises(WorkerFailed, match=r"after the loss of rank 2 \(rank 2 failed .*killed by SIGKILL\)\), a stage "
+                                           r"was held only by the lost worker and no sharded checkpoint was written"):
+        fit(UnifiedStrategy("fsdp", stages=4, microbatches=B, fault={"restarts": 1}, timeout=5), 4,
+            [LoseWorker(2, 2, signal.SIGKILL, tmp_path)])
+    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
 def test_each_loss_takes_a_restart_and_one_too_many_ends_the_run_naming_it(oracle: dict, tmp_path: Path) -> None:
     """Two losses (rank 3 at step 2, then rank 0 at step 3): ``fault.restarts=2`` recovers both
     (W 4 -> 3 -> 2) and still equals one device; ``fault.restarts=1`` recovers the first and ends
@@ -157,9 +167,10 @@ class LoseIn(L.Callback):
     """Rank 2 sends itself ``SIGKILL`` as the first validation batch begins (``where="validation"``),
     inside the checkpoint save of step ``step`` (``where="save"``: Lightning calls
     ``on_save_checkpoint`` within ``Trainer.save_checkpoint``, between gathering the state and writing
-    it), or after the backward of step ``step`` (``where="clip"``: an ``on_after_backward`` hook, so
-    the clipping norm takes an all-reduce of its own, which the survivors meet the loss in); in the
-    first generation only."""
+    it), after the backward of step ``step`` (``where="clip"``: an ``on_after_backward`` hook, so
+    the clipping norm takes an all-reduce of its own, which the survivors meet the loss in), or
+    after step ``step`` (``where="between"``: the survivors meet it in ``ModelCheckpoint``'s agreement
+    on whether the file exists, a reduce, before its save); in the first generation only."""
 
     def __init__(self, where: str, step: int = 0) -> None:
         self.where, self.step = where, step
@@ -178,6 +189,9 @@ class LoseIn(L.Callback):
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
         self._lose(trainer, "clip", trainer.global_step + 1)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._lose(trainer, "between", trainer.global_step)
 
 
 def test_a_loss_during_validation_is_recovered(oracle: dict, tmp_path: Path) -> None:
@@ -233,14 +247,16 @@ def lose_in_the_write(monkeypatch: pytest.MonkeyPatch, rank: int, step: int) -> 
     ("fsdp", "save", 2, 2),  # sharded: the failed step-4 save discarded, state from the step-2 one, 3-4 replayed
     ("ddp", "write", 0, 0),  # the writer itself lost halfway through the file
     ("fsdp", "write", 2, 2),  # lost inside DCP's write, between its collectives
-    ("ddp", "clip", 2, 0), ("gpipe", "clip", 2, 1)])  # gpipe: from the step-2 checkpoint, step 3 replayed
+    ("ddp", "clip", 2, 0), ("gpipe", "clip", 2, 1),  # gpipe: from the step-2 checkpoint, step 3 replayed
+    ("ddp", "between", 2, 0), ("fsdp", "between", 2, 2)])
 def test_a_loss_outside_a_step_is_recovered_and_what_it_interrupted_redone(
         scheme: str, where: str, rank: int, steps_lost: int, oracle: dict, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank ``rank`` lost inside step 4's checkpoint save (in a hook, or in the middle of the write),
-    or in the clipping's own all-reduce of step 4 (checkpoints every 2 steps, all kept): the save (or
-    the step) is redone after the recovery, every checkpoint on disk is whole (none half-written, no
-    temporary left), the step-4 one holds the final parameters, and those equal one device's."""
+    in the clipping's own all-reduce of step 4, or just before step 4's save (checkpoints every 2
+    steps, all kept): the save (or the step, or the collective) is redone after the recovery, every
+    checkpoint on disk is whole (none half-written, no temporary left), the step-4 one holds the
+    final parameters, and those equal one device's."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from helpers.training import load_checkpoint
@@ -259,7 +275,7 @@ def test_a_loss_outside_a_step_is_recovered_and_what_it_interrupted_redone(
     records = eval((tmp_path / f"rank{1 if rank == 0 else 0}.txt").read_text())  # noqa: S307 - our own repr
     diff = max_diff(oracle, model.state_dict())
     print(f"{scheme}, a loss in {where}: {records}; parameters within {diff:.1e} of one device")
-    during = "the clipping's all-reduce" if where == "clip" else "a checkpoint save"
+    during = {"clip": "the clipping's all-reduce", "between": "a reduce"}.get(where, "a checkpoint save")
     assert [(r["lost_ranks"], r["during"], r["steps_lost"]) for r in records] == [([rank], during, steps_lost)]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
     assert max_diff(model.state_dict(), load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")["state_dict"]) == 0
