@@ -14,14 +14,12 @@ redone after it).
   Lightning's optimizer closure. After the recovery it redoes the step's closure as Lightning ran
   it (the step under the new engine, the backward hooks, ``on_before_optimizer_step``) and clips
   the new gradients.
-- **The strategy's own collectives between steps** (:func:`recovering_collective`: ``barrier``,
-  ``broadcast``, ``reduce``, as ``ModelCheckpoint`` calls them around a save): run again in the new group.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -29,8 +27,6 @@ from ..atomic import remove_leftovers
 
 if TYPE_CHECKING:
     from .strategy import UnifiedStrategy
-
-T = TypeVar("T")
 
 
 def recovering_saves(strategy: UnifiedStrategy, trainer: Any) -> None:
@@ -45,14 +41,11 @@ def recovering_saves(strategy: UnifiedStrategy, trainer: Any) -> None:
 
         while True:
             try:
-                strategy.saving = True  # a loss met in the save's own barrier: the save is redone, not the barrier
                 return save(*args, **kwargs)
             except Exception as e:
                 if not recoverable(strategy, e):
                     raise
                 failed_at = time.monotonic()
-            finally:
-                strategy.saving = False
             # outside the except clause: the failure's traceback (and the old group it holds) is gone.
             # Every survivor had completed the same steps (the save comes after the step), so the
             # state is the one after the last step, whether this worker redoes a step or not.
@@ -65,28 +58,6 @@ def recovering_saves(strategy: UnifiedStrategy, trainer: Any) -> None:
 
     save_checkpoint.recovers = True  # type: ignore[attr-defined]
     trainer.save_checkpoint = save_checkpoint
-
-
-def recovering_collective(strategy: UnifiedStrategy, during: str, run: Callable[[], T],
-                          restore: Callable[[], None] | None = None) -> T:
-    """``run()`` (one of the strategy's own collectives: a barrier, a broadcast, a reduce, which
-    Lightning and its callbacks call between steps, e.g. ``ModelCheckpoint``'s agreement on whether
-    a file exists); when a worker is lost meanwhile, recover and run it again in the new group
-    (``restore`` first puts back what the failed attempt may have changed in place)."""
-    from .recovery import recover, recoverable
-
-    if strategy.saving:  # inside a checkpoint save: the save is redone as a whole (recovering_saves)
-        return run()
-    while True:
-        try:
-            return run()
-        except Exception as e:
-            if not recoverable(strategy, e):
-                raise
-            failed_at = time.monotonic()
-        recover(strategy, failed_at, during=during)  # between steps: every survivor completed the same steps
-        if restore is not None:
-            restore()
 
 
 def reduce_norm_or_recover(strategy: UnifiedStrategy, sq: torch.Tensor) -> bool:

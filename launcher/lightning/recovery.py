@@ -47,9 +47,6 @@ log = logging.getLogger(__name__)
 
 #: where a loss met a survivor when it was in a checkpoint save (:mod:`.outside_step`)
 SAVE = "a checkpoint save"
-#: where a loss meets survivors after a step and before the next (:mod:`.outside_step`): the step
-#: it interrupted is the last completed one
-BETWEEN_STEPS = (SAVE, "a barrier", "a broadcast", "a reduce")
 
 
 def replan(settings: Settings, workers: int) -> tuple[Settings, str]:
@@ -162,8 +159,8 @@ def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a traini
         strategy.since_checkpoint.clear()
     seconds = time.monotonic() - failed_at
     m.seconds.append(seconds)
-    # the step the loss interrupted; one between steps (a save, a barrier) came after the last completed one
-    at = ahead if during.startswith(BETWEEN_STEPS) else ahead + 1
+    # the step the loss interrupted; a save's loss came after the step whose state it saved
+    at = ahead if during == SAVE else ahead + 1
     record = {"generation": generation, "cause": cause, "lost_ranks": lost, "step": at,
               "seconds": round(seconds, 3), "steps_lost": lost_steps, "redone": 1, "during": during, "from": where,
               "moved_stages": moved["stages"], "moved_bytes": moved["bytes"],

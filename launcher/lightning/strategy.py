@@ -67,7 +67,7 @@ from .keywords import keyword_errors, keyword_settings
 from .launcher import ForkLauncher
 from .lightning_private import batch_in_step, train_dataloaders
 from .loader_position import KeepsLoaderPositions, Positions
-from .outside_step import recovering_collective, recovering_saves
+from .outside_step import recovering_saves
 from .precision import (
     all_reduce,
     clipped_gradients,
@@ -212,7 +212,6 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self.last_checkpoint: tuple[str, int] | None = None
         self.replay_step: int | None = None  # the step a recovery replays, while it does
         self.step_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the training step's arguments
-        self.saving = False  # in Trainer.save_checkpoint (:mod:`.outside_step`)
         self._keeps_batches = False  # a loss could take a stage with it: keep the batches since the checkpoint
 
     # ---- configuration -------------------------------------------------------------------
@@ -501,34 +500,6 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self.positions.load(checkpoint)
         return checkpoint
-
-    # ---- Lightning's collectives between steps: with fault.restarts, run again after a recovery
-    @override
-    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        if not self.run.fault.restarts:
-            return super().barrier(name, *args, **kwargs)
-        return recovering_collective(self, f"a barrier ({name})" if name else "a barrier",
-                                     lambda: super(UnifiedStrategy, self).barrier(name, *args, **kwargs))
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not self.run.fault.restarts:
-            return super().broadcast(obj, src)
-        return recovering_collective(self, "a broadcast", lambda: super(UnifiedStrategy, self).broadcast(obj, src))
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if not self.run.fault.restarts or not isinstance(tensor, torch.Tensor):
-            return super().reduce(tensor, group, reduce_op)
-        kept = tensor.clone()  # reduced in place: a failed attempt may leave it changed
-
-        def reduce() -> Any:
-            return super(UnifiedStrategy, self).reduce(tensor, group, reduce_op)
-
-        def restore() -> None:
-            tensor.copy_(kept)
-
-        return recovering_collective(self, "a reduce", reduce, restore)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

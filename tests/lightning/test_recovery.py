@@ -167,10 +167,9 @@ class LoseIn(L.Callback):
     """Rank 2 sends itself ``SIGKILL`` as the first validation batch begins (``where="validation"``),
     inside the checkpoint save of step ``step`` (``where="save"``: Lightning calls
     ``on_save_checkpoint`` within ``Trainer.save_checkpoint``, between gathering the state and writing
-    it), after the backward of step ``step`` (``where="clip"``: an ``on_after_backward`` hook, so
-    the clipping norm takes an all-reduce of its own, which the survivors meet the loss in), or
-    after step ``step`` (``where="between"``: the survivors meet it in ``ModelCheckpoint``'s agreement
-    on whether the file exists, a reduce, before its save); in the first generation only."""
+    it), or after the backward of step ``step`` (``where="clip"``: an ``on_after_backward`` hook, so
+    the clipping norm takes an all-reduce of its own, which the survivors meet the loss in); in the
+    first generation only."""
 
     def __init__(self, where: str, step: int = 0) -> None:
         self.where, self.step = where, step
@@ -189,9 +188,6 @@ class LoseIn(L.Callback):
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
         self._lose(trainer, "clip", trainer.global_step + 1)
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._lose(trainer, "between", trainer.global_step)
 
 
 def test_a_loss_during_validation_is_recovered(oracle: dict, tmp_path: Path) -> None:
@@ -247,14 +243,13 @@ def lose_in_the_write(monkeypatch: pytest.MonkeyPatch, rank: int, step: int) -> 
     ("fsdp", "save", 2, 2),  # sharded: the failed step-4 save discarded, state from the step-2 one, 3-4 replayed
     ("ddp", "write", 0, 0),  # the writer itself lost halfway through the file
     ("fsdp", "write", 2, 2),  # lost inside DCP's write, between its collectives
-    ("ddp", "clip", 2, 0), ("gpipe", "clip", 2, 1),  # gpipe: from the step-2 checkpoint, step 3 replayed
-    ("ddp", "between", 2, 0), ("fsdp", "between", 2, 2)])
+    ("ddp", "clip", 2, 0), ("gpipe", "clip", 2, 1)])  # gpipe: from the step-2 checkpoint, step 3 replayed
 def test_a_loss_outside_a_step_is_recovered_and_what_it_interrupted_redone(
         scheme: str, where: str, rank: int, steps_lost: int, oracle: dict, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank ``rank`` lost inside step 4's checkpoint save (in a hook, or in the middle of the write),
-    in the clipping's own all-reduce of step 4, or just before step 4's save (checkpoints every 2
-    steps, all kept): the save (or the step, or the collective) is redone after the recovery, every
+    or in the clipping's own all-reduce of step 4 (checkpoints every 2 steps, all kept): the save
+    (or the step) is redone after the recovery, every
     checkpoint on disk is whole (none half-written, no temporary left), the step-4 one holds the
     final parameters, and those equal one device's."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -275,7 +270,7 @@ def test_a_loss_outside_a_step_is_recovered_and_what_it_interrupted_redone(
     records = eval((tmp_path / f"rank{1 if rank == 0 else 0}.txt").read_text())  # noqa: S307 - our own repr
     diff = max_diff(oracle, model.state_dict())
     print(f"{scheme}, a loss in {where}: {records}; parameters within {diff:.1e} of one device")
-    during = {"clip": "the clipping's all-reduce", "between": "a reduce"}.get(where, "a checkpoint save")
+    during = "the clipping's all-reduce" if where == "clip" else "a checkpoint save"
     assert [(r["lost_ranks"], r["during"], r["steps_lost"]) for r in records] == [([rank], during, steps_lost)]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
     assert max_diff(model.state_dict(), load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")["state_dict"]) == 0
