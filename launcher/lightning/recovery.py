@@ -124,6 +124,15 @@ def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a traini
     dist.all_gather_object(found, (done, held))
     ahead = max(d for d, _ in found)
     behind = done < ahead
+    # where each survivor met the loss: each redoes what it was in, so all must have been in the same
+    # kind of thing (a collective completes on some ranks and fails on others: one survivor may still
+    # be in a checkpoint save while another is in the next step, and redone they would not match)
+    points: list[Any] = [None] * world
+    dist.all_gather_object(points, during)
+    if len(set(points)) > 1:
+        where_met = "; ".join(f"rank {m.members[r]} in {p}" for r, p in enumerate(points))
+        raise Unrecoverable(f"after the loss of rank {', '.join(map(str, lost))} ({cause}), the survivors met it "
+                            f"in different places ({where_met}), so they cannot redo the same work")
 
     sources = _sources(found, ahead, strategy.settings.stages)
     before = strategy.settings
