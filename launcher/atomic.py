@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 from pathlib import Path
@@ -62,6 +63,17 @@ def is_disk_full(e: BaseException) -> bool:
 def _tmp_name(path: Path) -> Path:
     # hidden, and not ending in the final suffix: globs such as *.ckpt or *.json never match it
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def remove_leftovers(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files that writers of ``path`` killed mid-write left beside it (any
+    process's :func:`replacing`); call only where no other process is writing ``path``. Returns them."""
+    path = Path(path)
+    found = [p for p in path.parent.glob(f".{glob.escape(path.name)}.*.tmp") if p.is_file()]
+    for p in found:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return found
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -197,7 +197,8 @@ SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "cross", "star", "
 def losses(runs: list[Run]) -> tuple[Any, list[list[str]]]:
     """Training loss per step (lines) and validation loss (markers), one colour per run. Curves
     that coincide (:func:`coinciding`) are drawn one over another, each thinner, with its own dash
-    and staggered markers, under one legend title naming them. Returns the figure and the groups'
+    and staggered markers, under one legend title naming them. Each recovery from a lost worker is
+    a dotted vertical line at its step (:func:`_recovery_marks`). Returns the figure and the groups'
     labels."""
     go, _ = _go()
     fig = go.Figure()
@@ -232,10 +233,45 @@ def losses(runs: list[Run]) -> tuple[Any, list[list[str]]]:
                 marker=dict(symbol=SYMBOLS[k % len(SYMBOLS)] + "-open", size=11 + 3 * (n - 1 - k), color=colour,
                             line=dict(width=2, color=colour)),
                 hovertemplate=f"{r.label}<br>step %{{x}}: validation loss %{{y:.5g}}<extra></extra>"))
+        _recovery_marks(fig, r, colour, group, xs, ys)
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="loss (lines: train, open markers: validation)")
     _layout(fig, 440, legend=dict(groupclick="toggleitem"))
     return fig, [[runs[j].label for j in g] for g in groups]
+
+
+def recovery_text(r: Run, rec: dict) -> str:
+    """One recovery of ``metrics.json``'s ``recoveries`` in words (the mark's tooltip)."""
+    before, after = (rec.get("workers") or [None, None])[:2]
+    lost = ", ".join(map(str, rec.get("lost_ranks") or []))
+    return (f"{r.label}: recovered at step {rec.get('step')} in {rec.get('seconds')} s"
+            f"<br>lost rank {lost} during {rec.get('during', 'a training step')}: W {before} -> {after}, "
+            f"{rec.get('scheme_before')} -> {rec.get('scheme_after')}"
+            f"<br>state from {rec.get('from')}, {rec.get('steps_lost')} steps lost"
+            f"<br>cause: {rec.get('cause')}")
+
+
+def _recovery_marks(fig: Any, r: Run, colour: str, group: str, xs: list, ys: list) -> None:
+    """Each recovery of the run (``metrics.json``'s ``recoveries``, :mod:`launcher.lightning.recovery`)
+    as a dotted vertical line at its step, labelled with its seconds, and a marker on the loss curve
+    whose tooltip (and the label's) says its cause, the workers and schemes, and where the state came from."""
+    go, _ = _go()
+    recs = [rec for rec in (r.metrics or {}).get("recoveries") or [] if isinstance(rec.get("step"), (int, float))]
+    if not recs:
+        return
+    at = dict(zip(xs, ys))
+    texts = [recovery_text(r, rec) for rec in recs]
+    for rec, text in zip(recs, texts):
+        fig.add_vline(x=rec["step"], line=dict(color=colour, dash="dot", width=1.5),
+                      annotation=dict(text=f"recovered, {rec.get('seconds')} s", hovertext=text,
+                                      font=dict(color=colour, size=11), textangle=-90),
+                      annotation_position="top left")
+    steps = [rec["step"] for rec in recs]
+    fig.add_trace(go.Scatter(
+        x=steps, y=[at.get(x, min(ys) if ys else 0) for x in steps], name=f"{r.label} (recoveries)",
+        legendgroup=group, mode="markers", showlegend=False,
+        marker=dict(symbol="x-thin-open", size=14, color=colour, line=dict(width=3, color=colour)),
+        hovertext=texts, hoverinfo="text"))
 
 
 def traffic(runs: list[Run]) -> Any | None:

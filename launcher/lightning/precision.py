@@ -93,8 +93,11 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
 
     The squared norm summed across workers comes from the step's one fused all-reduce when the
     strategy took it there (``strategy.fused_norm_sq``, see :meth:`UnifiedStrategy.training_step`);
-    else it is summed here, by an all-reduce of its own, or, where every worker holds every
-    gradient (:func:`norm_is_local`), computed here with none."""
+    else it is summed here, by an all-reduce of its own (a worker lost in it is recovered and the
+    step redone), or, where every worker holds every gradient (:func:`norm_is_local`), computed here
+    with none."""
+    from .outside_step import reduce_norm_or_recover
+
     engine = strategy.engine
     assert engine is not None
     pv = strategy.post_validation
@@ -102,15 +105,21 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
         pv.max_norm = max_norm
         pv.coef = clip_coef(pv.partial[2], max_norm)
         return pv.partial[2].sqrt()
-    local = norm_is_local(engine)
-    counted, scaled = clipped_gradients(engine, local=local)
-    fused, strategy.fused_norm_sq = strategy.fused_norm_sq, None
-    if fused is not None:
-        sq = fused
-    else:
+    while True:
+        local = norm_is_local(engine)
+        counted, scaled = clipped_gradients(engine, local=local)
+        fused, strategy.fused_norm_sq = strategy.fused_norm_sq, None
+        if fused is not None:
+            sq = fused
+            break
         sq = squared_norm(counted, strategy.root_device)
-        if not local:  # DDP: the same bits the sum of the first owner's share and zeros gives
-            all_reduce(sq)
+        if local:  # DDP: every worker holds the reduced gradient, so no collective
+            break
+        if reduce_norm_or_recover(strategy, sq):
+            break
+        # a worker was lost in that all-reduce: the step was redone under the rebuilt engine
+        engine = strategy.engine
+        assert engine is not None
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in scaled:

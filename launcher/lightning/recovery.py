@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: where a loss met a survivor when it was in a checkpoint save (:mod:`.outside_step`)
+SAVE = "a checkpoint save"
+
 
 def replan(settings: Settings, workers: int) -> tuple[Settings, str]:
     """The step for ``workers`` survivors, and how it was chosen: the same scheme when its layout
@@ -89,10 +92,11 @@ class Unrecoverable(RuntimeError):
     step is on no survivor): the run ends, naming the loss."""
 
 
-def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
+def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a training step") -> bool:
     """Re-form the group without the lost worker and rebuild the step (the module docstring);
     collective over the survivors. Returns True when this worker must redo the interrupted step,
-    False when it was one step behind and now holds the state after it."""
+    False when it was one step behind and now holds the state after it. ``during``: where the loss
+    met this worker (a training step, a checkpoint save, ...: :mod:`.outside_step`), which is redone."""
     m = current_membership()
     engine = strategy.engine
     assert m is not None and engine is not None and engine.watchdog is not None
@@ -100,14 +104,17 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     announcement = watchdog.recovery
     assert announcement is not None
     generation, survivors, cause = announcement
-    lost = sorted(set(m.members) - set(survivors))
+    before_members = list(m.members)
     held = sorted(engine.owned)  # the stages whose state this worker holds
     kept = strategy.copies.tags() if strategy.copies is not None else {}  # fault.copies: stage -> its copy's step
     if engine.links is not None:
         engine.links.close()
     strategy.engine = None
     del engine
-    rejoin(m, watchdog, generation, survivors, PG_TIMEOUT)
+    # a further loss while the group re-forms is folded in: the generation joined may be a later one
+    generation, survivors, causes = rejoin(m, watchdog, generation, survivors, PG_TIMEOUT)
+    cause = "; then ".join(causes) or cause
+    lost = sorted(set(before_members) - set(survivors))
     new_rank, world = m.new_rank, len(survivors)
     strategy.rejoined(new_rank, world)
 
@@ -119,6 +126,15 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
     dist.all_gather_object(found, (done, held, kept))
     ahead = max(f[0] for f in found)
     behind = done < ahead
+    # where each survivor met the loss: each redoes what it was in, so all must have been in the same
+    # kind of thing (a collective completes on some ranks and fails on others: one survivor may still
+    # be in a checkpoint save while another is in the next step, and redone they would not match)
+    points: list[Any] = [None] * world
+    dist.all_gather_object(points, during)
+    if len(set(points)) > 1:
+        where_met = "; ".join(f"rank {m.members[r]} in {p}" for r, p in enumerate(points))
+        raise Unrecoverable(f"after the loss of rank {', '.join(map(str, lost))} ({cause}), the survivors met it "
+                            f"in different places ({where_met}), so they cannot redo the same work")
 
     sources = _sources(found, ahead, strategy.settings.stages)
     before = strategy.settings
@@ -139,7 +155,10 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
         strategy.rebuild(after)
         strategy.own_stages()
         _refill_optimizers(module, trainer, {})
-        where, lost_steps, moved = _from_checkpoint(strategy, trainer, ahead)
+        try:
+            where, lost_steps, moved = _from_checkpoint(strategy, trainer, ahead)
+        except Unrecoverable as e:  # the run ends: name the loss it could not recover from
+            raise Unrecoverable(f"after the loss of rank {', '.join(map(str, lost))} ({cause}), {e}") from None
     if strategy.copies is not None:
         strategy.copies.reset()  # of the old ring: the redone step copies the state anew
     box: list[Any] = [strategy.last_loss]
@@ -156,17 +175,20 @@ def recover(strategy: UnifiedStrategy, failed_at: float) -> bool:
         strategy.since_checkpoint.clear()
     seconds = time.monotonic() - failed_at
     m.seconds.append(seconds)
-    record = {"generation": generation, "cause": cause, "lost_ranks": lost, "step": ahead + 1,
-              "seconds": round(seconds, 3), "steps_lost": lost_steps, "redone": 1, "from": where,
+    # the step the loss interrupted; a save's loss came after the step whose state it saved
+    at = ahead if during == SAVE else ahead + 1
+    record = {"generation": generation, "cause": cause, "lost_ranks": lost, "step": at,
+              "seconds": round(seconds, 3), "steps_lost": lost_steps, "redone": 1, "during": during, "from": where,
               "moved_stages": moved["stages"], "moved_bytes": moved["bytes"],
               "scheme_before": _label(before), "scheme_after": _label(after), "chosen_by": how,
               "workers": [len(survivors) + len(lost), len(survivors)]}
     strategy.recoveries.append(record)
     if new_rank == 0:
         log.warning("recovered from the loss of rank %s at step %d in %.2f s: W %d -> %d, %s -> %s (%s); state "
-                    "from %s, the interrupted step redone, %d steps lost and replayed. Cause: %s",
-                    ", ".join(map(str, lost)), ahead + 1, seconds, len(survivors) + len(lost), len(survivors),
-                    _label(before), _label(after), how, where, lost_steps, cause)
+                    "from %s, the interrupted %s redone, %d steps lost and replayed. Cause: %s",
+                    ", ".join(map(str, lost)), at, seconds, len(survivors) + len(lost), len(survivors),
+                    _label(before), _label(after), how, where, during.removeprefix("a ").removeprefix("the "),
+                    lost_steps, cause)
     return not behind
 
 

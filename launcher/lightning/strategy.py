@@ -69,6 +69,7 @@ from .keywords import keyword_errors, keyword_settings
 from .launcher import ForkLauncher
 from .lightning_private import batch_in_step, train_dataloaders
 from .loader_position import KeepsLoaderPositions, Positions
+from .outside_step import recovering_saves
 from .precision import (
     all_reduce,
     clipped_gradients,
@@ -218,6 +219,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self.since_checkpoint: dict[int, Any] = {}
         self.last_checkpoint: tuple[str, int] | None = None
         self.replay_step: int | None = None  # the step a recovery replays, while it does
+        self.step_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the training step's arguments
         self._keeps_batches = False  # a loss could take a stage with it: keep the batches since the checkpoint
         #: with fault.copies=1: the copies of the previous worker's lone stages this worker keeps (:mod:`.copies`)
         self.copies: StageCopies | None = StageCopies() if self.run.fault.copies else None
@@ -334,6 +336,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         keep_owned(module, self._groups, self.engine.owned, owners, self.root_device)
         self.model_to_device()
         self.setup_precision_plugin()
+        if self.run.fault.restarts:  # a worker lost during a checkpoint save is recovered, the save redone
+            recovering_saves(self, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             with_global_clipping(self)
@@ -567,6 +571,7 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         """One step through the engine; with ``fault.restarts``, a step a lost worker interrupted is
         taken up again in the re-formed group (:mod:`.recovery`)."""
         self._caught_up = False
+        self.step_args = (args, kwargs)  # the step's batch, for a redo after a loss met in its closure
         while True:
             try:
                 step = self._attached.trainer.global_step
@@ -787,7 +792,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
                 failed_at = time.monotonic()
             from .recovery import Unrecoverable, recover
 
-            if not recover(self, failed_at):  # every survivor finished the last training step before evaluating
+            # every survivor finished the last training step before evaluating
+            if not recover(self, failed_at, during="an evaluation step"):
                 raise Unrecoverable("a survivor was a training step behind the others while they evaluated")
 
     def _evaluate_once(self, batch: Any, key: str | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

@@ -349,15 +349,19 @@ class Supervisor:
 
     def _recover(self, r: int, msg: str) -> bool:
         """Rank ``r`` is lost (``msg`` says how): with a restart left and survivors to go on, announce
-        the next generation without it (the survivors re-form the group and train on) and return
-        True; else False (the caller ends the run as before)."""
+        the next generation without it (the survivors re-form the group and train on; also while they
+        are re-forming it after an earlier loss) and return True; else False (the caller ends the run
+        as before)."""
         survivors = [m for m in self.members if m != r and m in self.alive and m not in self.reports]
         if self.rejoin_by is not None and self.failure is None:
             # the last recovery may be over though this loop has not looked yet: look now, so a loss
             # soon after it is a new loss, not one during the recovery
             self._rejoined(time.monotonic())
-        if self.failure is not None or self.restarts <= 0 or not survivors or self.rejoin_by is not None:
+        if self.failure is not None or self.restarts <= 0 or not survivors:
             return False
+        # a loss while the survivors re-form the group (rejoin_by still set) is folded in: the next
+        # generation, without it, replaces the one being formed (they wait for each other before
+        # forming it, and join the later one, :func:`~.recovery.rejoin`)
         self.restarts -= 1
         self.generation += 1
         self.members = survivors

@@ -26,7 +26,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .failure import Watchdog
+from .failure import Watchdog, WorkerAborted
 
 #: how long a survivor waits for the launcher's announcement after its step failed: the launcher
 #: writes it as soon as it sees the death, so this only bounds a failure that is not a lost worker
@@ -81,20 +81,61 @@ def announced(watchdog: Watchdog | None, seconds: float = ANNOUNCE_S) -> tuple[i
     return watchdog.recovery if watchdog.aborted is None else None
 
 
-def rejoin(m: Membership, watchdog: Watchdog, generation: int, survivors: list[int], pg_timeout: timedelta) -> None:
+def joining_key(generation: int, rank: int) -> str:
+    """The key a survivor (``rank``: its original number) sets as it starts to join ``generation``."""
+    return f"joining/{generation}/{rank}"
+
+
+def rejoin(m: Membership, watchdog: Watchdog, generation: int, survivors: list[int],
+           pg_timeout: timedelta) -> tuple[int, list[int], list[str]]:
     """Leave the old group and join ``generation``'s, of ``survivors``; collective over them.
+    Returns the generation joined, its survivors and the causes of the losses folded into it.
 
     Everything holding the old group (the engine, its subgroups) must be dropped by the caller
-    first: its sockets close only when the last reference goes."""
+    first: its sockets close only when the last reference goes.
+
+    A survivor lost meanwhile (before every survivor is there) is not waited for: each survivor
+    first says it is joining and waits, in Python, for all the others to say so too; when the launcher
+    announces a later generation meanwhile (without the one lost), it joins that one instead. Only
+    then is the group formed (the backend's own rendezvous cannot be interrupted)."""
     from . import groups
 
     groups.forget_groups()  # the engine's cached subgroups of the old group: their sockets must close too
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+    causes: list[str] = []
+    if watchdog.recovery is not None and watchdog.recovery[0] == generation:
+        causes.append(watchdog.recovery[2])
+    while True:
+        m.store.set(joining_key(generation, m.rank), "1")
+        later = _gathered(m.store, watchdog, generation, survivors)
+        if later is None:
+            break
+        generation, survivors, cause = later  # a further loss: the next generation, without it
+        causes.append(cause)
     m.generation, m.members = generation, list(survivors)
     dist.init_process_group(m.backend, store=dist.PrefixStore(f"pg{generation}", m.store), rank=m.new_rank,
                             world_size=len(survivors), timeout=pg_timeout)
     dist.barrier()
     watchdog.generation, watchdog.recovery = generation, None
     m.store.set(recovered_key(generation, m.rank), "1")
+    return generation, list(survivors), causes
+
+
+def _gathered(store: dist.Store, watchdog: Watchdog, generation: int,
+              survivors: list[int]) -> tuple[int, list[int], str] | None:
+    """Wait until every survivor of ``generation`` says it is joining (None), or the launcher
+    announces a later generation (returned). The launcher ends the run (the watchdog's ``aborted``,
+    or this process killed) when neither comes within its bound."""
+    keys = [joining_key(generation, r) for r in survivors]
+    with watchdog.blocked():  # waiting for peers: one that hangs meanwhile is named as in a collective
+        while True:
+            found = watchdog.recovery
+            if found is not None and found[0] > generation:
+                return found
+            if watchdog.aborted is not None:
+                raise WorkerAborted(watchdog.aborted)
+            if store.check(keys):
+                return None
+            time.sleep(0.02)

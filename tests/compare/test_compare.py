@@ -99,12 +99,39 @@ def traced(sweep) -> Path:
     shutil.copytree(sweep / "0", runs / "hand", ignore=shutil.ignore_patterns("wandb", "checkpoints"))
     m = json.loads((runs / "hand" / "metrics.json").read_text())
     m["config"]["seed"] = 1  # a third label: "gpipe seed=1"
+    m["recoveries"] = [RECOVERY]  # as a run with fault.restarts that lost a worker writes it
     (runs / "hand" / "metrics.json").write_text(json.dumps(m))
     pred = m["latency_s"]["predicted"] * 1e3
     (runs / "hand" / "trace.json").write_text(json.dumps(hand_trace(16, 16, m["latency_s"]["measured"] * 1e3, pred)))
     out = sweep.parent / "traced.html"
     page_mod.build([runs], out)
     return out
+
+
+#: one entry of ``metrics.json``'s ``recoveries`` (launcher/lightning/recovery.py writes them)
+RECOVERY = {"generation": 1, "cause": "rank 2 failed while running no job (between steps): the process died "
+            "(killed by SIGKILL)", "lost_ranks": [2], "step": 3, "seconds": 0.21, "steps_lost": 0, "redone": 1,
+            "during": "a training step", "from": "memory", "moved_stages": 0, "moved_bytes": 0,
+            "scheme_before": "ddp G=4 R=1 (W=4)", "scheme_after": "lpp G=3 R=1 (W=3)",
+            "chosen_by": "the planner's choice", "workers": [4, 3]}
+
+
+def test_recoveries_are_marked_on_the_loss_curve():
+    """A vertical line at each recovery's step, labelled with its seconds; its tooltip (the label's and
+    a marker's on the curve) says the cause, the workers and schemes and where the state came from."""
+    steps = {"steps": [{"step": i, "loss": 5.0 - i} for i in range(1, 5)], "val": []}
+    runs = [Run(Path("."), "a", "ok", metrics={**steps, "recoveries": [RECOVERY]}), Run(Path("."), "b", "ok",
+                                                                                         metrics=steps)]
+    fig, _ = charts.losses(runs)
+    lines = [(sh.x0, sh.x1, sh.yref, sh.line.dash) for sh in fig.layout.shapes]
+    assert lines == [(3, 3, "y domain", "dot")]  # the run without recoveries has none
+    (note,) = fig.layout.annotations
+    assert note.text == "recovered, 0.21 s" and note.x == 3
+    marks = [t for t in fig.data if t.name.endswith("(recoveries)")]
+    assert len(marks) == 1 and list(marks[0].x) == [3] and list(marks[0].y) == [2.0]
+    for text in (note.hovertext, marks[0].hovertext[0]):
+        assert "recovered at step 3 in 0.21 s" in text and "killed by SIGKILL" in text and "W 4 -> 3" in text
+        assert "state from memory, 0 steps lost" in text
 
 
 def cells(html: str, status: str = r"\w+") -> list[list[str]]:
@@ -253,6 +280,8 @@ def test_page_renders_in_headless_chromium(page, traced, tmp_path):
         assert len(re.findall(r'<svg class="main-svg"', dom)) >= 2 * plots
         assert len(re.findall(r'class="point"', dom)) > 20 and 'class="legendtext"' in dom
         assert 'data-title="Zoom"' in dom and 'data-title="Share chart' not in dom  # nothing leaves the machine
+        # the hand run's recovery: a vertical line and its label drawn on the loss chart
+        assert ("recovered, 0.21 s" in dom) == (html == traced)
 
     shot = tmp_path / "page.png"
     p = chromium("--window-size=1400,4000", f"--screenshot={shot}", traced.as_uri())
