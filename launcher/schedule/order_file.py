@@ -3,9 +3,10 @@
 Two forms:
 
 - ours, :mod:`launcher.schedule.actions`' text (:func:`~launcher.schedule.actions.format_programs`):
-  one ``w<k>:`` line per worker, jobs like ``F3.b1``. A file may be a whole lowered step: its
-  communication actions are ignored (they follow from the jobs and the placement; the
-  lowering derives them again), only its jobs make the order.
+  one ``w<k>:`` line per worker, jobs like ``F3.b1``. Its jobs make the order. A file of jobs
+  only gets the communication the lowering derives from the jobs and the placement; a whole
+  step (what ``mode=simulate`` writes to ``actions.txt``, maybe edited) runs as written, once
+  :func:`place_our_actions` has checked it against the lowering of the same jobs.
 - ``torch.distributed.pipelining``'s CSV (``_dump_csv`` / ``_load_csv``, ``compute_only``): one
   row per rank, cells like ``0F0``, ``1I3``, ``2W1``, ``0B2`` (stage, kind, micro-batch). Its
   stage is our stage and its rank our worker; ``B`` is the full backward, ``I``/``W`` the split
@@ -23,11 +24,24 @@ from __future__ import annotations
 import csv
 import io
 import re
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Sequence
 
-from .actions import AFTER, JOBS, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, format_programs, parse_programs
+from .actions import (
+    AFTER,
+    JOBS,
+    POSTED,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    SEND_WEIGHTS,
+    Action,
+    format_programs,
+    parse_programs,
+)
 from .graph import JobSpace
 from .order import Sequenced
 
@@ -51,7 +65,8 @@ def is_torch_csv(path: str | Path) -> bool:
 
 
 def parse_ours(text: str) -> Jobs:
-    """The jobs of a file in our text form (communication actions dropped)."""
+    """The jobs of a file in our text form (its other actions, if any, are placed by
+    :func:`place_our_actions`)."""
     return [[(a.op, a.stage, a.microbatch) for a in prog if a.is_job] for prog in parse_programs(text)]
 
 
@@ -167,16 +182,122 @@ def place_torch_messages(ours: Sequence[Sequence[Action]], rows: Sequence[Sequen
     return out
 
 
-def file_placed(order: object, progs: list[list[Action]]) -> list[list[Action]]:
-    """``progs`` (the lowered step of ``order``) with its messages where ``order``'s file puts
-    them: a torch full CSV's places (:func:`place_torch_messages`); ``progs`` itself for any other
-    order or file. ``ValueError`` as there, or if the file cannot be read."""
-    if not (isinstance(order, FileOrder) and is_torch_csv(order.path)):
+#: what a whole step in our text may place elsewhere than the lowering does, as long as it stands no
+#: later: a receive (posting one never waits, and the job that needs it waits for the data where it
+#: stands) and an owner's hand-over of its weights (their data exists all step). Everything else
+#: stays where the lowering puts it: a later send, or a wait moved, can make two workers wait on
+#: each other, which the order of the lowering's messages rules out only for its own places.
+MOVABLE = POSTED | {SEND_WEIGHTS}
+_AFTER_KINDS = frozenset(AFTER)
+
+Slot = tuple[int, int]  # (jobs before an action, 0: among the job before's own actions, 1: after them)
+
+
+def _slots(prog: Sequence[Action]) -> list[Slot]:
+    """Per action, where it stands between the jobs: the jobs before it, and whether it is in the
+    leading run of the job before's own kinds (:data:`~launcher.schedule.actions.AFTER`) or after."""
+    out, g, part = [], 0, 0
+    for a in prog:
+        if a.op in JOBS:
+            g, part = g + 1, 0
+        elif part == 0 and a.op not in _AFTER_KINDS:
+            part = 1
+        out.append((g, part))
+    return out
+
+
+def _place(slot: Slot, jobs: Sequence[Action]) -> str:
+    """Where ``slot`` is, in words."""
+    g, part = slot
+    if part == 0:
+        return f"right after {jobs[g - 1]!r}" if g > 0 else "at the start of the step"
+    return f"before {jobs[g]!r}" if g < len(jobs) else "at the end of the step"
+
+
+def place_our_actions(latest: Sequence[Sequence[Action]], theirs: Sequence[Sequence[Action]],
+                      where: str) -> list[list[Action]]:
+    """A whole step in our text (``theirs``, one action list per worker) as it is written, once
+    checked against ``latest``, the lowering of the same jobs with no lookahead (every receive just
+    before the job that needs it, every weight hand-over at its owner's release point): each worker
+    has the same actions, its jobs in the same order; a :data:`MOVABLE` action stands no later than
+    in ``latest`` (the k-th of equal actions against the k-th); every other action stands where
+    ``latest`` has it, between the same jobs and in the same order. ``ValueError``, one sentence
+    naming ``where``, the worker, the action's position in its line (from 0), the action and the
+    rule, for the first action that does not fit."""
+    W = len(latest)
+    if len(theirs) > W and any(theirs[W:]):
+        raise ValueError(f"{where} has actions for worker {len(theirs) - 1}, but the step has {W} workers")
+    out = []
+    for w, ours in enumerate(latest):
+        prog = list(theirs[w]) if w < len(theirs) else []
+        jobs = [a for a in ours if a.is_job]
+        head = f"{where}: worker {w}"
+        mine = [(n, a) for n, a in enumerate(prog) if a.is_job]
+        for k, (n, a) in enumerate(mine):
+            if k >= len(jobs) or a != jobs[k]:
+                want = repr(jobs[k]) if k < len(jobs) else "no job (its jobs are done)"
+                raise ValueError(f"{head} position {n} is {a!r} where the step runs {want}: a whole step's jobs run "
+                                 f"in the file's order (under warmup=classic, the default)")
+        extra, missing = Counter(prog) - Counter(ours), Counter(ours) - Counter(prog)
+        if extra:
+            n = next(n for n, a in enumerate(prog) if a in extra)
+            raise ValueError(f"{head} position {n} is {prog[n]!r}, an action the step does not have there: a whole "
+                             f"step's actions are those the lowering gives these jobs under this placement")
+        if missing:
+            a = next(a for a in ours if a in missing)
+            raise ValueError(f"{head} has no {a!r}, which the lowering gives it: a whole step lists every action "
+                             f"of each worker (a file of jobs only gets them all from the lowering)")
+        theirs_at, ours_at = _slots(prog), _slots(ours)
+        fixed = [(a, slot) for a, slot in zip(ours, ours_at) if not a.is_job and a.op not in MOVABLE]
+        stay = [(n, a, slot) for n, (a, slot) in enumerate(zip(prog, theirs_at)) if not a.is_job and
+                a.op not in MOVABLE]
+        for k, (n, a, slot) in enumerate(stay):
+            if (a, slot) != fixed[k]:
+                put = next(s for b, s in fixed[k:] if b == a)
+                rule = (f", after {fixed[k][0]!r}" if put == slot else "")
+                raise ValueError(f"{head} position {n} is {a!r}, which the lowering puts {_place(put, jobs)}{rule}: "
+                                 f"only a receive or an owner's weight hand-over may stand elsewhere (earlier), every "
+                                 f"other action stands where the lowering puts it, in its order")
+        latest_of: defaultdict[Action, list[Slot]] = defaultdict(list)
+        for a, slot in zip(ours, ours_at):
+            if a.op in MOVABLE:
+                latest_of[a].append(slot)
+        seen: Counter[Action] = Counter()
+        for n, (a, slot) in enumerate(zip(prog, theirs_at)):
+            if a.op not in MOVABLE:
+                continue
+            last = latest_of[a][seen[a]]
+            seen[a] += 1
+            if slot > last:
+                if a.op in POSTED:
+                    raise ValueError(f"{head} position {n} is {a!r}, after {jobs[last[0]]!r}, the job that needs it: "
+                                     f"a receive is posted no later than just before the job that needs it")
+                raise ValueError(f"{head} position {n} is {a!r}, later than its owner's release point "
+                                 f"({_place(last, jobs)}): an owner hands a copy over no later than that, or the "
+                                 f"worker that needs it may wait on this one while this one waits on it")
+        out.append(prog)
+    return out
+
+
+def file_placed(order: object, progs: list[list[Action]], latest: list[list[Action]]) -> list[list[Action]]:
+    """``progs`` (the lowered step of ``order``; ``latest``: the same without lookahead) with its
+    actions where ``order``'s file puts them: a torch full CSV's message places
+    (:func:`place_torch_messages`), or a whole step in our text as written
+    (:func:`place_our_actions`); ``progs`` itself for any other order or file. ``ValueError`` as
+    there, or if the file cannot be read."""
+    if not isinstance(order, FileOrder):
         return progs
     try:
         text = Path(order.path).read_text()
     except OSError as e:
         raise ValueError(f"{order.where} cannot be read: {e.strerror or e}") from e
+    if not is_torch_csv(order.path):
+        try:
+            theirs = parse_programs(text)
+        except ValueError as e:
+            raise ValueError(f"{order.where} is not a schedule: {e}") from e
+        whole = any(not a.is_job for prog in theirs for a in prog)
+        return place_our_actions(latest, theirs, order.where) if whole else progs
     rows = torch_messages(text)
     return place_torch_messages(progs, rows, order.where) if rows else progs
 
