@@ -35,9 +35,12 @@ from .actions import (
     POSTED,
     RECV_ACT,
     RECV_GRAD,
+    RECV_WEIGHTS,
+    REDUCE,
     SEND_ACT,
     SEND_GRAD,
     SEND_WEIGHTS,
+    SEND_WGRAD,
     Action,
     format_programs,
     parse_programs,
@@ -53,9 +56,11 @@ Jobs = list[list[tuple[str, int, int]]]
 #: torch's point-to-point actions and ours: the stage is the local one on both sides (torch's
 #: ``RECV_F`` names the receiving stage, ``SEND_B`` the stage whose backward sends), the micro-batch the same
 TORCH_MESSAGES = {"SEND_F": SEND_ACT, "RECV_F": RECV_ACT, "SEND_B": SEND_GRAD, "RECV_B": RECV_GRAD}
-#: torch's actions with no counterpart in our action lists (FSDP's per-stage all-gather, free and
-#: reduce-scatter; no-ops in torch's own runtime for a stage that is not FSDP-sharded)
-TORCH_IGNORED = frozenset(("UNSHARD", "RESHARD", "REDUCE_GRAD"))
+#: torch's FSDP actions (per-stage all-gather, free, gradient reduction): they map onto ours where
+#: the run's placement has the same thing (:func:`place_torch_messages`), else they are no-ops, as in
+#: torch's own runtime for a stage that is not FSDP-sharded
+UNSHARD, RESHARD, REDUCE_GRAD = "UNSHARD", "RESHARD", "REDUCE_GRAD"
+TORCH_SHARDING = frozenset((UNSHARD, RESHARD, REDUCE_GRAD))
 _MESSAGES = frozenset(TORCH_MESSAGES.values())
 
 
@@ -76,11 +81,12 @@ def parse_torch_csv(text: str) -> Jobs:
 
 
 def torch_messages(text: str) -> list[list[tuple[str, int, int, int]]]:
-    """Torch's CSV with its jobs and point-to-point actions, row ``r`` = rank ``r``: each as
-    (our kind, stage, micro-batch, the cell's position in the row); empty if the file has none of
-    those actions (a ``compute_only`` CSV)."""
-    rows = [[(TORCH_MESSAGES.get(d, d), s, b, i) for d, s, b, i in row if d in JOBS or d in TORCH_MESSAGES]
-            for row in _torch_cells(text)]
+    """Torch's CSV with its jobs, point-to-point actions and FSDP actions, row ``r`` = rank ``r``:
+    each as (our kind, or torch's for the FSDP ones; stage; micro-batch, -1 for an FSDP one; the
+    cell's position in the row); empty if the file has no point-to-point action (a ``compute_only``
+    CSV)."""
+    rows = [[(TORCH_MESSAGES.get(d, d), s, b, i) for d, s, b, i in row
+             if d in JOBS or d in TORCH_MESSAGES or d in TORCH_SHARDING] for row in _torch_cells(text)]
     return rows if any(d in _MESSAGES for row in rows for d, *_ in row) else []
 
 
@@ -93,7 +99,7 @@ def _torch_cells(text: str) -> list[list[tuple[str, int, int, int]]]:
             if not cell:
                 continue  # an idle slot
             m = _TORCH_CELL.fullmatch(cell)
-            if m is None or not (m[2] in JOBS or m[2] in TORCH_MESSAGES or m[2] in TORCH_IGNORED):
+            if m is None or not (m[2] in JOBS or m[2] in TORCH_MESSAGES or m[2] in TORCH_SHARDING):
                 raise ValueError(f"row {r} cell {cell!r} is not a torch action (write it as 2F0: stage, kind, "
                                  f"micro-batch)")
             if (m[2] in JOBS or m[2] in TORCH_MESSAGES) and not m[3]:
@@ -130,22 +136,37 @@ def to_sequences(jobs: Jobs, space: JobSpace, compute: Sequence[int], where: str
     return seqs
 
 
-def place_torch_messages(ours: Sequence[Sequence[Action]], rows: Sequence[Sequence[tuple[str, int, int, int]]],
-                         where: str) -> list[list[Action]]:
+def place_torch_messages(ours: Sequence[Sequence[Action]], latest: Sequence[Sequence[Action]],
+                         rows: Sequence[Sequence[tuple[str, int, int, int]]], where: str) -> list[list[Action]]:
     """``ours`` (the step :func:`~launcher.schedule.lowering.lower_actions` lowers for the file's
-    order) with its activation and gradient messages where torch's full CSV puts them
-    (:func:`torch_messages`): between the same two jobs, a gap's sends first, as torch writes them.
-    Torch posts a receive as soon as its sender has run in its own lowering's pass over the ranks
-    (``_add_send_recv``), ours ``prefetch`` jobs ahead of the job that needs it; the rest of ours
-    (weight copies, partial sums, reductions) stays where ours has it. ``ValueError`` naming
-    ``where``, the rank, the cell's position and both actions where a row's jobs are not the
-    step's, it names a message the step does not have, or lacks one it has."""
+    order; ``latest``: the same without lookahead) with its actions where torch's full CSV puts
+    their counterparts (:func:`torch_messages`), between the same two jobs, in torch's order:
+
+    - its activation and gradient messages: torch posts a receive as soon as its sender has run in
+      its own lowering's pass over the ranks (``_add_send_recv``), ours ``prefetch`` jobs ahead of the
+      job that needs it;
+    - ``UNSHARD`` of a stage: the weight copy (``RECV_WEIGHTS``) of that stage's next job, where that
+      job runs on a copy it receives; else (the worker owns the stage, or holds the copy already
+      under ``weight_cache=step``) a no-op;
+    - ``REDUCE_GRAD`` of a stage: this worker's ``SEND_WGRAD`` or ``REDUCE`` of it, which stand right
+      after the last job that adds to the sum, where torch puts it (refused elsewhere); a no-op where
+      there is none (one owner, computing it all);
+    - ``RESHARD``: a no-op (ours frees a fetched copy as the job that used it ends, or keeps it to the
+      end of the step).
+
+    The rest of ours (weight hand-overs, the other copies, partial sums' receives) stays where ours
+    has it. ``ValueError`` naming ``where``, the rank, the cell's position and both actions where a
+    row's jobs are not the step's, it names a message the step does not have, lacks one it has, or
+    puts a ``REDUCE_GRAD`` elsewhere than after the job that completes the sum."""
     out = []
     for w, prog in enumerate(ours):
         row = rows[w] if w < len(rows) else []
         msgs = {(a.op, a.stage, a.microbatch): a for a in prog if a.op in _MESSAGES}
         jobs = [a for a in prog if a.is_job]
-        theirs: list[list[Action]] = [[] for _ in range(len(jobs) + 1)]  # per gap: torch's messages, in its order
+        fed = _copies_fed(latest[w])
+        sums = {a.stage: slot for a, slot in zip(prog, _slots(prog)) if a.op in (SEND_WGRAD, REDUCE)}
+        claimed: set[tuple[Action, int]] = set()  # the copies placed at an UNSHARD: (action, its k-th equal)
+        theirs: list[list[Action]] = [[] for _ in range(len(jobs) + 1)]  # per gap: torch's actions, in its order
         n = 0  # jobs so far in the row
         for d, s, b, i in row:
             if d in JOBS:
@@ -154,11 +175,24 @@ def place_torch_messages(ours: Sequence[Sequence[Action]], rows: Sequence[Sequen
                     raise ValueError(f"{where}: rank {w} position {i} is torch's {_torch_name(d, s, b)}, where "
                                      f"worker {w} runs {ours_at}")
                 n += 1
-            elif (a := msgs.pop((d, s, b), None)) is None:
+            elif d == UNSHARD:
+                k = next((k for k in range(n, len(jobs)) if jobs[k].stage == s), None)
+                if k is not None and k in fed and fed[k] not in claimed:
+                    claimed.add(fed[k])
+                    theirs[n].append(fed[k][0])
+            elif d == REDUCE_GRAD:
+                if s in sums and sums[s] != (n, 0):
+                    his = next(x for x in prog if x.op in (SEND_WGRAD, REDUCE) and x.stage == s)
+                    raise ValueError(f"{where}: rank {w} position {i} is torch's {s}{d}, where worker {w}'s {his!r} "
+                                     f"stands {_place(sums[s], jobs)}: a stage's gradient sum is sent or reduced "
+                                     f"right after the last job that adds to it")
+            elif d == RESHARD:
+                continue
+            elif (msg := msgs.pop((d, s, b), None)) is None:
                 raise ValueError(f"{where}: rank {w} position {i} is torch's {_torch_name(d, s, b)}, a message "
                                  f"worker {w} does not have in this step (its peer stage runs on the same worker)")
             else:
-                theirs[n].append(a)
+                theirs[n].append(msg)
         if n < len(jobs) or msgs:
             missing = jobs[n] if n < len(jobs) else next(a for a in prog if (a.op, a.stage, a.microbatch) in msgs)
             raise ValueError(f"{where}: rank {w} has no {_torch_name(*missing[:3])} (ours: {missing!r}), which "
@@ -166,8 +200,13 @@ def place_torch_messages(ours: Sequence[Sequence[Action]], rows: Sequence[Sequen
         new: list[Action] = []
         gap: list[Action] = []
         n = 0
+        seen: Counter[Action] = Counter()
         for a in [*prog, None]:  # None: the end of the step, the last gap's close
             if a is not None and not a.is_job:
+                if a.op == RECV_WEIGHTS:
+                    seen[a] += 1
+                    if (a, seen[a] - 1) in claimed:  # it stands at torch's UNSHARD instead
+                        continue
                 if a.op not in _MESSAGES:
                     gap.append(a)
                 continue
@@ -179,6 +218,21 @@ def place_torch_messages(ours: Sequence[Sequence[Action]], rows: Sequence[Sequen
             gap = []
             n += 1
         out.append(new)
+    return out
+
+
+def _copies_fed(latest: Sequence[Action]) -> dict[int, tuple[Action, int]]:
+    """Per job (its index among the worker's jobs) that runs on a copy it receives, that copy's
+    ``RECV_WEIGHTS`` and which of the equal ones it is (the k-th, from 0), in ``latest``, where each
+    receive stands just before the job it feeds (equal ones feed their jobs in order)."""
+    out, k = {}, 0
+    seen: Counter[Action] = Counter()
+    for a in latest:
+        if a.is_job:
+            k += 1
+        elif a.op == RECV_WEIGHTS:
+            out[k] = (a, seen[a])
+            seen[a] += 1
     return out
 
 
@@ -299,7 +353,7 @@ def file_placed(order: object, progs: list[list[Action]], latest: list[list[Acti
         whole = any(not a.is_job for prog in theirs for a in prog)
         return place_our_actions(latest, theirs, order.where) if whole else progs
     rows = torch_messages(text)
-    return place_torch_messages(progs, rows, order.where) if rows else progs
+    return place_torch_messages(progs, latest, rows, order.where) if rows else progs
 
 
 def _torch_name(kind: str, stage: int, microbatch: int) -> str:

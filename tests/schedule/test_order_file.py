@@ -266,3 +266,48 @@ def test_torch_full_csv_refusals_name_rank_position_and_action(tmp_path: Path) -
     late = [c for c in rows[1] if c != "1RECV_F0"]
     late.insert(late.index("1F0") + 1, "1RECV_F0")
     assert ">>RECV_ACT s1.b0 <-w0.s0<<" in refused([rows[0], late])
+
+
+def owner0(s: int, b: int, d: str) -> tuple[int, int]:
+    """Torch's looped map on 2 ranks for the compute, every stage's weights on worker 0: worker 1
+    runs stages 1 and 3 on copies it fetches and sends their gradient sums back (w_weights, w_compute)."""
+    return 0, s % 2
+
+
+@pytest.mark.parametrize("cache", ["step", "job"])
+def test_torch_unshard_and_reduce_grad_map_onto_ours(tmp_path: Path, cache: str) -> None:
+    """torch's UNSHARD of a stage is the weight copy of that stage's next job where that job runs on
+    a fetched copy (worker 1: at torch's place, the start of the step), a no-op where the worker owns
+    the stage (worker 0); its REDUCE_GRAD stands where our partial sum's send does; its RESHARD is
+    a no-op. A REDUCE_GRAD moved before the last backward that adds to the sum is refused."""
+    from launcher.schedule.actions import RECV_WEIGHTS
+    from launcher.schedule.lowering import LoweringError, lower, lower_actions
+
+    full = dump_torch_csv(tmp_path / "full.csv", "interleaved", 2, 2, 4, comms=True)
+    only = dump_torch_csv(tmp_path / "only.csv", "interleaved", 2, 2, 4)
+    rows = [line.split(",") for line in full.read_text().splitlines()]
+    assert rows[1][:2] == ["1UNSHARD", "3UNSHARD"] and "3REDUCE_GRAD" in rows[1] and "1RESHARD" in rows[1]
+    tl = simulate(make_schedule(owner0, 4, 4, G=1, R=2, order=FileOrder(path=str(full))))
+    ours = lower_actions(simulate(make_schedule(owner0, 4, 4, G=1, R=2, order=FileOrder(path=str(only)))), cache, 0)
+    got = lower_actions(tl, cache, 0)
+    assert [sorted(p) for p in got] == [sorted(p) for p in ours]  # the same actions, some elsewhere
+    # torch's two UNSHARDs on rank 1 are the copies of its first job of stage 1 and of stage 3
+    assert [repr(a) for a in got[1][:2]] == ["RECV_WEIGHTS s1.b0 <-w0", "RECV_WEIGHTS s3.b0 <-w0"]
+    assert [a.op for a in ours[1][:2]] != [RECV_WEIGHTS, RECV_WEIGHTS]  # ours (no lookahead) fetches just in time
+    def rest(prog):  # all but the activation and gradient messages (placed as torch's SEND/RECV)
+        return [a for a in prog if a.op not in ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")]
+
+    assert rest(got[0]) == rest(ours[0])  # the owner of every stage: its UNSHARDs, REDUCE_GRADs, RESHARDs are no-ops
+    # the REDUCE_GRAD of stage 3 stands right after 3B3, as our SEND_WGRAD s3 ->w0 does
+    last = got[1].index(next(a for a in got[1] if repr(a) == "B3.b3"))
+    assert "SEND_WGRAD s3 ->w0" in map(repr, got[1][last + 1 : last + 4])  # after its SEND_GRAD (and FREE_WEIGHTS)
+    assert lower(tl, cache, 1).programs  # the timeline check passes
+    early = [c for c in rows[1] if c != "3REDUCE_GRAD"]
+    early.insert(early.index("3B2") + 1, "3REDUCE_GRAD")
+    full.write_text("\n".join(map(",".join, [rows[0], early])) + "\n")
+    with pytest.raises(LoweringError) as e:
+        lower(simulate(make_schedule(owner0, 4, 4, G=1, R=2, order=FileOrder(path=str(full)))), cache, 1)
+    assert str(e.value) == (
+        f"order.path={full}: rank 1 position {early.index('3REDUCE_GRAD')} is torch's 3REDUCE_GRAD, where worker "
+        f"1's SEND_WGRAD s3 ->w0 stands right after B3.b3: a stage's gradient sum is sent or reduced right after "
+        f"the last job that adds to it")
