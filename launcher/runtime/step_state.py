@@ -1,7 +1,7 @@
 """One step of one worker: what it holds while the step runs (:class:`StepState`), its forward jobs,
-the one place a message of the step starts (:meth:`StepState.send`), and the loop that runs its
-program's operations as printed (:func:`run_program`). The backward jobs are :mod:`.backward`'s;
-the gradient sums :class:`~launcher.runtime.grad_totals.GradTotals`'."""
+the one place a message of the step starts (:meth:`StepState.send`), and the loops that run its
+program's operations as printed (:func:`run_program`, then :func:`run_end` for the end of the step).
+The backward jobs are :mod:`.backward`'s; the gradient sums :class:`~launcher.runtime.grad_totals.GradTotals`'."""
 
 from __future__ import annotations
 
@@ -303,10 +303,10 @@ class StepState:
 
 def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch], meter: Meter, train: bool,
                 shares: list[float] | None = None) -> StepState:
-    """Run ``engine``'s worker's program of ``lowered``: its operations in order, as printed
-    (:mod:`launcher.schedule.actions`); ``shares``: each micro-batch's weight in the loss (None:
-    ``1 / B`` each). What follows the last job's own operations (:attr:`Program.tail`) is the end of
-    the step: the owner's last hand-overs here, the partial sums and reductions in :meth:`StepState.reduce`."""
+    """Run ``engine``'s worker's program of ``lowered`` up to its end of step: its operations in
+    order, as printed (:mod:`launcher.schedule.actions`); ``shares``: each micro-batch's weight in
+    the loss (None: ``1 / B`` each). What follows the last job's own operations (:attr:`Program.tail`)
+    is :func:`run_end`'s."""
     w = engine.worker
     assert w is not None  # ranks past the schedule's workers run no program
     prog = lowered.programs[w]
@@ -319,10 +319,30 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
         _run_ops(engine, lowered, prog, st)
     finally:
         st.totals.unbind()
-    for kind, mid in prog.ops[prog.tail :]:
-        if kind == SEND_WEIGHTS:  # the owner's last hand-overs
-            st.send(kind, mid)
     return st
+
+
+def run_end(engine: Engine, lowered: Lowered, st: StepState) -> None:
+    """The end of the step's operations of the worker's program, one by one as printed: an owner's
+    last hand-overs (``SEND_WEIGHTS``), each partial sum taken in (``RECV_WGRAD``: waited for and
+    added into its stage's total), each replicated stage's share complete (``REDUCE``: its bucket
+    may start). Waiting for the all-reduces is :meth:`GradTotals.finish`'s, after the last action."""
+    assert engine.worker is not None  # ranks past the schedule's workers run no program
+    prog = lowered.programs[engine.worker]
+    totals, watchdog = st.totals, engine.watchdog
+    done = len(prog.jobs)  # every job is done
+    for kind, arg in prog.ops[prog.tail :]:
+        if kind == SEND_WEIGHTS:
+            st.send(kind, arg)
+        elif not st.train:  # evaluation takes in no gradient
+            continue
+        elif kind == RECV_WGRAD:
+            if watchdog is not None:
+                watchdog.check()
+                watchdog.set_job(f"gradient reduction of stage {st.msgs[arg].stage} in step {engine.steps}")
+            totals.take_in(arg, st.comm, st.msgs)
+        elif kind == REDUCE:
+            totals.share_complete(done, st.meter)
 
 
 def _run_ops(engine: Engine, lowered: Lowered, prog: Program, st: StepState) -> None:
@@ -373,7 +393,7 @@ def _run_ops(engine: Engine, lowered: Lowered, prog: Program, st: StepState) -> 
             st.send(kind, arg)
         elif kind == REDUCE:
             if st.train:  # buckets of replicated stages whose share is complete start their all-reduce
-                st.totals.replicas.launch_ready(i)
+                st.totals.share_complete(i, meter)
         elif kind == FREE_WGRAD:  # a sum sent earlier, received by now: free it
             comm.deliver(arg)
         else:  # a receive posted ahead of the job that needs it

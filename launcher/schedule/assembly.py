@@ -15,7 +15,6 @@ from functools import partial
 from itertools import accumulate, compress
 from operator import attrgetter, itemgetter, sub
 from textwrap import indent
-from typing import Iterable
 
 from .actions import (
     AFTER,
@@ -47,9 +46,9 @@ from .program import (
     Msg,
     Op,
     Program,
-    StageReduce,
     reduce_rounds,
     resident_peaks,
+    stage_reduces,
     tail_of,
 )
 from .settings import DEFAULT
@@ -384,8 +383,6 @@ def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mi
     message's id, -1: none or ``act``/``grad``) and its jobs, their activations and gradients filled
     in: its operations are the actions one for one. A stage in ``frozen`` (nothing to train) has no
     all-reduce."""
-    reduces = {s: StageReduce(s, replicas=tuple(o) if len(o) > 1 and s not in frozen else ())
-               for s, o in enumerate(owners) if w in o}
     held: dict[int, int] = {}  # stage -> the fetched copy its jobs here run on
     copy_for: dict[int, int] = {}  # job index -> the copy received for it
     ops: list[Op] = []
@@ -413,24 +410,13 @@ def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mi
             ops.append((kind, mid))
             if kind == RECV_WEIGHTS:
                 copy_for[i] = mid
-            elif kind == RECV_WGRAD:
-                reduces.setdefault(a.stage, StageReduce(a.stage)).recv_from.append(mid)
             elif kind == SEND_WGRAD:
                 jobs[i].wgrad_send.append(mid)
-                reduces.setdefault(a.stage, StageReduce(a.stage)).send_to_owner[a.peer] = mid
-    _in_id_order(jobs, reduces.values())
-    return Program(w, jobs, [reduces[s] for s in sorted(reduces)], [s for s, o in enumerate(owners) if w in o], pair,
-                   ops, tail_of(ops))
-
-
-def _in_id_order(jobs: list[JobOp], reduces: Iterable[StageReduce]) -> None:
-    """Each job's and stage's messages by id, whatever order the actions listed them in."""
-    for op in jobs:  # (``send`` and ``recv`` are filled in id order)
+    for op in jobs:  # a job's sums in id order, whatever order the actions listed them in
         if len(op.wgrad_send) > 1:
             op.wgrad_send.sort()
-    for red in reduces:
-        red.send_to_owner = dict(sorted(red.send_to_owner.items(), key=lambda kv: kv[1]))
-        red.recv_from.sort()
+    return Program(w, jobs, stage_reduces(w, ops, msgs, owners, frozen), [s for s, o in enumerate(owners) if w in o],
+                   pair, ops, tail_of(ops))
 
 
 def _reduce_order(tl: Timeline, programs: list[Program], owners: list[list[int]]) -> list[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
-from .actions import AFTER, JOBS, POSTED, RECV_WGRAD, REDUCE, SENDS
+from .actions import AFTER, JOBS, POSTED, RECV_WGRAD, REDUCE, SEND_WGRAD, SENDS
 from .settings import DEFAULT
 from .simulate import Timeline
 
@@ -64,7 +64,9 @@ class JobOp:
 
 @dataclass(slots=True)
 class StageReduce:
-    """The gradient traffic of one stage on one worker."""
+    """The gradient traffic of one stage on one worker, read from its program's operations
+    (:func:`stage_reduces`): a summary for reports and tests, which the runtime does not read (it
+    runs the ``SEND_WGRAD``, ``RECV_WGRAD`` and ``REDUCE`` operations where they stand)."""
 
     stage: int
     send_to_owner: dict[int, int] = field(default_factory=dict)  # owner -> wgrad mid (sent after a job)
@@ -86,7 +88,7 @@ class Program:
 
     worker: int
     jobs: list[JobOp]
-    reduces: list[StageReduce]
+    reduces: list[StageReduce]  # derived from ``ops`` (:func:`stage_reduces`), for reports and tests
     owned: list[int]  # stages this worker is a source of truth for
     pair_order: dict[int, list[int]]  # peer -> mids to or from that peer, in issue order
     ops: list[Op] = field(default_factory=list)
@@ -105,6 +107,27 @@ class Program:
             elif op == REDUCE:
                 out[arg] = len(self.jobs) if n >= self.tail else i
         return out
+
+
+def stage_reduces(worker: int, ops: Sequence[Op], messages: Sequence[Msg], owners: Sequence[Sequence[int]],
+                  frozen: frozenset[int] = frozenset()) -> list[StageReduce]:
+    """Per stage the worker owns or sends a partial sum of, in stage order, what its operations do
+    with the stage's gradient: the sums it sends (``SEND_WGRAD``) and takes in (``RECV_WGRAD``), by
+    message id, and the owners it all-reduces with (a ``REDUCE``: a replicated stage, not frozen)."""
+    out = {s: StageReduce(s) for s, o in enumerate(owners) if worker in o}
+    for kind, arg in ops:
+        if kind == SEND_WGRAD:
+            m = messages[arg]
+            out.setdefault(m.stage, StageReduce(m.stage)).send_to_owner[m.dst] = arg
+        elif kind == RECV_WGRAD:
+            m = messages[arg]
+            out.setdefault(m.stage, StageReduce(m.stage)).recv_from.append(arg)
+        elif kind == REDUCE and arg not in frozen:
+            out[arg].replicas = tuple(owners[arg])
+    for red in out.values():  # by message id, whatever order the actions list them in
+        red.send_to_owner = dict(sorted(red.send_to_owner.items(), key=lambda kv: kv[1]))
+        red.recv_from.sort()
+    return [out[s] for s in sorted(out)]
 
 
 def tail_of(ops: list[Op]) -> int:
