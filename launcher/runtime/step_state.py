@@ -63,7 +63,9 @@ class StepState:
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.params: dict[int, list[torch.Tensor]] = {}  # owned stage -> its parameters, looked up once a step
         self.static_keys: dict[tuple[int, bool], tuple] = {}  # (stage, own weights) -> its forwards' fixed key part
-        self.outbox: dict[int, torch.Tensor] = {}  # act/grad message -> its data, packed by its job, until sent
+        # an act/grad message's data, packed by its job until its send (by the message's kind, edge
+        # and micro-batch: what a SEND_ACT/SEND_GRAD operation names)
+        self.outbox: dict[tuple[str, int, int, int], torch.Tensor] = {}
         self.packed: dict[int, torch.Tensor] = {}  # owned stage -> its weights packed for sending, once a step
 
     # ---- weights -----------------------------------------------------------------------------
@@ -151,10 +153,12 @@ class StepState:
     def _send_output(self, op: JobOp, out: Any) -> None:
         """What each consumer stage on another worker receives, packed for its ``SEND_ACT``."""
         s, b = op.stage, op.microbatch
-        for mid in op.send:
-            c = self.msgs[mid].peer_stage
-            edge = self.shapes[b].edges[(s, c)]
-            self.outbox[mid] = edge.sig.pack(pick(out, self.engine.model.edge(s, c)), self.engine.device)
+        e = self.engine
+        comp, B = e.timeline.compute, e.space.microbatches
+        for c in e.space.stage_succs[s]:
+            if comp[c * B + b] != comp[s * B + b]:  # F(c, b) elsewhere: a message carries the edge
+                edge = self.shapes[b].edges[(s, c)]
+                self.outbox[(ACT, s, b, c)] = edge.sig.pack(pick(out, e.model.edge(s, c)), e.device)
 
     # ---- sends -------------------------------------------------------------------------------
     def send(self, kind: str, mid: int) -> None:
@@ -172,7 +176,8 @@ class StepState:
         elif kind == SEND_WGRAD:
             data = self.totals.take(self.msgs[mid].stage, self.msgs[mid].dst)
         else:
-            data = self.outbox.pop(mid)
+            m = self.msgs[mid]
+            data = self.outbox.pop((m.kind, m.stage, m.microbatch, m.peer_stage))
         self.comm.send(mid, data)
 
     def loss(self, op: JobOp, out: Any) -> torch.Tensor | None:

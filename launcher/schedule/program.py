@@ -47,18 +47,24 @@ class Msg(NamedTuple):
 
 @dataclass(slots=True)
 class JobOp:
-    """A compute job with the messages it consumes and produces."""
+    """A compute job of a program. What it sends, and the partial sums that go out after it, are
+    the program's operations (``SEND_ACT``, ``SEND_GRAD``, ``SEND_WGRAD``) and nothing here. The
+    fields below that name messages are the bindings the job needs when it runs, which its place
+    among the operations does not give: a receive stands where it is posted, possibly jobs earlier
+    (:func:`~launcher.schedule.lowering.post_early`), and a copy of the weights may have arrived for
+    an earlier job (``weight_cache="step"``)."""
 
     job: int
     stage: int
     microbatch: int
     kind: str
     owner: int  # w_owner: the worker that owns this job's stage
-    recv: dict[int, int] = field(default_factory=dict)  # pred stage (F) or succ stage (B/I) -> mid
-    send: list[int] = field(default_factory=list)  # mids this job's output feeds
-    wgrad_send: list[int] = field(default_factory=list)  # weight-gradient sums complete after this job
+    # pred stage (F) or succ stage (B/I) -> the message the job waits for (its RECV_ACT/RECV_GRAD)
+    recv: dict[int, int] = field(default_factory=dict)
     weights_mid: int | None = None  # the weights message this job runs on (None: owned stage)
-    free_weights: bool = False  # drop the fetched copy when the job ends (cache "job")
+    # its FREE_WEIGHTS: the copy goes when the job ends (an I: when its W does); the forward reads it
+    # to keep only its input (recompute) rather than a graph holding the copy
+    free_weights: bool = False
     start: float = 0.0  # simulated start, for reports
 
 
@@ -302,14 +308,11 @@ def forward_only(lowered: Lowered) -> Lowered:
     on); no gradients, no reduction. A subsequence of a deadlock-free pair order is deadlock-free
     (every wait is still for data keyed before the waiting job's simulated start), so this needs no
     new schedule."""
-    keep: set[int] = set()
+    keep = {m.mid for m in lowered.messages if m.kind == ACT}  # every activation feeds a forward
     for prog in lowered.programs:
         for op in prog.jobs:
-            if op.kind == "F":
-                keep.update(op.recv.values())
-                keep.update(op.send)
-                if op.weights_mid is not None:
-                    keep.add(op.weights_mid)
+            if op.kind == "F" and op.weights_mid is not None:
+                keep.add(op.weights_mid)
     programs: list[Program] = []
     for old in lowered.programs:
         jobs: list[JobOp] = []
