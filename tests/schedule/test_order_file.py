@@ -90,7 +90,7 @@ def test_a_whole_step_in_our_form_keeps_its_jobs_order(tmp_path: Path) -> None:
 WHOLE = ("fslpp", 4, 4, 2, 2)
 
 
-def _whole(order, cache: str = "job"):
+def _whole(order):
     return simulate(make_schedule(*WHOLE, order=order, split_backward=True))
 
 
