@@ -44,6 +44,7 @@ def simulate_config(cfg: DictConfig) -> tuple[Timeline, dict[str, Any]]:
         raise ConfigError(
             [f"the custom {' or '.join(custom)} failed while the step was planned: {one_line(e)}."]
         ) from e
+    _check_file_places(tl, cfg.weight_cache, cfg.prefetch)
     with phase("summarizing", tl.schedule.space.N):
         summary = summarize(tl, cfg.weight_cache)
         summary.update(priced(tl, cfg.get("step_overlap", DEFAULT.step_overlap)))
@@ -68,6 +69,20 @@ def copies(tl: Timeline, summary: dict[str, Any]) -> None:
     for key, per in (("copies_sent", sent), ("copies_kept", kept)):
         summary["per_worker"][key] = [len(st) for st in per]
         summary["total"][key] = sum(len(st) for st in per)
+
+
+def _check_file_places(tl: Timeline, weight_cache: str, prefetch: int) -> None:
+    """``order=file`` with a file that places actions (a whole step in our text, torch's full CSV):
+    lower the step here, so an action that does not fit is refused in one sentence before anything
+    is written (the programs are lowered again for ``actions.txt``)."""
+    from ..schedule.lowering import lower_actions
+    from ..schedule.order_file import FileOrder
+
+    if isinstance(tl.schedule.order, FileOrder):
+        try:
+            lower_actions(tl, weight_cache, prefetch)
+        except LoweringError as e:
+            raise ConfigError([str(e).rstrip(".") + "."]) from e
 
 
 def runtime_peaks(tl: Timeline, summary: dict[str, Any], prefetch: int) -> None:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from launcher.schedule.program import JobOp
+from launcher.schedule.program import GRAD, JobOp
 
 from ..torch_support.staged import run_stage
 from ..torch_support.torch_private import autograd_run_backward, pytree
@@ -447,7 +447,7 @@ def _route_input_grads(st: StepState, op: JobOp, stash: Stash, grads: Sequence[t
     preds = st.engine.space.stage_preds[s]
     if not preds:
         return
-    to = {st.msgs[mid].stage: mid for mid in op.send}
+    comp, B = st.engine.timeline.compute, st.engine.space.microbatches
     edges = st.shapes[b].edges
     at = 0
     for p, n in zip(preds, stash.counts):
@@ -455,7 +455,7 @@ def _route_input_grads(st: StepState, op: JobOp, stash: Stash, grads: Sequence[t
         gl = [torch.zeros_like(leaf) if g is None else g
               for g, leaf in zip(grads[at : at + n], stash.leaves[at : at + n])]
         at += n
-        if p in to:
-            st.outbox[to[p]] = edges[(p, s)].sig.pack_grads(gl, st.engine.device)  # for its SEND_GRAD
+        if comp[p * B + b] != comp[s * B + b]:  # p's backward runs where F(p, b) ran: elsewhere, for its SEND_GRAD
+            st.outbox[(GRAD, p, b, s)] = edges[(p, s)].sig.pack_grads(gl, st.engine.device)
         else:
             st.grads[(p, b)][s] = gl

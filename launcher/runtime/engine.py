@@ -75,7 +75,7 @@ from .saved import GraphCounts, stage_saved_bytes
 from .shapes import Shapes, shape_key
 from .shared_links import SharedLinks, host_identity, new_token, shared_links_possible
 from .stats import RunningStats
-from .step_state import run_program
+from .step_state import run_end, run_program
 
 #: steps between two batch checks (after the first step's): ranks fed different data are almost
 #: always so from the start (a loader seeded by rank), and the check is a collective, so it runs on
@@ -436,7 +436,8 @@ class Engine:
             st = run_program(self, lowered, microbatches, meter, train=True, shares=shares)
         t, cpu = time.perf_counter(), time.process_time()
         sums = self.grad_totals
-        sums.reduce(lowered.programs[w], st.comm, meter, self.watchdog, self.steps)
+        run_end(self, lowered, st)
+        sums.finish(st.comm, meter, self.watchdog, self.steps)
         st.comm.finish()
         sums.sum_tied(self.ties, self.space.S, self.ranks, self.group, self.watchdog)
         if self.finite is not None:  # each owned stage's gradient, summed, before any optimizer step
@@ -544,6 +545,7 @@ class Engine:
         try:
             with torch.no_grad():
                 st = run_program(self, self._eval_lowered, microbatches, meter, train=False, shares=shares)
+                run_end(self, self._eval_lowered, st)
                 st.comm.finish()
                 for mid in list(st.weights):
                     st.free(mid)

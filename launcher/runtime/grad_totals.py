@@ -4,8 +4,10 @@ weight gradient, from a backward job's share to the ``.grad`` the optimizer step
 A stage's total on a worker, per owner it computes for, is its micro-batches' gradients summed
 (:meth:`GradTotals.accumulate`, or added in place by autograd, :meth:`GradTotals.into`); a sum for
 another owner leaves with its ``SEND_WGRAD`` (:meth:`GradTotals.take`); an owner adds the sums
-others send (:meth:`GradTotals.absorb` during the step under cache ``job``, :meth:`GradTotals.reduce`
-at its end), replicas all-reduce theirs (:class:`~launcher.runtime.groups.Replicas`, whose bucket
+others send (:meth:`GradTotals.absorb` during the step under cache ``job``, :meth:`GradTotals.take_in`
+at its end: each ``RECV_WGRAD`` action where it stands), replicas all-reduce theirs once each
+``REDUCE`` action says a share is complete (:meth:`GradTotals.share_complete`; the waits:
+:meth:`GradTotals.finish`) (:class:`~launcher.runtime.groups.Replicas`, whose bucket
 buffers the replicated stages' totals live in), a parameter several stages share gets the sum of its
 uses (:meth:`GradTotals.sum_tied`), and the reduced totals become the parameters' ``.grad``
 (:meth:`GradTotals.install`). The engine and the step pass what each needs as arguments.
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.schedule.assembly import TAG_LIMIT
-from launcher.schedule.program import Msg, Program
+from launcher.schedule.program import Msg
 
 from ..torch_support.torch_private import foreach_add_, has_post_accumulate_hooks
 from .comm import Comm, irecv, isend
@@ -53,7 +55,6 @@ class GradTotals:
         self.targets: dict[Key, list[torch.Tensor] | None] = {}  # where a backward adds in place (None: apart)
         self.unbound: dict[int, tuple[torch.Tensor, Any]] = {}  # weight id -> (weight, its .grad before the step)
         self.incoming: list[int] = []  # partial sums posted before the current job (cache "job"), not yet added
-        self.absorbed: set[int] = set()  # partial sums already added into an owned stage's total
         self.replicas.reset()
 
     def accumulate(self, stage: int, owner: int, targets: list[torch.Tensor],
@@ -145,7 +146,6 @@ class GradTotals:
                 total.copy_(part)
             else:
                 total += part
-            self.absorbed.add(mid)
         self.incoming = []
 
     def _buffer(self, key: Key) -> torch.Tensor:
@@ -162,39 +162,52 @@ class GradTotals:
             views = self.views[key] = self.layouts[key[0]].grad_views(total)
         return views
 
+    def share_complete(self, done: int, meter: Meter) -> None:
+        """A ``REDUCE`` of the program: this worker's share of a replicated stage is complete once
+        job ``done`` has ended (``len(jobs)``: at the end of the step), so the buckets whose shares
+        all are may start their all-reduce (:meth:`~launcher.runtime.groups.Replicas.launch_ready`)."""
+        meter.allreduce += 1
+        self.replicas.launch_ready(done)
+
     # ---- end of step -------------------------------------------------------------------------
-    def reduce(self, prog: Program, comm: Comm, meter: Meter, watchdog: Watchdog | None, step: int) -> None:
-        """Each owned stage's total gradient (:attr:`last`): this worker's own sum plus the sums
-        other workers sent (they went out during the backward), all-reduced across the stage's
-        replicas."""
+    def take_in(self, mid: int, comm: Comm, msgs: Sequence[Msg]) -> None:
+        """A ``RECV_WGRAD`` at the end of the step: wait for partial sum ``mid`` and add it into its
+        owned stage's total, which starts at zero where this worker added nothing to it (a
+        replicated stage's in its bucket's buffer)."""
+        w = self.worker
+        assert w is not None  # only a worker runs a step
+        s = msgs[mid].stage
+        total = self.acc.get((s, w))
+        if total is None:
+            total = self.replicas.buffer(s)
+            if total is None:
+                L = self.layouts[s]
+                total = torch.zeros(L.grad_numel, dtype=L.dtype, device=self.device)
+            elif self.replicas.fill(s):  # not launched yet: its REDUCE stands after this sum
+                total.zero_()
+            self.acc[(s, w)] = total
+        total += comm.wait(mid)
+        comm.drop(mid)
+
+    def finish(self, comm: Comm, meter: Meter, watchdog: Watchdog | None, step: int) -> None:
+        """After the program's last action: each owned stage's total gradient (:attr:`last`), its
+        replicas' all-reduces done. The buckets reduced at the end of the step go here, after every
+        ``REDUCE``, in the one order common to every worker (all-reduces among different owner
+        sets must be issued in one global order, which a worker's own actions do not give)."""
         w = self.worker
         assert w is not None  # only a worker runs a step
         totals: dict[int, torch.Tensor] = {}
-        for red in prog.reduces:
-            s = red.stage
-            if s not in self.owned:
-                continue
-            if watchdog is not None:
-                watchdog.check()
-                watchdog.set_job(f"gradient reduction of stage {s} in step {step}")
+        for s in self.owned:
             total = self.acc.get((s, w))
             if total is None:
                 total = self.replicas.buffer(s)
                 if total is None:
                     L = self.layouts[s]
                     total = torch.zeros(L.grad_numel, dtype=L.dtype, device=self.device)
-                elif red.recv_from and self.replicas.fill(s):  # not launched yet: it waits for these sums
-                    total.zero_()
-            for mid in red.recv_from:
-                if mid in self.absorbed:
-                    continue
-                total += comm.wait(mid)
-                comm.drop(mid)
             totals[s] = total
-            if red.replicas:
-                meter.allreduce += 1
         if self.replicas.buckets:
             if watchdog is not None:
+                watchdog.check()
                 watchdog.set_job(f"all-reduce of replicated stages in step {step}")
             began = time.perf_counter()
             self.replicas.finish(watchdog, comm.clock)

@@ -1,7 +1,7 @@
 """One step of one worker: what it holds while the step runs (:class:`StepState`), its forward jobs,
-the one place a message of the step starts (:meth:`StepState.send`), and the loop that runs its
-program's operations as printed (:func:`run_program`). The backward jobs are :mod:`.backward`'s;
-the gradient sums :class:`~launcher.runtime.grad_totals.GradTotals`'."""
+the one place a message of the step starts (:meth:`StepState.send`), and the loops that run its
+program's operations as printed (:func:`run_program`, then :func:`run_end` for the end of the step).
+The backward jobs are :mod:`.backward`'s; the gradient sums :class:`~launcher.runtime.grad_totals.GradTotals`'."""
 
 from __future__ import annotations
 
@@ -62,7 +62,9 @@ class StepState:
         # itself, its trainable prefix, or None when nothing of the stage trains)
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.static_keys: dict[tuple[int, bool], tuple] = {}  # (stage, own weights) -> its forwards' fixed key part
-        self.outbox: dict[int, torch.Tensor] = {}  # act/grad message -> its data, packed by its job, until sent
+        # an act/grad message's data, packed by its job until its send (by the message's kind, edge
+        # and micro-batch: what a SEND_ACT/SEND_GRAD operation names)
+        self.outbox: dict[tuple[str, int, int, int], torch.Tensor] = {}
         self.packed: dict[int, torch.Tensor] = {}  # owned stage -> its weights packed for sending, once a step
 
     # ---- weights -----------------------------------------------------------------------------
@@ -147,10 +149,12 @@ class StepState:
     def _send_output(self, op: JobOp, out: Any) -> None:
         """What each consumer stage on another worker receives, packed for its ``SEND_ACT``."""
         s, b = op.stage, op.microbatch
-        for mid in op.send:
-            c = self.msgs[mid].peer_stage
-            edge = self.shapes[b].edges[(s, c)]
-            self.outbox[mid] = edge.sig.pack(pick(out, self.engine.model.edge(s, c)), self.engine.device)
+        e = self.engine
+        comp, B = e.timeline.compute, e.space.microbatches
+        for c in e.space.stage_succs[s]:
+            if comp[c * B + b] != comp[s * B + b]:  # F(c, b) elsewhere: a message carries the edge
+                edge = self.shapes[b].edges[(s, c)]
+                self.outbox[(ACT, s, b, c)] = edge.sig.pack(pick(out, e.model.edge(s, c)), e.device)
 
     # ---- sends -------------------------------------------------------------------------------
     def send(self, kind: str, mid: int) -> None:
@@ -168,7 +172,8 @@ class StepState:
         elif kind == SEND_WGRAD:
             data = self.totals.take(self.msgs[mid].stage, self.msgs[mid].dst)
         else:
-            data = self.outbox.pop(mid)
+            m = self.msgs[mid]
+            data = self.outbox.pop((m.kind, m.stage, m.microbatch, m.peer_stage))
         self.comm.send(mid, data)
 
     def loss(self, op: JobOp, out: Any) -> torch.Tensor | None:
@@ -299,10 +304,10 @@ class StepState:
 
 def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch], meter: Meter, train: bool,
                 shares: list[float] | None = None) -> StepState:
-    """Run ``engine``'s worker's program of ``lowered``: its operations in order, as printed
-    (:mod:`launcher.schedule.actions`); ``shares``: each micro-batch's weight in the loss (None:
-    ``1 / B`` each). What follows the last job's own operations (:attr:`Program.tail`) is the end of
-    the step: the owner's last hand-overs here, the partial sums and reductions in :meth:`StepState.reduce`."""
+    """Run ``engine``'s worker's program of ``lowered`` up to its end of step: its operations in
+    order, as printed (:mod:`launcher.schedule.actions`); ``shares``: each micro-batch's weight in
+    the loss (None: ``1 / B`` each). What follows the last job's own operations (:attr:`Program.tail`)
+    is :func:`run_end`'s."""
     w = engine.worker
     assert w is not None  # ranks past the schedule's workers run no program
     prog = lowered.programs[w]
@@ -315,10 +320,30 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
         _run_ops(engine, lowered, prog, st)
     finally:
         st.totals.unbind()
-    for kind, mid in prog.ops[prog.tail :]:
-        if kind == SEND_WEIGHTS:  # the owner's last hand-overs
-            st.send(kind, mid)
     return st
+
+
+def run_end(engine: Engine, lowered: Lowered, st: StepState) -> None:
+    """The end of the step's operations of the worker's program, one by one as printed: an owner's
+    last hand-overs (``SEND_WEIGHTS``), each partial sum taken in (``RECV_WGRAD``: waited for and
+    added into its stage's total), each replicated stage's share complete (``REDUCE``: its bucket
+    may start). Waiting for the all-reduces is :meth:`GradTotals.finish`'s, after the last action."""
+    assert engine.worker is not None  # ranks past the schedule's workers run no program
+    prog = lowered.programs[engine.worker]
+    totals, watchdog = st.totals, engine.watchdog
+    done = len(prog.jobs)  # every job is done
+    for kind, arg in prog.ops[prog.tail :]:
+        if kind == SEND_WEIGHTS:
+            st.send(kind, arg)
+        elif not st.train:  # evaluation takes in no gradient
+            continue
+        elif kind == RECV_WGRAD:
+            if watchdog is not None:
+                watchdog.check()
+                watchdog.set_job(f"gradient reduction of stage {st.msgs[arg].stage} in step {engine.steps}")
+            totals.take_in(arg, st.comm, st.msgs)
+        elif kind == REDUCE:
+            totals.share_complete(done, st.meter)
 
 
 def _run_ops(engine: Engine, lowered: Lowered, prog: Program, st: StepState) -> None:
@@ -369,7 +394,7 @@ def _run_ops(engine: Engine, lowered: Lowered, prog: Program, st: StepState) -> 
             st.send(kind, arg)
         elif kind == REDUCE:
             if st.train:  # buckets of replicated stages whose share is complete start their all-reduce
-                st.totals.replicas.launch_ready(i)
+                st.totals.share_complete(i, meter)
         elif kind == FREE_WGRAD:  # a sum sent earlier, received by now: free it
             comm.deliver(arg)
         else:  # a receive posted ahead of the job that needs it

@@ -15,7 +15,6 @@ from functools import partial
 from itertools import accumulate, compress
 from operator import attrgetter, itemgetter, sub
 from textwrap import indent
-from typing import Iterable
 
 from .actions import (
     AFTER,
@@ -47,9 +46,9 @@ from .program import (
     Msg,
     Op,
     Program,
-    StageReduce,
     reduce_rounds,
     resident_peaks,
+    stage_reduces,
     tail_of,
 )
 from .settings import DEFAULT
@@ -361,14 +360,15 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
         pair[a][b], pair[b][a] = mids_ab, list(mids_ab)
     owner, start = tl.owner, tl.start
     seqs = tl.sequences
-    jobs = [[JobOp(j, stage, mb, op, owner[j], {}, [], [], None, False, start[j])
+    jobs = [[JobOp(j, stage, mb, op, owner[j], {}, None, False, start[j])
              for j, (op, stage, mb, _, _) in zip(seqs[w], compress(prog, map(JOBS.__contains__, map(OP, prog))))]
             for w, prog in enumerate(progs)]
+    sends: list[defaultdict[int, list[int]]] = [defaultdict(list) for _ in range(W)]  # per job index: its sends
     for mid, (_, _, kind, ws, wr, stage, _, peer, ns, nr) in enumerate(edge_msgs):  # each job's messages in id order
         jobs[wr][nr].recv[stage if kind == ACT else peer] = mid
-        jobs[ws][ns].send.append(mid)
-    programs = [_program(w, progs[w], jobs[w], belongs[w], mids[w], msgs, owners, pair[w], tl.schedule.frozen)
-                for w in range(W)]
+        sends[ws][ns].append(mid)
+    programs = [_program(w, progs[w], jobs[w], sends[w], belongs[w], mids[w], msgs, owners, pair[w],
+                         tl.schedule.frozen) for w in range(W)]
     lowered = Lowered(tl, weight_cache, msgs, programs, owners, per_worker(tl, weight_cache), prefetch,
                       _reduce_order(tl, programs, owners))
     if weight_cache == "job":
@@ -377,15 +377,14 @@ def assemble_with(tl: Timeline, progs: Programs, edge_msgs: list[Edge] | None, w
     return lowered
 
 
-def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mids: list[int], msgs: list[Msg],
-             owners: list[list[int]], pair: dict[int, list[int]], frozen: frozenset[int] = frozenset()) -> Program:
+def _program(w: int, prog: list[Action], jobs: list[JobOp], sends: dict[int, list[int]], bound: list[int],
+             mids: list[int], msgs: list[Msg], owners: list[list[int]], pair: dict[int, list[int]],
+             frozen: frozenset[int] = frozenset()) -> Program:
     """Worker ``w``'s :class:`~launcher.schedule.program.Program` from its actions (``bound``: per
     action, the job it belongs to, a receive's the job it feeds; ``mids``: per action, its
     message's id, -1: none or ``act``/``grad``) and its jobs, their activations and gradients filled
-    in: its operations are the actions one for one. A stage in ``frozen`` (nothing to train) has no
-    all-reduce."""
-    reduces = {s: StageReduce(s, replicas=tuple(o) if len(o) > 1 and s not in frozen else ())
-               for s, o in enumerate(owners) if w in o}
+    in (``sends``: per job index, the ``act``/``grad`` messages it sends): its operations are the
+    actions one for one. A stage in ``frozen`` (nothing to train) has no all-reduce."""
     held: dict[int, int] = {}  # stage -> the fetched copy its jobs here run on
     copy_for: dict[int, int] = {}  # job index -> the copy received for it
     ops: list[Op] = []
@@ -404,7 +403,7 @@ def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mi
         elif kind == RECV_ACT or kind == RECV_GRAD:
             ops.append((kind, jobs[i].recv[a.peer_stage]))
         elif kind == SEND_ACT or kind == SEND_GRAD:  # which of the job's outputs: by receiver and its stage
-            ops.append((kind, next(mid for mid in jobs[i].send if msgs[mid].dst == a.peer and
+            ops.append((kind, next(mid for mid in sends[i] if msgs[mid].dst == a.peer and
                                    (msgs[mid].peer_stage if kind == SEND_ACT else msgs[mid].stage) == a.peer_stage)))
         elif kind == REDUCE:
             ops.append((kind, a.stage))
@@ -413,24 +412,8 @@ def _program(w: int, prog: list[Action], jobs: list[JobOp], bound: list[int], mi
             ops.append((kind, mid))
             if kind == RECV_WEIGHTS:
                 copy_for[i] = mid
-            elif kind == RECV_WGRAD:
-                reduces.setdefault(a.stage, StageReduce(a.stage)).recv_from.append(mid)
-            elif kind == SEND_WGRAD:
-                jobs[i].wgrad_send.append(mid)
-                reduces.setdefault(a.stage, StageReduce(a.stage)).send_to_owner[a.peer] = mid
-    _in_id_order(jobs, reduces.values())
-    return Program(w, jobs, [reduces[s] for s in sorted(reduces)], [s for s, o in enumerate(owners) if w in o], pair,
-                   ops, tail_of(ops))
-
-
-def _in_id_order(jobs: list[JobOp], reduces: Iterable[StageReduce]) -> None:
-    """Each job's and stage's messages by id, whatever order the actions listed them in."""
-    for op in jobs:  # (``send`` and ``recv`` are filled in id order)
-        if len(op.wgrad_send) > 1:
-            op.wgrad_send.sort()
-    for red in reduces:
-        red.send_to_owner = dict(sorted(red.send_to_owner.items(), key=lambda kv: kv[1]))
-        red.recv_from.sort()
+    return Program(w, jobs, stage_reduces(w, ops, msgs, owners, frozen), [s for s, o in enumerate(owners) if w in o],
+                   pair, ops, tail_of(ops))
 
 
 def _reduce_order(tl: Timeline, programs: list[Program], owners: list[list[int]]) -> list[int]:

@@ -336,14 +336,15 @@ def lower_actions(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefet
     progs = job_actions(tl)
     for add in PASSES:
         progs = add(tl, progs, weight_cache)
-    return _file_placed(tl, post_early(tl, progs, prefetch))
+    return _file_placed(tl, post_early(tl, progs, prefetch), progs)
 
 
-def _file_placed(tl: Timeline, progs: Programs) -> Programs:
-    """``progs`` with the messages where a schedule file that places them puts them (torch's full
-    CSV: :func:`~launcher.schedule.order_file.file_placed`); ``progs`` itself otherwise."""
+def _file_placed(tl: Timeline, progs: Programs, latest: Programs) -> Programs:
+    """``progs`` with the actions where a schedule file that places them puts them (torch's full
+    CSV, or a whole step in our text: :func:`~launcher.schedule.order_file.file_placed`, checked
+    against ``latest``, the same step without lookahead); ``progs`` itself otherwise."""
     try:
-        return file_placed(tl.schedule.order, progs)
+        return file_placed(tl.schedule.order, progs, latest)
     except ValueError as e:
         raise LoweringError(str(e)) from e
 
@@ -367,11 +368,11 @@ def lower(tl: Timeline, weight_cache: str = DEFAULT.weight_cache, prefetch: int 
         for add in PASSES:
             if add is not add_act_grad:
                 progs = add(tl, progs, weight_cache)
-        progs = post_early(tl, progs, prefetch)
-        placed = _file_placed(tl, progs)
-        if placed is not progs:  # the file's places, checked against the timeline: its messages read from it
+        early = post_early(tl, progs, prefetch)
+        placed = _file_placed(tl, early, progs)
+        if placed is not early:  # the file's places, checked against the timeline: its messages read from it
             return assemble(tl, placed, weight_cache, prefetch)
-        return assemble_with(tl, progs, found, weight_cache, prefetch)
+        return assemble_with(tl, early, found, weight_cache, prefetch)
 
 
 @contextmanager

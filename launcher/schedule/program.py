@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
-from .actions import AFTER, JOBS, POSTED, RECV_WGRAD, REDUCE, SENDS
+from .actions import AFTER, JOBS, POSTED, RECV_WGRAD, REDUCE, SEND_WGRAD, SENDS
 from .settings import DEFAULT
 from .simulate import Timeline
 
@@ -47,24 +47,32 @@ class Msg(NamedTuple):
 
 @dataclass(slots=True)
 class JobOp:
-    """A compute job with the messages it consumes and produces."""
+    """A compute job of a program. What it sends, and the partial sums that go out after it, are
+    the program's operations (``SEND_ACT``, ``SEND_GRAD``, ``SEND_WGRAD``) and nothing here. The
+    fields below that name messages are the bindings the job needs when it runs, which its place
+    among the operations does not give: a receive stands where it is posted, possibly jobs earlier
+    (:func:`~launcher.schedule.lowering.post_early`), and a copy of the weights may have arrived for
+    an earlier job (``weight_cache="step"``)."""
 
     job: int
     stage: int
     microbatch: int
     kind: str
     owner: int  # w_owner: the worker that owns this job's stage
-    recv: dict[int, int] = field(default_factory=dict)  # pred stage (F) or succ stage (B/I) -> mid
-    send: list[int] = field(default_factory=list)  # mids this job's output feeds
-    wgrad_send: list[int] = field(default_factory=list)  # weight-gradient sums complete after this job
+    # pred stage (F) or succ stage (B/I) -> the message the job waits for (its RECV_ACT/RECV_GRAD)
+    recv: dict[int, int] = field(default_factory=dict)
     weights_mid: int | None = None  # the weights message this job runs on (None: owned stage)
-    free_weights: bool = False  # drop the fetched copy when the job ends (cache "job")
+    # its FREE_WEIGHTS: the copy goes when the job ends (an I: when its W does); the forward reads it
+    # to keep only its input (recompute) rather than a graph holding the copy
+    free_weights: bool = False
     start: float = 0.0  # simulated start, for reports
 
 
 @dataclass(slots=True)
 class StageReduce:
-    """The gradient traffic of one stage on one worker."""
+    """The gradient traffic of one stage on one worker, read from its program's operations
+    (:func:`stage_reduces`): a summary for reports and tests, which the runtime does not read (it
+    runs the ``SEND_WGRAD``, ``RECV_WGRAD`` and ``REDUCE`` operations where they stand)."""
 
     stage: int
     send_to_owner: dict[int, int] = field(default_factory=dict)  # owner -> wgrad mid (sent after a job)
@@ -86,7 +94,7 @@ class Program:
 
     worker: int
     jobs: list[JobOp]
-    reduces: list[StageReduce]
+    reduces: list[StageReduce]  # derived from ``ops`` (:func:`stage_reduces`), for reports and tests
     owned: list[int]  # stages this worker is a source of truth for
     pair_order: dict[int, list[int]]  # peer -> mids to or from that peer, in issue order
     ops: list[Op] = field(default_factory=list)
@@ -105,6 +113,27 @@ class Program:
             elif op == REDUCE:
                 out[arg] = len(self.jobs) if n >= self.tail else i
         return out
+
+
+def stage_reduces(worker: int, ops: Sequence[Op], messages: Sequence[Msg], owners: Sequence[Sequence[int]],
+                  frozen: frozenset[int] = frozenset()) -> list[StageReduce]:
+    """Per stage the worker owns or sends a partial sum of, in stage order, what its operations do
+    with the stage's gradient: the sums it sends (``SEND_WGRAD``) and takes in (``RECV_WGRAD``), by
+    message id, and the owners it all-reduces with (a ``REDUCE``: a replicated stage, not frozen)."""
+    out = {s: StageReduce(s) for s, o in enumerate(owners) if worker in o}
+    for kind, arg in ops:
+        if kind == SEND_WGRAD:
+            m = messages[arg]
+            out.setdefault(m.stage, StageReduce(m.stage)).send_to_owner[m.dst] = arg
+        elif kind == RECV_WGRAD:
+            m = messages[arg]
+            out.setdefault(m.stage, StageReduce(m.stage)).recv_from.append(arg)
+        elif kind == REDUCE and arg not in frozen:
+            out[arg].replicas = tuple(owners[arg])
+    for red in out.values():  # by message id, whatever order the actions list them in
+        red.send_to_owner = dict(sorted(red.send_to_owner.items(), key=lambda kv: kv[1]))
+        red.recv_from.sort()
+    return [out[s] for s in sorted(out)]
 
 
 def tail_of(ops: list[Op]) -> int:
@@ -279,14 +308,11 @@ def forward_only(lowered: Lowered) -> Lowered:
     on); no gradients, no reduction. A subsequence of a deadlock-free pair order is deadlock-free
     (every wait is still for data keyed before the waiting job's simulated start), so this needs no
     new schedule."""
-    keep: set[int] = set()
+    keep = {m.mid for m in lowered.messages if m.kind == ACT}  # every activation feeds a forward
     for prog in lowered.programs:
         for op in prog.jobs:
-            if op.kind == "F":
-                keep.update(op.recv.values())
-                keep.update(op.send)
-                if op.weights_mid is not None:
-                    keep.add(op.weights_mid)
+            if op.kind == "F" and op.weights_mid is not None:
+                keep.add(op.weights_mid)
     programs: list[Program] = []
     for old in lowered.programs:
         jobs: list[JobOp] = []

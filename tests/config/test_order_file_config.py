@@ -66,3 +66,38 @@ def test_export_writes_what_order_file_reads(cfg_of, tmp_path: Path) -> None:
         report_simulation(c, tl, summary, tmp_path)
         back, _ = simulate_config(cfg_of(*LPP, "split_backward=true", "order.name=file", f"order.path={out}"))
         assert back.sequences == tl.sequences and back.start == tl.start
+
+
+def test_a_whole_step_prints_as_written_and_a_misplaced_action_exits_2(cfg_of, tmp_path: Path) -> None:
+    """mode=simulate's actions.txt of a whole step in our text is the file (a receive moved earlier
+    stays there); one whose receive stands after the job that needs it is refused in one sentence,
+    exit 2, before anything is written."""
+    from rich.console import Console
+
+    from helpers.cli import run_launcher
+    from launcher.modes.simulation import print_program
+    from launcher.schedule.actions import format_programs
+    from launcher.schedule.lowering import lower_actions
+
+    tl = simulate(make_schedule("lpp", 4, 4, 1, 2, order="interleaved_1f1b"))
+    progs = [list(p) for p in lower_actions(tl, "step", 1)]
+    recv = max(n for n, a in enumerate(progs[1]) if a.op == "RECV_ACT")
+    moved = [progs[0], [progs[1][recv], *progs[1][:recv], *progs[1][recv + 1:]]]
+    path = tmp_path / "step.txt"
+    path.write_text(format_programs(moved) + "\n")
+    c = cfg_of(*LPP, "order.name=file", f"order.path={path}")
+    got, _ = simulate_config(c)
+    print_program(got, "step", 1, tmp_path, Console(quiet=True))
+    assert (tmp_path / "actions.txt").read_text() == path.read_text()
+    late = [progs[0], [*progs[1][:recv], *progs[1][recv + 1:], progs[1][recv]]]
+    path.write_text(format_programs(late) + "\n")
+    with pytest.raises(ConfigError) as e:
+        simulate_config(c)
+    (sentence,) = e.value.sentences
+    assert sentence.startswith(f"order.path={path}: worker 1 position {len(progs[1]) - 1} is {progs[1][recv]!r}, "
+                               "after ") and sentence.endswith("a receive is posted no later than just before the "
+                                                               "job that needs it.")
+    run = tmp_path / "run"
+    p = run_launcher("mode=simulate", *LPP, "order=file", f"order.path={path}", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"error: {sentence}"], p.stderr[-2000:]
+    assert not (run / "actions.txt").exists()

@@ -1,6 +1,7 @@
 """order=file on real worker processes (gloo, float64): a schedule written by torch's own
 ``_dump_csv`` (its looped breadth-first, backwards newest first, and its interleaved 1F1B, also
-as the full CSV with torch's sends and receives), and one of ours exported and read back (ZB-H1
+as the full CSV with torch's sends and receives, also under a placement whose weight copies and
+partial sums torch's UNSHARD and REDUCE_GRAD stand for), and one of ours exported and read back (ZB-H1
 on the split backward), each train exactly as one process does, and the runtime's counts equal
 the simulator's; torch's full CSV, its receives posted where torch put them, trains bit-equal to
 the same order from our text."""
@@ -35,10 +36,18 @@ def _ours(name: str, *args, **kw) -> FileOrder:
     return FileOrder(path=str(write_schedule(tl.schedule.space, tl.sequences, _DIR / name)))
 
 
+def owner0(s: int, b: int, d: str) -> tuple[int, int]:
+    """(w_weights, w_compute): torch's looped map on 2 ranks computes, worker 0 owns every stage, so
+    worker 1 fetches stages 1 and 3 (torch's UNSHARD of them) and sends their sums back (REDUCE_GRAD)."""
+    return 0, s % 2
+
+
 CASES = [
     Case("lpp", 1, 2, 4, 4, order=_torch_csv("bfs.csv", "bfs", 2, 2, 4), optimizer="adam"),
     Case("lpp", 1, 4, 8, 8, order=_torch_csv("interleaved.csv", "interleaved", 4, 2, 8)),
     Case("lpp", 1, 2, 4, 4, order=_torch_csv("full.csv", "interleaved", 2, 2, 4, comms=True)),
+    Case("owner0", 1, 2, 4, 4, order=_torch_csv("full_owner0.csv", "interleaved", 2, 2, 4, comms=True),
+         weight_cache="job", placement=owner0, W=2),
     Case("gpipe", 1, 4, 4, 8, order=_ours("zb_h1.txt", "gpipe", 4, 8, 1, 4, order="zb_h1", split_backward=True),
          split=True),
     Case("fslpp", 2, 2, 8, 4, order=_ours("fslpp.txt", "fslpp", 8, 4, 2, 2, order="breadth_first"),

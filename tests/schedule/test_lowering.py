@@ -7,7 +7,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from launcher.schedule import ScheduleError, make_schedule, simulate
-from launcher.schedule.actions import COMPUTE, RECV_ACT, RECV_GRAD, RECV_WEIGHTS, RECV_WGRAD, SEND_WEIGHTS, SENDS
+from launcher.schedule.actions import (
+    COMPUTE,
+    RECV_ACT,
+    RECV_GRAD,
+    RECV_WEIGHTS,
+    RECV_WGRAD,
+    SEND_WEIGHTS,
+    SEND_WGRAD,
+    SENDS,
+)
 from launcher.schedule.lowering import LoweringError, early, lower, weight_messages
 from launcher.schedule.metrics import per_worker
 from launcher.schedule.program import (
@@ -206,7 +215,7 @@ def test_partial_sums_go_out_after_the_last_job_that_adds_to_them():
     wgrads = [m for m in plan.messages if m.kind == WGRAD]
     assert wgrads
     for m in wgrads:
-        (op,) = [op for op in plan.programs[m.src].jobs if m.mid in op.wgrad_send]
+        op = plan.programs[m.src].jobs[_sent_after(plan.programs[m.src])[m.mid]]
         assert op.stage == m.stage and op.owner == m.dst and op.kind == "B"
         later = [o for o in plan.programs[m.src].jobs if o.start > op.start]
         assert not any(o.stage == m.stage and o.owner == m.dst and o.kind == "B" for o in later)
@@ -288,12 +297,24 @@ def test_weight_messages_are_the_lowered_programs_weight_traffic(name, G, R, S, 
             if op.weights_mid is not None and op.weights_mid not in seen:
                 seen.add(op.weights_mid)
                 want[op.job] += 1
-            want[op.job] += len(op.wgrad_send)
+        for i in _sent_after(prog).values():
+            want[prog.jobs[i].job] += 1
         for (kind, _), i in zip(prog.ops, _gaps(prog)):
             if kind == SEND_WEIGHTS:
                 want[prog.jobs[min(i, len(prog.jobs) - 1)].job] += 1
     assert want == weight_messages(tl, cache)
     assert any(want) == (name in ("fsdp", "fslpp"))
+
+
+def _sent_after(prog) -> dict[int, int]:
+    """Per partial sum the program sends (``SEND_WGRAD``), the index of the job it goes out after."""
+    out, i = {}, -1
+    for kind, arg in prog.ops:
+        if kind in COMPUTE:
+            i = arg
+        elif kind == SEND_WGRAD:
+            out[arg] = i
+    return out
 
 
 def _gaps(prog) -> list[int]:

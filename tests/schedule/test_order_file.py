@@ -73,7 +73,7 @@ def test_torch_load_csv_reads_ours(tmp_path: Path) -> None:
         [[f"{s}{d}{b}" for s, b, d in map(tl.schedule.space.job, seq)] for seq in tl.sequences]
 
 
-def test_comm_actions_in_our_form_are_ignored(tmp_path: Path) -> None:
+def test_a_whole_step_in_our_form_keeps_its_jobs_order(tmp_path: Path) -> None:
     from launcher.schedule.lowering import lower_actions
 
     tl = simulate(make_schedule("gpipe", 3, 4, 1, 3, order="1f1b"))
@@ -84,6 +84,93 @@ def test_comm_actions_in_our_form_are_ignored(tmp_path: Path) -> None:
                                                     for p in programs_of(tl.schedule.space, tl.sequences)]
     back = simulate(make_schedule("gpipe", 3, 4, 1, 3, order=FileOrder(path=str(tmp_path / "lowered.txt"))))
     same(tl, back)
+
+
+# a whole step of ours (FSLPP: weight copies, partial sums; ZB-H1 on the split backward)
+WHOLE = ("fslpp", 4, 4, 2, 2)
+
+
+def _whole(order):
+    return simulate(make_schedule(*WHOLE, order=order, split_backward=True))
+
+
+def moved_earlier(progs, op: str) -> tuple[list, int]:
+    """``progs`` with the last ``op`` of the first worker that has one moved to the start of its
+    line (posted when the step starts): the edited programs and that worker."""
+    w = next(w for w, prog in enumerate(progs) if any(a.op == op for a in prog))
+    prog = list(progs[w])
+    prog.insert(0, prog.pop(max(n for n, a in enumerate(prog) if a.op == op)))
+    return [list(p) if v != w else prog for v, p in enumerate(progs)], w
+
+
+@pytest.mark.parametrize("op", ["RECV_ACT", "RECV_WEIGHTS", "SEND_WEIGHTS"])
+def test_a_whole_step_runs_as_written(tmp_path: Path, op: str) -> None:
+    """A receive or a weight hand-over moved earlier than the lowering puts it stands where the file
+    puts it, whatever the lookahead; the file's jobs, without its other actions, get the lowering's."""
+    from launcher.schedule.actions import parse_programs
+    from launcher.schedule.lowering import lower, lower_actions
+
+    ref = _whole("zb_h1")
+    ours = lower_actions(ref, "job", 1)
+    edited, w = moved_earlier(ours, op)
+    path = tmp_path / "step.txt"
+    path.write_text(format_programs(edited))
+    tl = _whole(FileOrder(path=str(path)))
+    same(ref, tl)
+    for prefetch in (0, 1, 2):
+        assert lower_actions(tl, "job", prefetch) == edited
+        assert format_programs(lower_actions(tl, "job", prefetch)) == path.read_text()
+    lowered = lower(tl, "job", 1)
+    assert lowered.programs[w].ops[0][0] == op and lowered.programs[w].ops != lower(ref, "job", 1).programs[w].ops
+    path.write_text(format_programs([[a for a in p if a.is_job] for p in parse_programs(path.read_text())]))
+    assert lower_actions(_whole(FileOrder(path=str(path))), "job", 1) == ours  # jobs only: the lowering's places
+
+
+def _refusal(tmp_path: Path, edit) -> str:
+    from launcher.schedule.lowering import LoweringError, lower, lower_actions
+
+    progs = [list(p) for p in lower_actions(_whole("zb_h1"), "job", 1)]
+    edit(progs)
+    path = tmp_path / "step.txt"
+    path.write_text(format_programs(progs))
+    with pytest.raises(LoweringError) as e:
+        lower(_whole(FileOrder(path=str(path))), "job", 1)
+    msg = str(e.value)
+    assert msg.startswith(f"order.path={path}: worker ") and "\n" not in msg and ". " not in msg, msg
+    return msg.split(": ", 1)[1]
+
+
+def _move(w: int, n: int, to: int):
+    def edit(progs):
+        progs[w].insert(to, progs[w].pop(n))
+    return edit
+
+
+def test_a_whole_step_that_does_not_fit_is_refused_in_one_sentence(tmp_path: Path) -> None:
+    # w0: ... F0.b2  SEND_ACT s0.b2 ->w1.s1  SEND_WEIGHTS s2.b3 ->w2  RECV_ACT s2.b2 <-w1.s1  F2.b0 ...  F2.b2 ...
+    from launcher.schedule.lowering import lower_actions
+
+    w0 = lower_actions(_whole("zb_h1"), "job", 1)[0]
+    recv = w0.index(next(a for a in w0 if repr(a) == "RECV_ACT s2.b2 <-w1.s1"))
+    after = w0.index(next(a for a in w0 if repr(a) == "F2.b2")) + 1
+    assert _refusal(tmp_path, _move(0, recv, after)) == (
+        f"worker 0 position {after} is RECV_ACT s2.b2 <-w1.s1, after F2.b2, the job that needs it: a receive is "
+        f"posted no later than just before the job that needs it")
+    send = w0.index(next(a for a in w0 if repr(a) == "SEND_ACT s0.b0 ->w1.s1"))
+    assert _refusal(tmp_path, _move(0, send, send + 3)) == (
+        f"worker 0 position {send + 3} is SEND_ACT s0.b0 ->w1.s1, which the lowering puts right after F0.b0: only a "
+        f"receive or an owner's weight hand-over may stand elsewhere (earlier), every other action stands where the "
+        f"lowering puts it, in its order")
+    hand = w0.index(next(a for a in w0 if repr(a) == "SEND_WEIGHTS s0.b1 ->w2"))
+    # cache "job" hands that copy over twice (for F0.b1 and I0.b1): equal actions stand for each other
+    assert "is SEND_WEIGHTS s0.b1 ->w2, later than its owner's release point (before F0.b0): an owner hands a copy " \
+        "over no later than that" in _refusal(tmp_path, _move(0, hand, len(w0) - 1))
+    assert _refusal(tmp_path, lambda progs: progs[0].pop(recv)) == (
+        "worker 0 has no RECV_ACT s2.b2 <-w1.s1, which the lowering gives it: a whole step lists every action of "
+        "each worker (a file of jobs only gets them all from the lowering)")
+    assert _refusal(tmp_path, lambda progs: progs[1].insert(0, progs[0][send])) == (
+        "worker 1 position 0 is SEND_ACT s0.b0 ->w1.s1, an action the step does not have there: a whole step's "
+        "actions are those the lowering gives these jobs under this placement")
 
 
 def test_wrong_files_are_refused_in_one_sentence(tmp_path: Path) -> None:
@@ -179,3 +266,48 @@ def test_torch_full_csv_refusals_name_rank_position_and_action(tmp_path: Path) -
     late = [c for c in rows[1] if c != "1RECV_F0"]
     late.insert(late.index("1F0") + 1, "1RECV_F0")
     assert ">>RECV_ACT s1.b0 <-w0.s0<<" in refused([rows[0], late])
+
+
+def owner0(s: int, b: int, d: str) -> tuple[int, int]:
+    """Torch's looped map on 2 ranks for the compute, every stage's weights on worker 0: worker 1
+    runs stages 1 and 3 on copies it fetches and sends their gradient sums back (w_weights, w_compute)."""
+    return 0, s % 2
+
+
+@pytest.mark.parametrize("cache", ["step", "job"])
+def test_torch_unshard_and_reduce_grad_map_onto_ours(tmp_path: Path, cache: str) -> None:
+    """torch's UNSHARD of a stage is the weight copy of that stage's next job where that job runs on
+    a fetched copy (worker 1: at torch's place, the start of the step), a no-op where the worker owns
+    the stage (worker 0); its REDUCE_GRAD stands where our partial sum's send does; its RESHARD is
+    a no-op. A REDUCE_GRAD moved before the last backward that adds to the sum is refused."""
+    from launcher.schedule.actions import RECV_WEIGHTS
+    from launcher.schedule.lowering import LoweringError, lower, lower_actions
+
+    full = dump_torch_csv(tmp_path / "full.csv", "interleaved", 2, 2, 4, comms=True)
+    only = dump_torch_csv(tmp_path / "only.csv", "interleaved", 2, 2, 4)
+    rows = [line.split(",") for line in full.read_text().splitlines()]
+    assert rows[1][:2] == ["1UNSHARD", "3UNSHARD"] and "3REDUCE_GRAD" in rows[1] and "1RESHARD" in rows[1]
+    tl = simulate(make_schedule(owner0, 4, 4, G=1, R=2, order=FileOrder(path=str(full))))
+    ours = lower_actions(simulate(make_schedule(owner0, 4, 4, G=1, R=2, order=FileOrder(path=str(only)))), cache, 0)
+    got = lower_actions(tl, cache, 0)
+    assert [sorted(p) for p in got] == [sorted(p) for p in ours]  # the same actions, some elsewhere
+    # torch's two UNSHARDs on rank 1 are the copies of its first job of stage 1 and of stage 3
+    assert [repr(a) for a in got[1][:2]] == ["RECV_WEIGHTS s1.b0 <-w0", "RECV_WEIGHTS s3.b0 <-w0"]
+    assert [a.op for a in ours[1][:2]] != [RECV_WEIGHTS, RECV_WEIGHTS]  # ours (no lookahead) fetches just in time
+    def rest(prog):  # all but the activation and gradient messages (placed as torch's SEND/RECV)
+        return [a for a in prog if a.op not in ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")]
+
+    assert rest(got[0]) == rest(ours[0])  # the owner of every stage: its UNSHARDs, REDUCE_GRADs, RESHARDs are no-ops
+    # the REDUCE_GRAD of stage 3 stands right after 3B3, as our SEND_WGRAD s3 ->w0 does
+    last = got[1].index(next(a for a in got[1] if repr(a) == "B3.b3"))
+    assert "SEND_WGRAD s3 ->w0" in map(repr, got[1][last + 1 : last + 4])  # after its SEND_GRAD (and FREE_WEIGHTS)
+    assert lower(tl, cache, 1).programs  # the timeline check passes
+    early = [c for c in rows[1] if c != "3REDUCE_GRAD"]
+    early.insert(early.index("3B2") + 1, "3REDUCE_GRAD")
+    full.write_text("\n".join(map(",".join, [rows[0], early])) + "\n")
+    with pytest.raises(LoweringError) as e:
+        lower(simulate(make_schedule(owner0, 4, 4, G=1, R=2, order=FileOrder(path=str(full)))), cache, 1)
+    assert str(e.value) == (
+        f"order.path={full}: rank 1 position {early.index('3REDUCE_GRAD')} is torch's 3REDUCE_GRAD, where worker "
+        f"1's SEND_WGRAD s3 ->w0 stands right after B3.b3: a stage's gradient sum is sent or reduced right after "
+        f"the last job that adds to it")
