@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from launcher.schedule.actions import JOBS, SEND_GRAD
 from launcher.schedule.activations import activation_peaks
 from launcher.schedule.assembly import TAG_LIMIT
 from launcher.schedule.lowering import lower
@@ -285,10 +286,19 @@ class Engine:
         # nothing): one autograd call instead of two (I then W cost 1.36 to 1.43 times a whole
         # backward on a GPT stage, docs/performance.md), and nobody waits for what I would send
         # earlier. DualPipeV's own full backwards are such pairs where its gradient stays local.
-        jobs = self.lowered.programs[self.worker].jobs if self.worker is not None else []
+        prog = self.lowered.programs[self.worker] if self.worker is not None else None
+        jobs = prog.jobs if prog is not None else []
+        sending: set[int] = set()  # the jobs a SEND_GRAD follows in the program
+        last = -1
+        for kind, arg in prog.ops if prog is not None else ():
+            if kind in JOBS:
+                last = arg
+            elif kind == SEND_GRAD:
+                sending.add(last)
         self.whole: frozenset[tuple[int, int]] = frozenset(
-            (a.stage, a.microbatch) for a, b in zip(jobs, jobs[1:])
-            if a.kind == "I" and b.kind == "W" and (a.stage, a.microbatch) == (b.stage, b.microbatch) and not a.send)
+            (a.stage, a.microbatch) for n, (a, b) in enumerate(zip(jobs, jobs[1:]))
+            if a.kind == "I" and b.kind == "W" and (a.stage, a.microbatch) == (b.stage, b.microbatch)
+            and n not in sending)
         self._eval_lowered: Lowered | None = None
         # mixed precision (bf16-mixed, 16-mixed): owners keep their weights (fp32 masters) and
         # compute under the caller's autocast; fetched weights, activations and their gradients
