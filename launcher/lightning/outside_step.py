@@ -60,11 +60,12 @@ def recovering_saves(strategy: UnifiedStrategy, trainer: Any) -> None:
     trainer.save_checkpoint = save_checkpoint
 
 
-def reduce_norm_or_recover(strategy: UnifiedStrategy, sq: torch.Tensor) -> bool:
-    """Sum ``sq`` (this worker's squared share of the clipping norm) over the workers in place and
-    return True; or, when a worker is lost meanwhile, recover, redo the step's closure up to the
-    clipping (:func:`_redo_closure`) and return False: the caller clips the redone gradients."""
-    from .precision import all_reduce
+def reduce_norm_or_recover(strategy: UnifiedStrategy, sq: torch.Tensor,
+                           all_reduce: Callable[[torch.Tensor], None]) -> bool:
+    """Sum ``sq`` (this worker's squared share of the clipping norm) over the workers in place by
+    ``all_reduce`` and return True; or, when a worker is lost meanwhile, recover, redo the step's
+    closure up to the clipping (:func:`_redo_closure`) and return False: the caller clips the redone
+    gradients."""
     from .recovery import Unrecoverable, recover, recoverable
 
     try:

@@ -96,8 +96,6 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
     else it is summed here, by an all-reduce of its own (a worker lost in it is recovered and the
     step redone), or, where every worker holds every gradient (:func:`norm_is_local`), computed here
     with none."""
-    from .outside_step import reduce_norm_or_recover
-
     engine = strategy.engine
     assert engine is not None
     pv = strategy.post_validation
@@ -115,7 +113,7 @@ def clip_by_global_norm(strategy: UnifiedStrategy, max_norm: float) -> torch.Ten
         sq = squared_norm(counted, strategy.root_device)
         if local:  # DDP: every worker holds the reduced gradient, so no collective
             break
-        if reduce_norm_or_recover(strategy, sq):
+        if strategy.reduce_norm(sq):
             break
         # a worker was lost in that all-reduce: the step was redone under the rebuilt engine
         engine = strategy.engine

@@ -69,7 +69,7 @@ from .keywords import keyword_errors, keyword_settings
 from .launcher import ForkLauncher
 from .lightning_private import batch_in_step, train_dataloaders
 from .loader_position import KeepsLoaderPositions, Positions
-from .outside_step import recovering_saves
+from .outside_step import recovering_saves, reduce_norm_or_recover
 from .precision import (
     all_reduce,
     clipped_gradients,
@@ -659,6 +659,12 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         # the third element: agree's layout, so the loss is summed in the same order
         t = torch.stack([self.engine.loss_share(), flag, torch.zeros((), dtype=torch.float64, device=device)])
         self._early = (dist.all_reduce(t, async_op=True), t)
+
+    def reduce_norm(self, sq: torch.Tensor) -> bool:
+        """The clipping norm's own all-reduce, when the step's did not carry it: True once ``sq`` is
+        summed; False when a worker was lost in it and the step was redone under the rebuilt engine
+        (:func:`~.outside_step.reduce_norm_or_recover`)."""
+        return reduce_norm_or_recover(self, sq, all_reduce)
 
     def _agreed_locally(self, finite: Any) -> tuple[torch.Tensor, int | None, torch.Tensor | None]:
         """:func:`~launcher.runtime.nonfinite.agree`'s result where every worker holds every

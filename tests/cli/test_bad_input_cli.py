@@ -68,7 +68,8 @@ def run_with_peak(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, i
                                          "not writable, so the run could not save its results."),
     ("G=2.5", f"G=2.5 is invalid: {SIZES}"),
     ("step_overlap=yes", "step_overlap=yes is invalid: use none (every step ends on every worker before the next "
-                         "begins) or post_validation (each stage steps as soon as its own gradients are final)."),
+                         "begins), post_validation (each stage steps as soon as its own gradients are final) or "
+                         "post_validation_paper (priced only: the paper's speculative chain)."),
 ])
 def test_a_bad_command_line_value_is_one_sentence(cfg_of, override, sentence):
     # what the command reports: the pre-check's sentences, else the composed config's
