@@ -144,8 +144,9 @@ class Replicas:
                 self.slices[s] = part
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._make_groups(every, worker, group)
-        #: called at the end of each step once every collective of the step's buckets is launched,
-        #: before any is waited for (:meth:`~launcher.runtime.engine.Engine.after_reduce_launched`)
+        #: called at the end of each step once every collective of the step's buckets is launched
+        #: (and, under gloo, the rounds through a root are done), before any is waited for
+        #: (:meth:`~launcher.runtime.engine.Engine.after_reduce_launched`)
         self.on_launched: Callable[[], None] | None = None
         # what the point-to-point all-reduces receive into, allocated once (a fresh megabyte
         # buffer each step costs a page fault per 4 KiB on first touch)
@@ -236,8 +237,6 @@ class Replicas:
             if self.nccl:  # in the common order
                 self.pending.append(dist.all_reduce(self.flats[i], group=self.groups[self.buckets[i].owners],
                                                     async_op=True))
-        if self.on_launched is not None:  # every collective of the buckets is on its way
-            self.on_launched()
         with blocked(watchdog):
             if not self.nccl:
                 for i in ends:  # through a root, in the common order
@@ -245,6 +244,14 @@ class Replicas:
                     through_root(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
                                  functools.partial(self.lowered.reduce_tag, b.index), self.group, clock,
                                  self.scratch if self.scratch.dtype == flat.dtype else None)
+            # every collective of the buckets is on its way; under gloo, only after the root's
+            # rounds: launched before them, this one would be in flight on gloo's thread while
+            # ranks wait, uninterruptibly, for a peer's point-to-point message. When the root then
+            # fails on a lost rank's message, destroying its group joins that thread, stuck in the
+            # collective on a peer that still waits for the root's reply: no socket closes and the
+            # recovery hangs (tests/lightning/test_recovery.py, the command line under ddp)
+            if self.on_launched is not None:
+                self.on_launched()
             for work in self.pending:
                 work.wait()
 
