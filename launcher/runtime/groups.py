@@ -31,7 +31,9 @@ Algorithm, per bucket:
   DDP's ring costs its compute thread nothing (docs/performance.md, "Collectives per step").
 
 Which is which follows from the program and the stages' sizes, so every owner of a bucket reduces
-it the same way.
+it the same way. Under gloo, the ring's all-reduces are waited for before the rounds through a root
+(no collective in flight on gloo's thread while a rank waits for point-to-point messages: a failed
+rank's group could not close, :meth:`Replicas.finish`).
 
 NCCL pairs: point-to-point communicators are created lazily on a pair's first message, which
 blocks both ends; two pairs whose first messages form a cycle deadlock. :func:`warm_pairs`
@@ -144,8 +146,9 @@ class Replicas:
                 self.slices[s] = part
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._make_groups(every, worker, group)
-        #: called at the end of each step once every collective of the step's buckets is launched,
-        #: before any is waited for (:meth:`~launcher.runtime.engine.Engine.after_reduce_launched`)
+        #: called at the end of each step once every collective of the step's buckets is launched
+        #: (under gloo, once the rounds through a root are done), before the rest are waited for
+        #: (:meth:`~launcher.runtime.engine.Engine.after_reduce_launched`)
         self.on_launched: Callable[[], None] | None = None
         # what the point-to-point all-reduces receive into, allocated once (a fresh megabyte
         # buffer each step costs a page fault per 4 KiB on first touch)
@@ -236,15 +239,25 @@ class Replicas:
             if self.nccl:  # in the common order
                 self.pending.append(dist.all_reduce(self.flats[i], group=self.groups[self.buckets[i].owners],
                                                     async_op=True))
-        if self.on_launched is not None:  # every collective of the buckets is on its way
-            self.on_launched()
         with blocked(watchdog):
-            if not self.nccl:
+            # Under gloo, no collective of this rank may be in flight on gloo's thread while ranks
+            # wait, uninterruptibly, for point-to-point messages (the rounds through a root): when a
+            # rank fails there on a lost peer's message, destroying its group joins that thread,
+            # stuck in the collective on a live peer that still waits for the failed rank's message,
+            # so no socket closes and the recovery hangs (tests/lightning/test_recovery.py, the
+            # command line under ddp). So the ring buckets are waited for before those rounds, and
+            # the step's small collective (on_launched) is launched after them.
+            if not self.nccl and ends:
+                for work in self.pending:
+                    work.wait()
+                self.pending.clear()
                 for i in ends:  # through a root, in the common order
                     b, flat = self.buckets[i], self.flats[i]
                     through_root(flat, [self.ranks[o] for o in b.owners], b.owners.index(self.worker),
                                  functools.partial(self.lowered.reduce_tag, b.index), self.group, clock,
                                  self.scratch if self.scratch.dtype == flat.dtype else None)
+            if self.on_launched is not None:  # every collective of the buckets is on its way
+                self.on_launched()
             for work in self.pending:
                 work.wait()
 
