@@ -298,7 +298,7 @@ class Engine:
         self.whole: frozenset[tuple[int, int]] = frozenset(
             (a.stage, a.microbatch) for n, (a, b) in enumerate(zip(jobs, jobs[1:]))
             if a.kind == "I" and b.kind == "W" and (a.stage, a.microbatch) == (b.stage, b.microbatch)
-            and n not in sending)
+            and a.owner == b.owner and n not in sending)  # the weights' total is W's owner's
         self._eval_lowered: Lowered | None = None
         # mixed precision (bf16-mixed, 16-mixed): owners keep their weights (fp32 masters) and
         # compute under the caller's autocast; fetched weights, activations and their gradients
