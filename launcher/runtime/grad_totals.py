@@ -170,6 +170,18 @@ class GradTotals:
         self.replicas.launch_ready(done)
 
     # ---- end of step -------------------------------------------------------------------------
+    def _total(self, s: int) -> torch.Tensor:
+        """Owned stage ``s``'s total on this worker: its sum so far, else its bucket's buffer (a
+        replicated stage), else zeros (this worker added nothing to it)."""
+        assert self.worker is not None  # only a worker runs a step
+        total = self.acc.get((s, self.worker))
+        if total is None:
+            total = self.replicas.buffer(s)
+        if total is None:
+            L = self.layouts[s]
+            total = torch.zeros(L.grad_numel, dtype=L.dtype, device=self.device)
+        return total
+
     def take_in(self, mid: int, comm: Comm, msgs: Sequence[Msg]) -> None:
         """A ``RECV_WGRAD`` at the end of the step: wait for partial sum ``mid`` and add it into its
         owned stage's total, which starts at zero where this worker added nothing to it (a
@@ -177,16 +189,12 @@ class GradTotals:
         w = self.worker
         assert w is not None  # only a worker runs a step
         s = msgs[mid].stage
-        total = self.acc.get((s, w))
-        if total is None:
-            total = self.replicas.buffer(s)
-            if total is None:
-                L = self.layouts[s]
-                total = torch.zeros(L.grad_numel, dtype=L.dtype, device=self.device)
-            elif self.replicas.fill(s):  # not launched yet: its REDUCE stands after this sum
-                total.zero_()
+        if (s, w) not in self.acc:
+            total = self._total(s)
+            if self.replicas.buffer(s) is not None and self.replicas.fill(s):
+                total.zero_()  # the bucket's, not launched yet: its REDUCE stands after this sum
             self.acc[(s, w)] = total
-        total += comm.wait(mid)
+        self.acc[(s, w)] += comm.wait(mid)
         comm.drop(mid)
 
     def finish(self, comm: Comm, meter: Meter, watchdog: Watchdog | None, step: int) -> None:
@@ -198,13 +206,7 @@ class GradTotals:
         assert w is not None  # only a worker runs a step
         totals: dict[int, torch.Tensor] = {}
         for s in self.owned:
-            total = self.acc.get((s, w))
-            if total is None:
-                total = self.replicas.buffer(s)
-                if total is None:
-                    L = self.layouts[s]
-                    total = torch.zeros(L.grad_numel, dtype=L.dtype, device=self.device)
-            totals[s] = total
+            totals[s] = self._total(s)
         if self.replicas.buckets:
             if watchdog is not None:
                 watchdog.check()
