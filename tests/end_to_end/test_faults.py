@@ -188,9 +188,18 @@ def _train(tmp: str, victim: int, fault: str, delay: float) -> None:
             engine.save_checkpoint(Path(tmp, f"ckpt-{i + 1}.pt"))
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own Ctrl-C handler for the test: a shell without job control starts a background
+    command (``pytest ... &``) with SIGINT ignored, which the launcher rightly keeps."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_seeded_fault_injection(tmp_path):
+def test_seeded_fault_injection(tmp_path, ctrl_c_raises):
     """24 trials: kill -9, SIGSTOP and SIGTERM of a random worker, SIGTERM and Ctrl-C to the
     launcher, each at a random moment (start-up, a job, a receive, a checkpoint)."""
     rng = random.Random(1919)
