@@ -99,11 +99,13 @@ class CheckpointConf:
 class FaultConf:
     """mode=train's recovery from a lost worker: ``restarts``, how many lost workers the run
     recovers from inside the job (0: the first failure ends it); ``copies`` 0 | 1, a copy of each
-    stage held by one worker kept on the next worker, so such stages are recovered from memory. Typed
-    and checked as :class:`~launcher.schedule.run_settings.FaultSettings`."""
+    stage held by one worker kept on the next worker, so such stages are recovered from memory;
+    ``replace``, a fresh process forked for a lost worker's rank (W unchanged). Typed and checked
+    as :class:`~launcher.schedule.run_settings.FaultSettings`."""
 
     restarts: int = DEFAULT_RUN.fault.restarts
     copies: int = DEFAULT_RUN.fault.copies
+    replace: bool = DEFAULT_RUN.fault.replace
 
 
 @dataclass

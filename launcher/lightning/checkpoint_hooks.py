@@ -17,6 +17,7 @@ from ..schedule.run_settings import RunSettings
 from . import sharded
 from .process_group import ProcessGroupStrategy
 from .state import (
+    ALONE,
     Layout,
     gather_module_state,
     gather_optimizer_state,
@@ -35,6 +36,9 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     engine: Engine | None
     layout: Layout | None
     _pending: Callable[[], None] | None  # a background checkpoint save to finish
+    #: while a worker that holds every stage dumps the whole state alone (:mod:`.replacement`): its
+    #: layout writing every stage; the state hooks then gather nothing from the others
+    _alone: Layout | None = None
 
     @property
     def _attached(self) -> LightningModule:
@@ -59,6 +63,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None and self.layout is not None
+        if self._alone is not None:
+            return gather_module_state(self._attached, self._alone, self.engine.modules, self.engine.stages, ALONE)
         if self.checkpoint_format == "sharded":  # this worker's share only: nobody gathers the model
             return local_module_state(self._attached, self.layout, self.engine.modules, self.engine.stages,
                                       self.global_rank == 0)
@@ -74,6 +80,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         assert self.layout is not None
         opt = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer wraps the real one
+        if self._alone is not None:
+            return gather_optimizer_state(opt, self._attached, self._alone, ALONE)
         if self.checkpoint_format == "sharded":
             names = {id(p): self.layout.canonical(n) for n, p in self._attached.named_parameters()}
             return sharded.optimizer_entries(opt, names, self.layout.written)

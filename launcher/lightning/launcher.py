@@ -24,7 +24,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from ..runtime.processes import launch
-from .lightning_private import Launcher, WorkerOutput
+from ..runtime.recovery import current_membership
+from .lightning_private import Launcher, WorkerOutput, leave_fit
+from .replacement import Replaced, resume_path
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -64,7 +66,8 @@ class ForkLauncher(Launcher):
             # trainer.fit's arguments: (model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
             strategy.check_before_fork(args[0], args[3] if len(args) > 3 else None, args[1] if len(args) > 1 else None)
         results = launch(self._work, strategy.num_processes, trainer, function, args, kwargs,
-                         backend=strategy.backend, timeout=self.timeout, restarts=strategy.run.fault.restarts)
+                         backend=strategy.backend, timeout=self.timeout, restarts=strategy.run.fault.restarts,
+                         replace=strategy.run.fault.replace)
         output = results[0]
         if trainer is None:
             return output
@@ -77,9 +80,26 @@ class ForkLauncher(Launcher):
 
     def _work(self, trainer: "pl.Trainer | None", function: Callable, args: tuple, kwargs: dict) -> Any:
         """One worker: run the function, then (on every rank: it is collective) gather what rank 0
-        hands back."""
+        hands back.
+
+        ``fault.replace`` (:mod:`.replacement`): a fresh process for a lost rank enters ``fit`` from
+        the state the survivors agree on; a survivor leaves ``fit`` (:class:`Replaced`), has its run
+        torn down as Lightning tears one down, and enters ``fit`` again with the replacement, from
+        that state (``ckpt_path``, trainer.fit's fifth argument)."""
         os.environ["LOCAL_RANK"] = str(dist.get_rank())
-        results = function(*args, **kwargs)
+        m = current_membership()
+        if trainer is not None and m is not None and m.replacement:
+            args = (*args[:4], resume_path(self._strategy), *args[5:])
+        while True:
+            try:
+                results = function(*args, **kwargs)
+                break
+            except Replaced:
+                assert trainer is not None
+                leave_fit(trainer)
+                self._strategy.whole_stages()
+            # outside the except clause: the failed run's traceback is gone
+            args = (*args[:4], resume_path(self._strategy), *args[5:])
         if trainer is None:
             return move_data_to_device(results, "cpu") if dist.get_rank() == 0 else None
         return self._collect(trainer, results)

@@ -180,3 +180,33 @@ def optimizer_step_of_batch(trainer: Any) -> int:
     (``on_train_batch_end``): ``global_step`` when it stepped, the next one while its gradient is
     still accumulated (``fit_loop._should_accumulate()``, Lightning's own decision; no public API)."""
     return int(trainer.global_step) + int(trainer.fit_loop._should_accumulate())
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The checkpoint dict Lightning saves (``trainer._checkpoint_connector.dump_checkpoint``): the
+    module's and optimizers' state as the strategy hands them, the loops, callbacks, schedulers."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def as_between_batches(checkpoint: dict[str, Any]) -> None:
+    """A checkpoint dumped inside a training step (the batch fetched and begun, its update not taken)
+    made to read as one saved after the previous batch's end (and its validation): the training
+    batch progress's ``ready``, ``started`` and ``processed`` counts set back to ``completed``, which
+    a resumed loop reads as a save at the end (``RestartStage.RESTARTED_ON_LAST``), going on with the
+    next batch. Lightning's optimizer progress is set back to its completed count on every resume."""
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for part in ("total", "current"):
+        counts = progress[part]
+        for key in ("ready", "started", "processed"):
+            counts[key] = counts["completed"]
+    progress["is_last_batch"] = False
+
+
+def leave_fit(trainer: Any) -> None:
+    """Tear the trainer's run down as Lightning does after ``fit`` stops (``trainer._teardown``: the
+    strategy, the active loop, the logger and signal connectors), and forget the training and
+    validation loaders the loop combined, so that ``fit`` entered again makes them anew (and the
+    strategy hands the training loop a loader at the resumed position)."""
+    trainer._teardown()
+    trainer.fit_loop._combined_loader = None
+    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None

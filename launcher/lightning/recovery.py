@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..runtime.failure import Recovering, WorkerAborted, is_transport_error
 from ..runtime.processes import PG_TIMEOUT
-from ..runtime.recovery import announced, current_membership, rejoin
+from ..runtime.recovery import announced, current_membership, rejoin, replaced_in
 from ..schedule.run_settings import survives_a_loss
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import SCHEME_DEFAULT, Settings
@@ -104,6 +104,10 @@ def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a traini
     announcement = watchdog.recovery
     assert announcement is not None
     generation, survivors, cause = announcement
+    if replaced_in(m.store, generation):  # fault.replace: a fresh process takes the lost rank
+        from .replacement import leave
+
+        leave(strategy, failed_at, during)  # raises Replaced: every process enters fit again
     before_members = list(m.members)
     held = sorted(engine.owned)  # the stages whose state this worker holds
     kept = strategy.copies.tags() if strategy.copies is not None else {}  # fault.copies: stage -> its copy's step

@@ -98,8 +98,15 @@ class Layout:
         return {n for n, s in self.first_stage().items() if s in mine}
 
 
-def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
-    """Every rank's ``obj`` at rank 0 (None elsewhere); every rank must call it."""
+#: ``group=ALONE``: the state of a worker that holds every stage, taken from it alone with no
+#: collective (a survivor's state handed to a replacement process, :mod:`.replacement`)
+ALONE: Any = object()
+
+
+def _gather(obj: Any, group: Any) -> list[Any] | None:
+    """Every rank's ``obj`` at rank 0 (None elsewhere); every rank must call it (``ALONE``: this one's)."""
+    if group is ALONE:
+        return [obj]
     out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     dist.gather_object(obj, out, dst=0, group=group)
     return out

@@ -82,6 +82,7 @@ from .precision import (
     with_synced_scaler,
 )
 from .process_group import agreed_seed
+from .replacement import MEMORY, Offer, Pending, finish, handed_over
 from .staging import (
     PLACEHOLDER,
     example_microbatch,
@@ -223,6 +224,11 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self._keeps_batches = False  # a loss could take a stage with it: keep the batches since the checkpoint
         #: with fault.copies=1: the copies of the previous worker's lone stages this worker keeps (:mod:`.copies`)
         self.copies: StageCopies | None = StageCopies() if self.run.fault.copies else None
+        #: with fault.replace, while a fresh process takes a lost rank (:mod:`.replacement`): what this
+        #: survivor offers, the whole state it may hand over, and the recovery until its state is loaded
+        self.offer: Offer | None = None
+        self.handover: dict[str, Any] | None = None
+        self.pending: Pending | None = None
 
     # ---- configuration -------------------------------------------------------------------
     def _from_keywords(self, stages: int) -> Settings:
@@ -402,15 +408,21 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         self._settings = settings
         self._build_engine()
 
+    def whole_stages(self) -> None:
+        """Put every stage's module back on the module (undoing :func:`~.staging.keep_owned`), for a
+        new placement of them: after a recovery, or before ``fit`` is entered again (:mod:`.replacement`)."""
+        module = self._attached
+        stages: Any = getattr(module, "stages", None)
+        for i, m in enumerate(self._stage_modules):
+            stages[i] = m
+        module._parameters.pop(PLACEHOLDER, None)  # a worker that owned nothing had one; keep_owned makes it anew
+
     def own_stages(self) -> None:
         """Leave on the module the stages the (re-built) engine owns, as set-up does: the others'
         modules become stand-ins again, so the module's parameters are the owned ones."""
         assert self.engine is not None and self._staged_model is not None
         module = self._attached
-        stages: Any = module.stages
-        for i, m in enumerate(self._stage_modules):
-            stages[i] = m
-        module._parameters.pop(PLACEHOLDER, None)  # a worker that owned nothing had one; keep_owned makes it anew
+        self.whole_stages()
         owners, me = self.engine.lowered.owners, self.engine.worker
         # who writes each stage into checkpoints and the gathered state: its first owner, under the new layout
         self.layout = Layout.of(module, self._staged_model.stages,
@@ -514,8 +526,15 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     # ---- the training loaders' positions (:class:`.loader_position.KeepsLoaderPositions`) ---
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        """A checkpoint file or directory; or, as a fresh process replaces a lost one
+        (:mod:`.replacement`), a survivor's state handed over in memory (``MEMORY``)."""
+        if checkpoint_path == MEMORY:
+            checkpoint = handed_over(self)
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self.positions.load(checkpoint)
+        if self.pending is not None:
+            finish(self, checkpoint)
         return checkpoint
 
     @override

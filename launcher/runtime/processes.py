@@ -18,6 +18,9 @@ child that is stuck (stopped, or hung while its peers wait for it) is named, wit
 With ``restarts`` (``fault.restarts``) a worker that dies or is killed as hung does not end the
 run: the parent announces a new generation of the survivors in the store instead of ``abort``,
 and they re-form the group and train on (:mod:`.recovery`); the results are then the survivors'.
+With ``replace`` (``fault.replace``) the new generation keeps every rank: a *spare*, forked with the
+workers through the same :func:`_child` and idle until then, takes the lost rank and joins the
+generation's group with the survivors (its store record ``replaced/<generation>`` names the rank).
 
 Which rank is blamed: the one that died without a word (a signal, ``os._exit``), raised, or hung,
 whichever the store recorded first. A child whose connection to a peer broke (gloo's "Connection
@@ -63,7 +66,7 @@ from .failure import (
     set_current_watchdog,
     transport_reason,
 )
-from .recovery import Membership, recovered_key, set_membership
+from .recovery import Membership, recovered_key, rejoin, replaced_key, set_membership
 
 #: how long a blocking collective may take before the backend itself gives up; failure detection
 #: is the watchdog's job (a slow but healthy peer keeps beating), so this is generous
@@ -170,25 +173,45 @@ def _a_write_error(e: BaseException) -> bool:
 
 
 def _child(
-    rank: int, world: int, backend: str, timeout: float, start_timeout: float, conn, slot, fn: Callable, args: tuple,
-    kwargs: dict,
+    rank: int | None, world: int, backend: str, timeout: float, start_timeout: float, conn, slots: list, fn: Callable,
+    args: tuple, kwargs: dict,
 ) -> None:
-    """One forked rank: join the group, start the watchdog, run ``fn``, report, and exit without teardown."""
-    report = _reporter(rank, conn)
+    """One forked rank: join the group, start the watchdog, run ``fn``, report, and exit without teardown.
+
+    ``rank=None``: a spare (``fault.replace``), idle until the launcher sends it a lost worker's rank,
+    the recovery's generation and its members; it then joins that generation's group at that rank
+    (:func:`~.recovery.rejoin`, as the survivors do) and runs ``fn`` as a replacement
+    (:attr:`Membership.replacement`). A spare never needed ends when the launcher does."""
     code = 0
     wd = None
     signals.in_worker()  # the launcher alone handles Ctrl-C, stopping every worker with one line
+    joining: tuple[int, list[int]] | None = None
+    if rank is None:
+        _name_process("launcher-spare")
+        try:
+            rank, generation, members = conn.recv()
+        except (EOFError, OSError):  # the run ended without a loss to replace
+            os._exit(0)
+        joining = (generation, members)
+    report = _reporter(rank, conn)
     _name_process(f"launcher-rank{rank}")
     try:
         torch.set_num_threads(1)
         store, wd_store = _connect(world, start_timeout, conn)
         # the launcher looks for silent and hung ranks itself (it sees who died and who is stopped)
-        wd = Watchdog(dist.PrefixStore("watchdog", wd_store), rank, world, timeout, job_slot=slot,
+        wd = Watchdog(dist.PrefixStore("watchdog", wd_store), rank, world, timeout, job_slot=slots[rank],
                       on_hard_exit=lambda msg: report("aborted", msg), detect=False)
+        if joining is not None:
+            wd.generation = joining[0]  # the recovery it joins is no news to it
         wd.start()
         set_current_watchdog(wd)
-        _join_group(rank, world, backend, store)
-        set_membership(Membership(store, backend, rank, list(range(world))))
+        if joining is None:
+            _join_group(rank, world, backend, store)
+            set_membership(Membership(store, backend, rank, list(range(world))))
+        else:
+            m = Membership(store, backend, rank, list(joining[1]), replacement=True)
+            rejoin(m, wd, joining[0], list(joining[1]), PG_TIMEOUT)
+            set_membership(m)
         report("started", None)
         result = fn(*args, **kwargs)
         wd.stop(done=True)
@@ -222,7 +245,7 @@ class Supervisor:
 
     def __init__(
         self, fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, backend: str, timeout: float,
-        deadline: float | None, start_timeout: float, restarts: int = 0,
+        deadline: float | None, start_timeout: float, restarts: int = 0, replace: bool = False,
     ) -> None:
         self.fn, self.world_size, self.args, self.kwargs = fn, world_size, args, kwargs
         self.backend, self.timeout, self.deadline, self.start_timeout = backend, timeout, deadline, start_timeout
@@ -260,6 +283,11 @@ class Supervisor:
         self.lost: set[int] = set()
         self.recoveries: list[dict[str, Any]] = []
         self.rejoin_by: float | None = None
+        # fault.replace: the spares forked with the workers (one per restart), each with its pipe, and
+        # the processes of lost ranks that a spare replaced (joined when the run ends)
+        self.replace = replace
+        self.spares: list[tuple[Any, mp.connection.Connection]] = []
+        self.retired: list[Any] = []
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -290,12 +318,21 @@ class Supervisor:
             for r in range(self.world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 p = ctx.Process(target=_child, args=(r, self.world_size, self.backend, self.timeout, self.start_timeout,
-                                                     child_end, self.slots[r], self.fn, self.args, self.kwargs),
+                                                     child_end, self.slots, self.fn, self.args, self.kwargs),
                                 name=f"launcher-worker-{r}", daemon=True)
                 p.start()
                 child_end.close()
                 self.procs.append(p)
                 self.conns.append(parent_end)
+            # spares fork now too: forking later, while the store's server thread runs, risks the hang above
+            for i in range(self.restarts if self.replace else 0):
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=_child, args=(None, self.world_size, self.backend, self.timeout,
+                                                     self.start_timeout, child_end, self.slots, self.fn, self.args,
+                                                     self.kwargs), name=f"launcher-spare-{i}", daemon=True)
+                p.start()
+                child_end.close()
+                self.spares.append((p, parent_end))
         finally:
             gc.unfreeze()
         self.open_conns = {self.conns[r]: r for r in range(self.world_size)}
@@ -350,9 +387,10 @@ class Supervisor:
     def _recover(self, r: int, msg: str) -> bool:
         """Rank ``r`` is lost (``msg`` says how): with a restart left and survivors to go on, announce
         the next generation without it (the survivors re-form the group and train on; also while they
-        are re-forming it after an earlier loss) and return True; else False (the caller ends the run
-        as before)."""
+        are re-forming it after an earlier loss), or with a spare in its place (``replace``), and return
+        True; else False (the caller ends the run as before)."""
         survivors = [m for m in self.members if m != r and m in self.alive and m not in self.reports]
+        replacing = self.replace and bool(self.spares) and bool(survivors) and r in self.members
         if self.rejoin_by is not None and self.failure is None:
             # the last recovery may be over though this loop has not looked yet: look now, so a loss
             # soon after it is a new loss, not one during the recovery
@@ -364,15 +402,43 @@ class Supervisor:
         # forming it, and join the later one, :func:`~.recovery.rejoin`)
         self.restarts -= 1
         self.generation += 1
-        self.members = survivors
-        self.lost.add(r)
         self.recoveries.append({"generation": self.generation, "rank": r, "cause": msg,
                                 "at": time.monotonic(), "survivors": survivors})
+        if replacing:  # every rank stays a member: a spare takes r's place
+            self._replace(r)
+            assert self.store is not None
+            self.store.set(replaced_key(self.generation), str(r))  # before the announcement that it is in
+        else:
+            self.members = survivors
+            self.lost.add(r)
         self.causes.append(msg)
         self.monitor = HangMonitor(self.timeout)  # the survivors' progress starts afresh
         self.rejoin_by = time.monotonic() + self.timeout + self.grace
-        self._watch_store.set(RECOVERY_KEY, f"{self.generation}|{','.join(map(str, survivors))}|{msg}")
+        self._watch_store.set(RECOVERY_KEY, f"{self.generation}|{','.join(map(str, self.members))}|{msg}")
         return True
+
+    def _replace(self, r: int) -> None:
+        """A spare takes rank ``r``: it is watched from now on in place of the lost process (whose
+        exit, if it is still running, a hung one about to be killed, is no news), and is told its
+        rank, the generation and its members, then the store's port."""
+        proc, conn = self.spares.pop(0)
+        old = self.procs[r]
+        self.sentinels.pop(old.sentinel, None)
+        self.open_conns.pop(self.conns[r], None)
+        self.retired.append(old)
+        self.conns[r].close()
+        self.procs[r], self.conns[r] = proc, conn
+        self.sentinels[proc.sentinel] = r
+        self.open_conns[conn] = r
+        self.alive.add(r)
+        self.reports.pop(r, None)
+        self.slots[r].value = b""
+        assert self.store is not None
+        try:
+            conn.send((r, self.generation, list(self.members)))
+            conn.send(self.store.port)
+        except OSError:
+            pass  # the spare died: its sentinel says so next, a loss like any other
 
     def _rejoined(self, now: float) -> None:
         """Whether every survivor joined the generation's group; past the bound, the run ends."""
@@ -467,8 +533,9 @@ class Supervisor:
         if found is None:
             return
         r, msg = found
-        if self._recover(r, msg):  # kill it; the survivors go on without it
-            os.kill(self.procs[r].pid, signal.SIGKILL)
+        pid = self.procs[r].pid  # (a replacement takes procs[r] in _recover)
+        if self._recover(r, msg):  # kill it; the survivors go on without it, or with a replacement
+            os.kill(pid, signal.SIGKILL)
             return
         self._set_failure(msg)
         if self.failure == msg:  # nobody failed before it: it is the cause
@@ -518,7 +585,11 @@ class Supervisor:
         for r in started:
             self.procs[r].join()
             self._take(r)
-        for c in self.conns:
+        for p in [*self.retired, *(p for p, _ in self.spares)]:  # replaced (killed already) and unused spares
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join()
+        for c in [*self.conns, *(c for _, c in self.spares)]:
             c.close()
         self.phase = "done"
 
@@ -548,6 +619,7 @@ def launch(
     deadline: float | None = None,
     start_timeout: float = 120.0,
     restarts: int = 0,
+    replace: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` forked ranks; return each rank's result.
@@ -559,9 +631,11 @@ def launch(
     naming the failed rank and job. ``restarts``: how many lost workers (died, or hung and killed)
     the run recovers from instead (:mod:`.recovery`; ``fn`` must re-form the group itself, as
     :class:`~launcher.lightning.UnifiedStrategy` does); the results are then the survivors'.
+    ``replace``: each such loss is taken by a fresh process for the lost rank instead (a spare forked
+    with the workers), which ``fn`` must bring into the run (:mod:`launcher.lightning.replacement`).
     """
     supervisor = Supervisor(fn, world_size, args, kwargs, backend=auto_backend(backend), timeout=timeout,
-                            deadline=deadline, start_timeout=start_timeout, restarts=restarts)
+                            deadline=deadline, start_timeout=start_timeout, restarts=restarts, replace=replace)
     try:
         supervisor.start()
     except BaseException:  # a stop (SIGTERM, Ctrl-C) or a store that failed between the fork and the watch

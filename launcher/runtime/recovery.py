@@ -13,8 +13,13 @@ the next check), and the caller, at the step's edge, calls :func:`rejoin`:
   among the survivors (the new rank), and say so (``recovered/<generation>/<original rank>``), which
   the launcher waits for within ``timeout`` before it gives up and ends the run as before.
 
+With ``fault.replace`` the generation keeps every rank: a fresh process (a spare the launcher forked
+with the workers) takes the lost rank, says so as the survivors do, and joins the same group; the
+store's :func:`replaced_key` of the generation names that rank (:func:`replaced_in`).
+
 What state the survivors resume from, and which scheme they train under, is the caller's: the
-Lightning side (:mod:`launcher.lightning.recovery`). Pure process bookkeeping here.
+Lightning side (:mod:`launcher.lightning.recovery`, :mod:`launcher.lightning.replacement`). Pure
+process bookkeeping here.
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ from .failure import Watchdog, WorkerAborted
 #: how long a survivor waits for the launcher's announcement after its step failed: the launcher
 #: writes it as soon as it sees the death, so this only bounds a failure that is not a lost worker
 ANNOUNCE_S = 10.0
+
+
+def replaced_key(generation: int) -> str:
+    """The key naming the rank a fresh process took in ``generation`` (``fault.replace``)."""
+    return f"replaced/{generation}"
+
+
+def replaced_in(store: dist.Store, generation: int) -> list[int]:
+    """The ranks a fresh process took in ``generation`` (none: the survivors go on without the lost)."""
+    key = replaced_key(generation)
+    return [int(r) for r in store.get(key).decode().split(",")] if store.check([key]) else []
 
 
 def recovered_key(generation: int, rank: int) -> str:
@@ -50,6 +66,9 @@ class Membership:
     generation: int = 0
     #: seconds each recovery took on this worker, from its step's failure to the new group's barrier
     seconds: list[float] = field(default_factory=list)
+    #: a fresh process that took a lost worker's rank (``fault.replace``): it enters training from
+    #: the state the survivors hand it (:mod:`launcher.lightning.replacement`)
+    replacement: bool = False
 
     @property
     def new_rank(self) -> int:

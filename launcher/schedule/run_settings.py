@@ -4,11 +4,12 @@ here once.
 
 Both entry points build one and nothing else checks these values: the command line
 (:func:`launcher.config.training.run_settings_of`, from the keys ``checkpoint.format``,
-``checkpoint.async_mode``, ``nonfinite``, ``timeout``, ``runtime.transport``, ``fault.restarts`` and
-``fault.copies``, whose schema takes its defaults from :data:`DEFAULT_RUN`) and ``UnifiedStrategy``'s
-keywords. Its constructor raises :class:`~launcher.schedule.rules.StepError` with one sentence per
-broken rule, the same sentences on both paths. It lives at the bottom layer so that the config, the
-runtime and the Lightning strategy all read it without an upward import. Pure Python: no torch, no omegaconf.
+``checkpoint.async_mode``, ``nonfinite``, ``timeout``, ``runtime.transport``, ``fault.restarts``,
+``fault.copies`` and ``fault.replace``, whose schema takes its defaults from :data:`DEFAULT_RUN`)
+and ``UnifiedStrategy``'s keywords. Its constructor raises :class:`~launcher.schedule.rules.StepError`
+with one sentence per broken rule, the same sentences on both paths. It lives at the bottom layer so
+that the config, the runtime and the Lightning strategy all read it without an upward import. Pure
+Python: no torch, no omegaconf.
 """
 
 from __future__ import annotations
@@ -104,6 +105,12 @@ def survives_a_loss(scheme: str, G: int, R: int) -> bool:
     return scheme == "ddp" or (scheme == "lpp" and (R == 1 or G > 1))
 
 
+def one_holds_every_stage(scheme: str, G: int, R: int) -> bool:
+    """Whether every worker holds every stage's state (DDP; LPP with ``R = 1``): any survivor then
+    holds the whole training state, which ``fault.replace`` hands to a replacement process from memory."""
+    return scheme == "ddp" or (scheme == "lpp" and R == 1)
+
+
 @dataclass(frozen=True)
 class FaultSettings:
     """The ``fault`` node: ``restarts``, how many lost workers (killed, or hung and then killed) a
@@ -116,6 +123,10 @@ class FaultSettings:
     #: buffers and optimizer state) into the CPU memory of the next worker in a ring
     #: (:mod:`launcher.lightning.copies`), so that a loss of that worker is recovered from memory
     copies: int = 0
+    #: true: a lost worker is replaced by a fresh process the launcher forks for its rank, and the run
+    #: goes on under the user's scheme at the same W (:mod:`launcher.lightning.replacement`); false:
+    #: the survivors train on without it, the step re-planned for them
+    replace: bool = False
 
     def __post_init__(self) -> None:
         found: list[str] = []
@@ -131,6 +142,13 @@ class FaultSettings:
             # the copies serve only a recovery inside the job: without one they cost memory and traffic for nothing
             found.append("fault.copies=1 is invalid with fault.restarts=0: the copies are what a recovery inside the "
                          "job takes lost stages from, so set fault.restarts to 1 or more, or fault.copies=0.")
+        if not isinstance(self.replace, bool):
+            found.append(f"fault.replace={shown(self.replace)} is invalid: use true (a fresh process replaces a lost "
+                         f"worker) or false (the survivors train on without it).")
+        elif self.replace and not found and r == 0:
+            found.append("fault.replace=true is invalid with fault.restarts=0: a replacement process is forked for a "
+                         "lost worker only while a restart is left, so set fault.restarts to 1 or more, or "
+                         "fault.replace=false.")
         if found:
             raise StepError(found)
 
@@ -138,9 +156,16 @@ class FaultSettings:
         """One sentence when ``restarts`` asks to recover a scheme this version cannot: one where a
         stage's state may be lost with one worker (:func:`survives_a_loss`) and the run keeps no
         sharded checkpoint written in the foreground to take it from (and no ``copies``)."""
-        if self.restarts == 0 or self.copies or survives_a_loss(scheme, G, R):
-            return []
-        if checkpoint.format_for(scheme) == "sharded" and checkpoint.async_mode == "disabled":
+        foreground_sharded = checkpoint.format_for(scheme) == "sharded" and checkpoint.async_mode == "disabled"
+        if self.replace and not one_holds_every_stage(scheme, G, R) and not foreground_sharded:
+            # the replacement enters training with the others from one state: a survivor's whole state,
+            # or the last sharded checkpoint (a copy of fault.copies holds a stage, not the whole state)
+            return [f"fault.replace=true is invalid with strategy={scheme} G={G} R={R} and "
+                    f"checkpoint.format={checkpoint.format_for(scheme)} checkpoint.async_mode={checkpoint.async_mode}: "
+                    f"a replacement process starts from a survivor's whole state (strategy=ddp, or strategy=lpp with "
+                    f"R=1) or from the last sharded checkpoint, so set checkpoint.format=sharded and "
+                    f"checkpoint.async_mode=disabled, or fault.replace=false."]
+        if self.restarts == 0 or self.copies or survives_a_loss(scheme, G, R) or foreground_sharded:
             return []
         return [f"fault.restarts={self.restarts} is invalid with strategy={scheme} G={G} R={R} and "
                 f"checkpoint.format={checkpoint.format_for(scheme)} checkpoint.async_mode={checkpoint.async_mode}: "

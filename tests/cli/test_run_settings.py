@@ -108,3 +108,30 @@ def test_copies_without_restarts_are_refused_in_one_sentence():
     # with restarts, fsdp's default single-file checkpoint is no longer required to be sharded: copies recover it
     assert UnifiedStrategy("fsdp", stages=4, microbatches=4, fault={"restarts": 1, "copies": 1},
                            checkpoint={"format": "single"}).run.fault.copies == 1
+
+
+def test_a_replacement_where_it_cannot_work_is_refused_in_one_sentence(tmp_path):
+    """``fault.replace=true`` needs a restart left (a replacement is forked per restart) and a state
+    to start from: a survivor's whole state (ddp, lpp with R=1) or the last sharded checkpoint.
+    Refused the same from Python and the command line (exit 2, nothing started)."""
+    no_restart = ("fault.replace=true is invalid with fault.restarts=0: a replacement process is forked for a lost "
+                  "worker only while a restart is left, so set fault.restarts to 1 or more, or fault.replace=false.")
+    no_state = ("fault.replace=true is invalid with strategy=fsdp G=4 R=1 and checkpoint.format=single "
+                "checkpoint.async_mode=disabled: a replacement process starts from a survivor's whole state "
+                "(strategy=ddp, or strategy=lpp with R=1) or from the last sharded checkpoint, so set "
+                "checkpoint.format=sharded and checkpoint.async_mode=disabled, or fault.replace=false.")
+    with pytest.raises(ConfigError) as e:
+        UnifiedStrategy("ddp", stages=4, microbatches=4, fault={"replace": True})
+    assert e.value.sentences == [no_restart]
+    _, found = _preflight(["fault.replace=true"])
+    assert found.fatal == [no_restart]
+    # fault.copies=1 would let fsdp recover onto the survivors, but a replacement needs a whole state
+    _, found = _preflight(["strategy=fsdp", "G=4", "microbatches=4", "fault.restarts=1", "fault.replace=true",
+                           "fault.copies=1", "checkpoint.format=single"])
+    assert found.fatal == [no_state]
+    assert UnifiedStrategy("ddp", stages=4, microbatches=4, fault={"restarts": 1, "replace": True}).run.fault.replace
+    run = tmp_path / "run"
+    p = run_launcher("fault.replace=true", "logger=none", f"hydra.run.dir={run}", cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines() == ["error: " + no_restart]
+    assert not run.exists()

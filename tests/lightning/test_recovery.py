@@ -60,11 +60,11 @@ class LoseWorker(L.Callback):
             (self.out / f"rank{m.rank}.txt").write_text(repr(trainer.strategy.recoveries))
 
 
-def fit(strategy: Any, devices: int, callbacks: list | None = None) -> dict:
+def fit(strategy: Any, devices: int, callbacks: list | None = None, steps: int = STEPS, **trainer: Any) -> dict:
     L.seed_everything(0, verbose=False)
-    model = Regressor(max_steps=STEPS).double()
-    tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP,
-                       limit_val_batches=0, callbacks=callbacks or [])
+    model = Regressor(max_steps=steps).double()
+    tr = quiet_trainer(strategy, devices, precision="64-true", max_steps=steps, gradient_clip_val=CLIP,
+                       **{"limit_val_batches": 0, "callbacks": callbacks or [], **trainer})
     tr.fit(model, train_dataloaders=user_loader())
     return model.state_dict()
 
@@ -97,6 +97,48 @@ def test_a_lost_worker_is_recovered_and_training_equals_an_uninterrupted_run(
     assert records[0][0]["scheme_after"] == "lpp G=3 R=1 (W=3)"
     assert diff < TOL
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
+#: steps of the runs with a replacement: the loader's 5 batches (the 5th short), then the next epoch's first
+REPLACED_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def oracle6() -> dict:
+    return fit(StreamedSingleDevice(microbatches=B), 1, steps=REPLACED_STEPS)
+
+
+@pytest.mark.parametrize(("scheme", "rank", "step", "source", "steps_lost"), [
+    ("ddp", 2, 3, "memory", 0),  # the state of a survivor (each holds every stage), handed over in memory
+    ("ddp", 0, 6, "memory", 0),  # rank 0 itself, at the next epoch's first batch
+    ("fsdp", 1, 4, "checkpoint", 1),  # its stage only on rank 1: from the step-2 sharded checkpoint, step 3 again
+])
+def test_a_fresh_process_replaces_a_lost_worker_and_training_equals_an_uninterrupted_run(
+        scheme: str, rank: int, step: int, source: str, steps_lost: int, oracle6: dict, tmp_path: Path) -> None:
+    """``fault.replace``: rank ``rank`` killed (``SIGKILL``) as step ``step`` begins; a spare process
+    takes its rank, every process enters ``fit`` again from the survivors' state (or the last sharded
+    checkpoint, every 2 steps), and the run goes on under the user's scheme on W=4, ending with one
+    device's parameters; every process, the replacement included, lists the recovery."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1, "replace": True})
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    started = time.monotonic()
+    state = fit(strategy, 4, [saves, LoseWorker(rank, step, signal.SIGKILL, tmp_path)], steps=REPLACED_STEPS,
+                enable_checkpointing=True)
+    diff = max_diff(oracle6, state)
+    records = {int(p.stem[4:]): eval(p.read_text()) for p in tmp_path.glob("rank*.txt")}  # noqa: S307
+    print(f"{scheme}: rank {rank} replaced at step {step}: {records[0]}; parameters within {diff:.1e} of one "
+          f"device; {time.monotonic() - started:.1f} s")
+    assert sorted(records) == [0, 1, 2, 3]  # the replacement among them
+    assert all(r == records[0] for r in records.values())
+    (r,) = records[0]
+    assert (r["replaced"], r["lost_ranks"], r["step"], r["steps_lost"], r["workers"]) == (
+        [rank], [rank], step, steps_lost, [4, 4])
+    assert r["scheme_before"] == r["scheme_after"] == f"{scheme} G=4 R=1 (W=4)"
+    assert r["from"].startswith(source)
+    assert diff < TOL
+    assert not [p for p in mp.active_children() if p.name.startswith(("launcher-worker", "launcher-spare"))]
 
 
 @pytest.mark.parametrize(("scheme", "sizes", "rank"), [

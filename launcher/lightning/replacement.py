@@ -1,0 +1,222 @@
+"""``fault.replace``: a fresh process takes a lost worker's rank, and the run goes on under the
+user's scheme at the same W (the Lightning side of the launcher's spares,
+:class:`~launcher.runtime.processes.Supervisor`).
+
+A fresh process enters Lightning's ``fit`` from the top, and its set-up makes collectives (the
+engine's subgroups, the agreed seed, Lightning's set-up barriers, the loop's per-batch SIGTERM
+broadcast) that survivors in the middle of a step do not make. So every process enters ``fit``
+together, from one state:
+
+1. **The survivors leave** (:func:`leave`, from :func:`~.recovery.recover`): each meets the loss as
+   without a replacement, keeps what it can hand over (a worker that holds every stage, under ``ddp``
+   or ``lpp`` with ``R=1``: Lightning's whole checkpoint dict of its state after its last completed
+   step, dumped alone, in CPU memory), joins the generation's group (the replacement joins it too:
+   every rank is a member) and raises :class:`Replaced`, which leaves ``fit``.
+2. **Every process agrees where to resume** (:func:`resume_path`, from
+   :meth:`~.launcher.ForkLauncher._work`, which has torn the survivors' run down as Lightning does
+   at the end of ``fit``): the survivors say what they hold; the source is the lowest survivor with the
+   most completed steps; the state is its memory (:data:`MEMORY`, a ``ckpt_path`` the strategy
+   resolves by a broadcast from it, :func:`handed_over`) or else the last sharded checkpoint the run
+   wrote (the steps since it are trained again by the resumed loop: ``steps_lost``).
+3. **Every process enters ``fit`` again** with that ``ckpt_path``: Lightning's set-up runs everywhere
+   at once, and the loop resumes mid-epoch as a resume from a checkpoint does (the training loader's
+   position, :mod:`.loader_position`). The recovery's record (``replaced``: the rank) is finished
+   once the state is loaded (:func:`finish`) and goes into ``metrics.json`` with the earlier ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+
+from ..runtime.processes import PG_TIMEOUT
+from ..runtime.recovery import current_membership, rejoin, replaced_in
+from ..schedule.run_settings import one_holds_every_stage
+from .lightning_private import as_between_batches, dump_checkpoint
+from .loader_position import KEY, Positions
+
+if TYPE_CHECKING:
+    from .strategy import UnifiedStrategy
+
+log = logging.getLogger(__name__)
+
+#: the ``ckpt_path`` of a state handed over in memory by a survivor (:func:`handed_over`)
+MEMORY = "memory://a-survivor"
+
+#: where a loss must meet every survivor for a replacement to join: between two updates, where the
+#: state after the last completed step is whole (a save or an evaluation step is not redone)
+TRAINING_STEP = "a training step"
+
+
+class Replaced(Exception):
+    """Raised on a survivor once it has joined the group with the replacement: it leaves ``fit``, to
+    enter it again with every other process (:meth:`~.launcher.ForkLauncher._work`)."""
+
+
+@dataclass
+class Offer:
+    """What a survivor brings to the agreement on where to resume (:func:`resume_path`)."""
+
+    done: int  # its completed optimizer steps
+    during: str  # where the loss met it
+    last_checkpoint: tuple[str, int] | None  # the last sharded checkpoint the run wrote, and its step
+    holds_state: bool  # it dumped its whole state (it holds every stage)
+    recoveries: list[dict[str, Any]]  # the run's recoveries so far
+    generation: int
+    cause: str
+    replaced: list[int]
+
+
+@dataclass
+class Pending:
+    """The recovery under way on this process, from the agreement until the state is loaded."""
+
+    source: int  # the rank the state comes from
+    record: dict[str, Any]
+    failed_at: float | None  # on the source: when its step failed (it measures the seconds)
+
+
+def leave(strategy: UnifiedStrategy, failed_at: float, during: str) -> NoReturn:
+    """A survivor's side of a loss a fresh process replaces (the module docstring, 1): keep the state to
+    hand over, join the generation's group with the replacement, raise :class:`Replaced`."""
+    m = current_membership()
+    engine = strategy.engine
+    assert m is not None and engine is not None and engine.watchdog is not None
+    watchdog = engine.watchdog
+    assert watchdog.recovery is not None
+    generation, members, cause = watchdog.recovery
+    module = strategy.lightning_module
+    assert module is not None
+    trainer = module.trainer
+    s = strategy.settings
+    state = None
+    if during == TRAINING_STEP and one_holds_every_stage(s.name, s.G, s.R):
+        state = _whole_state(strategy, trainer)
+    if engine.links is not None:
+        engine.links.close()
+    strategy.engine = None
+    del engine
+    generation, members, causes = rejoin(m, watchdog, generation, members, PG_TIMEOUT)
+    strategy.rejoined(m.new_rank, len(members))
+    strategy.handover = state
+    strategy.offer = Offer(trainer.global_step, during, strategy.last_checkpoint, state is not None,
+                           list(strategy.recoveries), generation, "; then ".join(causes) or cause,
+                           replaced_in(m.store, generation))
+    strategy.pending = Pending(-1, {}, failed_at)
+    raise Replaced(f"rank {', '.join(map(str, strategy.offer.replaced))} replaced: every process enters fit again")
+
+
+def _whole_state(strategy: UnifiedStrategy, trainer: Any) -> dict[str, Any]:
+    """Lightning's checkpoint dict of this worker's state after its last completed step, taken
+    alone (it holds every stage) in the single-device layout, as if saved after that step's batch."""
+    assert strategy.layout is not None
+    strategy._alone = dataclasses.replace(strategy.layout, writers=list(range(strategy.settings.stages)))
+    try:
+        checkpoint = dump_checkpoint(trainer)
+    finally:
+        strategy._alone = None
+    # copies: on the CPU the dump's tensors are the live ones, and the engine built when fit is entered
+    # again sets every replica from its first owner, which may be the replacement's fresh parameters
+    checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())
+    as_between_batches(checkpoint)
+    Positions.save(checkpoint, trainer)
+    for position in checkpoint.get(KEY, []):  # the batch of the interrupted step was read, not trained
+        position["taken"] = max(0, int(position["taken"]) - 1)
+    return checkpoint
+
+
+def resume_path(strategy: UnifiedStrategy) -> str:
+    """Every process's ``ckpt_path`` to enter ``fit`` again from (the module docstring, 2); collective
+    over the new group. Also sets the run's recoveries, this one included, on every process."""
+    from .recovery import Unrecoverable, _label
+
+    offers: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(offers, getattr(strategy, "offer", None))
+    strategy.offer = None
+    survivors = [r for r, o in enumerate(offers) if o is not None]
+    if not survivors:
+        raise Unrecoverable("a replacement process joined a group with no survivor to take the state from")
+    first = offers[survivors[0]]
+    lost = f"after the loss of rank {', '.join(map(str, first.replaced))} ({first.cause})"
+    places = {offers[r].during for r in survivors}
+    if places != {TRAINING_STEP}:
+        where_met = "; ".join(f"rank {r} in {offers[r].during}" for r in survivors)
+        raise Unrecoverable(f"{lost}, a replacement process joins only where every survivor met the loss in a "
+                            f"training step ({where_met}), so training cannot go on")
+    ahead = max(offers[r].done for r in survivors)
+    source = min(r for r in survivors if offers[r].done == ahead)
+    o = offers[source]
+    if o.holds_state:
+        path, steps_lost, where = MEMORY, 0, "memory"
+    elif o.last_checkpoint is not None:
+        path, step = o.last_checkpoint
+        steps_lost, where = ahead - step, f"checkpoint {path}"
+    else:
+        raise Unrecoverable(f"{lost}, a stage was held only by the lost worker and no sharded checkpoint was "
+                            f"written yet (before step {ahead + 1}), so training cannot go on")
+    label = _label(strategy.settings)
+    W = dist.get_world_size()
+    record = {"generation": o.generation, "cause": o.cause, "lost_ranks": o.replaced, "replaced": o.replaced,
+              "step": ahead + 1, "seconds": 0.0, "steps_lost": steps_lost, "redone": 1, "during": o.during,
+              "from": where, "moved_stages": 0, "moved_bytes": 0, "scheme_before": label, "scheme_after": label,
+              "chosen_by": "the user's scheme, kept (a fresh process took the lost rank)", "workers": [W, W]}
+    strategy.recoveries = [*o.recoveries, record]
+    mine = getattr(strategy, "pending", None)
+    strategy.pending = Pending(source, record, mine.failed_at if mine is not None else None)
+    if dist.get_rank() != source:
+        strategy.handover = None  # only the source's state is handed over
+    return path
+
+
+def handed_over(strategy: UnifiedStrategy) -> dict[str, Any]:
+    """The :data:`MEMORY` checkpoint: the source survivor's state, broadcast to every process (collective)."""
+    pending = strategy.pending
+    assert pending is not None
+    box: list[Any] = [strategy.handover if dist.get_rank() == pending.source else None]
+    dist.broadcast_object_list(box, pending.source)
+    strategy.handover = None
+    return box[0]
+
+
+def _state_bytes(checkpoint: dict[str, Any]) -> int:
+    """Bytes of a checkpoint's tensors (its module state and optimizer states)."""
+    found = [*checkpoint.get("state_dict", {}).values()]
+    for opt in checkpoint.get("optimizer_states", []):
+        found += [v for st in opt.get("state", {}).values() for v in st.values()]
+    return sum(t.numel() * t.element_size() for t in found if torch.is_tensor(t))
+
+
+def finish(strategy: UnifiedStrategy, checkpoint: dict[str, Any]) -> None:
+    """Once every process has its state (``checkpoint``, loaded): the record's seconds (the source's,
+    from its step's failure), what was moved or read, and the console line (rank 0); collective."""
+    pending, strategy.pending = strategy.pending, None
+    assert pending is not None
+    source = pending.source
+    mine = None
+    if dist.get_rank() == source:
+        assert pending.failed_at is not None
+        # from memory every stage was sent; from a checkpoint, the source read its own stages
+        stages = strategy.settings.stages if pending.record["from"] == "memory" else \
+            len(strategy.engine.owned if strategy.engine is not None else [])
+        mine = (round(time.monotonic() - pending.failed_at, 3), stages, _state_bytes(checkpoint))
+    box: list[Any] = [mine]
+    dist.broadcast_object_list(box, source)
+    seconds, stages, moved = box[0]
+    record = pending.record
+    record.update(seconds=seconds, moved_stages=stages, moved_bytes=moved)
+    m = current_membership()
+    if m is not None:
+        m.seconds.append(seconds)
+    if dist.get_rank() == 0:
+        lost = ", ".join(map(str, record["replaced"]))
+        log.warning("recovered from the loss of rank %s at step %d in %.2f s: a fresh process took rank %s, W %d -> "
+                    "%d, %s kept; state from %s, the interrupted training step redone, %d steps lost and trained "
+                    "again. Cause: %s", lost, record["step"], seconds, lost, *record["workers"],
+                    record["scheme_after"], record["from"], record["steps_lost"], record["cause"])
