@@ -108,23 +108,27 @@ def oracle6() -> dict:
     return fit(StreamedSingleDevice(microbatches=B), 1, steps=REPLACED_STEPS)
 
 
-@pytest.mark.parametrize(("scheme", "rank", "step", "source", "steps_lost"), [
-    ("ddp", 2, 3, "memory", 0),  # the state of a survivor (each holds every stage), handed over in memory
-    ("ddp", 0, 6, "memory", 0),  # rank 0 itself, at the next epoch's first batch
-    ("fsdp", 1, 4, "checkpoint", 1),  # its stage only on rank 1: from the step-2 sharded checkpoint, step 3 again
+@pytest.mark.parametrize(("scheme", "rank", "step", "sig", "source", "steps_lost"), [
+    # the state of a survivor (each holds every stage), handed over in memory; rank 0 itself, at the next
+    # epoch's first batch (after the short last batch)
+    ("ddp", 0, 6, signal.SIGKILL, "memory", 0),
+    ("ddp", 1, 2, signal.SIGSTOP, "memory", 0),  # a hang, named within timeout=3 and killed
+    # its stage only on rank 1: from the step-2 sharded checkpoint, step 3 trained again
+    ("fsdp", 1, 4, signal.SIGKILL, "checkpoint", 1),
 ])
 def test_a_fresh_process_replaces_a_lost_worker_and_training_equals_an_uninterrupted_run(
-        scheme: str, rank: int, step: int, source: str, steps_lost: int, oracle6: dict, tmp_path: Path) -> None:
-    """``fault.replace``: rank ``rank`` killed (``SIGKILL``) as step ``step`` begins; a spare process
+        scheme: str, rank: int, step: int, sig: int, source: str, steps_lost: int, oracle6: dict,
+        tmp_path: Path) -> None:
+    """``fault.replace``: rank ``rank`` killed (or stopped) as step ``step`` begins; a spare process
     takes its rank, every process enters ``fit`` again from the survivors' state (or the last sharded
     checkpoint, every 2 steps), and the run goes on under the user's scheme on W=4, ending with one
     device's parameters; every process, the replacement included, lists the recovery."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1, "replace": True})
+    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1, "replace": True}, timeout=3)
     saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     started = time.monotonic()
-    state = fit(strategy, 4, [saves, LoseWorker(rank, step, signal.SIGKILL, tmp_path)], steps=REPLACED_STEPS,
+    state = fit(strategy, 4, [saves, LoseWorker(rank, step, sig, tmp_path)], steps=REPLACED_STEPS,
                 enable_checkpointing=True)
     diff = max_diff(oracle6, state)
     records = {int(p.stem[4:]): eval(p.read_text()) for p in tmp_path.glob("rank*.txt")}  # noqa: S307
@@ -408,14 +412,17 @@ class LossyGPT(GPT):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("scheme", "d_model", "source", "steps_lost"),
-                         [("ddp", 16, "memory", 0), ("ddp", 96, "memory", 0), ("fsdp", 16, "checkpoint", 1)])
+@pytest.mark.parametrize(("scheme", "d_model", "source", "steps_lost", "replace"),
+                         [("ddp", 16, "memory", 0, False), ("ddp", 96, "memory", 0, False),
+                          ("fsdp", 16, "checkpoint", 1, False), ("ddp", 16, "memory", 0, True)])
 def test_the_command_line_recovers_and_equals_strategy_single(scheme: str, d_model: int, source: str, steps_lost: int,
-                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                              replace: bool, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """``python -m launcher strategy=<scheme> G=4 fault.restarts=1``: rank 2 killed at step 4 of 5,
     a checkpoint every 2 steps (sharded under fsdp, the step-2 one its source); the run exits 0,
     says so in one line, lists the recovery in ``metrics.json``, leaves no process, and its
-    ``last.ckpt`` equals ``strategy=single`` on the same config within 1e-10.
+    ``last.ckpt`` equals ``strategy=single`` on the same config within 1e-10. With
+    ``fault.replace=true`` a fresh process takes rank 2 and the run goes on under ddp on 4 workers.
 
     Under ddp the root of the step's small last gradient bucket fails on the lost rank's message,
     while the others wait for its reply; a collective in flight on gloo's thread meanwhile hung the
@@ -433,20 +440,22 @@ def test_the_command_line_recovers_and_equals_strategy_single(scheme: str, d_mod
     overrides = [*SMALL_RUN, *model, "trainer.max_steps=5", "trainer.precision=64-true", "trainer.val_check_interval=2",
                  "trainer.limit_val_batches=1", "logger=none", "png=false"]
     run = tmp_path / "run"
-    p = run_launcher(f"strategy={scheme}", "G=4", "fault.restarts=1", *overrides, f"hydra.run.dir={run}", cwd=tmp_path,
-                     timeout=300, pythonpath="cwd")
+    p = run_launcher(f"strategy={scheme}", "G=4", "fault.restarts=1", f"fault.replace={str(replace).lower()}",
+                     *overrides, f"hydra.run.dir={run}", cwd=tmp_path, timeout=300, pythonpath="cwd")
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [x for x in p.stderr.splitlines() if "recovered from the loss of rank 2 at step 4" in x]
     assert len(lines) == 1, p.stderr[-3000:]
     print(lines[0])
     recoveries = json.loads((run / "metrics.json").read_text())["recoveries"]
+    after = "ddp G=4 R=1 (W=4)" if replace else "lpp G=3 R=1 (W=3)"
     assert [(r["lost_ranks"], r["step"], r["steps_lost"], r["scheme_after"]) for r in recoveries] == [
-        ([2], 4, steps_lost, "lpp G=3 R=1 (W=3)")]
+        ([2], 4, steps_lost, after)]
+    assert recoveries[0].get("replaced") == ([2] if replace else None)
     assert recoveries[0]["from"].startswith(source)
     assert not survivors(str(run))
     got, want = last_state(run), single_device(overrides)
     diff = max((got[k].double() - want[k].double()).abs().max().item() for k in want)
-    print(f"command line, {scheme} W=4 -> 3: last.ckpt within {diff:.1e} of strategy=single")
+    print(f"command line, {scheme} W=4 -> {4 if replace else 3}: last.ckpt within {diff:.1e} of strategy=single")
     assert diff < TOL
 
 
