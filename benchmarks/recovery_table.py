@@ -14,6 +14,8 @@ wall to wall on this machine:
 - ``fault.copies=1, no loss``: what keeping the copies costs a run that loses nothing;
 - ``fault.copies=1``: recovered from the copy on the next worker (``fault.restarts=1``);
 - ``fault.copies=0``: recovered from the last sharded checkpoint, the steps since replayed;
+- ``fault.replace=true``: a fresh process takes the lost rank (W stays 4), every process resuming
+  from a survivor's state in memory (ddp) or the last sharded checkpoint (fsdp);
 - ``checkpoint restart``: ``fault.restarts=0``, so the job fails; then ``ckpt_path=.../last.ckpt``
   resumes it in a second command;
 - with ``--torchrun``: the same run under ``torchrun --nproc-per-node 4 --max-restarts 1``, without a
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--rank", type=int, default=2)
     ap.add_argument("--step", type=int, default=25)
+    ap.add_argument("--rows", nargs="*", help="only these rows (their names, e.g. uninterrupted fault.replace=true)")
     ap.add_argument("--torchrun", action="store_true", help="also under torchrun --nproc-per-node 4 --max-restarts 1: "
                     "uninterrupted, and the loss (the agent restarts every worker, which resume from last.ckpt)")
     a = ap.parse_args()
@@ -89,10 +92,13 @@ def main() -> None:
     rows = []
     runs = [("uninterrupted", None), ("fault.copies=1, no loss", ["fault.restarts=1", "fault.copies=1"]),
                         ("fault.copies=1", ["fault.restarts=1", "fault.copies=1"]),
-                        ("fault.copies=0", ["fault.restarts=1"]), ("checkpoint restart", [])]
+                        ("fault.copies=0", ["fault.restarts=1"]),
+                        ("fault.replace=true", ["fault.restarts=1", "fault.replace=true"]), ("checkpoint restart", [])]
     if a.torchrun:
         runs += [("torchrun, no loss", ["fault.restarts=1"]), ("torchrun, agent restart", ["fault.restarts=1"])]
     for name, extra in runs:
+        if a.rows and name not in a.rows:
+            continue
         run = work / name.replace(" ", "_").replace("=", "").replace(",", "")
         mark = work / f"{run.name}.lost"
         if extra is None or "no loss" in name:
