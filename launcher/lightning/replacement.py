@@ -72,6 +72,7 @@ class Offer:
     generation: int
     cause: str
     replaced: list[int]
+    failed_at: float  # when its step failed (time.monotonic(); read on this process only)
 
 
 @dataclass
@@ -108,8 +109,7 @@ def leave(strategy: UnifiedStrategy, failed_at: float, during: str) -> NoReturn:
     strategy.handover = state
     strategy.offer = Offer(trainer.global_step, during, strategy.last_checkpoint, state is not None,
                            list(strategy.recoveries), generation, "; then ".join(causes) or cause,
-                           replaced_in(m.store, generation))
-    strategy.pending = Pending(-1, {}, failed_at)
+                           replaced_in(m.store, generation), failed_at)
     raise Replaced(f"rank {', '.join(map(str, strategy.offer.replaced))} replaced: every process enters fit again")
 
 
@@ -137,8 +137,9 @@ def resume_path(strategy: UnifiedStrategy) -> str:
     over the new group. Also sets the run's recoveries, this one included, on every process."""
     from .recovery import Unrecoverable, _label
 
+    mine = strategy.offer
     offers: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(offers, getattr(strategy, "offer", None))
+    dist.all_gather_object(offers, mine)
     strategy.offer = None
     survivors = [r for r, o in enumerate(offers) if o is not None]
     if not survivors:
@@ -168,7 +169,6 @@ def resume_path(strategy: UnifiedStrategy) -> str:
               "from": where, "moved_stages": 0, "moved_bytes": 0, "scheme_before": label, "scheme_after": label,
               "chosen_by": "the user's scheme, kept (a fresh process took the lost rank)", "workers": [W, W]}
     strategy.recoveries = [*o.recoveries, record]
-    mine = getattr(strategy, "pending", None)
     strategy.pending = Pending(source, record, mine.failed_at if mine is not None else None)
     if dist.get_rank() != source:
         strategy.handover = None  # only the source's state is handed over
