@@ -44,6 +44,7 @@ from typing_extensions import override
 
 from ..atomic import write_json
 from ..runtime.failure import current_watchdog
+from .requeue import slurm_job
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +61,6 @@ LEAVE_S = 120.0
 def under_slurm_tasks() -> bool:
     """Whether Slurm started this worker as one of several tasks of a job step (``srun``)."""
     return "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
-
-
-def slurm_job() -> str:
-    """This job's id as ``scontrol`` takes it: ``<array job>_<task>`` for an array task."""
-    if os.environ.get("SLURM_ARRAY_JOB_ID"):
-        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return os.environ["SLURM_JOB_ID"]
 
 
 def attempt() -> int:
@@ -118,9 +112,11 @@ def resume_path(out: str | Path) -> Path | None:
 
 
 def forget(out: str | Path) -> None:
-    """A new run into ``out`` (not a requeued one): the requeues of an earlier run are not its own."""
-    if pending(out) is None:
-        for p, _ in _records(Path(out)):
+    """A run into ``out`` keeps the requeues of its own job only (a job requeued again, after a time
+    limit say, keeps those it already resumed from); an earlier run's are not its own."""
+    job = slurm_job() if under_slurm_tasks() and attempt() > 0 else None
+    for p, record in _records(Path(out)):
+        if record.get("job") != job:
             p.unlink(missing_ok=True)
 
 

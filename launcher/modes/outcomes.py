@@ -70,11 +70,11 @@ def error_line(e: BaseException) -> str:
         if isinstance(seen, OSError) and is_disk_full(seen) and seen.filename:
             return write_sentence(seen.filename, seen)
         seen = seen.__cause__ or seen.__context__
-    if isinstance(e, WorkerAborted):
+    if hasattr(e, "errors") or isinstance(e, WorkerAborted):  # the launcher's, or a peer's named by its watchdog
         return text
     if is_transport_error(e):
         return failure_message(joined_rank(), "", f"it lost its connection to another rank ({transport_reason(e)})")
-    return text if hasattr(e, "errors") else one_line(e)
+    return one_line(e)
 
 
 def record_interrupted(cfg: DictConfig, out: Path, run_info: dict[str, Any], e: BaseException) -> None:

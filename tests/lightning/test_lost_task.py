@@ -85,6 +85,7 @@ def test_a_requeued_job_resumes_after_its_own_record_only(slurm_task, monkeypatc
     lost_task.forget(out)  # this job's own requeue stays
     assert lost_task.recoveries(out) == []  # not resumed from yet
     _record(out, 0, resumed_at=121.0, resumed_step=2, steps_lost=1, seconds=21.0)
+    lost_task.forget(out)  # resumed from already (the job requeued again, after a time limit): still its own
     [rec] = lost_task.recoveries(out)
     assert (rec["step"], rec["steps_lost"], rec["seconds"], rec["from"]) == (4, 1, 21.0, "last.ckpt (the job requeued)")
     assert rec["requeue"]["to_requeue_s"] == 1.0 and rec["requeue"]["requeue_to_step_s"] == 20.0
