@@ -3,6 +3,7 @@ checkpoint restart").
 
     python benchmarks/recovery_table.py                         # fsdp W=4, 40 steps, rank 2 lost at step 25
     python benchmarks/recovery_table.py --strategy fsdp --steps 40 --every 10 --rank 2 --step 25
+    python benchmarks/recovery_table.py --slurm --only uninterrupted,slurm   # the Slurm rows, beside the first
 
 The tiny GPT (``d_model=16``, 2 blocks, 4 stages, 4 micro-batches, float32), a checkpoint every
 ``--every`` steps (``trainer.val_check_interval``, one validation batch; sharded under fsdp), and
@@ -19,7 +20,12 @@ wall to wall on this machine:
 - ``checkpoint restart``: ``fault.restarts=0``, so the job fails; then ``ckpt_path=.../last.ckpt``
   resumes it in a second command;
 - with ``--torchrun``: the same run under ``torchrun --nproc-per-node 4 --max-restarts 1``, without a
-  loss and with it (the agent ends every worker and starts them again; they resume from ``last.ckpt``).
+  loss and with it (the agent ends every worker and starts them again; they resume from ``last.ckpt``);
+- with ``--slurm``: the same run as a Slurm job of 4 tasks (``-m hydra/launcher=slurm
+  hydra.launcher.tasks_per_node=4``, on the cluster ``tests/end_to_end/slurm/setup.sh`` starts, its
+  ``sacct`` on the PATH), without a loss and with it (a survivor requeues the job, which resumes
+  from ``last.ckpt``: :mod:`launcher.lightning.lost_task`); Slurm's hold of a requeued job (its
+  ``BeginTime``) is lifted as soon as the job is pending, as on an idle cluster.
 
 Printed: wall seconds, the recovery's seconds and steps lost (``metrics.json``'s ``recoveries``),
 and the copies' cost (``metrics.json``'s ``copies``: rank 0's bytes kept and sent per step, and its
@@ -51,7 +57,7 @@ MARK = Path(os.environ["LOSE_MARK"])
 class LossyGPT(GPT):
     def on_train_batch_start(self, batch, batch_idx):
         m = current_membership()
-        rank = m.rank if m is not None else int(os.environ.get("RANK", "-1"))
+        rank = m.rank if m is not None else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "-1")))
         if rank == int(os.environ["LOSE_RANK"]) and self.trainer.global_step + 1 == int(os.environ["LOSE_STEP"]) \\
                 and not MARK.exists():
             MARK.write_text("lost")
@@ -63,11 +69,23 @@ TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--np
             "--max-restarts", "1", "-m", "launcher"]
 
 
-def launch(cwd: Path, env: dict[str, str], *args: str, command: list[str] | None = None) -> tuple[float, int, str]:
+SLURM = [sys.executable, "-m", "launcher", "-m", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=4"]
+
+
+def launch(cwd: Path, env: dict[str, str], *args: str, command: list[str] | None = None,
+           jobs: Path | None = None) -> tuple[float, int, str]:
+    """One command, timed; ``jobs``: its submitit folder, whose pending Slurm jobs are started at once."""
     start = time.monotonic()
-    p = subprocess.run([*(command or [sys.executable, "-m", "launcher"]), *args], cwd=cwd, env=env,
-                       capture_output=True, text=True, timeout=900)
-    return time.monotonic() - start, p.returncode, p.stderr
+    p = subprocess.Popen([*(command or [sys.executable, "-m", "launcher"]), *args], cwd=cwd, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while jobs is not None and p.poll() is None:
+        for job in [d.name for d in jobs.glob("*") if d.name.isdigit()]:
+            state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%t"], capture_output=True, text=True).stdout
+            if state.strip() == "PD":
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        time.sleep(0.3)
+    _, err = p.communicate(timeout=900)
+    return time.monotonic() - start, p.returncode, err
 
 
 def main() -> None:
@@ -77,7 +95,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--rank", type=int, default=2)
     ap.add_argument("--step", type=int, default=25)
-    ap.add_argument("--rows", nargs="*", help="only these rows (their names, e.g. uninterrupted fault.replace=true)")
+    ap.add_argument("--only", default="", help="the rows to run: beginnings of their names, comma-separated")
+    ap.add_argument("--slurm", action="store_true", help="also as a Slurm job of 4 tasks: uninterrupted, and the "
+                    "loss (a survivor requeues the job, which resumes from last.ckpt)")
     ap.add_argument("--torchrun", action="store_true", help="also under torchrun --nproc-per-node 4 --max-restarts 1: "
                     "uninterrupted, and the loss (the agent restarts every worker, which resume from last.ckpt)")
     a = ap.parse_args()
@@ -96,15 +116,21 @@ def main() -> None:
                         ("fault.replace=true", ["fault.restarts=1", "fault.replace=true"]), ("checkpoint restart", [])]
     if a.torchrun:
         runs += [("torchrun, no loss", ["fault.restarts=1"]), ("torchrun, agent restart", ["fault.restarts=1"])]
-    for name, extra in runs:
-        if a.rows and name not in a.rows:
-            continue
+    if a.slurm:
+        runs += [("slurm, no loss", ["fault.restarts=1"]), ("slurm, requeue", ["fault.restarts=1"])]
+    wanted = [w for w in a.only.split(",") if w]
+    for name, extra in [r for r in runs if not wanted or r[0].startswith(tuple(wanted))]:
         run = work / name.replace(" ", "_").replace("=", "").replace(",", "")
         mark = work / f"{run.name}.lost"
         if extra is None or "no loss" in name:
             mark.write_text("no loss")
-        wall, rc, err = launch(work, {**env, "LOSE_MARK": str(mark)}, *base, *(extra or []), f"hydra.run.dir={run}",
-                               command=TORCHRUN if name.startswith("torchrun") else None)
+        slurm = name.startswith("slurm")
+        where = f"hydra.sweep.dir={run}" if slurm else f"hydra.run.dir={run}"
+        wall, rc, err = launch(work, {**env, "LOSE_MARK": str(mark)}, *base, *(extra or []), where,
+                               command=TORCHRUN if name.startswith("torchrun") else SLURM if slurm else None,
+                               jobs=run / ".submitit" if slurm else None)
+        if slurm:
+            run = run / "0"
         note = ""
         if name == "checkpoint restart":
             assert rc != 0, "the job was meant to fail"

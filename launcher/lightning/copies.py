@@ -17,6 +17,11 @@ and the stages whose copy it held at their (surviving) owner. :func:`launcher.li
 takes a lost stage from the copy whose tag equals the survivors' completed steps; a stale copy (the
 loss came during the exchange itself) is not used, and the run falls back to the last sharded
 checkpoint when it has one. Stages with several owners are not copied: a replica holds them.
+
+A loss during the exchange: each worker posts both its sends before it waits for its receive, and
+waits for the sends whatever the receive does, so the successor of the worker whose predecessor
+was lost still gets its copy; every survivor then leaves the exchange (:func:`after_step`) and
+meets the loss in the next training step, where it is recovered.
 """
 
 from __future__ import annotations
@@ -84,8 +89,16 @@ class StageCopies:
 
 
 def _both(*reqs: Any) -> None:
+    """Wait for each request; every one is waited for even when one fails, and the first failure
+    is raised after (a send to a live worker must not be dropped because a receive failed)."""
+    failed: Exception | None = None
     for req in reqs:  # None only for a rank outside the group, which a member of the ring never is
-        req.wait()
+        try:
+            req.wait()
+        except Exception as e:  # noqa: BLE001 - raised below, after the other requests
+            failed = failed or e
+    if failed is not None:
+        raise failed
 
 
 def exchange(strategy: UnifiedStrategy, step: int) -> None:
@@ -113,10 +126,17 @@ def exchange(strategy: UnifiedStrategy, step: int) -> None:
     out = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8).to(device)
     to, frm = (rank + 1) % world, (rank - 1) % world
     n_in = torch.zeros(1, dtype=torch.int64, device=device)
-    # sends and receives posted together: a ring of blocking sends could wait on each other
-    _both(dist.isend(torch.tensor([out.numel()], device=device), to, tag=TAG), dist.irecv(n_in, frm, tag=TAG))
-    got = torch.empty(int(n_in.item()), dtype=torch.uint8, device=device)
-    _both(dist.isend(out, to, tag=TAG), dist.irecv(got, frm, tag=TAG))
+    # both sends posted before any receive is waited for, and waited for whatever the receives do:
+    # a ring of blocking sends could wait on each other, and a worker whose predecessor was lost
+    # must still send its successor its copy, which a survivor would otherwise wait for in vain
+    # while this one went on to the next collective (a deadlock of two survivors)
+    sends = [dist.isend(torch.tensor([out.numel()], device=device), to, tag=TAG), dist.isend(out, to, tag=TAG + 1)]
+    try:
+        _both(dist.irecv(n_in, frm, tag=TAG))
+        got = torch.empty(int(n_in.item()), dtype=torch.uint8, device=device)
+        _both(dist.irecv(got, frm, tag=TAG + 1))
+    finally:
+        _both(*sends)
     kept = torch.load(io.BytesIO(got.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
     copies.step, copies.stages = int(kept["step"]), kept["stages"]
     copies.held_bytes = sum(_nbytes(p) for p in copies.stages.values())
@@ -128,8 +148,10 @@ def exchange(strategy: UnifiedStrategy, step: int) -> None:
 
 def after_step(strategy: UnifiedStrategy, step: int) -> None:
     """:func:`exchange` after the optimizer step that completed ``step`` steps. A loss met here
-    (outside the training step, where recovery happens) leaves the copies as they are: the next
-    step fails on the lost peer too and recovers there, taking no copy that is not of its state."""
+    (outside the training step, where recovery happens) leaves the copies as they are: every
+    survivor leaves the exchange (no survivor waits for another's copy: :func:`exchange`), the next
+    step fails on the lost peer and recovers there, taking no copy that is not of its state
+    (``tests/lightning/test_copies.py``, a loss as the exchange sends)."""
     from .recovery import recoverable
 
     try:

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from ..report import metrics_json as report
 from ..runtime.link_probe import measure as measure_link
+from . import lost_task
 from .lightning_private import optimizer_step_of_batch, started_experiment
 from .strategy import UnifiedStrategy
 
@@ -135,8 +136,9 @@ class RunMetrics(Callback):
                 peak_memory_bytes=_peak_memory(pl_module.device), memory_kind="cuda_max_allocated"
                 if pl_module.device.type == "cuda" else "rss")
         self.metrics["skipped_steps"] = len(self.skipped)  # dropped for a NaN or infinity (nonfinite=skip)
-        # each lost worker recovered from inside the job (launcher.lightning.recovery), as rank 0 saw it
-        self.metrics["recoveries"] = list(getattr(strategy, "recoveries", []))
+        # each lost worker recovered from inside the job (launcher.lightning.recovery), as rank 0 saw it,
+        # after each requeue of the job after a lost Slurm task (launcher.lightning.lost_task)
+        self.metrics["recoveries"] = lost_task.recoveries(self.out_dir) + list(getattr(strategy, "recoveries", []))
         copies = getattr(strategy, "copies", None)
         if copies is not None:  # fault.copies=1: what keeping them cost rank 0 (launcher.lightning.copies)
             self.metrics["copies"] = copies.summary()

@@ -85,7 +85,7 @@ class ProcessGroupStrategy(ParallelStrategy):
                                  **({"store": store} if store is not None else {}))
             store = default_store()
             self._watchdog = Watchdog(dist.PrefixStore("launcher/watchdog", store), self.global_rank,
-                                      self.world_size, self.timeout).start()
+                                      self.world_size, self.timeout, on_hard_exit=_hard_exit).start()
             set_current_watchdog(self._watchdog)
 
     def set_world_ranks(self) -> None:
@@ -123,6 +123,22 @@ class ProcessGroupStrategy(ParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.stop(done=True)
             self._watchdog = None
+
+
+def _hard_exit(message: str) -> None:
+    """A joined worker's watchdog stops its process: its one line (in one write, so that ranks' lines
+    never interleave), and on Slurm the requeue a lost task asks for (:mod:`.lost_task`)."""
+    import os
+    import sys
+
+    from . import lost_task
+
+    try:
+        sys.stderr.flush()
+        os.write(2, (message + "\n").encode())
+    except OSError:
+        pass
+    lost_task.on_hard_exit(message)
 
 
 def agreed_seed(device: torch.device) -> int:

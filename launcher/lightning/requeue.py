@@ -48,6 +48,13 @@ def in_slurm_job() -> bool:
     return "SLURM_JOB_ID" in os.environ
 
 
+def slurm_job() -> str:
+    """This job's id as ``scontrol`` takes it: ``<array job>_<task>`` for an array task."""
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ["SLURM_JOB_ID"]
+
+
 def warning_signals() -> list[signal.Signals]:
     """submitit's preemption signal (``SUBMITIT_PREEMPT_SIGNAL``, USR2 by default) and Lightning's
     requeue signal (USR1)."""
@@ -121,11 +128,8 @@ def requeue(watch: Watch, checkpoint: Path) -> NoReturn:
     previous: Callable | None = watch.previous.get(signum)
     if callable(previous) and type(getattr(previous, "__self__", None)).__module__.startswith("submitit"):
         previous(signum, None)  # submitit: re-dumps its submission, scontrol requeue, exits
-    job = os.environ["SLURM_JOB_ID"]
-    if os.environ.get("SLURM_ARRAY_JOB_ID"):
-        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
     if int(os.environ.get("SLURM_PROCID", "0")) == 0:
-        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+        subprocess.run(["scontrol", "requeue", slurm_job()], check=True, timeout=60)
     # Slurm now ends this job step; leave no result behind that would read as finished
     time.sleep(300)
     sys.exit(1)

@@ -52,8 +52,12 @@ def record_failure(cfg: DictConfig, out: Path, where: str, error: str) -> dict[s
 
 def error_line(e: BaseException) -> str:
     """The one line for a failed run: a file that could not be written (a full disk) is said as
-    such, naming the file, whichever rank or layer met it; anything else as it was reported."""
+    such, naming the file, whichever rank or layer met it; a peer's failure as its watchdog named it,
+    and a connection broken with no one naming why in words (the workers torchrun or Slurm
+    started: no launcher names it for them); anything else as it was reported."""
     from ..atomic import WriteError, is_disk_full, write_sentence
+    from ..runtime.failure import WorkerAborted, failure_message, is_transport_error, transport_reason
+    from .common import joined_rank
 
     text = str(e)
     at = text.find("could not write ")
@@ -66,7 +70,11 @@ def error_line(e: BaseException) -> str:
         if isinstance(seen, OSError) and is_disk_full(seen) and seen.filename:
             return write_sentence(seen.filename, seen)
         seen = seen.__cause__ or seen.__context__
-    return text if hasattr(e, "errors") else one_line(e)
+    if hasattr(e, "errors") or isinstance(e, WorkerAborted):  # the launcher's, or a peer's named by its watchdog
+        return text
+    if is_transport_error(e):
+        return failure_message(joined_rank(), "", f"it lost its connection to another rank ({transport_reason(e)})")
+    return one_line(e)
 
 
 def record_interrupted(cfg: DictConfig, out: Path, run_info: dict[str, Any], e: BaseException) -> None:

@@ -318,7 +318,7 @@ def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, A
     """Logger, checkpoints and the metrics callback, all writing into the run directory."""
     from hydra.utils import instantiate
 
-    from ..lightning import requeue
+    from ..lightning import lost_task, requeue
     from ..lightning.metrics_callback import RunMetrics
 
     config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's container is a dict
@@ -333,6 +333,8 @@ def _outputs(cfg: DictConfig, out_dir: Path, run: dict[str, Any]) -> dict[str, A
         from ..lightning.resume import LastCheckpoint  # last.ckpt: where training ended
 
         callbacks.append(LastCheckpoint(dirpath=out_dir / "checkpoints"))
+    if lost_task.under_slurm_tasks():  # a job requeued after a lost task: its record completed at the first step
+        callbacks.append(lost_task.ResumeTimes(out_dir))
     if requeue.in_slurm_job():  # last: its checkpoint is not part of the step's measured time
         callbacks.append(requeue.RequeueOnSignal())
     out: dict[str, Any] = {"callbacks": callbacks, "default_root_dir": str(out_dir),
@@ -376,13 +378,14 @@ def previous_checkpoint(cfg: DictConfig, out: Path, sweep: bool = False) -> str 
     new run's ``last.ckpt`` would go beside the old one as ``last-v1.ckpt`` (Lightning never
     overwrites a checkpoint it did not write), and which one is the run's would be a guess. Not
     refused: resuming from a checkpoint of that directory (it goes on writing there), a requeued
-    Slurm job (it resumes from its own checkpoint), and a run that writes no checkpoints."""
-    from ..lightning import elastic, requeue
+    Slurm job (it resumes from its own checkpoint, or from ``last.ckpt`` after a lost task), and a run
+    that writes no checkpoints."""
+    from ..lightning import elastic, lost_task, requeue
 
     folder = Path(out) / "checkpoints"
     if not bool(cfg.trainer.get("enable_checkpointing", True)) or requeue.resume_path(out) is not None \
-            or elastic.resume_path(out) is not None:  # a restarted torchrun worker resumes from it
-        return None
+            or elastic.resume_path(out) is not None or lost_task.resume_path(out) is not None:
+        return None  # a restarted torchrun worker, or a job requeued after a lost task, resumes from it
     try:
         found = sorted(folder.glob("*.ckpt"), key=lambda p: (p.name != "last.ckpt", -p.stat().st_mtime))
     except OSError:  # a directory that cannot be read: the run's own writes will say so
@@ -421,7 +424,7 @@ def run(cfg: DictConfig, checked: Built | None = None) -> dict[str, Any]:
 
 
 def _run(cfg: DictConfig, out: Path, where: str, checked: Built | None) -> dict[str, Any]:
-    from ..lightning import elastic, requeue
+    from ..lightning import elastic, lost_task, requeue
     from ..report import progress
     from ..runtime import Interrupted, WorkerFailed
 
@@ -430,6 +433,8 @@ def _run(cfg: DictConfig, out: Path, where: str, checked: Built | None) -> dict[
         return reject([earlier], where, in_sweep())
     for name in OUTCOMES:
         (out / name).unlink(missing_ok=True)
+    if joined_rank() == 0:
+        lost_task.forget(out)  # an earlier run's requeues, unless this job is one of them
     progress.remove(out)
     try:
         job = prepare(cfg, out, checked)
@@ -447,20 +452,32 @@ def _run(cfg: DictConfig, out: Path, where: str, checked: Built | None) -> dict[
         ckpt_path = str(restarted)
         console().print(f"torchrun: restart {elastic.restart_count()} of the workers (a worker was lost); "
                         f"resuming from {restarted}", highlight=False, soft_wrap=True)
-    note = elastic.fallback_note(run_settings_of(cfg).fault.restarts) if elastic.restart_count() == 0 else None
+    elif (after := lost_task.pending(out)) is not None:  # requeued by a survivor of a lost Slurm task
+        last = lost_task.resume_path(out)
+        ckpt_path = None if last is None else str(last)
+        console().print(f"slurm: requeued after a lost task ({after['cause']}); "
+                        f"{f'resuming from {last}' if last else 'no checkpoint yet: starting afresh'}",
+                        highlight=False, soft_wrap=True)
+    restarts = run_settings_of(cfg).fault.restarts
+    note = elastic.fallback_note(restarts) if elastic.restart_count() == 0 else None
+    note = note or (lost_task.fallback_note(restarts) if lost_task.attempt() == 0 else None)
     if note is not None and joined_rank() == 0:
         console().print(note, highlight=False, soft_wrap=True)
     saved = set(requeue.hpc_checkpoints(out))
-    try:
-        with requeue.Watch() as watch, signals.while_training():
-            job.trainer.fit(job.model, datamodule=job.data, ckpt_path=ckpt_path)
-    except WorkerFailed as e:
-        return record_failure(cfg, out, where, error_line(e))
-    except Interrupted as e:
-        record_interrupted(cfg, out, job.run, e)
-        raise
-    except Exception as e:  # noqa: BLE001 - a crash in this process (single-device runs): record it
-        return record_failure(cfg, out, where, error_line(e))
+    label = f"{job.run['scheme']} G={job.run['G']} R={job.run['R']} (W={job.run['W']})"
+    with lost_task.armed(out, restarts, job.trainer, label, int(job.run["W"])):
+        try:
+            with requeue.Watch() as watch, signals.while_training():
+                job.trainer.fit(job.model, datamodule=job.data, ckpt_path=ckpt_path)
+        except WorkerFailed as e:
+            return record_failure(cfg, out, where, error_line(e))
+        except Interrupted as e:
+            record_interrupted(cfg, out, job.run, e)
+            raise
+        except Exception as e:  # noqa: BLE001 - a crash in this process (single-device runs): record it
+            if lost_task.requeued(error_line(e)):  # a lost Slurm task: the job runs again; this one leaves no result
+                lost_task.leave()
+            return record_failure(cfg, out, where, error_line(e))
     progress.remove(out)
     new = [p for p in requeue.hpc_checkpoints(out) if p not in saved]
     if new:

@@ -169,6 +169,9 @@ class Watchdog:
         self.waiting = False  # the compute thread is blocked waiting for a peer
         self.busy_now = False  # the compute thread is on long work that runs no job (a checkpoint's write)
         self.aborted: str | None = None
+        #: when the compute thread first met a broken connection (``time.time()``): the loss as this
+        #: worker saw it, before the watchdog named it (a Slurm requeue's times, :mod:`launcher.lightning.lost_task`)
+        self.broken_at: float | None = None
         #: the recovery generation this worker has joined, and one the launcher announced since
         #: (``(generation, survivors' original ranks, cause)``; :mod:`.recovery`)
         self.generation = 0
@@ -239,6 +242,8 @@ class Watchdog:
 
     def wait_abort(self, seconds: float) -> str | None:
         """After a communication error: give the watchdog up to ``seconds`` to name the culprit."""
+        if self.broken_at is None:
+            self.broken_at = time.time()
         deadline = time.monotonic() + seconds
         while self.aborted is None and self.recovery is None and time.monotonic() < deadline:
             try:

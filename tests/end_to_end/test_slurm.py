@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli import LAUNCHER, run_launcher, start_launcher
-from helpers.training import load_checkpoint
+from helpers.cli import LAUNCHER, SMALL_RUN, run_launcher, start_launcher, survivors
+from helpers.training import last_state, load_checkpoint
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -179,3 +179,74 @@ def test_a_signalled_task_checkpoints_is_requeued_and_ends_like_an_uninterrupted
     b = load_checkpoint(local / "checkpoints" / "last.ckpt")
     assert a["global_step"] == b["global_step"] == 12
     assert max((a["state_dict"][k] - b["state_dict"][k]).abs().max().item() for k in b["state_dict"]) < 1e-10
+
+
+#: a user's model whose Slurm task ``LOSE_RANK`` sends itself SIGKILL as step ``LOSE_STEP`` begins,
+#: once (a marker file keeps the requeued job from losing it again)
+LOSSY = '''
+import os
+import signal
+from pathlib import Path
+
+from launcher.models import GPT
+
+
+class LossyGPT(GPT):
+    def on_train_batch_start(self, batch, batch_idx):
+        mark = Path(os.environ["LOSE_MARK"])
+        if os.environ.get("SLURM_PROCID") == os.environ["LOSE_RANK"] and not mark.exists() \\
+                and self.trainer.global_step + 1 == int(os.environ["LOSE_STEP"]):
+            mark.write_text("lost")
+            os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_a_lost_task_requeues_the_job_which_resumes_from_last_ckpt(slurm_env, tmp_path):
+    """tasks_per_node=2, fault.restarts=1: task 1 is killed (SIGKILL) as step 4 of 6 begins; the
+    survivor names the loss, requeues the job (once) and leaves no result; the requeued job resumes
+    from last.ckpt (step 2) and ends with the parameters of a run never interrupted (float64,
+    clipping 1.0, dropout, shuffled data), the requeue in metrics.json, nothing left running."""
+    (tmp_path / "lossy.py").write_text(LOSSY)
+    env = dict(slurm_env, PYTHONPATH=str(tmp_path), LOSE_RANK="1", LOSE_STEP="4", LOSE_MARK=str(tmp_path / "lost"))
+    args = [*SMALL_RUN, "microbatches=2", "model=custom", "model._target_=lossy.LossyGPT", "model.vocab_size=128",
+            "model.seq_len=8", "model.max_steps=6", "strategy=fsdp", "G=2", "trainer.max_steps=6",
+            "trainer.precision=64-true", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+            "logger=none", "png=false", "fault.restarts=1", "timeout=5"]  # timeout: the loss is named within 5 s
+    sweep, local = tmp_path / "sweep", tmp_path / "local"
+    t0 = time.monotonic()
+    sweeping = start_launcher(*args, "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+                              env=env, command=SLURM, start_new_session=False)
+    try:
+        while sweeping.poll() is None:  # Slurm holds a requeued job back (its BeginTime): on this idle cluster, not
+            for job in [p.name for p in sweep.glob(".submitit/*") if p.name.isdigit()]:
+                state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%t"], capture_output=True, text=True).stdout
+                if state.strip() == "PD":
+                    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+            assert time.monotonic() - t0 < 260, "the job did not end"
+            time.sleep(0.3)
+        out, err = sweeping.communicate(timeout=30)
+    finally:
+        if sweeping.poll() is None:
+            sweeping.kill()
+    wall = time.monotonic() - t0
+    assert sweeping.returncode == 0, (out + err)[-3000:]
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*log.*"))
+    assert "srun: error: localhost: task 1: Killed" in logs
+    assert "slurm: rank 1 failed while running" in logs and "requeueing the job (1 of fault.restarts=1)" in logs
+    assert f"resuming from {sweep / '0' / 'checkpoints' / 'last.ckpt'}" in logs
+    [record] = [json.loads(p.read_text()) for p in (sweep / "0" / "requeued").iterdir()]
+    assert (record["lost_ranks"], record["step"], record["resumed_step"], record["steps_lost"]) == ([1], 4, 2, 1)
+    metrics = json.loads((sweep / "0" / "metrics.json").read_text())
+    [rec] = metrics["recoveries"]
+    assert rec["chosen_by"] == "slurm requeue" and rec["seconds"] > 0
+    assert [s["step"] for s in metrics["steps"]] == list(range(1, 7))  # the whole curve, across the requeue
+    q = run_launcher(*args, f"hydra.run.dir={local}", cwd=tmp_path, env=dict(env, LOSE_RANK="-1"), timeout=200)
+    assert q.returncode == 0, q.stderr[-3000:]
+    a, b = last_state(sweep / "0"), last_state(local)
+    diff = max((a[k] - b[k]).abs().max().item() for k in b)
+    print(f"slurm, fsdp W=2 tasks, task 1 lost at step 4 of 6: requeued and resumed from step 2; {wall:.1f} s wall, "
+          f"{rec['seconds']} s from the loss to the resumed step ({rec['requeue']}); last.ckpt within {diff:.1e} "
+          f"of the uninterrupted run")
+    assert a.keys() == b.keys() and diff < 1e-10
+    assert not survivors(str(tmp_path))
+    assert not subprocess.run(["squeue", "-h", "-o", "%i %o"], capture_output=True, text=True).stdout.count(str(sweep))
