@@ -104,12 +104,16 @@ def leave(strategy: UnifiedStrategy, failed_at: float, during: str) -> NoReturn:
         engine.links.close()
     strategy.engine = None
     del engine
+    first = generation
     generation, members, causes = rejoin(m, watchdog, generation, members, PG_TIMEOUT)
     strategy.rejoined(m.new_rank, len(members))
+    # a loss during the rejoin is folded into a later generation, whose record names only its own
+    # replaced rank: the recovery replaced those of every generation since the first
+    replaced = sorted({r for g in range(first, generation + 1) for r in replaced_in(m.store, g)})
     strategy.handover = state
     strategy.offer = Offer(trainer.global_step, during, strategy.last_checkpoint, state is not None,
                            list(strategy.recoveries), generation, "; then ".join(causes) or cause,
-                           replaced_in(m.store, generation), failed_at)
+                           replaced, failed_at)
     raise Replaced(f"rank {', '.join(map(str, strategy.offer.replaced))} replaced: every process enters fit again")
 
 
