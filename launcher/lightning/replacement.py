@@ -139,7 +139,7 @@ def _whole_state(strategy: UnifiedStrategy, trainer: Any) -> dict[str, Any]:
 def resume_path(strategy: UnifiedStrategy) -> str:
     """Every process's ``ckpt_path`` to enter ``fit`` again from (the module docstring, 2); collective
     over the new group. Also sets the run's recoveries, this one included, on every process."""
-    from .recovery import Unrecoverable, _label
+    from .recovery import SAVE, Unrecoverable, _label
 
     mine = strategy.offer
     offers: list[Any] = [None] * dist.get_world_size()
@@ -151,25 +151,33 @@ def resume_path(strategy: UnifiedStrategy) -> str:
     first = offers[survivors[0]]
     lost = f"after the loss of rank {', '.join(map(str, first.replaced))} ({first.cause})"
     places = {offers[r].during for r in survivors}
-    if places != {TRAINING_STEP}:
+    if places not in ({TRAINING_STEP}, {SAVE}):
         where_met = "; ".join(f"rank {r} in {offers[r].during}" for r in survivors)
         raise Unrecoverable(f"{lost}, a replacement process joins only where every survivor met the loss in a "
-                            f"training step ({where_met}), so training cannot go on")
+                            f"training step, or every one in a checkpoint save ({where_met}), so training cannot "
+                            f"go on")
     ahead = max(offers[r].done for r in survivors)
     source = min(r for r in survivors if offers[r].done == ahead)
     o = offers[source]
     if o.holds_state:
         path, steps_lost, where = MEMORY, 0, "memory"
     elif o.last_checkpoint is not None:
+        # after a loss in a save too: the resumed loop trains the steps since the last checkpoint and
+        # writes the interrupted save again at its step (a state from memory would skip that save)
         path, step = o.last_checkpoint
         steps_lost, where = ahead - step, f"checkpoint {path}"
+    elif places == {SAVE}:
+        raise Unrecoverable(f"{lost}, met in a checkpoint save: a replacement process then starts from the last "
+                            f"sharded checkpoint (the resumed loop saves again), and none was written, so training "
+                            f"cannot go on")
     else:
         raise Unrecoverable(f"{lost}, a stage was held only by the lost worker and no sharded checkpoint was "
                             f"written yet (before step {ahead + 1}), so training cannot go on")
     label = _label(strategy.settings)
     W = dist.get_world_size()
     record = {"generation": o.generation, "cause": o.cause, "lost_ranks": o.replaced, "replaced": o.replaced,
-              "step": ahead + 1, "seconds": 0.0, "steps_lost": steps_lost, "redone": 1, "during": o.during,
+              "step": ahead if o.during == SAVE else ahead + 1,  # a save's loss came after the step it saves
+              "seconds": 0.0, "steps_lost": steps_lost, "redone": 1, "during": o.during,
               "from": where, "moved_stages": 0, "moved_bytes": 0, "scheme_before": label, "scheme_after": label,
               "chosen_by": "the user's scheme, kept (a fresh process took the lost rank)", "workers": [W, W]}
     strategy.recoveries = [*o.recoveries, record]
