@@ -219,6 +219,10 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         #: that checkpoint (path, step), so that a recovery from it can replay them (:mod:`.recovery`)
         self.since_checkpoint: dict[int, Any] = {}
         self.last_checkpoint: tuple[str, int] | None = None
+        #: the last checkpoint of either format written whole in the foreground (path, step), once every
+        #: worker is past its save: a replacement after a loss met in a later save resumes from it
+        self.last_saved: tuple[str, int] | None = None
+        self.failed_save: str | None = None  # the path of the save a loss interrupted (for a replacement)
         self.replay_step: int | None = None  # the step a recovery replays, while it does
         self.step_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the training step's arguments
         self._keeps_batches = False  # a loss could take a stage with it: keep the batches since the checkpoint
