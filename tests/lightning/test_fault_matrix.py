@@ -44,7 +44,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 #: the loader's 5 batches, the 5th short: a loss at step 4 is followed by the redone step and the short one
 STEPS, B, AT = 5, 4, 4
 SIZES: dict[str, dict[str, int]] = {"ddp": {}, "fsdp": {}, "gpipe": {}, "lpp": {"G": 2, "R": 2},
-                                    "fslpp": {"G": 2, "R": 2}}
+                                    "fslpp": {"G": 2, "R": 2}, "lppG1": {"G": 1, "R": 4}}
+FIVE = ["ddp", "fsdp", "gpipe", "lpp", "fslpp"]
 #: the workers that hold each stage's state at W=4 (docs/design.md's placements, w_weights)
 OWNERS: dict[str, list[set[int]]] = {
     "ddp": [{0, 1, 2, 3}] * 4,
@@ -52,11 +53,12 @@ OWNERS: dict[str, list[set[int]]] = {
     "gpipe": [{0}, {1}, {2}, {3}],
     "lpp": [{0, 2}, {1, 3}, {0, 2}, {1, 3}],
     "fslpp": [{0}, {3}, {0}, {3}],
+    "lppG1": [{0}, {1}, {2}, {3}],  # the lone-stage LPP (GPipe's layout), under kill -9 only
 }
 #: the ranks each fault loses, in order (the second while the first's recovery re-forms the group)
 LOST: dict[str, dict[str, list[int]]] = {
-    "kill": {s: [0] for s in SIZES}, "stop": {s: [3] for s in SIZES}, "save": {s: [2] for s in SIZES},
-    "second": {s: [2, 1] for s in SIZES}, "last": {"lpp": [3, 1], "fslpp": [3, 0]},
+    "kill": {s: [0] for s in SIZES}, "stop": {s: [3] for s in FIVE}, "save": {s: [2] for s in FIVE},
+    "second": {s: [2, 1] for s in FIVE}, "last": {"lpp": [3, 1], "fslpp": [3, 0]},
 }
 
 
@@ -119,7 +121,8 @@ def test_every_fault_under_every_scheme_is_recovered_and_equals_one_device(
     if fault == "save":
         inject = [LoseIn("save", AT, rank=lost[0]), LoseWorker(9, 0, signal.SIGKILL, tmp_path)]  # 9: records only
     fmt = {} if scheme == "ddp" else {"checkpoint": {"format": "sharded"}}
-    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": len(lost), "replace": replace},
+    strategy = UnifiedStrategy(scheme.removesuffix("G1"), stages=4, microbatches=B,
+                               fault={"restarts": len(lost), "replace": replace},
                                timeout=3 if fault == "stop" else 30, **SIZES[scheme], **fmt)
     L.seed_everything(0, verbose=False)
     model = Regressor(max_steps=STEPS).double()

@@ -111,31 +111,6 @@ def test_a_fresh_process_replaces_a_lost_worker_and_training_equals_an_uninterru
     assert not [p for p in mp.active_children() if p.name.startswith(("launcher-worker", "launcher-spare"))]
 
 
-# gpipe, fsdp and fslpp G=2 R=2 (a lone owner lost): test_fault_matrix.py
-@pytest.mark.parametrize(("scheme", "sizes", "rank"), [("lpp", {"G": 1, "R": 4}, 1)])
-def test_a_stage_on_one_worker_is_recovered_from_the_last_sharded_checkpoint(
-        scheme: str, sizes: dict, rank: int, oracle: dict, tmp_path: Path) -> None:
-    """Each stage on one worker: a worker lost at step 4, the last (sharded) checkpoint at step 2;
-    every worker reads its new stages from it and the steps since are replayed from the kept batches."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1},
-                               checkpoint={"format": "sharded"}, **sizes)
-    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    L.seed_everything(0, verbose=False)
-    model = Regressor(max_steps=STEPS).double()
-    tr = quiet_trainer(strategy, 4, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, limit_val_batches=0,
-                       enable_checkpointing=True, callbacks=[saves, LoseWorker(rank, 4, signal.SIGKILL, tmp_path)])
-    tr.fit(model, train_dataloaders=user_loader())
-    records = eval((tmp_path / "rank0.txt").read_text())  # noqa: S307 - our own repr
-    diff = max_diff(oracle, model.state_dict())
-    print(f"{scheme}: {records}; parameters within {diff:.1e} of one device")
-    assert [(r["lost_ranks"], r["step"], r["steps_lost"]) for r in records] == [([rank], 4, 1)]
-    assert records[0]["from"].startswith("checkpoint ")
-    assert diff < TOL
-    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
-
-
 def test_a_scheme_it_cannot_recover_is_refused_before_any_worker_starts() -> None:
     with pytest.raises(ConfigError) as e:
         fit(UnifiedStrategy("gpipe", stages=4, microbatches=B, fault={"restarts": 1}, checkpoint={"format": "single"}),
