@@ -172,10 +172,11 @@ def resume_path(strategy: UnifiedStrategy) -> str:
         # trains the steps since and writes the interrupted save again at its step
         path, step = o.last_saved
         steps_lost, where = ahead - step, f"checkpoint {path}"
-        if dist.get_rank() == 0 and o.failed_save is not None:
+        if dist.get_rank() == 0 and o.failed_save is not None and o.failed_save != path:
             # under the interrupted save's name: a single file its writer finished before the save's
             # barrier failed, or a writer's temporary file. Removed, or ModelCheckpoint would write the
-            # save again under another name (``-v1``)
+            # save again under another name (``-v1``). (The same name as the last whole save, as
+            # ``last.ckpt`` saved alone: kept, whole either way, old or new, and resumed from.)
             _remove_save(o.failed_save)
     elif o.last_checkpoint is not None and places == {TRAINING_STEP}:
         path, step = o.last_checkpoint
