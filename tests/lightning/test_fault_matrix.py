@@ -17,11 +17,14 @@ The failures are real and injected at a chosen (rank, step), in the first genera
 
 Every run is float64 at the launcher's defaults (gradient clipping 1.0, dropout on, the user's
 ``DataLoader(shuffle=True)`` with its short 5th batch), 5 steps, a checkpoint every 2 steps (sharded,
-the default, for every scheme but ddp, whose single file it writes from memory). Each ends with the
-parameters of one device's ``strategy=single`` on the same micro-batches within 1e-10 (the recovery
-redoes the interrupted step; only the all-reduce's summation order changes), every worker lists the
-same recovery, and nothing is left running. Where a combination ends the run by design, the test
-asserts that documented end instead (docs/faults.md).
+which a stage on one worker recovers from, for every scheme but ddp, which keeps its default single
+file). Each ends with the parameters of one device's ``strategy=single`` on the same micro-batches
+within 1e-10 (the recovery redoes the interrupted step; only the all-reduce's summation order
+changes), every worker lists the same recovery, the checkpoints on disk are the step-2 and step-4
+ones (a save the loss interrupted written again), and nothing is left running. The lone-stage
+``lpp G=1 R=4`` runs under ``kill`` only; gpipe's save with a replacement takes fsdp's path and is
+not run. No combination ends the run any more (a replacement after a loss in a save, which did,
+starts from the last checkpoint written before it: docs/faults.md).
 """
 
 from __future__ import annotations
