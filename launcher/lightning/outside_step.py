@@ -39,18 +39,24 @@ def recovering_saves(strategy: UnifiedStrategy, trainer: Any) -> None:
     def save_checkpoint(*args: Any, **kwargs: Any) -> None:
         from .recovery import SAVE, recover, recoverable
 
+        path = kwargs.get("filepath", args[0] if args else None)
         while True:
             try:
-                return save(*args, **kwargs)
+                save(*args, **kwargs)
             except Exception as e:
                 if not recoverable(strategy, e):
                     raise
                 failed_at = time.monotonic()
+            else:
+                if strategy.run.fault.replace and strategy.run.checkpoint.async_mode == "disabled" and path:
+                    # whole on disk: the save's barrier has passed, so its writer (rank 0) has written it
+                    strategy.last_saved = (str(path), int(trainer.global_step))
+                return
             # outside the except clause: the failure's traceback (and the old group it holds) is gone.
             # Every survivor had completed the same steps (the save comes after the step), so the
             # state is the one after the last step, whether this worker redoes a step or not.
+            strategy.failed_save = None if path is None else str(path)
             recover(strategy, failed_at, during=SAVE)
-            path = kwargs.get("filepath", args[0] if args else None)
             if strategy.global_rank == 0 and path is not None:
                 # a single file's writer (the old rank 0) lost mid-write left its temporary file; a
                 # sharded save's temporary directory is removed by the save itself

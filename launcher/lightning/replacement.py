@@ -67,6 +67,8 @@ class Offer:
     done: int  # its completed optimizer steps
     during: str  # where the loss met it
     last_checkpoint: tuple[str, int] | None  # the last sharded checkpoint the run wrote, and its step
+    last_saved: tuple[str, int] | None  # the last checkpoint of either format written whole, and its step
+    failed_save: str | None  # the path of the save the loss met it in, if it did
     holds_state: bool  # it dumped its whole state (it holds every stage)
     recoveries: list[dict[str, Any]]  # the run's recoveries so far
     generation: int
@@ -87,6 +89,8 @@ class Pending:
 def leave(strategy: UnifiedStrategy, failed_at: float, during: str) -> NoReturn:
     """A survivor's side of a loss a fresh process replaces (the module docstring, 1): keep the state to
     hand over, join the generation's group with the replacement, raise :class:`Replaced`."""
+    from .recovery import SAVE
+
     m = current_membership()
     engine = strategy.engine
     assert m is not None and engine is not None and engine.watchdog is not None
@@ -104,12 +108,17 @@ def leave(strategy: UnifiedStrategy, failed_at: float, during: str) -> NoReturn:
         engine.links.close()
     strategy.engine = None
     del engine
+    first = generation
     generation, members, causes = rejoin(m, watchdog, generation, members, PG_TIMEOUT)
     strategy.rejoined(m.new_rank, len(members))
+    # a loss during the rejoin is folded into a later generation, whose record names only its own
+    # replaced rank: the recovery replaced those of every generation since the first
+    replaced = sorted({r for g in range(first, generation + 1) for r in replaced_in(m.store, g)})
     strategy.handover = state
-    strategy.offer = Offer(trainer.global_step, during, strategy.last_checkpoint, state is not None,
+    strategy.offer = Offer(trainer.global_step, during, strategy.last_checkpoint, strategy.last_saved,
+                           strategy.failed_save if during == SAVE else None, state is not None,
                            list(strategy.recoveries), generation, "; then ".join(causes) or cause,
-                           replaced_in(m.store, generation), failed_at)
+                           replaced, failed_at)
     raise Replaced(f"rank {', '.join(map(str, strategy.offer.replaced))} replaced: every process enters fit again")
 
 
@@ -135,7 +144,7 @@ def _whole_state(strategy: UnifiedStrategy, trainer: Any) -> dict[str, Any]:
 def resume_path(strategy: UnifiedStrategy) -> str:
     """Every process's ``ckpt_path`` to enter ``fit`` again from (the module docstring, 2); collective
     over the new group. Also sets the run's recoveries, this one included, on every process."""
-    from .recovery import Unrecoverable, _label
+    from .recovery import SAVE, Unrecoverable, _label
 
     mine = strategy.offer
     offers: list[Any] = [None] * dist.get_world_size()
@@ -147,25 +156,43 @@ def resume_path(strategy: UnifiedStrategy) -> str:
     first = offers[survivors[0]]
     lost = f"after the loss of rank {', '.join(map(str, first.replaced))} ({first.cause})"
     places = {offers[r].during for r in survivors}
-    if places != {TRAINING_STEP}:
+    if places not in ({TRAINING_STEP}, {SAVE}):
         where_met = "; ".join(f"rank {r} in {offers[r].during}" for r in survivors)
         raise Unrecoverable(f"{lost}, a replacement process joins only where every survivor met the loss in a "
-                            f"training step ({where_met}), so training cannot go on")
+                            f"training step, or every one in a checkpoint save ({where_met}), so training cannot "
+                            f"go on")
     ahead = max(offers[r].done for r in survivors)
     source = min(r for r in survivors if offers[r].done == ahead)
     o = offers[source]
     if o.holds_state:
         path, steps_lost, where = MEMORY, 0, "memory"
-    elif o.last_checkpoint is not None:
+    elif places == {SAVE} and o.last_saved is not None:
+        # a loss in a save: not from memory (the resumed loop would go on after the save, never writing it)
+        # but from the last whole checkpoint of either format, any scheme loading it; the resumed loop
+        # trains the steps since and writes the interrupted save again at its step
+        path, step = o.last_saved
+        steps_lost, where = ahead - step, f"checkpoint {path}"
+        if dist.get_rank() == 0 and o.failed_save is not None and o.failed_save != path:
+            # under the interrupted save's name: a single file its writer finished before the save's
+            # barrier failed, or a writer's temporary file. Removed, or ModelCheckpoint would write the
+            # save again under another name (``-v1``). (The same name as the last whole save, as
+            # ``last.ckpt`` saved alone: kept, whole either way, old or new, and resumed from.)
+            _remove_save(o.failed_save)
+    elif o.last_checkpoint is not None and places == {TRAINING_STEP}:
         path, step = o.last_checkpoint
         steps_lost, where = ahead - step, f"checkpoint {path}"
+    elif places == {SAVE}:
+        raise Unrecoverable(f"{lost}, met in a checkpoint save: a replacement process then starts from the last "
+                            f"checkpoint written before it (the resumed loop saves again), and none was, so "
+                            f"training cannot go on")
     else:
         raise Unrecoverable(f"{lost}, a stage was held only by the lost worker and no sharded checkpoint was "
                             f"written yet (before step {ahead + 1}), so training cannot go on")
     label = _label(strategy.settings)
     W = dist.get_world_size()
     record = {"generation": o.generation, "cause": o.cause, "lost_ranks": o.replaced, "replaced": o.replaced,
-              "step": ahead + 1, "seconds": 0.0, "steps_lost": steps_lost, "redone": 1, "during": o.during,
+              "step": ahead if o.during == SAVE else ahead + 1,  # a save's loss came after the step it saves
+              "seconds": 0.0, "steps_lost": steps_lost, "redone": 1, "during": o.during,
               "from": where, "moved_stages": 0, "moved_bytes": 0, "scheme_before": label, "scheme_after": label,
               "chosen_by": "the user's scheme, kept (a fresh process took the lost rank)", "workers": [W, W]}
     strategy.recoveries = [*o.recoveries, record]
@@ -173,6 +200,22 @@ def resume_path(strategy: UnifiedStrategy) -> str:
     if dist.get_rank() != source:
         strategy.handover = None  # only the source's state is handed over
     return path
+
+
+def _remove_save(path: str) -> None:
+    """Remove the checkpoint at ``path`` (a file or a sharded checkpoint's directory) and the
+    temporary files killed writers of it left."""
+    import shutil
+    from pathlib import Path
+
+    from ..atomic import remove_leftovers
+
+    p = Path(path)
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    elif p.exists():
+        p.unlink()
+    remove_leftovers(p)
 
 
 def handed_over(strategy: UnifiedStrategy) -> dict[str, Any]:

@@ -57,7 +57,7 @@ from ..runtime.measure import resident_bytes
 from ..runtime.nonfinite import Finite, NonFiniteError, agree, lowest, undo_statistics
 from ..schedule import Schedule
 from ..schedule.rules import StepError, overlap_training_errors
-from ..schedule.run_settings import CheckpointSettings, RunSettings, survives_a_loss
+from ..schedule.run_settings import CheckpointSettings, RunSettings, survives_a_loss, survives_losses
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import DEFAULT, SCHEME_DEFAULT, OrderLike, SchemeLike, Settings
 from ..torch_support.init import empty_init, has_meta
@@ -219,6 +219,10 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         #: that checkpoint (path, step), so that a recovery from it can replay them (:mod:`.recovery`)
         self.since_checkpoint: dict[int, Any] = {}
         self.last_checkpoint: tuple[str, int] | None = None
+        #: the last checkpoint of either format written whole in the foreground (path, step), once every
+        #: worker is past its save: a replacement after a loss met in a later save resumes from it
+        self.last_saved: tuple[str, int] | None = None
+        self.failed_save: str | None = None  # the path of the save a loss interrupted (for a replacement)
         self.replay_step: int | None = None  # the step a recovery replays, while it does
         self.step_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the training step's arguments
         self._keeps_batches = False  # a loss could take a stage with it: keep the batches since the checkpoint
@@ -380,8 +384,12 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
         # with fault.copies=1 the last checkpoint is only a fallback, where one is written to fall back to
         c = self.run.checkpoint
         usable = c.format_for(s.name) == "sharded" and c.async_mode == "disabled"
-        self._keeps_batches = bool(self.run.fault.restarts) and not survives_a_loss(s.name, s.G, s.R) and \
-            (usable or not self.run.fault.copies)
+        restarts = self.run.fault.restarts
+        # also where only losses at once (a second during the recovery, fault.restarts>=2) take every
+        # holder of a stage, as both owners of one under lpp G=2 R=2: the last checkpoint serves then
+        self._keeps_batches = bool(restarts) and (
+            (not survives_a_loss(s.name, s.G, s.R) and (usable or not self.run.fault.copies))
+            or (usable and not survives_losses(s.name, s.G, s.R, min(restarts, s.workers - 1))))
 
     def rejoined(self, rank: int, world: int) -> None:
         """After a recovery (:mod:`.recovery`): this worker's new rank in a group of ``world``."""

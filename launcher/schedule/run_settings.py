@@ -105,6 +105,13 @@ def survives_a_loss(scheme: str, G: int, R: int) -> bool:
     return scheme == "ddp" or (scheme == "lpp" and (R == 1 or G > 1))
 
 
+def survives_losses(scheme: str, G: int, R: int, n: int) -> bool:
+    """Whether every stage's state stays whole in memory when any ``n`` workers are lost at once (a
+    second loss during a recovery): it survives one (:func:`survives_a_loss`) and each stage has more
+    than ``n`` holders (``G`` under LPP, each of the ``W = G * R`` workers under DDP)."""
+    return survives_a_loss(scheme, G, R) and (G if scheme == "lpp" else G * R) > n
+
+
 def one_holds_every_stage(scheme: str, G: int, R: int) -> bool:
     """Whether every worker holds every stage's state (DDP; LPP with ``R = 1``): any survivor then
     holds the whole training state, which ``fault.replace`` hands to a replacement process from memory."""

@@ -22,8 +22,8 @@ from typing import Any
 
 import lightning as L
 import pytest
-from omegaconf import OmegaConf
 
+from helpers.faults import CLIP, TOL, LoseIn, LoseWorker, left_running
 from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
 from launcher.config import ConfigError
 from launcher.lightning import UnifiedStrategy
@@ -33,31 +33,7 @@ from launcher.runtime.recovery import current_membership
 
 pytestmark = pytest.mark.timeout(400)
 
-TOL = 1e-10
-CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
 STEPS, B = 4, 4
-
-
-class LoseWorker(L.Callback):
-    """Rank ``rank`` (its original number) sends itself ``sig`` as step ``step`` (1-based) begins,
-    in the first generation only (``more``: further ``(rank, step)`` losses, one per later
-    generation), and writes each survivor's recoveries where the test reads them."""
-
-    def __init__(self, rank: int, step: int, sig: int, out: Path, more: tuple[tuple[int, int], ...] = ()) -> None:
-        self.losses, self.sig, self.out = [(rank, step), *more], sig, out
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        m = current_membership()
-        if m is None or m.generation >= len(self.losses):
-            return
-        rank, step = self.losses[m.generation]
-        if m.rank == rank and trainer.global_step + 1 == step:
-            os.kill(os.getpid(), self.sig)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        m = current_membership()
-        if m is not None:
-            (self.out / f"rank{m.rank}.txt").write_text(repr(trainer.strategy.recoveries))
 
 
 def fit(strategy: Any, devices: int, callbacks: list | None = None, steps: int = STEPS, **trainer: Any) -> dict:
@@ -74,18 +50,11 @@ def oracle() -> dict:
     return fit(StreamedSingleDevice(microbatches=B), 1)
 
 
-@pytest.mark.parametrize(("scheme", "rank", "step", "sig"), [
-    ("ddp", 3, 2, signal.SIGKILL),
-    ("ddp", 0, 3, signal.SIGKILL),
-    ("ddp", 1, 2, signal.SIGSTOP),
-    # lpp G=2 R=2: each stage on two workers; the stages the survivors newly own come from their replica
-    ("lpp", 1, 2, signal.SIGKILL),
-])
+# the quick check's case (``-m "not slow"``); test_fault_matrix.py runs every fault under every scheme
+@pytest.mark.parametrize(("scheme", "rank", "step", "sig"), [("ddp", 3, 2, signal.SIGKILL)])
 def test_a_lost_worker_is_recovered_and_training_equals_an_uninterrupted_run(
         scheme: str, rank: int, step: int, sig: int, oracle: dict, tmp_path: Path) -> None:
-    sizes = {"G": 2, "R": 2} if scheme == "lpp" else {}
-    # timeout=3: a stopped worker is named (and killed) within 3 s instead of the default 30
-    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1}, timeout=3, **sizes)
+    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1})
     state = fit(strategy, 4, [LoseWorker(rank, step, sig, tmp_path)])
     diff = max_diff(oracle, state)
     survivors = sorted(int(p.stem[4:]) for p in tmp_path.glob("rank*.txt"))
@@ -110,11 +79,8 @@ def oracle6() -> dict:
 
 @pytest.mark.parametrize(("scheme", "rank", "step", "sig", "source", "steps_lost"), [
     # the state of a survivor (each holds every stage), handed over in memory; rank 0 itself, at the next
-    # epoch's first batch (after the short last batch)
+    # epoch's first batch (after the short last batch). The other schemes and faults: test_fault_matrix.py
     ("ddp", 0, 6, signal.SIGKILL, "memory", 0),
-    ("ddp", 1, 2, signal.SIGSTOP, "memory", 0),  # a hang, named within timeout=3 and killed
-    # its stage only on rank 1: from the step-2 sharded checkpoint, step 3 trained again
-    ("fsdp", 1, 4, signal.SIGKILL, "checkpoint", 1),
 ])
 def test_a_fresh_process_replaces_a_lost_worker_and_training_equals_an_uninterrupted_run(
         scheme: str, rank: int, step: int, sig: int, source: str, steps_lost: int, oracle6: dict,
@@ -143,33 +109,6 @@ def test_a_fresh_process_replaces_a_lost_worker_and_training_equals_an_uninterru
     assert r["from"].startswith(source)
     assert diff < TOL
     assert not [p for p in mp.active_children() if p.name.startswith(("launcher-worker", "launcher-spare"))]
-
-
-@pytest.mark.parametrize(("scheme", "sizes", "rank"), [
-    ("gpipe", {}, 1), ("fsdp", {}, 1), ("lpp", {"G": 1, "R": 4}, 1),
-    # fslpp G=2 R=2 keeps every stage's weights on workers 0 and 3 (w_owner = h(s, s)): lose one of them
-    ("fslpp", {"G": 2, "R": 2}, 3)])
-def test_a_stage_on_one_worker_is_recovered_from_the_last_sharded_checkpoint(
-        scheme: str, sizes: dict, rank: int, oracle: dict, tmp_path: Path) -> None:
-    """Each stage on one worker: a worker lost at step 4, the last (sharded) checkpoint at step 2;
-    every worker reads its new stages from it and the steps since are replayed from the kept batches."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    strategy = UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1},
-                               checkpoint={"format": "sharded"}, **sizes)
-    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    L.seed_everything(0, verbose=False)
-    model = Regressor(max_steps=STEPS).double()
-    tr = quiet_trainer(strategy, 4, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, limit_val_batches=0,
-                       enable_checkpointing=True, callbacks=[saves, LoseWorker(rank, 4, signal.SIGKILL, tmp_path)])
-    tr.fit(model, train_dataloaders=user_loader())
-    records = eval((tmp_path / "rank0.txt").read_text())  # noqa: S307 - our own repr
-    diff = max_diff(oracle, model.state_dict())
-    print(f"{scheme}: {records}; parameters within {diff:.1e} of one device")
-    assert [(r["lost_ranks"], r["step"], r["steps_lost"]) for r in records] == [([rank], 4, 1)]
-    assert records[0]["from"].startswith("checkpoint ")
-    assert diff < TOL
-    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
 
 
 def test_a_scheme_it_cannot_recover_is_refused_before_any_worker_starts() -> None:
@@ -207,33 +146,6 @@ def test_each_loss_takes_a_restart_and_one_too_many_ends_the_run_naming_it(oracl
         fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}), 4,
             [LoseWorker(3, 2, signal.SIGKILL, tmp_path, more=((0, 3),))])
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
-
-
-class LoseIn(L.Callback):
-    """Rank 2 sends itself ``SIGKILL`` as the first validation batch begins (``where="validation"``),
-    inside the checkpoint save of step ``step`` (``where="save"``: Lightning calls
-    ``on_save_checkpoint`` within ``Trainer.save_checkpoint``, between gathering the state and writing
-    it), or after the backward of step ``step`` (``where="clip"``: an ``on_after_backward`` hook, so
-    the clipping norm takes an all-reduce of its own, which the survivors meet the loss in); in the
-    first generation only."""
-
-    def __init__(self, where: str, step: int = 0) -> None:
-        self.where, self.step = where, step
-
-    def _lose(self, trainer: L.Trainer, where: str, step: int) -> None:
-        m = current_membership()
-        if where == self.where and m is not None and m.rank == 2 and m.generation == 0 and step >= self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int,
-                                  dataloader_idx: int = 0) -> None:
-        self._lose(trainer, "validation", self.step)
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict) -> None:
-        self._lose(trainer, "save", trainer.global_step)
-
-    def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
-        self._lose(trainer, "clip", trainer.global_step + 1)
 
 
 def test_a_loss_during_validation_is_recovered(oracle: dict, tmp_path: Path) -> None:
@@ -284,9 +196,8 @@ def lose_in_the_write(monkeypatch: pytest.MonkeyPatch, rank: int, step: int) -> 
     monkeypatch.setattr(dcp_fs._FileSystemWriter, "write_data", lost_in_dcp)
 
 
+# a loss in a save's hook (on_save_checkpoint), every scheme: test_fault_matrix.py
 @pytest.mark.parametrize(("scheme", "where", "rank", "steps_lost"), [
-    ("ddp", "save", 2, 0),  # single-file checkpoints, state from memory
-    ("fsdp", "save", 2, 2),  # sharded: the failed step-4 save discarded, state from the step-2 one, 3-4 replayed
     ("ddp", "write", 0, 0),  # the writer itself lost halfway through the file
     ("fsdp", "write", 2, 2),  # lost inside DCP's write, between its collectives
     # the clipping's own all-reduce: ddp has none (every worker holds the reduced gradient), so lpp G=2 R=2
@@ -314,7 +225,7 @@ def test_a_loss_outside_a_step_is_recovered_and_what_it_interrupted_redone(
     tr = quiet_trainer(UnifiedStrategy(scheme, stages=4, microbatches=B, fault={"restarts": 1}, **sizes), 4,
                        precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, limit_val_batches=0,
                        enable_checkpointing=True, plugins=[AtomicCheckpointIO()],  # the command line's writer
-                       callbacks=[saves, LoseIn(where, 4), LoseWorker(9, 0, signal.SIGKILL, tmp_path)])
+                       callbacks=[saves, LoseIn(where, 4, rank), LoseWorker(9, 0, signal.SIGKILL, tmp_path)])
     tr.fit(model, train_dataloaders=user_loader())
     records = eval((tmp_path / f"rank{1 if rank == 0 else 0}.txt").read_text())  # noqa: S307 - our own repr
     diff = max_diff(oracle, model.state_dict())
@@ -327,35 +238,19 @@ def test_a_loss_outside_a_step_is_recovered_and_what_it_interrupted_redone(
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
 
 
-def test_a_second_loss_during_recovery_is_folded_in_and_one_too_many_ends_the_run(
-        oracle: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_second_loss_during_recovery_with_no_restart_left_ends_the_run_naming_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Rank 3 is lost at step 2; while the survivors re-form the group, rank 1 is killed too (as it
-    starts to rejoin). With ``fault.restarts=2`` the second loss is folded into the recovery: ranks 0
-    and 2 join the next generation (W 4 -> 2) and the run equals one device. With one restart the
-    run ends within the timeout, naming rank 1. Nothing is left running either way."""
-    import launcher.lightning.recovery as recovery
+    starts to rejoin). With one restart the run ends within the timeout, naming rank 1, and nothing is
+    left running. (With ``fault.restarts=2`` the second loss is folded into the recovery, W 4 -> 2:
+    test_fault_matrix.py, under every scheme.)"""
+    from helpers.faults import lose_while_rejoining
 
-    rejoin = recovery.rejoin
-
-    def lose_rank1_first(m: Any, *args: Any, **kwargs: Any) -> Any:
-        if m.rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return rejoin(m, *args, **kwargs)
-
-    monkeypatch.setattr(recovery, "rejoin", lose_rank1_first)  # the forked workers inherit it
-    state = fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 2}, timeout=5), 4,
-                [LoseWorker(3, 2, signal.SIGKILL, tmp_path)])
-    records = eval((tmp_path / "rank2.txt").read_text())  # noqa: S307 - our own repr
-    print(records)
-    assert sorted(p.name for p in tmp_path.glob("rank*.txt")) == ["rank0.txt", "rank2.txt"]
-    assert [(r["generation"], r["lost_ranks"], r["step"], r["workers"], r["scheme_after"]) for r in records] == [
-        (2, [1, 3], 2, [4, 2], "lpp G=2 R=1 (W=2)")]
-    assert "rank 3 " in records[0]["cause"] and "rank 1 " in records[0]["cause"]
-    assert max_diff(oracle, state) < TOL
+    lose_while_rejoining(monkeypatch, 1)
     with pytest.raises(WorkerFailed, match=r"^rank 1 failed while running .*killed by SIGKILL"):
         fit(UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1}, timeout=5), 4,
             [LoseWorker(3, 2, signal.SIGKILL, tmp_path)])
-    assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+    assert not left_running()
 
 
 def test_a_survivor_a_step_behind_takes_the_state_of_the_others(oracle: dict, monkeypatch: pytest.MonkeyPatch,

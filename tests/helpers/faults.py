@@ -1,0 +1,100 @@
+"""Failures injected at a chosen (rank, step) of an in-process run with recovery (``fault.restarts``):
+callbacks that make a worker send itself a real signal, the run's recoveries written where the test
+reads them (the workers are forked processes), and what a run may leave running."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from omegaconf import OmegaConf
+
+from launcher.runtime.recovery import current_membership
+
+#: the launcher's default gradient clipping (``conf/trainer/default.yaml``): recovery is tested at it
+CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "default.yaml").gradient_clip_val)
+
+#: float64 parameters after a recovery against one device's: only summation orders differ
+TOL = 1e-10
+
+
+class LoseWorker(L.Callback):
+    """Rank ``rank`` (its original number) sends itself ``sig`` as step ``step`` (1-based) begins,
+    in the first generation only (``more``: further ``(rank, step)`` losses, one per later
+    generation), and writes each worker's recoveries to ``out/rank<r>.txt`` at the end of training."""
+
+    def __init__(self, rank: int, step: int, sig: int, out: Path, more: tuple[tuple[int, int], ...] = ()) -> None:
+        self.losses, self.sig, self.out = [(rank, step), *more], sig, out
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        m = current_membership()
+        if m is None or m.generation >= len(self.losses):
+            return
+        rank, step = self.losses[m.generation]
+        if m.rank == rank and trainer.global_step + 1 == step:
+            os.kill(os.getpid(), self.sig)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        m = current_membership()
+        if m is not None:
+            (self.out / f"rank{m.rank}.txt").write_text(repr(trainer.strategy.recoveries))
+
+
+class LoseIn(L.Callback):
+    """Rank ``rank`` sends itself ``SIGKILL`` as the first validation batch begins
+    (``where="validation"``), inside the checkpoint save of step ``step`` (``where="save"``: Lightning
+    calls ``on_save_checkpoint`` within ``Trainer.save_checkpoint``, between gathering the state and
+    writing it), or after the backward of step ``step`` (``where="clip"``: an ``on_after_backward``
+    hook, so the clipping norm takes an all-reduce of its own, which the survivors meet the loss in);
+    in the first generation only."""
+
+    def __init__(self, where: str, step: int = 0, rank: int = 2) -> None:
+        self.where, self.step, self.rank = where, step, rank
+
+    def _lose(self, trainer: L.Trainer, where: str, step: int) -> None:
+        m = current_membership()
+        if where == self.where and m is not None and m.rank == self.rank and m.generation == 0 and step >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self._lose(trainer, "validation", self.step)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict) -> None:
+        self._lose(trainer, "save", trainer.global_step)
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self._lose(trainer, "clip", trainer.global_step + 1)
+
+
+def lose_while_rejoining(monkeypatch: Any, rank: int) -> None:
+    """Rank ``rank`` sends itself ``SIGKILL`` as it starts to rejoin after the first loss (a second
+    loss during the recovery, before the new group is formed): on the survivors' way
+    (:func:`launcher.lightning.recovery.recover`) and on their way out of ``fit`` for a replacement
+    (:func:`launcher.lightning.replacement.leave`). The forked workers inherit the patch."""
+    import launcher.lightning.recovery as recovery
+    import launcher.lightning.replacement as replacement
+
+    for module in (recovery, replacement):
+        rejoin = module.rejoin
+
+        def lost_first(m: Any, *args: Any, _rejoin: Any = rejoin, **kwargs: Any) -> Any:
+            if m.rank == rank and m.generation == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _rejoin(m, *args, **kwargs)
+
+        monkeypatch.setattr(module, "rejoin", lost_first)
+
+
+def read_records(out: Path) -> dict[int, list[dict[str, Any]]]:
+    """Each worker's recoveries, by its original rank, as :class:`LoseWorker` wrote them."""
+    return {int(p.stem[4:]): eval(p.read_text()) for p in out.glob("rank*.txt")}  # noqa: S307 - our own repr
+
+
+def left_running() -> list[Any]:
+    """The launcher's worker and spare processes still alive (none may be, once a run has ended)."""
+    return [p for p in mp.active_children() if p.name.startswith(("launcher-worker", "launcher-spare"))]
