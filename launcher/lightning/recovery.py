@@ -40,14 +40,12 @@ from ..runtime.recovery import announced, current_membership, rejoin, replaced_i
 from ..schedule.run_settings import survives_a_loss
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import SCHEME_DEFAULT, Settings
+from .recovery_terms import SAVE, Unrecoverable, scheme_label
 
 if TYPE_CHECKING:
     from .strategy import UnifiedStrategy
 
 log = logging.getLogger(__name__)
-
-#: where a loss met a survivor when it was in a checkpoint save (:mod:`.outside_step`)
-SAVE = "a checkpoint save"
 
 
 def replan(settings: Settings, workers: int) -> tuple[Settings, str]:
@@ -81,15 +79,6 @@ def recoverable(strategy: UnifiedStrategy, exc: BaseException) -> bool:
     if not (isinstance(exc, Recovering) or is_transport_error(exc) or isinstance(exc, WorkerAborted)):
         return False
     return announced(strategy.engine.watchdog) is not None
-
-
-def _label(s: Settings) -> str:
-    return f"{s.name} G={s.G} R={s.R} (W={s.workers})"
-
-
-class Unrecoverable(RuntimeError):
-    """The survivors cannot rebuild the training state (a stage's state after the last completed
-    step is on no survivor): the run ends, naming the loss."""
 
 
 def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a training step") -> bool:
@@ -184,15 +173,15 @@ def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a traini
     record = {"generation": generation, "cause": cause, "lost_ranks": lost, "step": at,
               "seconds": round(seconds, 3), "steps_lost": lost_steps, "redone": 1, "during": during, "from": where,
               "moved_stages": moved["stages"], "moved_bytes": moved["bytes"],
-              "scheme_before": _label(before), "scheme_after": _label(after), "chosen_by": how,
+              "scheme_before": scheme_label(before), "scheme_after": scheme_label(after), "chosen_by": how,
               "workers": [len(survivors) + len(lost), len(survivors)]}
     strategy.recoveries.append(record)
     if new_rank == 0:
         log.warning("recovered from the loss of rank %s at step %d in %.2f s: W %d -> %d, %s -> %s (%s); state "
                     "from %s, the interrupted %s redone, %d steps lost and replayed. Cause: %s",
                     ", ".join(map(str, lost)), at, seconds, len(survivors) + len(lost), len(survivors),
-                    _label(before), _label(after), how, where, during.removeprefix("a ").removeprefix("the "),
-                    lost_steps, cause)
+                    scheme_label(before), scheme_label(after), how, where,
+                    during.removeprefix("a ").removeprefix("the "), lost_steps, cause)
     return not behind
 
 

@@ -41,6 +41,7 @@ from ..runtime.recovery import current_membership, rejoin, replaced_in
 from ..schedule.run_settings import one_holds_every_stage
 from .lightning_private import as_between_batches, dump_checkpoint
 from .loader_position import KEY, Positions
+from .recovery_terms import SAVE, TRAINING_STEP, Unrecoverable, scheme_label
 
 if TYPE_CHECKING:
     from .strategy import UnifiedStrategy
@@ -49,10 +50,6 @@ log = logging.getLogger(__name__)
 
 #: the ``ckpt_path`` of a state handed over in memory by a survivor (:func:`handed_over`)
 MEMORY = "memory://a-survivor"
-
-#: where a loss must meet every survivor for a replacement to join: between two updates, where the
-#: state after the last completed step is whole (a save or an evaluation step is not redone)
-TRAINING_STEP = "a training step"
 
 
 class Replaced(Exception):
@@ -89,8 +86,6 @@ class Pending:
 def leave(strategy: UnifiedStrategy, failed_at: float, during: str) -> NoReturn:
     """A survivor's side of a loss a fresh process replaces (the module docstring, 1): keep the state to
     hand over, join the generation's group with the replacement, raise :class:`Replaced`."""
-    from .recovery import SAVE
-
     m = current_membership()
     engine = strategy.engine
     assert m is not None and engine is not None and engine.watchdog is not None
@@ -144,8 +139,6 @@ def _whole_state(strategy: UnifiedStrategy, trainer: Any) -> dict[str, Any]:
 def resume_path(strategy: UnifiedStrategy) -> str:
     """Every process's ``ckpt_path`` to enter ``fit`` again from (the module docstring, 2); collective
     over the new group. Also sets the run's recoveries, this one included, on every process."""
-    from .recovery import SAVE, Unrecoverable, _label
-
     mine = strategy.offer
     offers: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(offers, mine)
@@ -188,7 +181,7 @@ def resume_path(strategy: UnifiedStrategy) -> str:
     else:
         raise Unrecoverable(f"{lost}, a stage was held only by the lost worker and no sharded checkpoint was "
                             f"written yet (before step {ahead + 1}), so training cannot go on")
-    label = _label(strategy.settings)
+    label = scheme_label(strategy.settings)
     W = dist.get_world_size()
     record = {"generation": o.generation, "cause": o.cause, "lost_ranks": o.replaced, "replaced": o.replaced,
               "step": ahead if o.during == SAVE else ahead + 1,  # a save's loss came after the step it saves
