@@ -23,6 +23,8 @@ was killed), :func:`recover`:
 
 The caller then redoes the interrupted step; a survivor that was one step behind instead ends its
 step without an update (it already holds the state after it), so both enter the next step together.
+Where the survivors met the loss in different places, or a replacement joins, every survivor leaves
+``fit`` instead and enters it again from one state (:mod:`.replacement`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ..runtime.recovery import announced, current_membership, rejoin, replaced_i
 from ..schedule.run_settings import survives_a_loss
 from ..schedule.schemes import SCHEMES
 from ..schedule.settings import SCHEME_DEFAULT, Settings
+from .replacement import depart, in_place, places
 
 if TYPE_CHECKING:
     from .strategy import UnifiedStrategy
@@ -116,11 +119,17 @@ def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a traini
     strategy.engine = None
     del engine
     # a further loss while the group re-forms is folded in: the generation joined may be a later one
+    first = generation
     generation, survivors, causes = rejoin(m, watchdog, generation, survivors, PG_TIMEOUT)
     cause = "; then ".join(causes) or cause
     lost = sorted(set(before_members) - set(survivors))
     new_rank, world = m.new_rank, len(survivors)
     strategy.rejoined(new_rank, world)
+    # where each survivor met the loss: each redoes in place what it was in, so all must have been in
+    # the same kind of thing; else (or with a replacement folded in) every survivor leaves fit and
+    # enters it again from one state (:mod:`.replacement`), where it no longer matters where each was
+    if not in_place(places(during)):
+        depart(strategy, first, generation, before_members, cause, during, failed_at, None)
 
     module = strategy.lightning_module
     assert module is not None
@@ -130,15 +139,6 @@ def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a traini
     dist.all_gather_object(found, (done, held, kept))
     ahead = max(f[0] for f in found)
     behind = done < ahead
-    # where each survivor met the loss: each redoes what it was in, so all must have been in the same
-    # kind of thing (a collective completes on some ranks and fails on others: one survivor may still
-    # be in a checkpoint save while another is in the next step, and redone they would not match)
-    points: list[Any] = [None] * world
-    dist.all_gather_object(points, during)
-    if len(set(points)) > 1:
-        where_met = "; ".join(f"rank {m.members[r]} in {p}" for r, p in enumerate(points))
-        raise Unrecoverable(f"after the loss of rank {', '.join(map(str, lost))} ({cause}), the survivors met it "
-                            f"in different places ({where_met}), so they cannot redo the same work")
 
     sources = _sources(found, ahead, strategy.settings.stages)
     before = strategy.settings

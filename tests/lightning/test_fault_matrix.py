@@ -7,6 +7,9 @@ The failures are real and injected at a chosen (rank, step), in the first genera
 - ``kill``: rank 0 sends itself ``SIGKILL`` as step 4 begins (the old rank 0: the checkpoints' writer);
 - ``stop``: rank 3 sends itself ``SIGSTOP`` as step 4 begins (a hang: named within ``timeout=3`` s and killed);
 - ``save``: rank 2 sends itself ``SIGKILL`` inside step 4's checkpoint save (``on_save_checkpoint``);
+- ``between``: rank 2 sends itself ``SIGKILL`` at the end of step 4's batch, so the survivors meet the
+  loss in ``ModelCheckpoint``'s collective before its save (one of Lightning's between steps): every
+  survivor leaves ``fit`` and enters it again from the step-2 checkpoint (ddp and fsdp only);
 - ``second``: rank 2 killed as step 4 begins, then rank 1 as it starts to rejoin (a second loss during
   the recovery, ``fault.restarts=2``);
 - ``last``: the last worker of a stage's owners lost. Under lpp G=2 R=2 stage ``s`` is on workers
@@ -40,6 +43,7 @@ import pytest
 from helpers.faults import CLIP, TOL, LoseIn, LoseWorker, left_running, lose_while_rejoining, read_records
 from helpers.training import Regressor, load_checkpoint, max_diff, quiet_trainer, user_loader
 from launcher.lightning import UnifiedStrategy
+from launcher.lightning.replacement import BETWEEN
 from launcher.lightning.single import StreamedSingleDevice
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -62,6 +66,7 @@ OWNERS: dict[str, list[set[int]]] = {
 LOST: dict[str, dict[str, list[int]]] = {
     "kill": {s: [0] for s in SIZES}, "stop": {s: [3] for s in FIVE}, "save": {s: [2] for s in FIVE},
     "second": {s: [2, 1] for s in FIVE}, "last": {"lpp": [3, 1], "fslpp": [3, 0]},
+    "between": {"ddp": [2], "fsdp": [2]},
 }
 
 
@@ -99,6 +104,8 @@ def expected(scheme: str, fault: str, replace: bool) -> tuple[int, str, int]:
     stage, ddp), else from the step-2 checkpoint, the steps since trained again."""
     lost = set(LOST[fault][scheme])
     step = AT  # the interrupted step; a save's loss comes after the step whose state it saves
+    if fault == "between":  # every survivor enters fit again from the last checkpoint written whole
+        return step, "checkpoint", AT - 2
     if replace:  # after a loss in a save, from the last checkpoint: the resumed loop writes that save again
         whole = scheme == "ddp" and fault != "save"
     else:
@@ -121,8 +128,8 @@ def test_every_fault_under_every_scheme_is_recovered_and_equals_one_device(
         lose_while_rejoining(monkeypatch, lost[1])
     inject: list[L.Callback] = [
         LoseWorker(lost[0], AT, signal.SIGSTOP if fault == "stop" else signal.SIGKILL, tmp_path)]
-    if fault == "save":
-        inject = [LoseIn("save", AT, rank=lost[0]), LoseWorker(9, 0, signal.SIGKILL, tmp_path)]  # 9: records only
+    if fault in ("save", "between"):
+        inject = [LoseIn(fault, AT, rank=lost[0]), LoseWorker(9, 0, signal.SIGKILL, tmp_path)]  # 9: records only
     fmt = {} if scheme == "ddp" else {"checkpoint": {"format": "sharded"}}
     strategy = UnifiedStrategy(scheme.removesuffix("G1"), stages=4, microbatches=B,
                                fault={"restarts": len(lost), "replace": replace},
@@ -151,7 +158,7 @@ def test_every_fault_under_every_scheme_is_recovered_and_equals_one_device(
     assert got == [(sorted(lost), step, steps_lost, source, sorted(lost) if replace else None)], first
     (r,) = first
     assert r["workers"] == [4, 4 if replace else 4 - len(lost)]
-    assert r["during"] == ("a checkpoint save" if fault == "save" else "a training step")
+    assert r["during"] == {"save": "a checkpoint save", "between": BETWEEN}.get(fault, "a training step")
     if replace:
         assert r["scheme_before"] == r["scheme_after"]
     # every save whole under its name (a save the loss interrupted written again), no temporary left
