@@ -106,7 +106,7 @@ class ForkLauncher(Launcher):
                 # a loss met in one of Lightning's own collectives between steps (ModelCheckpoint's
                 # agreement on whether a file exists, the loop's set-up barriers): every survivor
                 # leaves fit and enters it again from one state
-                if trainer is None or not recoverable(self._strategy, e):
+                if trainer is None or trainer.state.fn != TrainerFn.FITTING or not recoverable(self._strategy, e):
                     raise
                 failed_at = time.monotonic()
             # outside the except clause: the failed run's traceback (and the old group it holds) is gone

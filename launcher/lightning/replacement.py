@@ -169,6 +169,8 @@ def depart(strategy: UnifiedStrategy, first: int, generation: int, before: list[
     else:  # the survivors alone: fit is entered again under the scheme for them
         new, how = replan(old, len(m.members))
         strategy.replan_to(new)
+    if strategy.copies is not None:
+        strategy.copies.reset()  # of the old ring: the resumed loop's first step copies the state anew
     strategy.handover = state
     strategy.offer = Offer(module.trainer.global_step, during, strategy.last_checkpoint, strategy.last_saved,
                            strategy.failed_save if during == SAVE else None, state is not None,
