@@ -52,8 +52,9 @@ class LoseIn(L.Callback):
     hook, so the clipping norm takes an all-reduce of its own, which the survivors meet the loss in),
     or at the end of step ``step``'s batch (``where="between"``: Lightning runs ``ModelCheckpoint``'s
     ``on_train_batch_end`` after every other callback's, so the survivors meet the loss in its
-    agreement on whether the step's file exists, one of Lightning's collectives between steps);
-    in the first generation only."""
+    agreement on whether the step's file exists, one of Lightning's collectives between steps), or at
+    the end of step ``step``'s validation (``where="valend"``: before ``ModelCheckpoint``'s
+    ``on_validation_end``, the same collective); in the first generation only."""
 
     def __init__(self, where: str, step: int = 0, rank: int = 2) -> None:
         self.where, self.step, self.rank = where, step, rank
@@ -76,6 +77,10 @@ class LoseIn(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step:
             self._lose(trainer, "between", self.step)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.global_step == self.step:
+            self._lose(trainer, "valend", self.step)
 
 
 def lose_while_rejoining(monkeypatch: Any, rank: int) -> None:
