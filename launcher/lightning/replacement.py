@@ -88,6 +88,7 @@ class Offer:
     scheme_after: str  # the scheme fit is entered again under (re-planned for the survivors alone)
     chosen_by: str
     workers: list[int]  # [before, after]
+    rank: int  # its original rank (the loss's record names survivors by theirs)
 
 
 @dataclass
@@ -175,7 +176,7 @@ def depart(strategy: UnifiedStrategy, first: int, generation: int, before: list[
     strategy.offer = Offer(module.trainer.global_step, during, strategy.last_checkpoint, strategy.last_saved,
                            strategy.failed_save if during == SAVE else None, state is not None,
                            list(strategy.recoveries), generation, cause, replaced, failed_at, lost,
-                           _label(old), _label(new), how, [len(before), len(m.members)])
+                           _label(old), _label(new), how, [len(before), len(m.members)], m.rank)
     raise Replaced(f"after the loss of rank {', '.join(map(str, lost))}: every process enters fit again")
 
 
@@ -213,7 +214,7 @@ def resume_path(strategy: UnifiedStrategy) -> str:
     first = offers[survivors[0]]
     lost = f"after the loss of rank {', '.join(map(str, first.lost))} ({first.cause})"
     places = {offers[r].during for r in survivors}
-    where_met = "; ".join(f"rank {r} in {offers[r].during}" for r in survivors)
+    where_met = "; ".join(f"rank {offers[r].rank} in {offers[r].during}" for r in survivors)
     ahead = max(offers[r].done for r in survivors)
     source = min(r for r in survivors if offers[r].done == ahead)
     o = offers[source]
