@@ -15,6 +15,7 @@ import io
 import os
 import signal
 import tempfile
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -26,7 +27,8 @@ from typing_extensions import override
 from ..runtime.processes import launch
 from ..runtime.recovery import current_membership
 from .lightning_private import Launcher, WorkerOutput, leave_fit
-from .replacement import Replaced, resume_path
+from .recovery import recoverable
+from .replacement import BETWEEN, Replaced, leave, places, resume_path
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -85,20 +87,35 @@ class ForkLauncher(Launcher):
         ``fault.replace`` (:mod:`.replacement`): a fresh process for a lost rank enters ``fit`` from
         the state the survivors agree on; a survivor leaves ``fit`` (:class:`Replaced`), has its run
         torn down as Lightning tears one down, and enters ``fit`` again with the replacement, from
-        that state (``ckpt_path``, trainer.fit's fifth argument)."""
+        that state (``ckpt_path``, trainer.fit's fifth argument). So does every survivor, without a
+        replacement, where a loss met it outside what the in-place recovery redoes (Lightning's
+        collectives between steps) or met the survivors in different places."""
         os.environ["LOCAL_RANK"] = str(dist.get_rank())
         m = current_membership()
         if trainer is not None and m is not None and m.replacement:
+            places(None)  # the survivors' agreement on where they met the loss (a replacement met none)
             args = (*args[:4], resume_path(self._strategy), *args[5:])
         while True:
+            failed_at = None
             try:
                 results = function(*args, **kwargs)
                 break
             except Replaced:
-                assert trainer is not None
-                leave_fit(trainer)
-                self._strategy.whole_stages()
-            # outside the except clause: the failed run's traceback is gone
+                pass
+            except Exception as e:
+                # a loss met in one of Lightning's own collectives between steps (ModelCheckpoint's
+                # agreement on whether a file exists, the loop's set-up barriers): every survivor
+                # leaves fit and enters it again from one state
+                if trainer is None or trainer.state.fn != TrainerFn.FITTING or not recoverable(self._strategy, e):
+                    raise
+                failed_at = time.monotonic()
+            # outside the except clause: the failed run's traceback (and the old group it holds) is gone
+            assert trainer is not None
+            if failed_at is not None:
+                with contextlib.suppress(Replaced):
+                    leave(self._strategy, failed_at, BETWEEN)
+            leave_fit(trainer)
+            self._strategy.whole_stages()
             args = (*args[:4], resume_path(self._strategy), *args[5:])
         if trainer is None:
             return move_data_to_device(results, "cpu") if dist.get_rank() == 0 else None

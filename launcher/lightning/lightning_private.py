@@ -206,7 +206,17 @@ def leave_fit(trainer: Any) -> None:
     """Tear the trainer's run down as Lightning does after ``fit`` stops (``trainer._teardown``: the
     strategy, the active loop, the logger and signal connectors), and forget the training and
     validation loaders the loop combined, so that ``fit`` entered again makes them anew (and the
-    strategy hands the training loop a loader at the resumed position)."""
+    strategy hands the training loop a loader at the resumed position). The trainer's state is set
+    back to fitting as ``Trainer.fit`` sets it before it launches the workers: a loss met during a
+    validation left it validating (``fit`` entered again would run the validation alone and return),
+    and the module in eval mode (dropout off in the steps after)."""
+    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    if trainer.validating:  # left in a validation: its modules back to the modes they trained in, as its end does
+        val_loop._on_evaluation_model_train()
     trainer._teardown()
     trainer.fit_loop._combined_loader = None
-    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+    val_loop._combined_loader = None
+    trainer.state.fn, trainer.state.status = TrainerFn.FITTING, TrainerStatus.RUNNING
+    trainer.training = True

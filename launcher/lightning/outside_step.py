@@ -48,8 +48,9 @@ def recovering_saves(strategy: UnifiedStrategy, trainer: Any) -> None:
                     raise
                 failed_at = time.monotonic()
             else:
-                if strategy.run.fault.replace and strategy.run.checkpoint.async_mode == "disabled" and path:
-                    # whole on disk: the save's barrier has passed, so its writer (rank 0) has written it
+                if strategy.run.checkpoint.async_mode == "disabled" and path:
+                    # whole on disk: the save's barrier has passed, so its writer (rank 0) has written it;
+                    # a recovery that enters fit again may resume from it (:mod:`.replacement`)
                     strategy.last_saved = (str(path), int(trainer.global_step))
                 return
             # outside the except clause: the failure's traceback (and the old group it holds) is gone.

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from ..runtime.failure import Watchdog, blocked, current_watchdog, set_current_watchdog
 from ..runtime.processes import auto_backend
+from ..runtime.recovery import current_membership
 from ..torch_support.torch_private import default_store
 from .lightning_private import init_dist_connection, sync_ddp_if_available
 from .precision import process_group_up
@@ -90,8 +91,13 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            m = current_membership()
+            if m is not None and m.generation > 0:  # after a recovery (fit entered again): the new group's
+                self.cluster_environment.set_global_rank(m.new_rank)
+                self.cluster_environment.set_world_size(len(m.members))
+            else:
+                self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+                self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's own attribute of the function
 
     @override

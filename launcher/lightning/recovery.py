@@ -23,6 +23,8 @@ was killed), :func:`recover`:
 
 The caller then redoes the interrupted step; a survivor that was one step behind instead ends its
 step without an update (it already holds the state after it), so both enter the next step together.
+Where the survivors met the loss in different places, or a replacement joins, every survivor leaves
+``fit`` instead and enters it again from one state (:mod:`.replacement`).
 """
 
 from __future__ import annotations
@@ -37,38 +39,14 @@ import torch.distributed as dist
 from ..runtime.failure import Recovering, WorkerAborted, is_transport_error
 from ..runtime.processes import PG_TIMEOUT
 from ..runtime.recovery import announced, current_membership, rejoin, replaced_in
-from ..schedule.run_settings import survives_a_loss
-from ..schedule.schemes import SCHEMES
-from ..schedule.settings import SCHEME_DEFAULT, Settings
-from .recovery_terms import SAVE, Unrecoverable, scheme_label
+from .recovery_terms import SAVE, Unrecoverable
+from .replacement import depart, in_place, places
+from .replan import replan, scheme_label
 
 if TYPE_CHECKING:
     from .strategy import UnifiedStrategy
 
 log = logging.getLogger(__name__)
-
-
-def replan(settings: Settings, workers: int) -> tuple[Settings, str]:
-    """The step for ``workers`` survivors, and how it was chosen: the same scheme when its layout
-    fits them (LPP keeps ``R`` when it divides them), else the planner's fastest layout that would
-    survive another loss (:func:`~launcher.schedule.run_settings.survives_a_loss`)."""
-    S, B = settings.stages, settings.microbatches
-    registered = SCHEMES.get(settings.name)
-    fixed = registered.sizes(S, B) if registered is not None else None
-    if fixed is not None and fixed[0] * fixed[1] == workers:
-        return settings.replace(G=fixed[0], R=fixed[1]), "the same scheme"
-    if fixed is None and settings.name == "lpp" and workers % settings.R == 0 \
-            and survives_a_loss("lpp", workers // settings.R, settings.R):
-        return settings.replace(G=workers // settings.R), "the same scheme"
-    from ..plan.profile import unit
-    from ..plan.search import Budget, search
-
-    ranking = search(S, [B], workers, unit(settings.durations, settings.comm), Budget(), top=50)
-    for c in ranking.candidates:  # the fastest that can itself survive another loss
-        p = c.point
-        if p.G * p.R == workers and survives_a_loss(p.scheme.name, p.G, p.R):
-            return settings.replace(scheme=p.scheme.name, G=p.G, R=p.R, order=SCHEME_DEFAULT), "the planner's choice"
-    return settings.replace(scheme="lpp", G=workers, R=1, order=SCHEME_DEFAULT), "the data-parallel layout"
 
 
 def recoverable(strategy: UnifiedStrategy, exc: BaseException) -> bool:
@@ -105,11 +83,17 @@ def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a traini
     strategy.engine = None
     del engine
     # a further loss while the group re-forms is folded in: the generation joined may be a later one
+    first = generation
     generation, survivors, causes = rejoin(m, watchdog, generation, survivors, PG_TIMEOUT)
     cause = "; then ".join(causes) or cause
     lost = sorted(set(before_members) - set(survivors))
     new_rank, world = m.new_rank, len(survivors)
     strategy.rejoined(new_rank, world)
+    # where each survivor met the loss: each redoes in place what it was in, so all must have been in
+    # the same kind of thing; else (or with a replacement folded in) every survivor leaves fit and
+    # enters it again from one state (:mod:`.replacement`), where it no longer matters where each was
+    if not in_place(places(during)):
+        depart(strategy, first, generation, before_members, cause, during, failed_at, None)
 
     module = strategy.lightning_module
     assert module is not None
@@ -119,15 +103,6 @@ def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a traini
     dist.all_gather_object(found, (done, held, kept))
     ahead = max(f[0] for f in found)
     behind = done < ahead
-    # where each survivor met the loss: each redoes what it was in, so all must have been in the same
-    # kind of thing (a collective completes on some ranks and fails on others: one survivor may still
-    # be in a checkpoint save while another is in the next step, and redone they would not match)
-    points: list[Any] = [None] * world
-    dist.all_gather_object(points, during)
-    if len(set(points)) > 1:
-        where_met = "; ".join(f"rank {m.members[r]} in {p}" for r, p in enumerate(points))
-        raise Unrecoverable(f"after the loss of rank {', '.join(map(str, lost))} ({cause}), the survivors met it "
-                            f"in different places ({where_met}), so they cannot redo the same work")
 
     sources = _sources(found, ahead, strategy.settings.stages)
     before = strategy.settings

@@ -1,21 +1,14 @@
 """Terms the two recoveries share (in place, :mod:`.recovery`; by re-entering ``fit``,
-:mod:`.replacement`): where a survivor met the loss, how a scheme is named in a recovery's record,
-and the error that ends a run that cannot recover. A module of its own so that neither of the two
+:mod:`.replacement`): where a survivor met the loss, and the error that ends a run that cannot
+recover. A module of its own so that neither of the two
 imports the other's terms back."""
 
 from __future__ import annotations
-
-from ..schedule.settings import Settings
 
 #: where a survivor met the loss: inside a training step (between two updates, where the state after
 #: the last completed step is whole), or inside a checkpoint save
 TRAINING_STEP = "a training step"
 SAVE = "a checkpoint save"
-
-
-def scheme_label(s: Settings) -> str:
-    """A scheme as a recovery's record and console line name it."""
-    return f"{s.name} G={s.G} R={s.R} (W={s.workers})"
 
 
 class Unrecoverable(RuntimeError):

@@ -1,6 +1,8 @@
-"""``fault.replace``: a fresh process takes a lost worker's rank, and the run goes on under the
-user's scheme at the same W (the Lightning side of the launcher's spares,
-:class:`~launcher.runtime.processes.Supervisor`).
+"""Every process enters ``fit`` again after a loss: ``fault.replace`` (a fresh process takes a lost
+worker's rank, and the run goes on under the user's scheme at the same W: the Lightning side of the
+launcher's spares, :class:`~launcher.runtime.processes.Supervisor`), and a loss the survivors cannot
+recover from in place (:func:`in_place`: met in Lightning's collectives between steps, or by the
+survivors in different places), where they go on alone under the scheme re-planned for them.
 
 A fresh process enters Lightning's ``fit`` from the top, and its set-up makes collectives (the
 engine's subgroups, the agreed seed, Lightning's set-up barriers, the loop's per-batch SIGTERM
@@ -41,7 +43,8 @@ from ..runtime.recovery import current_membership, rejoin, replaced_in
 from ..schedule.run_settings import one_holds_every_stage
 from .lightning_private import as_between_batches, dump_checkpoint
 from .loader_position import KEY, Positions
-from .recovery_terms import SAVE, TRAINING_STEP, Unrecoverable, scheme_label
+from .recovery_terms import SAVE, TRAINING_STEP, Unrecoverable
+from .replan import replan, scheme_label
 
 if TYPE_CHECKING:
     from .strategy import UnifiedStrategy
@@ -51,10 +54,16 @@ log = logging.getLogger(__name__)
 #: the ``ckpt_path`` of a state handed over in memory by a survivor (:func:`handed_over`)
 MEMORY = "memory://a-survivor"
 
+#: where a loss met a survivor in one of Lightning's own collectives between steps (``ModelCheckpoint``'s
+#: agreement on whether a file exists, the loop's set-up barriers): nothing to redo in place, so every
+#: survivor leaves ``fit`` and enters it again (:meth:`~.launcher.ForkLauncher._work`)
+BETWEEN = "Lightning's collectives between steps"
+
 
 class Replaced(Exception):
-    """Raised on a survivor once it has joined the group with the replacement: it leaves ``fit``, to
-    enter it again with every other process (:meth:`~.launcher.ForkLauncher._work`)."""
+    """Raised on a survivor once it has joined the new group (with a replacement, or where the
+    survivors cannot recover in place, :func:`in_place`): it leaves ``fit``, to enter it again with
+    every other process (:meth:`~.launcher.ForkLauncher._work`)."""
 
 
 @dataclass
@@ -72,6 +81,12 @@ class Offer:
     cause: str
     replaced: list[int]
     failed_at: float  # when its step failed (time.monotonic(); read on this process only)
+    lost: list[int]  # the ranks lost (replaced or not)
+    scheme_before: str
+    scheme_after: str  # the scheme fit is entered again under (re-planned for the survivors alone)
+    chosen_by: str
+    workers: list[int]  # [before, after]
+    rank: int  # its original rank (the loss's record names survivors by theirs)
 
 
 @dataclass
@@ -83,9 +98,29 @@ class Pending:
     failed_at: float | None  # on the source: when its step failed (it measures the seconds)
 
 
+def places(during: str | None) -> list[str | None]:
+    """Where the loss met each process of the new group (None: a replacement process, which met
+    none); collective, the first one over the new group on every path (:func:`~.recovery.recover`,
+    :func:`leave`, a replacement's :meth:`~.launcher.ForkLauncher._work`), so every process learns
+    the same and takes the same path."""
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, during)
+    return found
+
+
+def in_place(points: list[str | None]) -> bool:
+    """Whether the survivors recover in place (:func:`~.recovery.recover`: cheaper, no re-entry):
+    no replacement joins, and every survivor met the loss in the same kind of thing, one it can redo.
+    A collective completes on some ranks and fails on others, so one survivor may be in a save while
+    another is in the next step; redone, their collectives would not match."""
+    return None not in points and len(set(points)) == 1 and points[0] != BETWEEN
+
+
 def leave(strategy: UnifiedStrategy, failed_at: float, during: str) -> NoReturn:
-    """A survivor's side of a loss a fresh process replaces (the module docstring, 1): keep the state to
-    hand over, join the generation's group with the replacement, raise :class:`Replaced`."""
+    """A survivor's side of a loss it cannot recover from in place (a fresh process replaces the
+    lost one, or the loss met it in Lightning's collectives between steps): keep the state to hand
+    over, join the generation's group, agree where each met it (:func:`places`), and leave
+    (:func:`depart`)."""
     m = current_membership()
     engine = strategy.engine
     assert m is not None and engine is not None and engine.watchdog is not None
@@ -97,24 +132,48 @@ def leave(strategy: UnifiedStrategy, failed_at: float, during: str) -> NoReturn:
     trainer = module.trainer
     s = strategy.settings
     state = None
-    if during == TRAINING_STEP and one_holds_every_stage(s.name, s.G, s.R):
-        state = _whole_state(strategy, trainer)
+    if during == TRAINING_STEP and one_holds_every_stage(s.name, s.G, s.R) and replaced_in(m.store, generation):
+        state = _whole_state(strategy, trainer)  # the replacement may start from it (:func:`resume_path`)
     if engine.links is not None:
         engine.links.close()
     strategy.engine = None
     del engine
+    before = list(m.members)
     first = generation
     generation, members, causes = rejoin(m, watchdog, generation, members, PG_TIMEOUT)
     strategy.rejoined(m.new_rank, len(members))
+    places(during)
+    depart(strategy, first, generation, before, "; then ".join(causes) or cause, during, failed_at, state)
+
+
+def depart(strategy: UnifiedStrategy, first: int, generation: int, before: list[int], cause: str, during: str,
+           failed_at: float, state: dict[str, Any] | None) -> NoReturn:
+    """Once in the new group (generation ``generation``, the loss announced in ``first``; ``before``:
+    the members before it): re-plan the step for the new group when it is smaller, offer what this
+    survivor holds for the agreement on where to resume (:func:`resume_path`), and raise
+    :class:`Replaced`, which leaves ``fit``."""
+    m = current_membership()
+    assert m is not None
+    module = strategy.lightning_module
+    assert module is not None
     # a loss during the rejoin is folded into a later generation, whose record names only its own
     # replaced rank: the recovery replaced those of every generation since the first
     replaced = sorted({r for g in range(first, generation + 1) for r in replaced_in(m.store, g)})
+    lost = sorted((set(before) - set(m.members)) | set(replaced))
+    old = strategy.settings
+    if len(m.members) == len(before):
+        new, how = old, "the user's scheme, kept (a fresh process took the lost rank)"
+    else:  # the survivors alone: fit is entered again under the scheme for them
+        new, how = replan(old, len(m.members))
+        strategy.replan_to(new)
+    if strategy.copies is not None:
+        strategy.copies.reset()  # of the old ring: the resumed loop's first step copies the state anew
     strategy.handover = state
-    strategy.offer = Offer(trainer.global_step, during, strategy.last_checkpoint, strategy.last_saved,
+    strategy.offer = Offer(module.trainer.global_step, during, strategy.last_checkpoint, strategy.last_saved,
                            strategy.failed_save if during == SAVE else None, state is not None,
-                           list(strategy.recoveries), generation, "; then ".join(causes) or cause,
-                           replaced, failed_at)
-    raise Replaced(f"rank {', '.join(map(str, strategy.offer.replaced))} replaced: every process enters fit again")
+                           list(strategy.recoveries), generation, cause, replaced, failed_at, lost,
+                           scheme_label(old), scheme_label(new), how, [len(before), len(m.members)], m.rank)
+    raise Replaced(f"after the loss of rank {', '.join(map(str, lost))}: every process enters fit again")
 
 
 def _whole_state(strategy: UnifiedStrategy, trainer: Any) -> dict[str, Any]:
@@ -147,47 +206,46 @@ def resume_path(strategy: UnifiedStrategy) -> str:
     if not survivors:
         raise Unrecoverable("a replacement process joined a group with no survivor to take the state from")
     first = offers[survivors[0]]
-    lost = f"after the loss of rank {', '.join(map(str, first.replaced))} ({first.cause})"
+    lost = f"after the loss of rank {', '.join(map(str, first.lost))} ({first.cause})"
     places = {offers[r].during for r in survivors}
-    if places not in ({TRAINING_STEP}, {SAVE}):
-        where_met = "; ".join(f"rank {r} in {offers[r].during}" for r in survivors)
-        raise Unrecoverable(f"{lost}, a replacement process joins only where every survivor met the loss in a "
-                            f"training step, or every one in a checkpoint save ({where_met}), so training cannot "
-                            f"go on")
+    where_met = "; ".join(f"rank {offers[r].rank} in {offers[r].during}" for r in survivors)
     ahead = max(offers[r].done for r in survivors)
     source = min(r for r in survivors if offers[r].done == ahead)
     o = offers[source]
-    if o.holds_state:
+    if places == {TRAINING_STEP} and o.holds_state:
         path, steps_lost, where = MEMORY, 0, "memory"
-    elif places == {SAVE} and o.last_saved is not None:
-        # a loss in a save: not from memory (the resumed loop would go on after the save, never writing it)
-        # but from the last whole checkpoint of either format, any scheme loading it; the resumed loop
-        # trains the steps since and writes the interrupted save again at its step
-        path, step = o.last_saved
+    elif places == {TRAINING_STEP} and o.last_checkpoint is not None:
+        path, step = o.last_checkpoint
         steps_lost, where = ahead - step, f"checkpoint {path}"
-        if dist.get_rank() == 0 and o.failed_save is not None and o.failed_save != path:
-            # under the interrupted save's name: a single file its writer finished before the save's
+    elif places != {TRAINING_STEP}:
+        # a loss in a save, between steps, or met in different places: not from memory (the resumed
+        # loop would go on after the save it met, never writing it) but from the last checkpoint of
+        # either format written whole (its save's barrier passed on some survivor), any scheme and W
+        # loading it; the resumed loop trains the steps since and writes the saves since again
+        saved = [offers[r].last_saved for r in survivors if offers[r].last_saved is not None]
+        if not saved:
+            raise Unrecoverable(f"{lost}, met in {where_met}: the run then goes on from the last checkpoint "
+                                f"written whole, and none was, so training cannot go on")
+        path, step = max(saved, key=lambda p: p[1])
+        steps_lost, where = ahead - step, f"checkpoint {path}"
+        if dist.get_rank() == 0:
+            # under an interrupted save's name: a single file its writer finished before the save's
             # barrier failed, or a writer's temporary file. Removed, or ModelCheckpoint would write the
             # save again under another name (``-v1``). (The same name as the last whole save, as
             # ``last.ckpt`` saved alone: kept, whole either way, old or new, and resumed from.)
-            _remove_save(o.failed_save)
-    elif o.last_checkpoint is not None and places == {TRAINING_STEP}:
-        path, step = o.last_checkpoint
-        steps_lost, where = ahead - step, f"checkpoint {path}"
-    elif places == {SAVE}:
-        raise Unrecoverable(f"{lost}, met in a checkpoint save: a replacement process then starts from the last "
-                            f"checkpoint written before it (the resumed loop saves again), and none was, so "
-                            f"training cannot go on")
+            for failed in sorted({offers[r].failed_save for r in survivors} - {None, path}):
+                _remove_save(failed)
     else:
         raise Unrecoverable(f"{lost}, a stage was held only by the lost worker and no sharded checkpoint was "
                             f"written yet (before step {ahead + 1}), so training cannot go on")
-    label = scheme_label(strategy.settings)
-    W = dist.get_world_size()
-    record = {"generation": o.generation, "cause": o.cause, "lost_ranks": o.replaced, "replaced": o.replaced,
-              "step": ahead if o.during == SAVE else ahead + 1,  # a save's loss came after the step it saves
-              "seconds": 0.0, "steps_lost": steps_lost, "redone": 1, "during": o.during,
-              "from": where, "moved_stages": 0, "moved_bytes": 0, "scheme_before": label, "scheme_after": label,
-              "chosen_by": "the user's scheme, kept (a fresh process took the lost rank)", "workers": [W, W]}
+    during = o.during if len(places) == 1 else f"different places ({where_met})"
+    record = {"generation": o.generation, "cause": o.cause, "lost_ranks": o.lost,
+              **({"replaced": o.replaced} if o.replaced else {}),
+              # the step the loss interrupted; met after a step (in its save, between steps): that step
+              "step": ahead + 1 if o.during == TRAINING_STEP else ahead,
+              "seconds": 0.0, "steps_lost": steps_lost, "redone": 1, "during": during,
+              "from": where, "moved_stages": 0, "moved_bytes": 0, "scheme_before": o.scheme_before,
+              "scheme_after": o.scheme_after, "chosen_by": o.chosen_by, "workers": o.workers}
     strategy.recoveries = [*o.recoveries, record]
     strategy.pending = Pending(source, record, mine.failed_at if mine is not None else None)
     if dist.get_rank() != source:
@@ -251,8 +309,15 @@ def finish(strategy: UnifiedStrategy, checkpoint: dict[str, Any]) -> None:
     if m is not None:
         m.seconds.append(seconds)
     if dist.get_rank() == 0:
-        lost = ", ".join(map(str, record["replaced"]))
-        log.warning("recovered from the loss of rank %s at step %d in %.2f s: a fresh process took rank %s, W %d -> "
-                    "%d, %s kept; state from %s, the interrupted training step redone, %d steps lost and trained "
-                    "again. Cause: %s", lost, record["step"], seconds, lost, *record["workers"],
-                    record["scheme_after"], record["from"], record["steps_lost"], record["cause"])
+        lost = ", ".join(map(str, record["lost_ranks"]))
+        if "replaced" in record:
+            log.warning("recovered from the loss of rank %s at step %d in %.2f s: a fresh process took rank %s, W %d "
+                        "-> %d, %s kept; state from %s, the interrupted training step redone, %d steps lost and "
+                        "trained again. Cause: %s", lost, record["step"], seconds, lost, *record["workers"],
+                        record["scheme_after"], record["from"], record["steps_lost"], record["cause"])
+        else:
+            log.warning("recovered from the loss of rank %s at step %d in %.2f s: W %d -> %d, %s -> %s (%s); met in "
+                        "%s, every survivor entered fit again, state from %s, %d steps lost and trained again. "
+                        "Cause: %s", lost, record["step"], seconds, *record["workers"], record["scheme_before"],
+                        record["scheme_after"], record["chosen_by"], record["during"], record["from"],
+                        record["steps_lost"], record["cause"])

@@ -408,13 +408,18 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
     def rebuild(self, settings: Settings) -> None:
         """Train on under ``settings`` (a recovery's re-planned step): the engine built again over
         the staged model; the caller fills the newly owned stages, then calls :meth:`own_stages`."""
+        self.replan_to(settings)
+        self._build_engine()
+
+    def replan_to(self, settings: Settings) -> None:
+        """Take ``settings`` (a recovery's re-planned step) for the engine built next: now
+        (:meth:`rebuild`), or by ``fit``'s set-up when every survivor enters it again (:mod:`.replacement`)."""
         import dataclasses
 
         # the run's checkpoints keep the format they started in (last.ckpt is overwritten in place)
         kept = {"format": self.run.checkpoint.format_for(self.scheme), "async_mode": self.run.checkpoint.async_mode}
         self.run = dataclasses.replace(self.run, checkpoint=CheckpointSettings.of(kept))
         self._settings = settings
-        self._build_engine()
 
     def whole_stages(self) -> None:
         """Put every stage's module back on the module (undoing :func:`~.staging.keep_owned`), for a

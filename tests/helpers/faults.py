@@ -48,9 +48,13 @@ class LoseIn(L.Callback):
     """Rank ``rank`` sends itself ``SIGKILL`` as the first validation batch begins
     (``where="validation"``), inside the checkpoint save of step ``step`` (``where="save"``: Lightning
     calls ``on_save_checkpoint`` within ``Trainer.save_checkpoint``, between gathering the state and
-    writing it), or after the backward of step ``step`` (``where="clip"``: an ``on_after_backward``
-    hook, so the clipping norm takes an all-reduce of its own, which the survivors meet the loss in);
-    in the first generation only."""
+    writing it), after the backward of step ``step`` (``where="clip"``: an ``on_after_backward``
+    hook, so the clipping norm takes an all-reduce of its own, which the survivors meet the loss in),
+    or at the end of step ``step``'s batch (``where="between"``: Lightning runs ``ModelCheckpoint``'s
+    ``on_train_batch_end`` after every other callback's, so the survivors meet the loss in its
+    agreement on whether the step's file exists, one of Lightning's collectives between steps), or at
+    the end of step ``step``'s validation (``where="valend"``: before ``ModelCheckpoint``'s
+    ``on_validation_end``, the same collective); in the first generation only."""
 
     def __init__(self, where: str, step: int = 0, rank: int = 2) -> None:
         self.where, self.step, self.rank = where, step, rank
@@ -69,6 +73,14 @@ class LoseIn(L.Callback):
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
         self._lose(trainer, "clip", trainer.global_step + 1)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            self._lose(trainer, "between", self.step)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.global_step == self.step:
+            self._lose(trainer, "valend", self.step)
 
 
 def lose_while_rejoining(monkeypatch: Any, rank: int) -> None:

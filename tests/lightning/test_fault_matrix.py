@@ -7,6 +7,12 @@ The failures are real and injected at a chosen (rank, step), in the first genera
 - ``kill``: rank 0 sends itself ``SIGKILL`` as step 4 begins (the old rank 0: the checkpoints' writer);
 - ``stop``: rank 3 sends itself ``SIGSTOP`` as step 4 begins (a hang: named within ``timeout=3`` s and killed);
 - ``save``: rank 2 sends itself ``SIGKILL`` inside step 4's checkpoint save (``on_save_checkpoint``);
+- ``between``: rank 2 sends itself ``SIGKILL`` at the end of step 4's batch, so the survivors meet the
+  loss in ``ModelCheckpoint``'s collective before its save (one of Lightning's between steps): every
+  survivor leaves ``fit`` and enters it again from the step-2 checkpoint (ddp and fsdp only);
+- ``valend``: the same after step 4's validation (validating every 2 steps, ``ModelCheckpoint`` saving
+  after each validation): the survivors meet the loss in its collective in ``on_validation_end``, and
+  ``fit`` entered again must go on training, not validate alone (ddp only);
 - ``second``: rank 2 killed as step 4 begins, then rank 1 as it starts to rejoin (a second loss during
   the recovery, ``fault.restarts=2``);
 - ``last``: the last worker of a stage's owners lost. Under lpp G=2 R=2 stage ``s`` is on workers
@@ -40,6 +46,8 @@ import pytest
 from helpers.faults import CLIP, TOL, LoseIn, LoseWorker, left_running, lose_while_rejoining, read_records
 from helpers.training import Regressor, load_checkpoint, max_diff, quiet_trainer, user_loader
 from launcher.lightning import UnifiedStrategy
+from launcher.lightning.replacement import BETWEEN
+from launcher.lightning.replacement import TRAINING_STEP as STEP
 from launcher.lightning.single import StreamedSingleDevice
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -62,6 +70,7 @@ OWNERS: dict[str, list[set[int]]] = {
 LOST: dict[str, dict[str, list[int]]] = {
     "kill": {s: [0] for s in SIZES}, "stop": {s: [3] for s in FIVE}, "save": {s: [2] for s in FIVE},
     "second": {s: [2, 1] for s in FIVE}, "last": {"lpp": [3, 1], "fslpp": [3, 0]},
+    "between": {"ddp": [2], "fsdp": [2]}, "valend": {"ddp": [2]},
 }
 
 
@@ -99,6 +108,8 @@ def expected(scheme: str, fault: str, replace: bool) -> tuple[int, str, int]:
     stage, ddp), else from the step-2 checkpoint, the steps since trained again."""
     lost = set(LOST[fault][scheme])
     step = AT  # the interrupted step; a save's loss comes after the step whose state it saves
+    if fault in ("between", "valend"):  # every survivor enters fit again from the last checkpoint written whole
+        return step, "checkpoint", AT - 2
     if replace:  # after a loss in a save, from the last checkpoint: the resumed loop writes that save again
         whole = scheme == "ddp" and fault != "save"
     else:
@@ -121,20 +132,25 @@ def test_every_fault_under_every_scheme_is_recovered_and_equals_one_device(
         lose_while_rejoining(monkeypatch, lost[1])
     inject: list[L.Callback] = [
         LoseWorker(lost[0], AT, signal.SIGSTOP if fault == "stop" else signal.SIGKILL, tmp_path)]
-    if fault == "save":
-        inject = [LoseIn("save", AT, rank=lost[0]), LoseWorker(9, 0, signal.SIGKILL, tmp_path)]  # 9: records only
+    if fault in ("save", "between", "valend"):
+        inject = [LoseIn(fault, AT, rank=lost[0]), LoseWorker(9, 0, signal.SIGKILL, tmp_path)]  # 9: records only
     fmt = {} if scheme == "ddp" else {"checkpoint": {"format": "sharded"}}
     strategy = UnifiedStrategy(scheme.removesuffix("G1"), stages=4, microbatches=B,
                                fault={"restarts": len(lost), "replace": replace},
                                timeout=3 if fault == "stop" else 30, **SIZES[scheme], **fmt)
     L.seed_everything(0, verbose=False)
     model = Regressor(max_steps=STEPS).double()
-    tr = quiet_trainer(strategy, 4, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, limit_val_batches=0,
+    # valend: validating every 2 steps, ModelCheckpoint saving after each validation (its default) instead
+    val = {"limit_val_batches": 1, "val_check_interval": 2} if fault == "valend" else {"limit_val_batches": 0}
+    every = {} if fault == "valend" else {"every_n_train_steps": 2}
+    tr = quiet_trainer(strategy, 4, precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, **val,
                        enable_checkpointing=True, plugins=[AtomicCheckpointIO()],  # the command line's writer
-                       callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1),
-                                  *inject])
+                       callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, **every), *inject])
     started = time.monotonic()
-    tr.fit(model, train_dataloaders=user_loader())
+    # an unshuffled validation loader (as Lightning advises): a shuffled one would draw from the global
+    # random stream the training loader's next shuffle draws from, and one device's run validates not
+    tr.fit(model, train_dataloaders=user_loader(),
+           val_dataloaders=user_loader(8, shuffle=False) if fault == "valend" else None)
     wall = time.monotonic() - started
     diff = max_diff(oracle[STEPS], model.state_dict())
     records = read_records(tmp_path)
@@ -151,7 +167,7 @@ def test_every_fault_under_every_scheme_is_recovered_and_equals_one_device(
     assert got == [(sorted(lost), step, steps_lost, source, sorted(lost) if replace else None)], first
     (r,) = first
     assert r["workers"] == [4, 4 if replace else 4 - len(lost)]
-    assert r["during"] == ("a checkpoint save" if fault == "save" else "a training step")
+    assert r["during"] == {"save": "a checkpoint save", "between": BETWEEN, "valend": BETWEEN}.get(fault, STEP)
     if replace:
         assert r["scheme_before"] == r["scheme_after"]
     # every save whole under its name (a save the loss interrupted written again), no temporary left
