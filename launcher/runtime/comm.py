@@ -22,7 +22,7 @@ from launcher.schedule.program import ACT, GRAD, WGRAD, Lowered, Msg, PairIssue
 
 from ..torch_support.values import spec_bytes
 from .failure import Watchdog, WorkerAborted, blocked
-from .shared_links import SharedLinks
+from .shared_links import SharedLinks, SharedRecv
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
@@ -239,6 +239,8 @@ class Comm:
             except Exception as e:
                 self._failed(e)
             t1 = time.perf_counter()
+            if isinstance(work, SharedRecv):  # a shared-memory receive copies its data out after it came:
+                t1 = t0 if work.came is None else work.came  # that copy is work, not a wait for the sender
             self.waited += t1 - t0
             m = self.msgs[mid]
             if m.kind in TIMED:

@@ -178,17 +178,19 @@ class SharedLinks:
         peer.sock.sendall(NOTICE.pack(DATA, mid))
         return _Send(self, mid, dst)
 
-    def recv(self, mid: int, src: int, into: torch.Tensor) -> "_Recv":
+    def recv(self, mid: int, src: int, into: torch.Tensor) -> "SharedRecv":
         """Message ``mid`` from ``src``, copied into ``into`` when waited for."""
-        return _Recv(self, mid, src, into)
+        return SharedRecv(self, mid, src, into)
 
     # ---- notices -------------------------------------------------------------------------------
-    def _pump(self, src: int, until: Callable[[], bool]) -> None:
-        """Read ``src``'s notices until ``until()`` holds."""
+    def _pump(self, src: int, until: Callable[[], bool], wait: bool = True) -> None:
+        """Read ``src``'s notices until ``until()`` holds (``wait=False``: only those already there)."""
         peer = self.peers[src]
         while not until():
-            ready, _, _ = select.select([peer.sock], [], [], POLL_S)
+            ready, _, _ = select.select([peer.sock], [], [], POLL_S if wait else 0.0)
             if not ready:
+                if not wait:
+                    return
                 if self.watchdog is not None:
                     self.watchdog.check()
                 continue
@@ -214,15 +216,24 @@ class SharedLinks:
                         os.close(fd)
             peer.pending = peer.pending[whole:]
 
-    def _take(self, mid: int, src: int, into: torch.Tensor) -> None:
+    def _take(self, mid: int, src: int, into: torch.Tensor) -> float | None:
+        """Copy message ``mid`` out once its notice has come; return when it came, or ``None``
+        when it was there already (the copy after it is the receiver's work, not a wait for the
+        sender: timed as a wait, a message read long after it came would count as a slow one)."""
         peer = self.peers[src]
-        self._pump(src, lambda: mid in peer.arrived)
+        here = lambda: mid in peer.arrived  # noqa: E731
+        came = None
+        self._pump(src, here, wait=False)
+        if not here():
+            self._pump(src, here)
+            came = time.perf_counter()
         peer.arrived.discard(mid)
         assert peer.inbox is not None  # its notice came before the message's
         out = into.reshape(-1).view(torch.uint8)
         at = self.offsets[mid]
         out.copy_(peer.inbox.bytes[at:at + out.numel()])
         peer.sock.sendall(NOTICE.pack(ACK, mid))
+        return came
 
     def _delivered(self, mid: int, dst: int) -> None:
         peer = self.peers[dst]
@@ -242,15 +253,17 @@ class _Send:
         return True
 
 
-class _Recv:
-    """A receive from a shared buffer, waited for as a ``dist.Work`` is: the data is in ``into`` after."""
+class SharedRecv:
+    """A receive from a shared buffer, waited for as a ``dist.Work`` is: the data is in ``into`` after.
+    ``came``: after the wait, when the data came if the wait blocked for it (``None``: it was there)."""
 
     def __init__(self, links: SharedLinks, mid: int, src: int, into: torch.Tensor) -> None:
         self.links, self.mid, self.src, self.into, self.done = links, mid, src, into, False
+        self.came: float | None = None
 
     def wait(self, timeout: object = None) -> bool:
         if not self.done:
-            self.links._take(self.mid, self.src, self.into)
+            self.came = self.links._take(self.mid, self.src, self.into)
             self.done = True
         return True
 

@@ -124,3 +124,26 @@ def test_the_1f1b_that_runs_is_slower_than_the_1f1b_re_derived():
         ran[o], again[o] = replay(timed, 2).seconds, simulate(timed.schedule).latency
     assert ran["1f1b"] == pytest.approx(58.0) and ran["interleaved_1f1b"] == pytest.approx(50.0)
     assert again["1f1b"] == pytest.approx(53.3) and again["interleaved_1f1b"] == pytest.approx(50.0)
+
+
+def test_at_two_workers_a_step_is_its_work_plus_the_message_waits_on_its_path():
+    """Issue 47: the W=2 interleaved prediction was 7-22% high. The replay (a core per worker) runs
+    each worker's program, a job starting ``comm`` after an input from the other worker: on
+    Llama d=256's measured per-stage job CPU (ms) it is the busier worker's 143.1 ms of jobs plus
+    the message waits on its critical path. metrics.json's ``comm_s`` was 3.72 ms there, taken from
+    messages that had sat in their shared-memory slots while the receiver computed (the copy out
+    was timed as a wait); a receiver that waited had its data 0.15 ms after the hand-over. At 3.72
+    ms the replay is 177.5 ms, 19% above the 149 ms the workers took; at 0.15 ms, 150.1. 1f1b's program
+    stays the slower one at either message time."""
+    per = [{"F": 2.74, "B": 3.32}, {"F": 5.53, "B": 6.29}, {"F": 4.72, "B": 6.33}, {"F": 2.75, "B": 3.32}]
+    step = {}
+    for o in ("1f1b", "interleaved_1f1b"):
+        tl = simulate(make_schedule("lpp", 4, 8, G=1, R=2, order=o))
+        timed = replace(tl, schedule=replace(tl.schedule, stage_durations=per))
+        step[o] = {comm: replay(timed, 2, comm=comm).seconds for comm in (0.0, 0.15, 3.72)}
+    work = 8 * sum(per[s][k] for s in (1, 3) for k in "FB")  # worker 1's jobs, the busier
+    assert work == pytest.approx(143.12)
+    inter = step["interleaved_1f1b"]
+    assert inter[0.15] == pytest.approx(150.08, abs=0.01) and inter[3.72] == pytest.approx(177.5, abs=0.01)
+    assert inter[0.15] - inter[0.0] == pytest.approx(4 * 0.15)  # four message waits on the critical path
+    assert all(step["1f1b"][c] > inter[c] for c in inter)
