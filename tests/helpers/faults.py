@@ -13,6 +13,8 @@ from typing import Any
 import lightning as L
 from omegaconf import OmegaConf
 
+from helpers.training import Regressor, quiet_trainer, user_loader
+from launcher.lightning.single import StreamedSingleDevice
 from launcher.runtime.recovery import current_membership
 
 #: the launcher's default gradient clipping (``conf/trainer/default.yaml``): recovery is tested at it
@@ -20,6 +22,17 @@ CLIP = float(OmegaConf.load(Path(__file__).parents[2] / "conf" / "trainer" / "de
 
 #: float64 parameters after a recovery against one device's: only summation orders differ
 TOL = 1e-10
+
+
+def one_device(steps: int, total: int, microbatches: int) -> dict:
+    """The oracle: one device's (``strategy=single``) float64 parameters after ``steps`` of a run of
+    ``total`` (its learning-rate schedule), at the launcher's clipping, the user's shuffled loader."""
+    L.seed_everything(0, verbose=False)
+    model = Regressor(max_steps=total).double()
+    tr = quiet_trainer(StreamedSingleDevice(microbatches=microbatches), 1, precision="64-true", max_steps=steps,
+                       gradient_clip_val=CLIP, limit_val_batches=0)
+    tr.fit(model, train_dataloaders=user_loader())
+    return model.state_dict()
 
 
 class LoseWorker(L.Callback):

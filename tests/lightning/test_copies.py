@@ -20,9 +20,9 @@ import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
+from helpers.faults import one_device
 from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
 from launcher.lightning import UnifiedStrategy, copies
-from launcher.lightning.single import StreamedSingleDevice
 from launcher.runtime import WorkerFailed
 from launcher.runtime.recovery import current_membership
 
@@ -63,12 +63,7 @@ def fit(strategy: Any, devices: int, callbacks: list) -> dict:
 
 @pytest.fixture(scope="module")
 def oracle() -> dict:
-    L.seed_everything(0, verbose=False)
-    model = Regressor(max_steps=STEPS).double()
-    tr = quiet_trainer(StreamedSingleDevice(microbatches=B), 1, precision="64-true", max_steps=STEPS,
-                       gradient_clip_val=CLIP, limit_val_batches=0)
-    tr.fit(model, train_dataloaders=user_loader())
-    return model.state_dict()
+    return one_device(STEPS, STEPS, B)
 
 
 @pytest.mark.parametrize(("scheme", "sizes", "rank", "source"), [

@@ -43,12 +43,11 @@ from typing import Any
 import lightning as L
 import pytest
 
-from helpers.faults import CLIP, TOL, LoseIn, LoseWorker, left_running, lose_while_rejoining, read_records
+from helpers.faults import CLIP, TOL, LoseIn, LoseWorker, left_running, lose_while_rejoining, one_device, read_records
 from helpers.training import Regressor, load_checkpoint, max_diff, quiet_trainer, user_loader
 from launcher.lightning import UnifiedStrategy
 from launcher.lightning.replacement import BETWEEN
 from launcher.lightning.replacement import TRAINING_STEP as STEP
-from launcher.lightning.single import StreamedSingleDevice
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -86,20 +85,10 @@ def cases() -> list[Any]:
     return out
 
 
-def one_device(steps: int) -> dict:
-    """One device's parameters after ``steps`` of the run's ``STEPS`` (the same learning-rate schedule)."""
-    L.seed_everything(0, verbose=False)
-    model = Regressor(max_steps=STEPS).double()
-    tr = quiet_trainer(StreamedSingleDevice(microbatches=B), 1, precision="64-true", max_steps=steps,
-                       gradient_clip_val=CLIP, limit_val_batches=0)
-    tr.fit(model, train_dataloaders=user_loader())
-    return model.state_dict()
-
-
 @pytest.fixture(scope="module")
 def oracle() -> dict[int, dict]:
     """One device after the run's last step, and after step ``AT`` (what its checkpoint holds)."""
-    return {STEPS: one_device(STEPS), AT: one_device(AT)}
+    return {STEPS: one_device(STEPS, STEPS, B), AT: one_device(AT, STEPS, B)}
 
 
 def expected(scheme: str, fault: str, replace: bool) -> tuple[int, str, int]:
