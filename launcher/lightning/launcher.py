@@ -28,7 +28,8 @@ from ..runtime.processes import launch
 from ..runtime.recovery import current_membership
 from .lightning_private import Launcher, WorkerOutput, leave_fit
 from .recovery import recoverable
-from .replacement import BETWEEN, Replaced, leave, places, resume_path
+from .recovery_terms import BETWEEN
+from .replacement import Replaced, leave, places, resume_path
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -37,7 +37,8 @@ def recovering_saves(strategy: UnifiedStrategy, trainer: Any) -> None:
         return
 
     def save_checkpoint(*args: Any, **kwargs: Any) -> None:
-        from .recovery import SAVE, recover, recoverable
+        from .recovery import recover, recoverable
+        from .recovery_terms import SAVE
 
         path = kwargs.get("filepath", args[0] if args else None)
         while True:
@@ -73,7 +74,8 @@ def reduce_norm_or_recover(strategy: UnifiedStrategy, sq: torch.Tensor,
     ``all_reduce`` and return True; or, when a worker is lost meanwhile, recover, redo the step's
     closure up to the clipping (:func:`_redo_closure`) and return False: the caller clips the redone
     gradients."""
-    from .recovery import Unrecoverable, recover, recoverable
+    from .recovery import recover, recoverable
+    from .recovery_terms import Unrecoverable
 
     try:
         all_reduce(sq)

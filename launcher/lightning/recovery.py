@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..runtime.failure import Recovering, WorkerAborted, is_transport_error
 from ..runtime.processes import PG_TIMEOUT
 from ..runtime.recovery import announced, current_membership, rejoin, replaced_in
-from .recovery_terms import SAVE, Unrecoverable
+from .recovery_terms import SAVE, TRAINING_STEP, Unrecoverable
 from .replacement import depart, in_place, places
 from .replan import replan, scheme_label
 
@@ -59,7 +59,7 @@ def recoverable(strategy: UnifiedStrategy, exc: BaseException) -> bool:
     return announced(strategy.engine.watchdog) is not None
 
 
-def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a training step") -> bool:
+def recover(strategy: UnifiedStrategy, failed_at: float, during: str = TRAINING_STEP) -> bool:
     """Re-form the group without the lost worker and rebuild the step (the module docstring);
     collective over the survivors. Returns True when this worker must redo the interrupted step,
     False when it was one step behind and now holds the state after it. ``during``: where the loss
@@ -83,7 +83,7 @@ def recover(strategy: UnifiedStrategy, failed_at: float, during: str = "a traini
     strategy.engine = None
     del engine
     # a further loss while the group re-forms is folded in: the generation joined may be a later one
-    first = generation
+    first = m.generation + 1  # not the generation announced: a later one may have come first
     generation, survivors, causes = rejoin(m, watchdog, generation, survivors, PG_TIMEOUT)
     cause = "; then ".join(causes) or cause
     lost = sorted(set(before_members) - set(survivors))

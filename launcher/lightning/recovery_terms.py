@@ -6,9 +6,13 @@ imports the other's terms back."""
 from __future__ import annotations
 
 #: where a survivor met the loss: inside a training step (between two updates, where the state after
-#: the last completed step is whole), or inside a checkpoint save
+#: the last completed step is whole), inside a checkpoint save, or between steps
 TRAINING_STEP = "a training step"
 SAVE = "a checkpoint save"
+#: in one of Lightning's own collectives between steps (``ModelCheckpoint``'s agreement on whether a
+#: file exists, the loop's set-up barriers): nothing to redo in place, so every survivor leaves ``fit``
+#: and enters it again (:mod:`.replacement`)
+BETWEEN = "Lightning's collectives between steps"
 
 
 class Unrecoverable(RuntimeError):

@@ -43,7 +43,7 @@ from ..runtime.recovery import current_membership, rejoin, replaced_in
 from ..schedule.run_settings import one_holds_every_stage
 from .lightning_private import as_between_batches, dump_checkpoint
 from .loader_position import KEY, Positions
-from .recovery_terms import SAVE, TRAINING_STEP, Unrecoverable
+from .recovery_terms import BETWEEN, SAVE, TRAINING_STEP, Unrecoverable
 from .replan import replan, scheme_label
 
 if TYPE_CHECKING:
@@ -53,11 +53,6 @@ log = logging.getLogger(__name__)
 
 #: the ``ckpt_path`` of a state handed over in memory by a survivor (:func:`handed_over`)
 MEMORY = "memory://a-survivor"
-
-#: where a loss met a survivor in one of Lightning's own collectives between steps (``ModelCheckpoint``'s
-#: agreement on whether a file exists, the loop's set-up barriers): nothing to redo in place, so every
-#: survivor leaves ``fit`` and enters it again (:meth:`~.launcher.ForkLauncher._work`)
-BETWEEN = "Lightning's collectives between steps"
 
 
 class Replaced(Exception):
@@ -139,7 +134,7 @@ def leave(strategy: UnifiedStrategy, failed_at: float, during: str) -> NoReturn:
     strategy.engine = None
     del engine
     before = list(m.members)
-    first = generation
+    first = m.generation + 1  # not the generation announced: a later one may have come first
     generation, members, causes = rejoin(m, watchdog, generation, members, PG_TIMEOUT)
     strategy.rejoined(m.new_rank, len(members))
     places(during)

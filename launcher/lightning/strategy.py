@@ -828,7 +828,8 @@ class UnifiedStrategy(KeepsLoaderPositions, CheckpointingStrategy):
                 if not recoverable(self, e):
                     raise
                 failed_at = time.monotonic()
-            from .recovery import Unrecoverable, recover
+            from .recovery import recover
+            from .recovery_terms import Unrecoverable
 
             # every survivor finished the last training step before evaluating
             if not recover(self, failed_at, during="an evaluation step"):

@@ -66,7 +66,7 @@ from .failure import (
     set_current_watchdog,
     transport_reason,
 )
-from .recovery import Membership, recovered_key, rejoin, replaced_key, set_membership
+from .recovery import Membership, cause_key, recovered_key, rejoin, replaced_key, set_membership
 
 #: how long a blocking collective may take before the backend itself gives up; failure detection
 #: is the watchdog's job (a slow but healthy peer keeps beating), so this is generous
@@ -209,7 +209,8 @@ def _child(
             _join_group(rank, world, backend, store)
             set_membership(Membership(store, backend, rank, list(range(world))))
         else:
-            m = Membership(store, backend, rank, list(joining[1]), replacement=True)
+            # in the generation before the one it joins: the losses folded into its join count from there
+            m = Membership(store, backend, rank, list(joining[1]), generation=joining[0] - 1, replacement=True)
             rejoin(m, wd, joining[0], list(joining[1]), PG_TIMEOUT)
             set_membership(m)
         report("started", None)
@@ -412,6 +413,8 @@ class Supervisor:
             self.members = survivors
             self.lost.add(r)
         self.causes.append(msg)
+        assert self.store is not None
+        self.store.set(cause_key(self.generation), msg)  # before the announcement, as the replaced rank
         self.monitor = HangMonitor(self.timeout)  # the survivors' progress starts afresh
         self.rejoin_by = time.monotonic() + self.timeout + self.grace
         self._watch_store.set(RECOVERY_KEY, f"{self.generation}|{','.join(map(str, self.members))}|{msg}")

@@ -43,6 +43,13 @@ def replaced_key(generation: int) -> str:
     return f"replaced/{generation}"
 
 
+def cause_key(generation: int) -> str:
+    """The key holding the cause of the loss that ``generation`` recovers from, which the launcher sets
+    before it announces the generation: a survivor that missed an announcement (a later one came
+    first) still reads every cause folded into the generation it joins."""
+    return f"cause/{generation}"
+
+
 def replaced_in(store: dist.Store, generation: int) -> list[int]:
     """The ranks a fresh process took in ``generation`` (none: the survivors go on without the lost)."""
     key = replaced_key(generation)
@@ -123,16 +130,16 @@ def rejoin(m: Membership, watchdog: Watchdog, generation: int, survivors: list[i
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
-    causes: list[str] = []
-    if watchdog.recovery is not None and watchdog.recovery[0] == generation:
-        causes.append(watchdog.recovery[2])
+    since = m.generation  # the losses folded in are those of every generation after it
     while True:
         m.store.set(joining_key(generation, m.rank), "1")
         later = _gathered(m.store, watchdog, generation, survivors)
         if later is None:
             break
-        generation, survivors, cause = later  # a further loss: the next generation, without it
-        causes.append(cause)
+        generation, survivors, _ = later  # a further loss: the next generation, without it
+    # from the store, not the announcements this process saw: it may have missed one (a later came
+    # first), and every process's record of the recovery must read the same
+    causes = [m.store.get(cause_key(g)).decode() for g in range(since + 1, generation + 1)]
     m.generation, m.members = generation, list(survivors)
     dist.init_process_group(m.backend, store=dist.PrefixStore(f"pg{generation}", m.store), rank=m.new_rank,
                             world_size=len(survivors), timeout=pg_timeout)

@@ -46,8 +46,8 @@ import pytest
 from helpers.faults import CLIP, TOL, LoseIn, LoseWorker, left_running, lose_while_rejoining, one_device, read_records
 from helpers.training import Regressor, load_checkpoint, max_diff, quiet_trainer, user_loader
 from launcher.lightning import UnifiedStrategy
-from launcher.lightning.replacement import BETWEEN
-from launcher.lightning.replacement import TRAINING_STEP as STEP
+from launcher.lightning.recovery_terms import BETWEEN
+from launcher.lightning.recovery_terms import TRAINING_STEP as STEP
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -138,6 +138,8 @@ def test_every_fault_under_every_scheme_is_recovered_and_equals_one_device(
     started = time.monotonic()
     # an unshuffled validation loader (as Lightning advises): a shuffled one would draw from the global
     # random stream the training loader's next shuffle draws from, and one device's run validates not
+    # the validation loader unshuffled, as users write one (Lightning warns about a shuffled one);
+    # the training loader keeps the user's default shuffle=True
     tr.fit(model, train_dataloaders=user_loader(),
            val_dataloaders=user_loader(8, shuffle=False) if fault == "valend" else None)
     wall = time.monotonic() - started
@@ -150,7 +152,7 @@ def test_every_fault_under_every_scheme_is_recovered_and_equals_one_device(
     # every worker that trained to the end lists the run's recoveries, the replacements among them
     assert sorted(records) == ([0, 1, 2, 3] if replace else sorted(set(range(4)) - set(lost)))
     same = [[{k: v for k, v in r.items() if k != "seconds"} for r in rs] for rs in records.values()]
-    assert all(s == same[0] for s in same)
+    assert all(s == same[0] for s in same), same
     step, source, steps_lost = expected(scheme, fault, replace)
     got = [(r["lost_ranks"], r["step"], r["steps_lost"], r["from"].split(" ")[0], r.get("replaced")) for r in first]
     assert got == [(sorted(lost), step, steps_lost, source, sorted(lost) if replace else None)], first
