@@ -47,11 +47,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from launcher.schedule.actions import JOBS, SEND_GRAD
 from launcher.schedule.activations import activation_peaks
 from launcher.schedule.assembly import TAG_LIMIT
 from launcher.schedule.lowering import lower
-from launcher.schedule.program import ACT, GRAD, WEIGHTS, Lowered, Msg, forward_only
+from launcher.schedule.program import ACT, GRAD, WEIGHTS, Lowered, Msg, forward_only, whole_backwards
 from launcher.schedule.rules import StepError, value_error
 from launcher.schedule.run_settings import DEFAULT_RUN, TRANSPORTS
 from launcher.schedule.settings import DEFAULT
@@ -281,24 +280,10 @@ class Engine:
             sum(1 for c in space.stage_succs[j // B] if comp[c * B + j % B] == comp[j]) for j in range(SB)
         ]
         self._grad_kind = space.K - 1
-        # split backward: the (stage, micro-batch) whose I this worker runs right before its W and
-        # that sends no gradient to another worker run as one whole backward at I (its W does
-        # nothing): one autograd call instead of two (I then W cost 1.36 to 1.43 times a whole
-        # backward on a GPT stage, docs/performance.md), and nobody waits for what I would send
-        # earlier. DualPipeV's own full backwards are such pairs where its gradient stays local.
-        prog = self.lowered.programs[self.worker] if self.worker is not None else None
-        jobs = prog.jobs if prog is not None else []
-        sending: set[int] = set()  # the jobs a SEND_GRAD follows in the program
-        last = -1
-        for kind, arg in prog.ops if prog is not None else ():
-            if kind in JOBS:
-                last = arg
-            elif kind == SEND_GRAD:
-                sending.add(last)
-        self.whole: frozenset[tuple[int, int]] = frozenset(
-            (a.stage, a.microbatch) for n, (a, b) in enumerate(zip(jobs, jobs[1:]))
-            if a.kind == "I" and b.kind == "W" and (a.stage, a.microbatch) == (b.stage, b.microbatch)
-            and a.owner == b.owner and n not in sending)  # the weights' total is W's owner's
+        # split backward: the (stage, micro-batch) whose I runs as one whole backward, its W doing
+        # nothing (program.whole_backwards: an I its W follows at once whose gradient no peer
+        # needs before that W ends on the simulated step)
+        self.whole = whole_backwards(self.lowered, self.worker) if self.worker is not None else frozenset()
         self._eval_lowered: Lowered | None = None
         # mixed precision (bf16-mixed, 16-mixed): owners keep their weights (fp32 masters) and
         # compute under the caller's autocast; fetched weights, activations and their gradients

@@ -102,7 +102,7 @@ class StepState:
     def run(self, op: JobOp) -> None:
         if op.kind == "F":
             self.forward(op)
-        elif op.kind in ("B", "I"):  # an I its W follows at once, sending nothing: one whole backward
+        elif op.kind in ("B", "I"):  # an I in Engine.whole runs the whole backward (program.whole_backwards)
             backward(self, op, split_backward=op.kind == "I" and (op.stage, op.microbatch) not in self.engine.whole)
         else:
             weight_grad(self, op)

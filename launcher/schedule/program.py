@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
-from .actions import AFTER, JOBS, POSTED, RECV_WGRAD, REDUCE, SEND_WGRAD, SENDS
+from .actions import AFTER, JOBS, POSTED, RECV_WGRAD, REDUCE, SEND_GRAD, SEND_WGRAD, SENDS
 from .settings import DEFAULT
 from .simulate import Timeline
 
@@ -328,3 +328,39 @@ def forward_only(lowered: Lowered) -> Lowered:
                                 tail_of(ops)))
     return Lowered(lowered.timeline, lowered.weight_cache, lowered.messages, programs, lowered.owners,
                    lowered.predicted, lowered.prefetch)
+
+
+def whole_backwards(lowered: Lowered, worker: int) -> frozenset[tuple[int, int]]:
+    """The ``(stage, micro-batch)`` pairs whose ``I`` the worker runs as one whole backward (its
+    ``W`` then does nothing): an ``I`` its program follows at once by its own ``W``, with the
+    weights' total on the same owner, and whose input gradients, if it sends any, are not needed
+    before the ``W`` ends on the simulated step (each receiver's ``I`` starts no earlier than that
+    ``W``'s finish plus the crossing).
+
+    Why: ``I`` then ``W`` cost 1.36 to 1.43 times one whole backward on a GPT stage (two autograd
+    calls, docs/performance.md), so a split pays only where ``I``'s early gradient lets a peer
+    start sooner, which is where a zero-bubble order puts the ``W`` later to fill the wait. An
+    adjacent pair whose receiver is busy until after the ``W`` anyway (DualPipeV's full backwards,
+    PyTorch's ``FULL_BACKWARD``) delays no one by sending at the end of the whole backward."""
+    prog, tl = lowered.programs[worker], lowered.timeline
+    sched, space = tl.schedule, tl.schedule.space
+    if "I" not in space.kinds:
+        return frozenset()
+    sends: dict[int, list[Msg]] = {}  # job index -> the input gradients sent after it
+    last = -1
+    for kind, arg in prog.ops:
+        if kind in JOBS:
+            last = arg
+        elif kind == SEND_GRAD:
+            sends.setdefault(last, []).append(lowered.messages[arg])
+    out: set[tuple[int, int]] = set()
+    jobs = prog.jobs
+    for n, (i, w) in enumerate(zip(jobs, jobs[1:])):
+        if not (i.kind == "I" and w.kind == "W" and (i.stage, i.microbatch) == (w.stage, w.microbatch)
+                and i.owner == w.owner):  # the weights' total is W's owner's
+            continue
+        end = tl.finish[w.job]
+        if all(tl.start[space.id(m.stage, m.microbatch, "I")] >= end + sched.crossing(m.src, m.dst)
+               for m in sends.get(n, ())):
+            out.add((i.stage, i.microbatch))
+    return frozenset(out)

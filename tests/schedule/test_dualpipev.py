@@ -10,7 +10,9 @@ import types
 import pytest
 
 from launcher.schedule import StepError, make_schedule, simulate
+from launcher.schedule.lowering import lower
 from launcher.schedule.order import dualpipev_sequence
+from launcher.schedule.program import whole_backwards
 from launcher.schedule.settings import unchecked_schedule
 from launcher.schedule.simulate import place_all
 
@@ -31,14 +33,28 @@ def expand(action) -> list[tuple[int, int, str]]:
     return [(s, b, KIND[kind])]
 
 
-def torch_sequences(W: int, B: int) -> list[list[tuple[int, int, str]]]:
-    """Each rank's ``pipeline_order`` of ``ScheduleDualPipeV`` (computed without a process group),
-    expanded into our jobs."""
+def torch_actions(W: int, B: int) -> list[list]:
+    """Each rank's ``pipeline_order`` of ``ScheduleDualPipeV``, computed without a process group."""
     out = []
     for rank in range(W):
         sched = types.SimpleNamespace(pp_group_size=W, _n_microbatches=B, num_stages=2 * W)
-        ops = pipelining.ScheduleDualPipeV._calculate_single_rank_operations(sched, rank)
-        out.append([job for a in ops if a is not None for job in expand(a)])
+        out.append([a for a in pipelining.ScheduleDualPipeV._calculate_single_rank_operations(sched, rank)
+                    if a is not None])
+    return out
+
+
+def torch_sequences(W: int, B: int) -> list[list[tuple[int, int, str]]]:
+    """Each rank's ``pipeline_order`` of ``ScheduleDualPipeV``, expanded into our jobs."""
+    return [[job for a in ops for job in expand(a)] for ops in torch_actions(W, B)]
+
+
+def torch_full_backwards(W: int, B: int) -> list[set[tuple[int, int]]]:
+    """Per rank, the ``(stage, microbatch)`` that ``ScheduleDualPipeV`` runs as one ``FULL_BACKWARD``
+    (alone or inside an ``OVERLAP_F_B``) rather than ``BACKWARD_INPUT`` and ``BACKWARD_WEIGHT``."""
+    out = []
+    for ops in torch_actions(W, B):
+        flat = [sub for a in ops for sub in (a.sub_actions if a.computation_type.name == "OVERLAP_F_B" else (a,))]
+        out.append({(a.stage_index, a.microbatch_index) for a in flat if a.computation_type.name == "FULL_BACKWARD"})
     return out
 
 
@@ -95,6 +111,21 @@ def test_unit_durations_against_zbv(W, B):
     assert tl.latency == zbv.latency == 6 * B + W - 1
     assert tl.peak_activations == [2 * W + 1] * W
     assert zbv.peak_activations == [2 * W] * W
+
+
+@pytest.mark.parametrize("W,B", SHAPES)
+def test_no_more_split_backwards_than_torch(W, B):
+    """Every backward PyTorch runs whole (``FULL_BACKWARD``) the engine runs whole too
+    (:func:`whole_backwards`: its ``I`` and ``W`` as one autograd call), including those whose input
+    gradient goes to the other worker: on the simulated step its receiver starts no earlier than
+    that ``W`` ends, so sending after the whole backward delays no one. So our workers run no
+    more split backwards (two autograd calls, 1.4 times one on a GPT stage) than PyTorch's ranks."""
+    lowered = lower(simulate(dualpipev(W, B)))
+    for w, full in enumerate(torch_full_backwards(W, B)):
+        whole = whole_backwards(lowered, w)
+        assert full <= whole, sorted(full - whole)
+        splits = B * 2 - len(whole)
+        assert splits <= B * 2 - len(full)
 
 
 def test_refused_elsewhere():
