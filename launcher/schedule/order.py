@@ -514,7 +514,9 @@ def dualpipev_sequence(space: JobSpace, compute: Sequence[int]) -> list[list[int
     """Each worker's jobs in DualPipeV's order (``ScheduleDualPipeV``'s), on the split backward.
 
     Worker ``w`` of ``P = S / 2`` holds its down stage ``a = w`` and its up stage ``c = S - 1 - w``;
-    it needs ``B >= S``. PyTorch's full backward of a stage is our ``I`` then ``W`` of it, adjacent;
+    it needs ``B >= S``. PyTorch's full backward of a stage is our ``I`` then ``W`` of it, adjacent
+    (which the engine runs as one autograd call where no peer waits for the gradient:
+    :func:`~launcher.schedule.program.whole_backwards`);
     its overlapped forward + backward pair is the forward, then that backward (PyTorch runs the two
     one after the other on one stream too). In PyTorch's phases: ``2(P - w - 1)`` forwards of
     ``a``; ``w + 1`` pairs ``F(a), F(c)``; ``P - w - 1`` triples ``I(c), W(c), F(c)``; then
