@@ -25,8 +25,7 @@ every transformer block and then the root; ``PipelineStage`` over the same stage
 on rank s mod W) with ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleLoopedBFS``,
 ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``; and on the V (S = 2W, rank r holds
 stages r and 2W - 1 - r, torch's ``style="v"`` mapping) ``ScheduleZBVZeroBubble`` against our
-``strategy=vshape order=zbv`` and ``ScheduleDualPipeV`` against ``order=dualpipev`` (those pairs
-are skipped, with a line, while our order registry lacks it). ``auto-zb-w4`` runs our
+``strategy=vshape order=zbv`` and ``ScheduleDualPipeV`` against ``order=dualpipev``. ``auto-zb-w4`` runs our
 ``order=auto`` (the searched schedule) against ``ScheduleInterleavedZeroBubble``. Ours: the engine
 at its defaults, as ``vs_torch_native.py`` runs it.
 
@@ -104,8 +103,7 @@ PAIRS = [
     Pair("zbv-w2", "vshape", 1, 2, 4, 8, "zbv", True, "zbv"),
     # order=auto: the schedule our search finds (no memory limit), on interleaved-zb-w4's placement
     Pair("auto-zb-w4", "lpp", 1, 4, 8, 8, "auto", True, "interleaved_zb"),
-    # DUALPIPEV: order=dualpipev (ScheduleDualPipeV's order on the V shape) comes from its own
-    # branch; until our order registry has it, these pairs are skipped with a line (see `runnable`)
+    # order=dualpipev: ScheduleDualPipeV's order on the V shape
     Pair("dualpipev-w4", "vshape", 1, 4, 8, 8, "dualpipev", True, "dualpipev"),
     Pair("dualpipev-w2", "vshape", 1, 2, 4, 8, "dualpipev", True, "dualpipev"),
     Pair("ddp-w8", "ddp", 8, 1, 4, 8, "default", False, "ddp"),
