@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -151,7 +151,7 @@ class Replicas:
         if shared and self.buckets:  # the buffers live in memory every owner of the bucket maps
             assert links is not None  # every worker of a shared group has links
             self.shm = SharedReduce(links, [b.index for b in self.buckets], [b.owners for b in self.buckets],
-                                    [b.numel for b in self.buckets], dtypes, watchdog)
+                                    [b.numel for b in self.buckets], dtypes, watchdog, lowered.reduce_tag, self.ranks)
             self.flats = list(self.shm.flats)
         else:
             self.flats = [torch.empty(b.numel, dtype=dt, device=device) for b, dt in zip(self.buckets, dtypes)]
@@ -207,6 +207,12 @@ class Replicas:
         self.pending: list = []
         if self.shm is not None:
             self.shm.reset()
+
+    def timed_by(self, clock: Any) -> None:
+        """Time this step's rounds through shared memory on ``clock`` (a
+        :class:`~launcher.runtime.comm.Clock`), as the rounds through a root are."""
+        if self.shm is not None:
+            self.shm.clock = clock
 
     def buffer(self, s: int) -> torch.Tensor | None:
         """Where stage ``s``'s gradient total accumulates on this worker (a slice of its bucket's

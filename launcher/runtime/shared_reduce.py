@@ -36,7 +36,8 @@ like a lost gloo connection (:func:`~launcher.runtime.failure.raise_named`, docs
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -63,11 +64,17 @@ class SharedReduce:
     """This worker's all-reduces of its buckets through shared memory (see the module docstring)."""
 
     def __init__(self, links: SharedLinks, index: Sequence[int], owners: Sequence[tuple[int, ...]],
-                 numels: Sequence[int], dtypes: Sequence[torch.dtype], watchdog: Watchdog | None) -> None:
+                 numels: Sequence[int], dtypes: Sequence[torch.dtype], watchdog: Watchdog | None,
+                 tag: Callable[[int, int], int], ranks: Sequence[int]) -> None:
         """Per bucket of this worker: its ``index`` among all buckets (the notices' number, the same
         on every owner), its ``owners``, ``numels`` and ``dtypes``. Hands each bucket's buffer to its
-        other owners and maps theirs: a set-up exchange among the owners."""
+        other owners and maps theirs: a set-up exchange among the owners. ``tag(bucket, round)`` and
+        ``ranks`` (the workers' ranks) name the notices on a step's clock, as the rounds through a
+        root name their messages (:meth:`~launcher.schedule.program.Lowered.reduce_tag`): SHARE is
+        round 0, SUMMED round 1."""
         self.links, self.me, self.watchdog = links, links.me, watchdog
+        self.tag, self.ranks = tag, list(ranks)
+        self.clock: Any = None  # the step's Clock (:class:`~launcher.runtime.comm.Clock`), if it times rounds
         self.index, self.owners = list(index), [tuple(o) for o in owners]
         self.chunks = [chunks(n, len(o)) for n, o in zip(numels, self.owners)]
         self.flats: list[torch.Tensor] = []  # this worker's buffer per bucket: where its gradient accumulates
@@ -133,12 +140,15 @@ class SharedReduce:
 
     # ---- a step --------------------------------------------------------------------------------
     def reset(self) -> None:
-        """A new step: no bucket's share complete."""
+        """A new step: no bucket's share complete, no clock yet (:meth:`Replicas.timed_by
+        <launcher.runtime.groups.Replicas.timed_by>`)."""
         self.state = [WAITING] * len(self.index)
+        self.clock = None
 
     def share(self, k: int) -> None:
         """This worker's share of its bucket ``k`` is complete (its buffer holds its gradient)."""
         assert self.state[k] == WAITING
+        self._sent(k, 0)
         for o in self._others(k):
             self._notify(o, SHARE, self.index[k])
         self.state[k] = SHARED
@@ -167,8 +177,12 @@ class SharedReduce:
         for o, got in zip(others, sets):
             if i not in got:
                 if wait:
+                    t0 = time.perf_counter()
                     with blocked(self.watchdog):
                         self._wait(o, lambda: i in got)  # noqa: B023 (called at once)
+                    if self.clock is not None:  # a round the step waited for, since it waited
+                        t1 = time.perf_counter()
+                        self.clock.arrived(self._key(k, 0 if kind == SHARE else 1, o), t1, t1 - t0, exchange=True)
                 else:
                     self.links.pump(o, lambda: i in got, wait=False)  # noqa: B023
                     if i not in got:
@@ -186,6 +200,7 @@ class SharedReduce:
         torch.add(row[0][0][lo:hi], row[1][0][lo:hi], out=out)
         for buf, _ in row[2:]:
             out += buf[lo:hi]
+        self._sent(k, 1)
         for o in self._others(k):
             self._notify(o, SUMMED, self.index[k])
         self.state[k] = SUMMING_DONE
@@ -196,6 +211,13 @@ class SharedReduce:
         for (lo, hi), (_, result) in zip(self.chunks[k], self.views[k]):
             mine[lo:hi].copy_(result)
         self.state[k] = REDUCED
+
+    def _key(self, k: int, round_: int, sender: int) -> tuple[int, int]:
+        return self.tag(self.index[k], round_), self.ranks[sender]
+
+    def _sent(self, k: int, round_: int) -> None:
+        if self.clock is not None:
+            self.clock.sent(self._key(k, round_, self.me))
 
     def _wait(self, o: int, until: Callable[[], bool]) -> None:
         self.links.pump(o, until)
