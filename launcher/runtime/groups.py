@@ -13,6 +13,14 @@ stages' sizes, so they are the same on every worker and the collectives match.
 
 Algorithm, per bucket:
 
+- on one host's CPUs under ``transport`` ``shm`` or ``auto`` (every worker of the group on this
+  host, gloo: :meth:`~launcher.runtime.engine.Engine._links`), through shared memory
+  (:mod:`.shared_reduce`): the bucket's buffer lives in a memory file its owners map, and is reduced
+  by a reduce-scatter then an all-gather through them, started as soon as this worker's share is
+  complete and advanced at every later ``REDUCE``, finished at the end of the step. No socket
+  carries the gradient: gloo's ring pushed about ``2 (n - 1) / n`` times its bytes per worker
+  through loopback TCP, which cost kernel copies and gloo's threads CPU on the cores the workers
+  share (docs/performance.md, "Collectives per step");
 - under NCCL, ``all_reduce`` on a process group of exactly the owners (NCCL's ring or tree),
   asynchronous on NCCL's stream, launched at the end of the step once every point-to-point
   message of the step is issued (kernels of two communicators that wait on each other across
