@@ -489,9 +489,10 @@ class Engine:
         every collective of its replicated stages' gradients is launched and before it waits for
         them, so that a small collective ``fn`` launches there (the step's loss and non-finite
         flag, :meth:`~launcher.lightning.strategy.UnifiedStrategy.training_step`) overlaps the
-        gradient's. Under gloo, after the small buckets' rounds through a root: a collective in
-        flight meanwhile would keep a failed rank's group from closing (a recovery would hang,
-        :meth:`~launcher.runtime.groups.Replicas.finish`). Only on a worker that owns replicated
+        gradient's. Under gloo, after the small buckets' rounds through a root, and through shared
+        memory after every bucket is reduced (:mod:`.shared_reduce`): a collective in flight while
+        ranks wait for each other could keep a failed rank's group from closing (a recovery would
+        hang, :meth:`~launcher.runtime.groups.Replicas.finish`). Only on a worker that owns replicated
         stages (it has such collectives); None: nothing."""
         self.replicas.on_launched = fn
 
