@@ -44,8 +44,9 @@ import torch
 from .failure import Watchdog, blocked, raise_named
 from .shared_links import ALIGN, AREA, SHARE, SUMMED, SharedLinks, _aligned, _Buffer
 
-# a bucket's state on this worker: its share not complete yet, SHARE sent, SUMMED sent, reduced
-WAITING, SHARED, SUMMING_DONE, REDUCED = 0, 1, 2, 3
+# a bucket's state on this worker in a step: its share not complete yet, SHARE sent, its chunk summed
+# (SUMMED sent), reduced (every result copied back)
+WAITING, SHARED, CHUNK_SUMMED, REDUCED = 0, 1, 2, 3
 
 
 def chunks(numel: int, n: int) -> list[tuple[int, int]]:
@@ -131,13 +132,6 @@ class SharedReduce:
     def _others(self, k: int) -> list[int]:
         return [o for o in self.owners[k] if o != self.me]
 
-    def close(self) -> None:
-        """Unmap this worker's buffers (the peers' go with the links)."""
-        self.flats, self.views = [], []
-        for buf in self._mine:
-            buf.close()
-        self._mine = []
-
     # ---- a step --------------------------------------------------------------------------------
     def reset(self) -> None:
         """A new step: no bucket's share complete, no clock yet (:meth:`Replicas.timed_by
@@ -162,7 +156,7 @@ class SharedReduce:
                 if self.state[k] == SHARED and self._heard(k, SHARE, wait):
                     self._sum(k)
             for k in range(len(self.index)):
-                if self.state[k] == SUMMING_DONE and self._heard(k, SUMMED, wait):
+                if self.state[k] == CHUNK_SUMMED and self._heard(k, SUMMED, wait):
                     self._gather(k)
         except Exception as e:  # a peer died or hung: as a lost gloo connection
             raise_named(self.watchdog, e)
@@ -203,7 +197,7 @@ class SharedReduce:
         self._sent(k, 1)
         for o in self._others(k):
             self._notify(o, SUMMED, self.index[k])
-        self.state[k] = SUMMING_DONE
+        self.state[k] = CHUNK_SUMMED
 
     def _gather(self, k: int) -> None:
         """Every owner's summed chunk into this worker's buffer (every peer has read it: their SUMMED came)."""
