@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,9 @@ from .collectives import through_root
 from .failure import Watchdog, blocked
 from .shared_links import SharedLinks
 from .shared_reduce import SharedReduce
+
+if TYPE_CHECKING:
+    from .comm import Clock
 
 #: buckets close once they hold this many bytes, the first one sooner: DistributedDataParallel's
 #: sizes (``bucket_cap_mb`` and its first bucket), so the first stages' transfer starts early and
@@ -216,7 +219,7 @@ class Replicas:
         if self.shm is not None:
             self.shm.reset()
 
-    def timed_by(self, clock: Any) -> None:
+    def timed_by(self, clock: Clock) -> None:
         """Time this step's rounds through shared memory on ``clock`` (a
         :class:`~launcher.runtime.comm.Clock`), as the rounds through a root are."""
         if self.shm is not None:

@@ -37,12 +37,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from .failure import Watchdog, blocked, raise_named
 from .shared_links import ALIGN, AREA, SHARE, SUMMED, SharedLinks, _aligned, _Buffer
+
+if TYPE_CHECKING:
+    from .comm import Clock
 
 # a bucket's state on this worker in a step: its share not complete yet, SHARE sent, its chunk summed
 # (SUMMED sent), reduced (every result copied back)
@@ -75,7 +78,7 @@ class SharedReduce:
         round 0, SUMMED round 1."""
         self.links, self.me, self.watchdog = links, links.me, watchdog
         self.tag, self.ranks = tag, list(ranks)
-        self.clock: Any = None  # the step's Clock (:class:`~launcher.runtime.comm.Clock`), if it times rounds
+        self.clock: Clock | None = None  # the step's, if it times the rounds
         self.index, self.owners = list(index), [tuple(o) for o in owners]
         self.chunks = [chunks(n, len(o)) for n, o in zip(numels, self.owners)]
         self.flats: list[torch.Tensor] = []  # this worker's buffer per bucket: where its gradient accumulates
