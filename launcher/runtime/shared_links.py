@@ -51,11 +51,11 @@ CONNECT_S = 60.0  # how long a worker waits for a peer's listening socket at set
 POLL_S = 0.2  # how often a wait looks at the watchdog while no notice comes
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-class _Buffer:
+class MappedFile:
     """One direction's shared buffer: an anonymous memory file mapped by both processes (the
     mapping keeps it; its descriptor is closed once handed over)."""
 
@@ -81,12 +81,12 @@ class _Peer:
         self.fds: list[int] = []  # descriptors received, not yet taken by their notice
         self.arrived: set[int] = set()  # the peer's messages to this worker, in its buffer, not read yet
         self.unacked: set[int] = set()  # this worker's messages the peer has not read yet
-        self.out: _Buffer | None = None  # this worker's messages to the peer
+        self.out: MappedFile | None = None  # this worker's messages to the peer
         # the peer's buffer of messages to this worker (a new one replaces it only once every
         # message in it was read: the peer's step ended on their acknowledgements)
-        self.inbox: _Buffer | None = None
+        self.inbox: MappedFile | None = None
         # the shared all-reduce: the peer's buffer per bucket, and the buckets whose notices came
-        self.areas: dict[int, _Buffer] = {}
+        self.areas: dict[int, MappedFile] = {}
         self.shared: set[int] = set()  # the peer's share of the bucket is complete
         self.summed: set[int] = set()  # the peer's chunk of the bucket is summed
 
@@ -156,7 +156,7 @@ class SharedLinks:
         for mid, src, dst, nbytes in sorted(messages):
             at = used.get((src, dst), 0)
             self.offsets[mid] = at
-            used[(src, dst)] = at + _aligned(nbytes)
+            used[(src, dst)] = at + aligned(nbytes)
         for (src, dst), need in used.items():
             peer = self.peers[dst] if src == self.me else None
             need = max(need, ALIGN)  # messages of no bytes still have a (mappable) buffer
@@ -165,7 +165,7 @@ class SharedLinks:
             fd = os.memfd_create("launcher-p2p")
             try:
                 os.ftruncate(fd, need)
-                buf = _Buffer(fd, need)
+                buf = MappedFile(fd, need)
                 socket.send_fds(peer.sock, [NOTICE.pack(BUFFER, need)], [fd])
             finally:
                 os.close(fd)
@@ -228,7 +228,7 @@ class SharedLinks:
                 elif kind == AREA:  # the peer's buffer of bucket n (its size: the file's)
                     fd = peer.fds.pop(0)
                     try:
-                        peer.areas[n] = _Buffer(fd, os.fstat(fd).st_size)
+                        peer.areas[n] = MappedFile(fd, os.fstat(fd).st_size)
                     finally:
                         os.close(fd)
                 else:  # a larger buffer of the peer's messages: every one in the old was read
@@ -236,7 +236,7 @@ class SharedLinks:
                         peer.inbox.close()
                     fd = peer.fds.pop(0)
                     try:
-                        peer.inbox = _Buffer(fd, n)
+                        peer.inbox = MappedFile(fd, n)
                     finally:
                         os.close(fd)
             peer.pending = peer.pending[whole:]

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from .failure import Watchdog, blocked, raise_named
-from .shared_links import ALIGN, AREA, SHARE, SUMMED, SharedLinks, _aligned, _Buffer
+from .shared_links import ALIGN, AREA, SHARE, SUMMED, MappedFile, SharedLinks, aligned
 
 if TYPE_CHECKING:
     from .comm import Clock
@@ -82,7 +82,7 @@ class SharedReduce:
         self.index, self.owners = list(index), [tuple(o) for o in owners]
         self.chunks = [chunks(n, len(o)) for n, o in zip(numels, self.owners)]
         self.flats: list[torch.Tensor] = []  # this worker's buffer per bucket: where its gradient accumulates
-        self._mine: list[_Buffer] = []
+        self._mine: list[MappedFile] = []
         for i, numel, dtype in zip(self.index, numels, dtypes):
             k = len(self._mine)
             fd, buf = self._area(k, numel, dtype)
@@ -109,24 +109,25 @@ class SharedReduce:
                 self.views.append(row)
         self.reset()
 
-    def _area(self, k: int, numel: int, dtype: torch.dtype) -> tuple[int, _Buffer]:
+    def _area(self, k: int, numel: int, dtype: torch.dtype) -> tuple[int, MappedFile]:
         """A new memory file for bucket ``k``, mapped: the buffer, then this worker's result area
         (its descriptor stays open, to be handed over)."""
         lo, hi = self.chunks[k][self.owners[k].index(self.me)]
-        size = self._result_at(numel, dtype) + max(_aligned((hi - lo) * _size(dtype)), ALIGN)
+        size = self._result_at(numel, dtype) + max(aligned((hi - lo) * _size(dtype)), ALIGN)
         fd = os.memfd_create("launcher-reduce")
         try:
             os.ftruncate(fd, size)
-            return fd, _Buffer(fd, size)
+            return fd, MappedFile(fd, size)
         except BaseException:
             os.close(fd)
             raise
 
     @staticmethod
     def _result_at(numel: int, dtype: torch.dtype) -> int:
-        return _aligned(numel * _size(dtype))
+        return aligned(numel * _size(dtype))
 
-    def _views(self, buf: _Buffer, k: int, j: int, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _views(self, buf: MappedFile, k: int, j: int, numel: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Owner ``j``'s buffer and result area of bucket ``k``, as tensors of ``dtype``."""
         lo, hi = self.chunks[k][j]
         at, e = self._result_at(numel, dtype), _size(dtype)
