@@ -52,8 +52,10 @@ from launcher.report.measured_costs import (
     on_cpu,
     round_seconds,
     shared_cores,
+    shared_reduce,
 )
 from launcher.runtime import Engine, launch
+from launcher.runtime.engine import TRANSPORTS
 from launcher.runtime.link_probe import measure as measure_link
 from launcher.schedule import make_schedule, simulate
 from launcher.schedule.cores import job_work, replay
@@ -149,11 +151,11 @@ def _all(value: float, op: dist.ReduceOp, device: torch.device) -> float:
 
 # ---- our side --------------------------------------------------------------------------------
 class Ours:
-    def __init__(self, p: Pair, H: int, mb: int, device: torch.device) -> None:
+    def __init__(self, p: Pair, H: int, mb: int, device: torch.device, transport: str = "auto") -> None:
         step = make_schedule(p.scheme, p.S, p.B, G=p.G, R=p.R, order=p.order, split_backward=p.split)
         self.p, self.device = p, device
         # the engine's defaults (the batch check runs on step 1, a warm-up step, then every 50th)
-        self.engine = Engine(StagedModel(build_stages(p.S, H, device), mse), step, sgd)
+        self.engine = Engine(StagedModel(build_stages(p.S, H, device), mse), step, sgd, transport=transport)
         x, t = build_batch(p.B, mb, H, device)
         self.mbs = list(zip(x.chunk(p.B), t.chunk(p.B)))
         self.records: list[dict] = []
@@ -368,11 +370,14 @@ def interval_text(lo_hi: tuple[float, float]) -> str:
     return "-" if math.isnan(lo) else f"{lo:.2f} - {hi:.2f}"
 
 
-def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int) -> dict[str, Any] | None:
-    """On each of W ranks: both sides, alternated; rank 0 returns the measurements."""
+def run_pair(p: Pair, H: int, mb: int, reps: int, steps: int, warmup: int,
+             transport: str = "auto") -> dict[str, Any] | None:
+    """On each of W ranks: both sides, alternated; rank 0 returns the measurements. ``transport``:
+    how our side's messages and replicas' all-reduces travel."""
     device = pair_device()
     link = pair_link(p, device)
-    out = alternate({"ours": Ours(p, H, mb, device), "native": Native(p, H, mb, device)}, device, reps, steps, warmup)
+    out = alternate({"ours": Ours(p, H, mb, device, transport), "native": Native(p, H, mb, device)}, device, reps,
+                    steps, warmup)
     return None if out is None else {"pair": asdict(p), "H": H, "mb": mb, "link": link, **out}
 
 
@@ -401,7 +406,7 @@ def replayed(p: Any, tl: Any, ranks: list[dict[str, Any]], result: dict[str, Any
     which = "optimizer_cpu_s" if on_cpu(ranks) else "optimizer_s"
     tails = [end + statistics.median(r[which]) for end, r in zip(end_seconds(ranks), ranks)]
     round_s = round_seconds(ranks, comm)  # an exchange's round: from when both ends were ready
-    rounds = [e.rounds * round_s for e in exchanges(tl, grads)]
+    rounds = [e.rounds * round_s for e in exchanges(tl, grads, shared_reduce(ranks))]
     work = job_work(tl, durations, message_cpu_seconds(ranks))
     return replay(tl, shared_cores(ranks) or p.W, tails, partners(tl), rounds, durations=work,
                   comm=comm).seconds + result["barrier_s"]
@@ -419,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="steps per repetition")
     ap.add_argument("--warmup", type=int, default=2, help="steps per side before timing")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    ap.add_argument("--transport", default="auto", choices=list(TRANSPORTS),
+                    help="how our side's messages and replicas' all-reduces travel (the engine's default: auto, "
+                         "shared memory on one host's CPUs)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: H=64 mb=4, W <= 4, 2 repetitions")
     ap.add_argument("--json", default="", help="write every measurement here")
     args = ap.parse_args(argv)
@@ -428,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [p for p in pairs if p.W <= 4]
         sizes, args.reps, args.steps, args.warmup = [(64, 4)], 2, 1, 1
     console = Console(width=260)
-    table = Table(title=f"ours vs PyTorch native ({args.backend}, {os.cpu_count()} cores, one thread per process; "
+    table = Table(title=f"ours vs PyTorch native ({args.backend}, ours over {args.transport}, {os.cpu_count()} cores, "
+                        "one thread per process; "
                         f"median of {args.reps} x {args.steps} steps)")
     for col in ("pair", "native", "H", "W", "ours ms (med / min)", "native ms (med / min)", "ours/native",
                 "95% interval", "CPU ms ours / native", "predicted ms", "pred/meas", "loss ours / native",
@@ -437,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, failed = [], False
     for H, mb in sizes:
         for p in pairs:
-            result = launch(run_pair, p.W, p, H, mb, args.reps, args.steps, args.warmup, backend=args.backend,
+            result = launch(run_pair, p.W, p, H, mb, args.reps, args.steps, args.warmup, args.transport,
+                            backend=args.backend,
                             timeout=60, deadline=900)[0]
             ours, native = result["times"]["ours"], result["times"]["native"]
             (lo, go), (ln, gn) = result["fingerprints"]["ours"], result["fingerprints"]["native"]
@@ -465,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"backend": args.backend, "cores": os.cpu_count(), "torch": torch.__version__,
-                       "reps": args.reps, "steps": args.steps, "rows": rows}, f, indent=1)
+            json.dump({"backend": args.backend, "transport": args.transport, "cores": os.cpu_count(),
+                       "torch": torch.__version__, "reps": args.reps, "steps": args.steps, "rows": rows}, f, indent=1)
     if failed:
         print(f"fingerprints disagree by more than {TOLERANCE:g} relative on some pair", file=sys.stderr)
     return 1 if failed else 0

@@ -140,6 +140,11 @@ def end_seconds(per_rank: Records) -> list[float]:
     return [statistics.median(m.get(key, 0.0) for m in _steps(r)) if _steps(r) else 0.0 for r in per_rank]
 
 
+def shared_reduce(per_rank: Records) -> bool:
+    """Whether the workers' replicas all-reduced through shared memory (:mod:`launcher.runtime.shared_reduce`)."""
+    return any(m.get("shared_reduce", False) for r in per_rank for m in _steps(r)[:1])
+
+
 def shared_cores(per_rank: Records) -> int | None:
     """The cores the workers share when they all compute on the CPUs of one host, else ``None``
     (a processor each: GPUs, or workers spread over hosts)."""

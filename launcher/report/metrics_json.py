@@ -74,6 +74,7 @@ from .measured_costs import (
     outside_seconds,
     round_seconds,
     shared_cores,
+    shared_reduce,
     stage_job_seconds,
 )
 
@@ -195,7 +196,7 @@ def _predict(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Me
     tl = replace(lowered.timeline, schedule=replace(step, stage_durations=measured.per_stage, recompute=frozenset()))
     timed = ({k: max(v, 1e-9) for k, v in measured.durations.items()}
              | {k: 1.0 for k in "FBIW" if k not in step.space.kinds})
-    delays = [e.rounds * measured.round_s for e in exchanges(tl, grad_bytes)]
+    delays = [e.rounds * measured.round_s for e in exchanges(tl, grad_bytes, shared_reduce(ranks))]
     # after its jobs a worker finishes the step's exchange, then the framework's work around the
     # step (the loss is summed over every worker there, so each waits for all)
     tails = [e + o for e, o in zip(end_seconds(ranks), measured.outside_s)]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from launcher.schedule.program import ACT, GRAD, WGRAD, Lowered, Msg, PairIssue
 
 from ..torch_support.values import spec_bytes
-from .failure import Watchdog, WorkerAborted, blocked
+from .failure import Watchdog, blocked, raise_named
 from .shared_links import SharedLinks, SharedRecv
 
 Spec = tuple[tuple[int, ...], torch.dtype]
@@ -297,10 +297,4 @@ class Comm:
 
     def _failed(self, e: Exception) -> None:
         """A communication error: most likely a peer died. Name it if the watchdog can."""
-        if isinstance(e, WorkerAborted):
-            raise e
-        if self.watchdog is not None:
-            msg = self.watchdog.wait_abort(self.watchdog.timeout + self.watchdog.grace)
-            if msg is not None:
-                raise WorkerAborted(msg) from e
-        raise e
+        raise_named(self.watchdog, e)

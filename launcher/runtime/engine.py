@@ -196,13 +196,15 @@ class Engine:
         # step and micro-batch; None: each worker draws from its own generator in the order it runs
         self.streams: int | None = None
         self.recompute = _recompute(self.timeline, recompute)
-        self.replicas = Replicas(self.lowered, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes)
+        # shared-memory links first: the replicas' buckets may live in memory they hand over
+        self.links, shared = self._links(transport)
+        self.replicas = Replicas(self.lowered, self.worker, self.ranks, group, self.layouts, self.device, bucket_bytes,
+                                 shared=shared, links=self.links, watchdog=self.watchdog)
         # every gradient sum of this worker, from a job's share to the parameters' .grad
         self.grad_totals = GradTotals(self.worker, self.layouts, self.device, self.owned, self.lowered.owners,
                                       self.replicas, self.lowered.weight_cache)
         if dist.get_backend(group) == "nccl":
             warm_pairs(self.lowered, self.worker, self.ranks, group, self.device)
-        self.links = self._links(transport)
         if self.materialized:
             self._sync_ties()
         self._sync_replicas()
@@ -212,12 +214,15 @@ class Engine:
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self._step_state(compute_dtype)
 
-    def _links(self, transport: str) -> SharedLinks | None:
-        """This worker's shared-memory links, or None where messages go over the backend."""
+    def _links(self, transport: str) -> tuple[SharedLinks | None, bool]:
+        """This worker's shared-memory links (None where messages go over the backend), and whether
+        the group's links are shared memory (the same on every rank, a worker or not): then the
+        step's activations and gradients between workers, and the replicas' all-reduces, go through
+        them (:mod:`.shared_reduce`), and only then."""
         cpu = self.device.type == "cpu" and dist.get_backend(self.group) == "gloo"
         alone = dist.get_world_size(self.group) == 1  # nobody to send to
         if transport == "gloo" or (transport == "auto" and (alone or not (cpu and shared_links_possible()))):
-            return None
+            return None, False
         if not cpu:
             raise ValueError(f"transport=shm moves host memory, but the workers compute on {self.device.type} over "
                              f"{dist.get_backend(self.group)}: use transport=gloo or auto")
@@ -232,10 +237,14 @@ class Engine:
             if transport == "shm":
                 raise ValueError(f"transport=shm needs every worker on one host, but they run on {len(hosts)}: "
                                  "use transport=gloo or auto")
-            return None
+            return None, False
         if self.worker is None:  # a rank past the schedule's workers links nothing
-            return None
-        return SharedLinks(found[0][1], self.worker, self.lowered.programs[self.worker].pair_order, self.watchdog)
+            return None, True
+        w, owners = self.worker, self.lowered.owners
+        # the workers this one exchanges messages with, and those it reduces a replicated stage with
+        peers = set(self.lowered.programs[w].pair_order)
+        peers |= {o for s in self.lowered.reduce_order if w in owners[s] for o in owners[s]} - {w}
+        return SharedLinks(found[0][1], w, peers, self.watchdog), True
 
     def _place_stages(self, model: StagedModel, space: Any) -> None:
         """The owned stages on the device (materialised if built on the meta device), a skeleton
@@ -448,7 +457,8 @@ class Engine:
         meter.step_s, meter.cpu_s = end - meter.t0, now_cpu - meter.cpu0
         self._traced = {"step": self.steps, "start": meter.t0, "end": end, "sync": (t, end), "meter": meter,
                         "waits": st.comm.waits, "sends": st.comm.handed}
-        return worker_record(w, lowered.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type)
+        return worker_record(w, lowered.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type,
+                             self.replicas.shm is not None)
 
     def trainable(self, s: int) -> list[torch.Tensor]:
         """Owned stage ``s``'s trainable parameters in its gradient's order, looked up once (a walk
@@ -464,9 +474,10 @@ class Engine:
         every collective of its replicated stages' gradients is launched and before it waits for
         them, so that a small collective ``fn`` launches there (the step's loss and non-finite
         flag, :meth:`~launcher.lightning.strategy.UnifiedStrategy.training_step`) overlaps the
-        gradient's. Under gloo, after the small buckets' rounds through a root: a collective in
-        flight meanwhile would keep a failed rank's group from closing (a recovery would hang,
-        :meth:`~launcher.runtime.groups.Replicas.finish`). Only on a worker that owns replicated
+        gradient's. Under gloo, after the small buckets' rounds through a root, and through shared
+        memory after every bucket is reduced (:mod:`.shared_reduce`): a collective in flight while
+        ranks wait for each other could keep a failed rank's group from closing (a recovery would
+        hang, :meth:`~launcher.runtime.groups.Replicas.finish`). Only on a worker that owns replicated
         stages (it has such collectives); None: nothing."""
         self.replicas.on_launched = fn
 

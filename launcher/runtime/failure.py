@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NoReturn
 
 import torch.distributed as dist
 
@@ -438,6 +438,18 @@ class HangMonitor:
         if now - self._moved_at > self.timeout:
             return hang_culprit(state, self.timeout)
         return None
+
+
+def raise_named(watchdog: Watchdog | None, e: Exception) -> NoReturn:
+    """Re-raise a communication error (most likely a peer died), named as the failure the
+    watchdog learns of within its timeout, if any (:class:`WorkerAborted`), else as it is."""
+    if isinstance(e, WorkerAborted):
+        raise e
+    if watchdog is not None:
+        msg = watchdog.wait_abort(watchdog.timeout + watchdog.grace)
+        if msg is not None:
+            raise WorkerAborted(msg) from e
+    raise e
 
 
 def blocked(watchdog: Watchdog | None):

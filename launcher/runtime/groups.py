@@ -13,6 +13,14 @@ stages' sizes, so they are the same on every worker and the collectives match.
 
 Algorithm, per bucket:
 
+- on one host's CPUs under ``transport`` ``shm`` or ``auto`` (every worker of the group on this
+  host, gloo: :meth:`~launcher.runtime.engine.Engine._links`), through shared memory
+  (:mod:`.shared_reduce`): the bucket's buffer lives in a memory file its owners map, and is reduced
+  by a reduce-scatter then an all-gather through them, started as soon as this worker's share is
+  complete and advanced at every later ``REDUCE``, finished at the end of the step. No socket
+  carries the gradient: gloo's ring pushed about ``2 (n - 1) / n`` times its bytes per worker
+  through loopback TCP, which cost kernel copies and gloo's threads CPU on the cores the workers
+  share (docs/performance.md, "Collectives per step");
 - under NCCL, ``all_reduce`` on a process group of exactly the owners (NCCL's ring or tree),
   asynchronous on NCCL's stream, launched at the end of the step once every point-to-point
   message of the step is issued (kernels of two communicators that wait on each other across
@@ -44,7 +52,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +62,11 @@ from launcher.schedule.program import Lowered
 
 from .collectives import through_root
 from .failure import Watchdog, blocked
+from .shared_links import SharedLinks
+from .shared_reduce import SharedReduce
+
+if TYPE_CHECKING:
+    from .comm import Clock
 
 #: buckets close once they hold this many bytes, the first one sooner: DistributedDataParallel's
 #: sizes (``bucket_cap_mb`` and its first bucket), so the first stages' transfer starts early and
@@ -128,9 +141,14 @@ class Replicas:
     """This worker's all-reduces of replicated stages: buckets, launch, and the wait at the end."""
 
     def __init__(self, lowered: Lowered, worker: int | None, ranks: Sequence[int], group: dist.ProcessGroup | None,
-                 layouts: Sequence, device: torch.device, bucket_bytes: int = BUCKET_BYTES) -> None:
+                 layouts: Sequence, device: torch.device, bucket_bytes: int = BUCKET_BYTES, shared: bool = False,
+                 links: SharedLinks | None = None, watchdog: Watchdog | None = None) -> None:
+        """``shared``: every bucket of the group is reduced through shared memory (the same on
+        every rank: every worker is on this host's CPUs, :meth:`~launcher.runtime.engine.Engine._links`),
+        over this worker's ``links``."""
         self.lowered, self.worker, self.ranks, self.group = lowered, worker, list(ranks), group
         self.nccl = dist.get_backend(group) == "nccl"
+        self.shared = shared
         # a stage's gradient is its trainable parameters' (:class:`~launcher.runtime.layout.StageLayout`)
         nbytes = [L.grad_numel * torch.empty(0, dtype=L.dtype).element_size() for L in layouts]
         every = plan_buckets(lowered, nbytes, [L.grad_numel for L in layouts], [L.dtype for L in layouts], bucket_bytes)
@@ -139,7 +157,15 @@ class Replicas:
             points = lowered.programs[worker].reduce_points()
             for b in self.buckets:
                 b.ready = max(points[s] for s in b.stages)
-        self.flats = [torch.empty(b.numel, dtype=layouts[b.stages[0]].dtype, device=device) for b in self.buckets]
+        dtypes = [layouts[b.stages[0]].dtype for b in self.buckets]
+        self.shm: SharedReduce | None = None
+        if shared and self.buckets:  # the buffers live in memory every owner of the bucket maps
+            assert links is not None  # every worker of a shared group has links
+            self.shm = SharedReduce(links, [b.index for b in self.buckets], [b.owners for b in self.buckets],
+                                    [b.numel for b in self.buckets], dtypes, watchdog, lowered.reduce_tag, self.ranks)
+            self.flats = list(self.shm.flats)
+        else:
+            self.flats = [torch.empty(b.numel, dtype=dt, device=device) for b, dt in zip(self.buckets, dtypes)]
         self.slices: dict[int, torch.Tensor] = {}  # stage -> its slice of its bucket's buffer
         for b, flat in zip(self.buckets, self.flats):
             for s, part in zip(b.stages, flat.split(b.numels)):
@@ -160,7 +186,7 @@ class Replicas:
     def _by_root(self, b: Bucket) -> bool:
         """Whether ``b`` is reduced through one root at the end of the step (gloo, small, and
         nothing to overlap): every other bucket is a collective of the backend."""
-        return not self.nccl and b.at_end and b.small
+        return not self.nccl and not self.shared and b.at_end and b.small
 
     def _make_groups(self, every: list[Bucket], worker: int | None, group: dist.ProcessGroup | None) -> None:
         """A process group per owner set that some bucket all-reduces with a collective.
@@ -171,7 +197,7 @@ class Replicas:
         decision is the program's, the same on every process. A set of every rank of the engine's
         group uses that group."""
         sets = sorted({b.owners for b in every if not self._by_root(b)})  # those with a collective
-        if not sets:
+        if not sets or self.shared:  # through shared memory: no collective (decided alike on every rank)
             return
         if group is not None and dist.get_world_size(group) != dist.get_world_size():
             raise ValueError("the schedule has replicated stages, whose owners all-reduce on groups made over "
@@ -190,6 +216,14 @@ class Replicas:
         self.filled: set[int] = set()
         self.next = 0
         self.pending: list = []
+        if self.shm is not None:
+            self.shm.reset()
+
+    def timed_by(self, clock: Clock) -> None:
+        """Time this step's rounds through shared memory on ``clock`` (a
+        :class:`~launcher.runtime.comm.Clock`), as the rounds through a root are."""
+        if self.shm is not None:
+            self.shm.clock = clock
 
     def buffer(self, s: int) -> torch.Tensor | None:
         """Where stage ``s``'s gradient total accumulates on this worker (a slice of its bucket's
@@ -217,10 +251,16 @@ class Replicas:
             b = self.buckets[self.next]
             if self._overlaps(b):
                 if b.ready > done:
-                    return
+                    break
                 self._zero_unwritten(b)
-                self.pending.append(dist.all_reduce(self.flats[self.next], group=self.groups[b.owners], async_op=True))
+                if self.shm is not None:  # its owners sum it through shared memory
+                    self.shm.share(self.next)
+                else:
+                    self.pending.append(dist.all_reduce(self.flats[self.next], group=self.groups[b.owners],
+                                                        async_op=True))
             self.next += 1
+        if self.shm is not None:  # sum and gather what the peers' shares already allow
+            self.shm.advance(wait=False)
 
     def _zero_unwritten(self, b: Bucket) -> None:
         for s in b.stages:  # a stage this worker adds nothing to (nor receives for) counts zero
@@ -239,6 +279,12 @@ class Replicas:
             if self.nccl:  # in the common order
                 self.pending.append(dist.all_reduce(self.flats[i], group=self.groups[self.buckets[i].owners],
                                                     async_op=True))
+        if self.shm is not None:
+            # Every bucket through shared memory, to its end, before the step's small collective
+            # (on_launched) is launched: these waits are interruptible (select, the watchdog) and
+            # read a dead peer's end of stream, but a gloo collective in flight meanwhile could
+            # still hold a failed rank's group from closing, as below. So none is.
+            self.shm.advance(wait=True)
         with blocked(watchdog):
             # Under gloo, no collective of this rank may be in flight on gloo's thread while ranks
             # wait, uninterruptibly, for point-to-point messages (the rounds through a root): when a

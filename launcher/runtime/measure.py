@@ -103,8 +103,9 @@ class Meter:
 
 
 def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, owned: int, step: int,
-                  device: str = "cpu") -> dict[str, Any]:
-    """One worker's record for one step."""
+                  device: str = "cpu", shared_reduce: bool = False) -> dict[str, Any]:
+    """One worker's record for one step (``shared_reduce``: its replicas' all-reduces went through
+    shared memory, :mod:`.shared_reduce`)."""
     measured = {
         "busy": sum(j[3] for j in meter.jobs),
         "act_recv": comm.recv_count["act"],
@@ -146,6 +147,7 @@ def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, o
             "sent_at": comm.clock.sent_at,
             "arrivals": comm.clock.arrivals,
             "rounds": comm.clock.rounds,
+            "shared_reduce": shared_reduce,
         },
     }
 

@@ -20,8 +20,10 @@ workers has one Unix socket, for notices only, and each direction a buffer both 
   :class:`ConnectionError`, which the engine's failure handling reports like a lost gloo
   connection. A wait also checks the watchdog between notices.
 
-Only the step's activations and their gradients go this way; weights, partial sums and every
-collective stay on gloo. Every worker of the group must be on this host.
+The same links carry the replicas' gradient all-reduce through shared memory
+(:mod:`.shared_reduce`): its buffers are handed over as ``AREA`` notices, and its progress as
+``SHARE`` and ``SUMMED`` notices (each with the bucket's index), read by the same waits. Weights,
+partial sums and every other collective stay on gloo. Every worker of the group must be on this host.
 """
 
 from __future__ import annotations
@@ -40,19 +42,20 @@ import torch
 
 from .failure import Watchdog
 
-# a notice: its kind and a number, DATA (the message's id), ACK (the message's id), BUFFER (its size)
+# a notice: its kind and a number, DATA (the message's id), ACK (the message's id), BUFFER (its size);
+# for the shared all-reduce (:mod:`.shared_reduce`) AREA, SHARE and SUMMED (a bucket's index)
 NOTICE = struct.Struct("<Bq")
-DATA, ACK, BUFFER = 0, 1, 2
+DATA, ACK, BUFFER, AREA, SHARE, SUMMED = 0, 1, 2, 3, 4, 5
 ALIGN = 64  # slot alignment in bytes: a cache line
 CONNECT_S = 60.0  # how long a worker waits for a peer's listening socket at set-up
 POLL_S = 0.2  # how often a wait looks at the watchdog while no notice comes
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-class _Buffer:
+class MappedFile:
     """One direction's shared buffer: an anonymous memory file mapped by both processes (the
     mapping keeps it; its descriptor is closed once handed over)."""
 
@@ -78,10 +81,14 @@ class _Peer:
         self.fds: list[int] = []  # descriptors received, not yet taken by their notice
         self.arrived: set[int] = set()  # the peer's messages to this worker, in its buffer, not read yet
         self.unacked: set[int] = set()  # this worker's messages the peer has not read yet
-        self.out: _Buffer | None = None  # this worker's messages to the peer
+        self.out: MappedFile | None = None  # this worker's messages to the peer
         # the peer's buffer of messages to this worker (a new one replaces it only once every
         # message in it was read: the peer's step ended on their acknowledgements)
-        self.inbox: _Buffer | None = None
+        self.inbox: MappedFile | None = None
+        # the shared all-reduce: the peer's buffer per bucket, and the buckets whose notices came
+        self.areas: dict[int, MappedFile] = {}
+        self.shared: set[int] = set()  # the peer's share of the bucket is complete
+        self.summed: set[int] = set()  # the peer's chunk of the bucket is summed
 
 
 class SharedLinks:
@@ -132,7 +139,7 @@ class SharedLinks:
     def close(self) -> None:
         for peer in self.peers.values():
             peer.sock.close()
-            for buf in (peer.out, peer.inbox):
+            for buf in (peer.out, peer.inbox, *peer.areas.values()):
                 if buf is not None:
                     buf.close()
             for fd in peer.fds:
@@ -149,7 +156,7 @@ class SharedLinks:
         for mid, src, dst, nbytes in sorted(messages):
             at = used.get((src, dst), 0)
             self.offsets[mid] = at
-            used[(src, dst)] = at + _aligned(nbytes)
+            used[(src, dst)] = at + aligned(nbytes)
         for (src, dst), need in used.items():
             peer = self.peers[dst] if src == self.me else None
             need = max(need, ALIGN)  # messages of no bytes still have a (mappable) buffer
@@ -158,7 +165,7 @@ class SharedLinks:
             fd = os.memfd_create("launcher-p2p")
             try:
                 os.ftruncate(fd, need)
-                buf = _Buffer(fd, need)
+                buf = MappedFile(fd, need)
                 socket.send_fds(peer.sock, [NOTICE.pack(BUFFER, need)], [fd])
             finally:
                 os.close(fd)
@@ -183,7 +190,15 @@ class SharedLinks:
         return SharedRecv(self, mid, src, into)
 
     # ---- notices -------------------------------------------------------------------------------
-    def _pump(self, src: int, until: Callable[[], bool], wait: bool = True) -> None:
+    def notify(self, dst: int, kind: int, n: int) -> None:
+        """Write a notice to ``dst``."""
+        self.peers[dst].sock.sendall(NOTICE.pack(kind, n))
+
+    def hand_over(self, dst: int, kind: int, n: int, fd: int) -> None:
+        """Write a notice that carries the memory file ``fd`` to ``dst`` (which maps it on reading)."""
+        socket.send_fds(self.peers[dst].sock, [NOTICE.pack(kind, n)], [fd])
+
+    def pump(self, src: int, until: Callable[[], bool], wait: bool = True) -> None:
         """Read ``src``'s notices until ``until()`` holds (``wait=False``: only those already there)."""
         peer = self.peers[src]
         while not until():
@@ -206,12 +221,22 @@ class SharedLinks:
                     peer.arrived.add(n)
                 elif kind == ACK:
                     peer.unacked.discard(n)
+                elif kind == SHARE:
+                    peer.shared.add(n)
+                elif kind == SUMMED:
+                    peer.summed.add(n)
+                elif kind == AREA:  # the peer's buffer of bucket n (its size: the file's)
+                    fd = peer.fds.pop(0)
+                    try:
+                        peer.areas[n] = MappedFile(fd, os.fstat(fd).st_size)
+                    finally:
+                        os.close(fd)
                 else:  # a larger buffer of the peer's messages: every one in the old was read
                     if peer.inbox is not None:
                         peer.inbox.close()
                     fd = peer.fds.pop(0)
                     try:
-                        peer.inbox = _Buffer(fd, n)
+                        peer.inbox = MappedFile(fd, n)
                     finally:
                         os.close(fd)
             peer.pending = peer.pending[whole:]
@@ -223,9 +248,9 @@ class SharedLinks:
         peer = self.peers[src]
         here = lambda: mid in peer.arrived  # noqa: E731
         came = None
-        self._pump(src, here, wait=False)
+        self.pump(src, here, wait=False)
         if not here():
-            self._pump(src, here)
+            self.pump(src, here)
             came = time.perf_counter()
         peer.arrived.discard(mid)
         assert peer.inbox is not None  # its notice came before the message's
@@ -237,7 +262,7 @@ class SharedLinks:
 
     def _delivered(self, mid: int, dst: int) -> None:
         peer = self.peers[dst]
-        self._pump(dst, lambda: mid not in peer.unacked)
+        self.pump(dst, lambda: mid not in peer.unacked)
 
 
 class _Send:

@@ -315,6 +315,7 @@ def run_program(engine: Engine, lowered: Lowered, microbatches: Sequence[Batch],
     comm = Comm(lowered, w, functools.partial(_spec, engine, shapes), engine.device, engine.watchdog, engine.group,
                 engine.ranks, on_alloc=lambda m: meter.hold_weights() if m.kind == WEIGHTS else None,
                 timed=train and engine.steps <= TIMED_STEPS, traced=meter.spans is not None, links=engine.links)
+    engine.replicas.timed_by(comm.clock)  # the rounds through shared memory, as the exchange's rounds
     st = StepState(engine, comm, meter, engine.grad_totals, microbatches, shapes, train, shares)
     try:
         _run_ops(engine, lowered, prog, st)

@@ -65,11 +65,13 @@ class Exchange:
         return self.rounds * link.latency_s + max(self.sent, self.received) / link.bytes_per_s
 
 
-def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
+def exchanges(tl: Timeline, grad_bytes: Sequence[float], shared: bool = False) -> list[Exchange]:
     """Per worker: its partial sums to owners (one message each, all at once: one round) and the
     all-reduce of the replicated stages it owns, per owner set, with the runtime's end-of-step
     algorithms: through one root (2 rounds; the root moves ``(n - 1)`` times the bytes each way) when small, else by
-    the backend's ring (``2 (n - 1)`` rounds, ``2 (n - 1) / n`` of the bytes each way)."""
+    the backend's ring (``2 (n - 1)`` rounds, ``2 (n - 1) / n`` of the bytes each way). ``shared``:
+    through shared memory on one host (:mod:`launcher.runtime.shared_reduce`), 2 rounds of notices
+    and no bytes over a link (the sums and copies are the worker's own CPU, measured with its end of step)."""
     space, W = tl.schedule.space, tl.schedule.workers
     S, B = space.S, space.microbatches
     grad_kind = space.K - 1  # B, or W when split: the job that makes stage s's weight gradient
@@ -95,7 +97,10 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float]) -> list[Exchange]:
             sets[key] = sets.get(key, 0.0) + grad_bytes[s]
     for group, nbytes in sets.items():
         n = len(group)
-        if (n - 1) * nbytes <= ROOT_BYTES:
+        if shared:
+            for o in group:
+                rounds[o] += 2
+        elif (n - 1) * nbytes <= ROOT_BYTES:
             root = group[0]
             for o in group:
                 moved = (n - 1) * nbytes if o == root else nbytes

@@ -27,10 +27,11 @@ CheckpointFormat = Literal["sharded", "single"]
 AsyncMode = Literal["disabled", "async"]
 #: ``nonfinite``: a NaN or infinite loss or gradient stops the run | drops that step
 Nonfinite = Literal["stop", "skip"]
-#: ``runtime.transport`` (the engine's ``transport``): how activations and their gradients travel
-#: between workers: gloo's point-to-point, shared memory between workers on one host
-#: (:mod:`launcher.runtime.shared_links`), or "auto" (shared memory where every worker computes on
-#: the CPU of one host, else the backend's point-to-point)
+#: ``runtime.transport`` (the engine's ``transport``): how activations, their gradients and the
+#: replicas' gradient all-reduce travel between workers: gloo's point-to-point and collectives,
+#: shared memory between workers on one host (:mod:`launcher.runtime.shared_links`,
+#: :mod:`launcher.runtime.shared_reduce`), or "auto" (shared memory where every worker computes on
+#: the CPU of one host, else the backend's)
 Transport = Literal["auto", "gloo", "shm"]
 
 FORMATS: tuple[str, ...] = get_args(CheckpointFormat)

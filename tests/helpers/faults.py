@@ -115,6 +115,39 @@ def lose_while_rejoining(monkeypatch: Any, rank: int) -> None:
         monkeypatch.setattr(module, "rejoin", lost_first)
 
 
+class LoseInSharedReduce(LoseWorker):
+    """As :class:`LoseWorker` with ``SIGKILL``, but inside step ``step``'s gradient all-reduce through
+    shared memory (:mod:`launcher.runtime.shared_reduce`), once the rank has said its first bucket's
+    share is complete, so the others meet the loss waiting there for its sum. The callback arms the
+    loss as the step begins; :func:`lose_in_shared_reduce` patches the reduce to act on it."""
+
+    armed = False
+
+    def __init__(self, rank: int, step: int, out: Path) -> None:
+        super().__init__(rank, step, signal.SIGKILL, out)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        m = current_membership()
+        rank, step = self.losses[0]
+        LoseInSharedReduce.armed = (m is not None and m.generation == 0 and m.rank == rank
+                                    and trainer.global_step + 1 == step)
+
+
+def lose_in_shared_reduce(monkeypatch: Any) -> None:
+    """Make :class:`LoseInSharedReduce`'s armed rank die right after its first ``SHARE`` notice of the
+    step (the forked workers inherit the patch)."""
+    from launcher.runtime.shared_reduce import SharedReduce
+
+    share = SharedReduce.share
+
+    def share_then_die(self: SharedReduce, k: int) -> None:
+        share(self, k)
+        if LoseInSharedReduce.armed:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(SharedReduce, "share", share_then_die)
+
+
 def read_records(out: Path) -> dict[int, list[dict[str, Any]]]:
     """Each worker's recoveries, by its original rank, as :class:`LoseWorker` wrote them."""
     return {int(p.stem[4:]): eval(p.read_text()) for p in out.glob("rank*.txt")}  # noqa: S307 - our own repr

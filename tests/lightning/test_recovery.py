@@ -23,7 +23,16 @@ from typing import Any
 import lightning as L
 import pytest
 
-from helpers.faults import CLIP, TOL, LoseIn, LoseWorker, left_running
+from helpers.faults import (
+    CLIP,
+    TOL,
+    LoseIn,
+    LoseInSharedReduce,
+    LoseWorker,
+    left_running,
+    lose_in_shared_reduce,
+    read_records,
+)
 from helpers.training import Regressor, max_diff, quiet_trainer, user_loader
 from launcher.config import ConfigError
 from launcher.lightning import UnifiedStrategy
@@ -66,6 +75,20 @@ def test_a_lost_worker_is_recovered_and_training_equals_an_uninterrupted_run(
     assert records[0][0]["scheme_after"] == "lpp G=3 R=1 (W=3)"
     assert diff < TOL
     assert not [p for p in mp.active_children() if p.name.startswith("launcher-worker")]
+
+
+def test_a_worker_lost_inside_the_shared_reduce_is_recovered(oracle: dict, monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """ddp on one host's CPUs reduces its gradients through shared memory (transport auto): a worker
+    killed there, the others waiting in it for its sum, is a lost peer as over gloo (recovered)."""
+    lose_in_shared_reduce(monkeypatch)
+    strategy = UnifiedStrategy("ddp", stages=4, microbatches=B, fault={"restarts": 1})
+    state = fit(strategy, 4, [LoseInSharedReduce(3, 2, tmp_path)])
+    records = read_records(tmp_path)
+    assert sorted(records) == [0, 1, 2]
+    assert all(len(r) == 1 and r[0]["lost_ranks"] == [3] and r[0]["step"] == 2 for r in records.values()), records
+    assert max_diff(oracle, state) < TOL
+    assert not left_running()
 
 
 #: steps of the runs with a replacement: the loader's 5 batches (the 5th short), then the next epoch's first

@@ -38,7 +38,9 @@ def _ddp_with_the_end_bucket_on_gloos_ring(root_bytes: int | None) -> tuple[list
 
     if root_bytes is not None:  # 0: no bucket is small, so the one reduced at the end goes to gloo's ring
         groups.ROOT_BYTES = root_bytes
-    engine = Engine(staged_mlp(4), make_schedule("ddp", 4, 4, G=4, R=1), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    # gloo's algorithms (on one host's CPUs "auto" reduces through shared memory: test_shared_reduce.py)
+    engine = Engine(staged_mlp(4), make_schedule("ddp", 4, 4, G=4, R=1), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    transport="gloo")
     last = engine.replicas.buckets[-1]
     how = "root" if engine.replicas._by_root(last) else "ring" if last.at_end else "overlapped"
     for seed in (1, 2):  # two steps

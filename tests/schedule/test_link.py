@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.schedule import make_schedule, simulate
-from launcher.schedule.link import ROOT_BYTES, Link, end_of_step, step_time
+from launcher.schedule.link import ROOT_BYTES, Link, end_of_step, exchanges, step_time
 
 LINK = Link(latency_s=0.5, bytes_per_s=10.0)
 GRADS = [40.0, 20.0]  # bytes of each stage's gradient
@@ -26,6 +26,15 @@ def test_large_replicated_gradients_go_round_the_ring(G, rounds):
     # the backend's ring: 2 (n-1) rounds, 2 (n-1)/n of the bytes
     each = rounds * 0.5 + 2 * (G - 1) / G * sum(big) / 10.0
     assert end_of_step(tl, big, LINK) == pytest.approx([each] * G)
+
+
+@pytest.mark.parametrize("G", [2, 4, 8])
+@pytest.mark.parametrize("big", [False, True])
+def test_replicated_gradients_through_shared_memory_take_two_rounds_and_no_link_bytes(G, big):
+    grads = [float(ROOT_BYTES)] * 2 if big else GRADS
+    tl = simulate(make_schedule("ddp", 2, G, G=G, R=1))
+    # SHARE then SUMMED, whatever the size: the sums and copies are the workers' own CPU
+    assert [(e.rounds, e.sent, e.received) for e in exchanges(tl, grads, shared=True)] == [(2, 0.0, 0.0)] * G
 
 
 def test_gpipe_owners_compute_their_stage_and_exchange_nothing():
