@@ -8,6 +8,7 @@ under ``"profile"``; a bare profile file works too)::
      "message_cpu_s": float | null,         # optional: CPU a message costs its two workers (CPU workers)
      "link": {"latency_s": float, "bytes_per_s": float} | null,   # optional: message costs
      "cores": int | null,                   # optional: cores the workers share (null: one each)
+     "shared_reduce": bool,                 # optional: replicas all-reduce through shared memory (one host's CPUs)
      "outside_s": float,                    # optional: per worker, a step's seconds outside the engine
      "bytes": {"params": [per stage], "grads": [per stage], "optimizer": [per stage],
                "activation": [per stage: bytes of x_s^b for one micro-batch],
@@ -25,7 +26,9 @@ placement moves costs its two workers ``message_cpu_s`` of a core. ``outside_s``
 every candidate, so its step time compares with a measured training step. With
 ``stage_durations_s`` (one per stage of the planned ``stages``) every stage takes its own time;
 with ``modules`` the planner also searches how the modules are cut into stages
-(:mod:`launcher.plan.partition`).
+(:mod:`launcher.plan.partition`). With ``shared_reduce`` (the workers ran on one host's CPUs under
+``transport`` auto or shm) a replicated stage's all-reduce costs two rounds of notices and no bytes
+over the link (:func:`~launcher.schedule.link.exchanges`), as it did on the workers measured.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Profile:
     cores: int | None = None  # cores the workers share (None: a processor each)
     outside: float = 0.0  # seconds of a step outside the engine
     message_cpu: float | None = None  # CPU seconds per message sent or received (CPU workers)
+    shared_reduce: bool = False  # replicas all-reduce through shared memory (launcher.runtime.shared_reduce)
     #: per stage, its own seconds per job kind (a kind left out takes ``durations``'s)
     stage_durations: tuple[Mapping[str, float], ...] | None = None
     #: per module of the model's ``self.stages``, its profiled cost (see the module docstring)
@@ -137,6 +141,9 @@ def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
     outside = d.get("outside_s", 0.0)
     if not _nonneg(outside):
         raise ProfileError(f"{where} has outside_s={outside!r}; it must be a number >= 0")
+    shared = d.get("shared_reduce", False)
+    if not isinstance(shared, bool):
+        raise ProfileError(f"{where} has shared_reduce={shared!r}; it must be true or false")
     msg = d.get("message_cpu_s")
     if msg is not None and not _nonneg(msg):
         raise ProfileError(f"{where} has message_cpu_s={msg!r}; it must be null or a number >= 0")
@@ -154,7 +161,7 @@ def from_dict(d: Mapping[str, Any], where: str = "profile") -> Profile:
         raise ProfileError(f"{where} has modules that is not a list of {{{', '.join(keys)}}} numbers >= 0 per module")
     return Profile({k: (float(dur[k]) if dur.get(k) is not None else None) for k in ("F", "B", "I", "W")},
                    float(comm), table, seconds=True, link=link, cores=cores, outside=float(outside),
-                   message_cpu=float(msg) if msg is not None else None,
+                   message_cpu=float(msg) if msg is not None else None, shared_reduce=shared,
                    stage_durations=(tuple({k: float(v) for k, v in x.items() if v is not None} for x in per)
                                     if per else None),
                    modules=tuple({k: float(m[k]) for k in keys} for m in mods) if mods else None)

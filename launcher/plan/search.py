@@ -543,7 +543,7 @@ def _evaluate(tl: Timeline, per_scheme: list, B: int, G: int, R: int, order: str
         cached: tuple[dict[str, list[int]], list[float] | None] | None = moves.get(sch)
         if cached is None:
             # the gradient exchange after the compute (its tails) depends on who owns what
-            tails = end_of_step(view, grads, link) if grads and link is not None else None
+            tails = end_of_step(view, grads, link, prof.shared_reduce) if grads and link is not None else None
             cached = moves[sch] = (traffic(view), tails)
         t, tails = cached
         # fault.copies=1: the lone stages' state sent round the ring after the step, and the copy kept
@@ -659,7 +659,7 @@ def job_cache_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None, d
     if prof.cores is not None:
         return shared_cores_time(tl, prof, grads, work, "job")
     if tails is None and grads and prof.link:
-        tails = end_of_step(tl, grads, prof.link)
+        tails = end_of_step(tl, grads, prof.link, prof.shared_reduce)
     W = tl.schedule.workers
     return base + replay(tl, W, tails, durations=work).seconds - replay(tl, W, tails).seconds
 
@@ -674,7 +674,7 @@ def shared_cores_time(tl: Timeline, prof: Profile, grads: Sequence[float] | None
     after its owner hands it over (:func:`~launcher.schedule.lowering.weight_arrivals`), and the work
     outside the engine (a training step sums its loss over every worker there, so each waits for all)."""
     W = tl.schedule.workers
-    ex = exchanges(tl, grads) if grads else None
+    ex = exchanges(tl, grads, prof.shared_reduce) if grads else None
     tails = [(max(e.sent, e.received) / prof.link.bytes_per_s if prof.link else 0.0) + prof.outside for e in ex] \
         if ex else [prof.outside] * W
     delays = [e.rounds * prof.comm for e in ex] if ex else None

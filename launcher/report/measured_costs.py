@@ -141,7 +141,7 @@ def end_seconds(per_rank: Records) -> list[float]:
 
 
 def shared_reduce(per_rank: Records) -> bool:
-    """Whether the workers' replicas all-reduced through shared memory (:mod:`launcher.runtime.shared_reduce`)."""
+    """Whether the workers' replicas all-reduce through shared memory (:mod:`launcher.runtime.shared_reduce`)."""
     return any(m.get("shared_reduce", False) for r in per_rank for m in _steps(r)[:1])
 
 

@@ -166,6 +166,7 @@ class _Measured:
     cores: int | None  # the cores the workers shared
     outside_s: list[float]  # per worker, a step's seconds outside the engine
     message_cpu: float | None  # on CPU workers, the communication threads' CPU per message
+    shared_reduce: bool  # the replicas all-reduce through shared memory
 
 
 def _measure(ranks: Sequence[Mapping[str, Any]], step: Schedule, act_bytes: Sequence[Sequence[int]]) -> _Measured:
@@ -182,7 +183,7 @@ def _measure(ranks: Sequence[Mapping[str, Any]], step: Schedule, act_bytes: Sequ
     if comm_s is None:
         comm_s = link.seconds(act_mean) if link else 0.0
     return _Measured(durations, per_stage, link, comm_s, round_seconds(ranks, comm_s), shared_cores(ranks),
-                     outside_seconds(ranks), message_cpu_seconds(ranks))
+                     outside_seconds(ranks), message_cpu_seconds(ranks), shared_reduce(ranks))
 
 
 def _predict(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Measured,
@@ -196,7 +197,7 @@ def _predict(lowered: Lowered, ranks: Sequence[Mapping[str, Any]], measured: _Me
     tl = replace(lowered.timeline, schedule=replace(step, stage_durations=measured.per_stage, recompute=frozenset()))
     timed = ({k: max(v, 1e-9) for k, v in measured.durations.items()}
              | {k: 1.0 for k in "FBIW" if k not in step.space.kinds})
-    delays = [e.rounds * measured.round_s for e in exchanges(tl, grad_bytes, shared_reduce(ranks))]
+    delays = [e.rounds * measured.round_s for e in exchanges(tl, grad_bytes, measured.shared_reduce)]
     # after its jobs a worker finishes the step's exchange, then the framework's work around the
     # step (the loss is summed over every worker there, so each waits for all)
     tails = [e + o for e, o in zip(end_seconds(ranks), measured.outside_s)]
@@ -292,7 +293,7 @@ def _profile(measured: _Measured, module_costs: Sequence[Mapping[str, float]] | 
             "stage_durations_s": [{k: d.get(k) for k in ("F", "B", "I", "W")} for d in m.per_stage],
             "modules": [dict(c) for c in module_costs] if module_costs else None, "comm_s": m.comm_s,
             "message_cpu_s": m.message_cpu, "link": m.link.to_json() if m.link else None, "cores": m.cores,
-            "outside_s": sum(m.outside_s) / len(m.outside_s) if m.outside_s else 0.0,
+            "shared_reduce": m.shared_reduce, "outside_s": sum(m.outside_s) / len(m.outside_s) if m.outside_s else 0.0,
             "bytes": {k: list(v) for k, v in stage_bytes.items()}}
 
 

@@ -458,7 +458,7 @@ class Engine:
         self._traced = {"step": self.steps, "start": meter.t0, "end": end, "sync": (t, end), "meter": meter,
                         "waits": st.comm.waits, "sends": st.comm.handed}
         return worker_record(w, lowered.predicted, meter, st.comm, len(self.owned), self.steps, self.device.type,
-                             self.replicas.shm is not None)
+                             self.replicas.shared)
 
     def trainable(self, s: int) -> list[torch.Tensor]:
         """Owned stage ``s``'s trainable parameters in its gradient's order, looked up once (a walk

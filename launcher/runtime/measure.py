@@ -104,8 +104,9 @@ class Meter:
 
 def worker_record(worker: int, predicted: dict[str, list], meter: Meter, comm, owned: int, step: int,
                   device: str = "cpu", shared_reduce: bool = False) -> dict[str, Any]:
-    """One worker's record for one step (``shared_reduce``: its replicas' all-reduces went through
-    shared memory, :mod:`.shared_reduce`)."""
+    """One worker's record for one step (``shared_reduce``: its replicas' all-reduces go through
+    shared memory, :mod:`.shared_reduce`; said where it has none too, so that a profile of any
+    scheme prices the replicas of another as this run's workers would have reduced them)."""
     measured = {
         "busy": sum(j[3] for j in meter.jobs),
         "act_recv": comm.recv_count["act"],

@@ -115,9 +115,10 @@ def exchanges(tl: Timeline, grad_bytes: Sequence[float], shared: bool = False) -
     return [Exchange(max(sends[w], receives[w]) + rounds[w], sent[w], received[w]) for w in range(W)]
 
 
-def end_of_step(tl: Timeline, grad_bytes: Sequence[float], link: Link) -> list[float]:
-    """Per worker, the seconds of its gradient exchange after its last job (formula above)."""
-    return [e.seconds(link) for e in exchanges(tl, grad_bytes)]
+def end_of_step(tl: Timeline, grad_bytes: Sequence[float], link: Link, shared: bool = False) -> list[float]:
+    """Per worker, the seconds of its gradient exchange after its last job (formula above;
+    ``shared``: as :func:`exchanges`)."""
+    return [e.seconds(link) for e in exchanges(tl, grad_bytes, shared)]
 
 
 def partners(tl: Timeline) -> list[list[int]]:

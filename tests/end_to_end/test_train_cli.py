@@ -76,6 +76,9 @@ def test_metrics_json(fslpp_run):
     # the link workers 0 and 1 measured prices every message of the prediction
     link = m["profile"]["link"]
     assert link["latency_s"] > 0 and link["bytes_per_s"] > 0 and m["profile"]["comm_s"] > link["latency_s"]
+    # CPU workers on one host, transport=auto: replicas would reduce through shared memory, and the
+    # planner reading this profile prices them so (fslpp here has none: said all the same)
+    assert m["profile"]["shared_reduce"] is True
     assert (run / "pipeline.png").stat().st_size > 1000
     assert (run / "checkpoints" / "last.ckpt").exists()
 

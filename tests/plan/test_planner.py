@@ -195,6 +195,22 @@ def test_profiles_from_metrics_json_or_bare(tmp_path):
         from_dict(dict(PROFILE, durations_s={"F": 1.0, "B": None, "I": 1.25, "W": None}))
 
 
+def test_a_shared_memory_reduce_is_priced_as_the_workers_ran_it():
+    """A profile measured where the replicas all-reduced through shared memory (one host's CPUs,
+    ``shared_reduce``) prices a replicated stage's all-reduce as two rounds of notices and no bytes
+    over the link: ddp's step is shorter than over the link's ring, a placement with no replicas is
+    priced the same either way, and a value that is not a bool is refused."""
+    ring, shared = from_dict(SHARED), from_dict(SHARED | {"shared_reduce": True})
+    assert not ring.shared_reduce and shared.shared_reduce
+    for scheme, G, R, replicated in (("ddp", 4, 1, True), ("gpipe", 1, 4, False)):
+        tl = simulate(make_schedule(scheme, 4, 4, G, R, durations=dict(ring.durations), comm=ring.comm))
+        grads = [ring.stage_bytes("grads", s) for s in range(4)]
+        t_ring, t_shared = shared_cores_time(tl, ring, grads), shared_cores_time(tl, shared, grads)
+        assert (t_shared < t_ring) if replicated else (t_shared == t_ring), (scheme, t_shared, t_ring)
+    with pytest.raises(ProfileError, match="shared_reduce='yes'"):
+        from_dict(SHARED | {"shared_reduce": "yes"})
+
+
 def test_sizes_parse():
     assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("512MiB") == 512 * 2**20 and parse_bytes(1000) == 1000
     assert parse_bytes("1.5e3") == 1500
