@@ -81,13 +81,11 @@ class SharedReduce:
         self.clock: Clock | None = None  # the step's, if it times the rounds
         self.index, self.owners = list(index), [tuple(o) for o in owners]
         self.chunks = [chunks(n, len(o)) for n, o in zip(numels, self.owners)]
-        self.flats: list[torch.Tensor] = []  # this worker's buffer per bucket: where its gradient accumulates
         self._mine: list[MappedFile] = []
         for i, numel, dtype in zip(self.index, numels, dtypes):
             k = len(self._mine)
             fd, buf = self._area(k, numel, dtype)
             self._mine.append(buf)
-            self.flats.append(self._views(buf, k, self.owners[k].index(self.me), numel, dtype)[0])
             try:
                 for o in self._others(k):
                     links.hand_over(o, AREA, i, fd)
@@ -103,17 +101,19 @@ class SharedReduce:
                         buf = self._mine[k]
                     else:
                         peer = links.peers[o]
-                        self._wait(o, lambda: i in peer.areas)  # noqa: B023 (called at once)
+                        links.pump(o, lambda: i in peer.areas)  # noqa: B023 (called at once)
                         buf = peer.areas[i]
                     row.append(self._views(buf, k, j, numel, dtype))
                 self.views.append(row)
+        # this worker's buffer per bucket: where its gradient accumulates
+        self.flats = [row[o.index(self.me)][0] for row, o in zip(self.views, self.owners)]
         self.reset()
 
     def _area(self, k: int, numel: int, dtype: torch.dtype) -> tuple[int, MappedFile]:
         """A new memory file for bucket ``k``, mapped: the buffer, then this worker's result area
         (its descriptor stays open, to be handed over)."""
         lo, hi = self.chunks[k][self.owners[k].index(self.me)]
-        size = self._result_at(numel, dtype) + max(aligned((hi - lo) * _size(dtype)), ALIGN)
+        size = self._result_at(numel, dtype) + max(aligned((hi - lo) * dtype.itemsize), ALIGN)
         fd = os.memfd_create("launcher-reduce")
         try:
             os.ftruncate(fd, size)
@@ -124,13 +124,13 @@ class SharedReduce:
 
     @staticmethod
     def _result_at(numel: int, dtype: torch.dtype) -> int:
-        return aligned(numel * _size(dtype))
+        return aligned(numel * dtype.itemsize)
 
     def _views(self, buf: MappedFile, k: int, j: int, numel: int,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Owner ``j``'s buffer and result area of bucket ``k``, as tensors of ``dtype``."""
         lo, hi = self.chunks[k][j]
-        at, e = self._result_at(numel, dtype), _size(dtype)
+        at, e = self._result_at(numel, dtype), dtype.itemsize
         return buf.bytes[:numel * e].view(dtype), buf.bytes[at:at + (hi - lo) * e].view(dtype)
 
     def _others(self, k: int) -> list[int]:
@@ -177,7 +177,7 @@ class SharedReduce:
                 if wait:
                     t0 = time.perf_counter()
                     with blocked(self.watchdog):
-                        self._wait(o, lambda: i in got)  # noqa: B023 (called at once)
+                        self.links.pump(o, lambda: i in got)  # noqa: B023 (called at once)
                     if self.clock is not None:  # a round the step waited for, since it waited
                         t1 = time.perf_counter()
                         self.clock.arrived(self._key(k, 0 if kind == SHARE else 1, o), t1, t1 - t0, exchange=True)
@@ -217,16 +217,9 @@ class SharedReduce:
         if self.clock is not None:
             self.clock.sent(self._key(k, round_, self.me))
 
-    def _wait(self, o: int, until: Callable[[], bool]) -> None:
-        self.links.pump(o, until)
-
     def _notify(self, o: int, kind: int, n: int) -> None:
         try:
             self.links.notify(o, kind, n)
         except OSError:  # the peer's end is closed: it died
             raise_named(self.watchdog, ConnectionError(f"worker {o} closed its link to worker {self.me} "
                                                        "(it stopped or died)"))
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

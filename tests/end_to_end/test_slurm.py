@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cli import LAUNCHER, SMALL_RUN, run_launcher, start_launcher, survivors
+from helpers.faults import lossy_gpt
 from helpers.training import last_state, load_checkpoint
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -181,24 +182,6 @@ def test_a_signalled_task_checkpoints_is_requeued_and_ends_like_an_uninterrupted
     assert max((a["state_dict"][k] - b["state_dict"][k]).abs().max().item() for k in b["state_dict"]) < 1e-10
 
 
-#: a user's model whose Slurm task ``LOSE_RANK`` sends itself SIGKILL as step ``LOSE_STEP`` begins,
-#: once (a marker file keeps the requeued job from losing it again)
-LOSSY = '''
-import os
-import signal
-from pathlib import Path
-
-from launcher.models import GPT
-
-
-class LossyGPT(GPT):
-    def on_train_batch_start(self, batch, batch_idx):
-        mark = Path(os.environ["LOSE_MARK"])
-        if os.environ.get("SLURM_PROCID") == os.environ["LOSE_RANK"] and not mark.exists() \\
-                and self.trainer.global_step + 1 == int(os.environ["LOSE_STEP"]):
-            mark.write_text("lost")
-            os.kill(os.getpid(), signal.SIGKILL)
-'''
 
 
 def test_a_lost_task_requeues_the_job_which_resumes_from_last_ckpt(slurm_env, tmp_path):
@@ -206,7 +189,7 @@ def test_a_lost_task_requeues_the_job_which_resumes_from_last_ckpt(slurm_env, tm
     survivor names the loss, requeues the job (once) and leaves no result; the requeued job resumes
     from last.ckpt (step 2) and ends with the parameters of a run never interrupted (float64,
     clipping 1.0, dropout, shuffled data), the requeue in metrics.json, nothing left running."""
-    (tmp_path / "lossy.py").write_text(LOSSY)
+    (tmp_path / "lossy.py").write_text(lossy_gpt("SLURM_PROCID"))
     env = dict(slurm_env, PYTHONPATH=str(tmp_path), LOSE_RANK="1", LOSE_STEP="4", LOSE_MARK=str(tmp_path / "lost"))
     args = [*SMALL_RUN, "microbatches=2", "model=custom", "model._target_=lossy.LossyGPT", "model.vocab_size=128",
             "model.seq_len=8", "model.max_steps=6", "strategy=fsdp", "G=2", "trainer.max_steps=6",

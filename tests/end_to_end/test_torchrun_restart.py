@@ -16,35 +16,18 @@ from pathlib import Path
 import pytest
 
 from helpers.cli import SMALL_RUN, run_launcher, survivors
+from helpers.faults import lossy_gpt
 from helpers.training import last_state
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
-#: a user's model that loses rank ``LOSE_RANK`` as step ``LOSE_STEP`` begins, once (a marker file
-#: keeps the restarted workers from losing it again)
-LOSSY = '''
-import os
-import signal
-from pathlib import Path
-
-from launcher.models import GPT
-
-
-class LossyGPT(GPT):
-    def on_train_batch_start(self, batch, batch_idx):
-        mark = Path(os.environ["LOSE_MARK"])
-        if os.environ.get("RANK") == os.environ["LOSE_RANK"] and not mark.exists() \\
-                and self.trainer.global_step + 1 == int(os.environ["LOSE_STEP"]):
-            mark.write_text("lost")
-            os.kill(os.getpid(), signal.SIGKILL)
-'''
 
 
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed beside this Python")
 def test_torchrun_ends_every_worker_then_its_restart_resumes_from_last_ckpt(tmp_path: Path) -> None:
-    (tmp_path / "lossy.py").write_text(LOSSY)
+    (tmp_path / "lossy.py").write_text(lossy_gpt("RANK"))
     overrides = [*SMALL_RUN, "model=custom", "model._target_=lossy.LossyGPT", "model.vocab_size=128",
                  "model.seq_len=8", "model.max_steps=6", "strategy=fsdp", "G=4", "trainer.max_steps=6",
                  "trainer.precision=64-true", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",

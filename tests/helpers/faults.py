@@ -148,6 +148,29 @@ def lose_in_shared_reduce(monkeypatch: Any) -> None:
     monkeypatch.setattr(SharedReduce, "share", share_then_die)
 
 
+def lossy_gpt(rank_env: str) -> str:
+    """The source of a user's module ``LossyGPT``: the built-in GPT whose process with ``rank_env``
+    (``RANK`` under torchrun, ``SLURM_PROCID`` under Slurm) equal to ``LOSE_RANK`` sends itself
+    SIGKILL as step ``LOSE_STEP`` begins, once (the marker file ``LOSE_MARK`` keeps a restarted or
+    requeued job from losing it again). For runs of the launcher as a command."""
+    return f'''
+import os
+import signal
+from pathlib import Path
+
+from launcher.models import GPT
+
+
+class LossyGPT(GPT):
+    def on_train_batch_start(self, batch, batch_idx):
+        mark = Path(os.environ["LOSE_MARK"])
+        if os.environ.get("{rank_env}") == os.environ["LOSE_RANK"] and not mark.exists() \\
+                and self.trainer.global_step + 1 == int(os.environ["LOSE_STEP"]):
+            mark.write_text("lost")
+            os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
 def read_records(out: Path) -> dict[int, list[dict[str, Any]]]:
     """Each worker's recoveries, by its original rank, as :class:`LoseWorker` wrote them."""
     return {int(p.stem[4:]): eval(p.read_text()) for p in out.glob("rank*.txt")}  # noqa: S307 - our own repr
